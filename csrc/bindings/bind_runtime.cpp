@@ -1,0 +1,99 @@
+// Bindings for models and decode contexts. Arrays cross as numpy; decode releases the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+
+#include "model/model.h"
+#include "runtime/context.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+namespace {
+
+template <typename T>
+std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
+    if (a.ndim() != 1) throw std::invalid_argument("expected a 1-D array");
+    return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+py::tuple decode(Context& ctx, const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& tokens,
+                 const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& positions,
+                 const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& seq_ids,
+                 const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& output,
+                 const std::vector<int>& layer_ids) {
+    Batch b;
+    b.tokens = to_vector(tokens);
+    b.positions = to_vector(positions);
+    b.seq_ids = to_vector(seq_ids);
+    b.output = to_vector(output);
+    DecodeOutput out;
+    {
+        py::gil_scoped_release release;
+        out = ctx.decode(b, layer_ids);
+    }
+    const auto n_out = static_cast<py::ssize_t>(out.output_rows.size());
+    py::array_t<float> logits({n_out, static_cast<py::ssize_t>(out.n_vocab)});
+    if (!out.logits.empty()) std::memcpy(logits.mutable_data(), out.logits.data(), out.logits.size() * sizeof(float));
+    py::array_t<int32_t> rows(n_out);
+    if (n_out) std::memcpy(rows.mutable_data(), out.output_rows.data(), out.output_rows.size() * sizeof(int32_t));
+    py::dict inputs;
+    for (const auto& li : out.layer_inputs) {
+        const auto n_rows = static_cast<py::ssize_t>(li.second.size() / static_cast<size_t>(out.n_embd));
+        py::array_t<float> a({n_rows, static_cast<py::ssize_t>(out.n_embd)});
+        std::memcpy(a.mutable_data(), li.second.data(), li.second.size() * sizeof(float));
+        inputs[py::int_(li.first)] = a;
+    }
+    return py::make_tuple(logits, rows, inputs);
+}
+
+}  // namespace
+
+void bind_runtime(py::module_& m) {
+    py::class_<Model, std::shared_ptr<Model>>(m, "Model")
+        .def(py::init<const std::string&>(), py::arg("path"), py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("arch", [](const Model& mo) { return std::string(arch_name(mo.hparams().arch)); })
+        .def_property_readonly("n_vocab", [](const Model& mo) { return mo.hparams().n_vocab; })
+        .def_property_readonly("n_embd", [](const Model& mo) { return mo.hparams().n_embd; })
+        .def_property_readonly("n_layer", [](const Model& mo) { return mo.hparams().n_layer; })
+        .def_property_readonly("n_head", [](const Model& mo) { return mo.hparams().n_head; })
+        .def_property_readonly("n_head_kv", [](const Model& mo) { return mo.hparams().n_head_kv; })
+        .def_property_readonly("head_dim", [](const Model& mo) { return mo.hparams().head_dim; })
+        .def_property_readonly("n_ff", [](const Model& mo) { return mo.hparams().n_ff; })
+        .def_property_readonly("n_ctx_train", [](const Model& mo) { return mo.hparams().n_ctx_train; })
+        .def_property_readonly("tied_output", [](const Model& mo) { return mo.hparams().tied_output; });
+
+    py::class_<Context>(m, "Context")
+        .def(py::init([](std::shared_ptr<Model> model, int64_t n_ctx, int64_t n_seq_max, int64_t n_batch,
+                         bool check_plans, int n_threads) {
+                 ContextParams p;
+                 p.n_ctx = n_ctx;
+                 p.n_seq_max = n_seq_max;
+                 p.n_batch = n_batch;
+                 p.check_plans = check_plans;
+                 p.n_threads = n_threads;
+                 return std::make_unique<Context>(*model, p);
+             }),
+             py::arg("model"), py::arg("n_ctx"), py::arg("n_seq_max"), py::arg("n_batch"),
+             py::arg("check_plans"), py::arg("n_threads"), py::keep_alive<1, 2>())
+        .def("decode", &decode, py::arg("tokens"), py::arg("positions"), py::arg("seq_ids"), py::arg("output"),
+             py::arg("layer_ids"))
+        .def("kv_remove", [](Context& c, int32_t seq, int64_t p0, int64_t p1) { c.kv().remove(seq, p0, p1); })
+        .def("kv_clear", [](Context& c, int32_t seq) { c.kv().clear(seq); })
+        .def("seq_pos_max", [](Context& c, int32_t seq) {
+            if (seq < 0 || seq >= c.kv().n_seq_max()) throw std::invalid_argument("seq_id " + std::to_string(seq) + " out of range");
+            return c.kv().pos_max(seq);
+        })
+        .def_property_readonly("n_ctx", [](Context& c) { return c.params().n_ctx; })
+        .def_property_readonly("n_seq_max", [](Context& c) { return c.params().n_seq_max; })
+        .def_property_readonly("n_batch", [](Context& c) { return c.params().n_batch; })
+        .def_property_readonly("n_ctx_seq", &Context::n_ctx_seq)
+        .def_property_readonly("compute_buffer_bytes", &Context::compute_buffer_bytes)
+        .def_property_readonly("kv_cache_bytes", [](Context& c) { return c.kv().bytes(); })
+        .def_property_readonly("plans_built", [](Context& c) { return c.planner().plans_built(); });
+}
+
+}  // namespace pyspec

@@ -1,0 +1,36 @@
+// What a compute backend does: own the arena that plans place tensors in, resolve every tensor's
+// data pointer for a plan, run a graph, and move bytes in and out of tensors. The CPU backend
+// implements it; a CUDA backend implements the same interface.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "core/graph.h"
+#include "core/planner.h"
+
+namespace pyspec {
+
+class Backend {
+public:
+    virtual ~Backend() = default;
+    virtual const char* name() const = 0;
+
+    // Memory for long-lived tensors (KV cache); zero-filled. Owned by the backend.
+    virtual void* alloc_persistent(size_t bytes) = 0;
+
+    // Makes the arena at least plan.arena_bytes (grow-only) and sets data for every tensor of
+    // the graph: owned tensors at arena + offset, views at their root's data + offset.
+    virtual void apply_plan(Graph& graph, const AllocationPlan& plan) = 0;
+
+    // Executes every computed node in order.
+    virtual void compute(Graph& graph) = 0;
+
+    // Copies into / out of a tensor's memory (host pointers on the other side).
+    virtual void write(const Tensor& t, const void* src, size_t bytes, size_t offset = 0) = 0;
+    virtual void read(const Tensor& t, void* dst, size_t bytes, size_t offset = 0) = 0;
+
+    virtual size_t arena_bytes() const = 0;
+};
+
+}  // namespace pyspec

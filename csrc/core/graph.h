@@ -1,0 +1,138 @@
+// Tensors and the op graph. A model builder appends tensors in execution order; a tensor is
+// identified by its dense index in the graph (its "value id"). Memory for computed tensors and
+// inputs comes from an AllocationPlan; weights and caches are external (their data is preset).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace pyspec {
+
+constexpr int kMaxSrc = 5;
+constexpr int kMaxDims = 4;
+
+enum class Op : uint8_t {
+    NONE,       // leaf: an input (filled by the caller) or external memory (weights, KV cache)
+    VIEW,       // strided view into src0: no compute, no memory of its own
+    CPY,        // dst = src0 converted to dst's dtype (dst contiguous; src0 any strides)
+    GET_ROWS,   // dst[:, i] = float(src0[:, src1[i]]); src1 I32 row ids
+    MUL_MAT,    // dst[n, m] = sum_k src0[k, n] * src1[k, m]; src0 weights (any dtype), src1 F32
+    RMS_NORM,   // x / sqrt(mean(x^2) + eps) over ne0, times src1 if given; fparams[0] = eps
+    ADD,        // src0 + src1 (src1 broadcast over rows when it has one row)
+    MUL,        // src0 * src1 (src1 broadcast over rows when it has one row)
+    SCALE,      // src0 * fparams[0]
+    ROPE,       // src0 [head_dim, n_head, n_rows], src1 I32 positions [n_rows];
+                // iparams: {n_rot, mode (0 = normal pairs (2i, 2i+1), 2 = NEOX pairs (i, i+n/2))}
+                // fparams: {freq_base, freq_scale}
+    SILU,       // x * sigmoid(x)
+    SWIGLU,     // silu(src0) * src1
+    SOFTMAX,    // softmax(src0 * fparams[0]) over ne0
+    ATTENTION,  // src0 Q [hd, n_head, n_rows], src1 K cache [hd * n_kv_head, n_cells],
+                // src2 V cache (same shape), src3 mask F32 [span, n_rows], src4 I32 [n_rows]
+                // first cell of each row's span. Row r attends cells base[r] + j, j < span,
+                // with mask[r][j] added to the score (0 or -inf). iparams {n_kv_head};
+                // fparams {scale}. dst F32 [hd, n_head, n_rows].
+    SET_ROWS,   // writes src1 rows (F32) into rows src2 (I32) of src0 (converting to src0's
+                // dtype); the node is a view of src0, so consumers are ordered after the write
+    ARGMAX,     // I32 [1, n_rows]: index of the max over ne0 (first on ties)
+    TOP_K,      // I32 [k, n_rows]: indices of the k largest over ne0, descending; iparams {k}
+    SUM,        // F32 [1]: sum of all elements
+    COUNT
+};
+
+const char* op_name(Op op);
+
+enum TensorFlags : uint8_t {
+    kInput = 1,     // filled by the caller before compute; memory from the plan, live from start
+    kOutput = 2,    // read by the caller after compute; never freed or reused within the graph
+    kPinned = 4,    // like an output for the planner: memory is never reused (kept for later)
+    kExternal = 8,  // memory owned elsewhere (weights, KV cache); data is set by the builder
+};
+
+using Shape = std::array<int64_t, kMaxDims>;
+
+struct Tensor {
+    DType dtype = DType::F32;
+    Op op = Op::NONE;
+    uint8_t flags = 0;
+    Shape ne{1, 1, 1, 1};                  // elements per dim, ne[0] innermost
+    std::array<size_t, kMaxDims> nb{};     // bytes per step in each dim (nb[0] = unit bytes)
+    std::array<int, kMaxSrc> src{-1, -1, -1, -1, -1};
+    int view_src = -1;                     // for views: the tensor viewed (may itself be a view)
+    size_t view_offset = 0;                // bytes from view_src's data
+    std::array<int32_t, 4> iparams{};
+    std::array<float, 4> fparams{};
+    void* data = nullptr;                  // external: preset; others: set when a plan is applied
+    std::string name;
+
+    int64_t nelements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
+    int64_t nrows() const { return ne[1] * ne[2] * ne[3]; }
+    size_t nbytes() const;  // bytes spanned by the tensor's layout
+    bool is_contiguous() const;
+    bool is_view() const { return view_src >= 0; }
+    bool has(uint8_t f) const { return (flags & f) != 0; }
+    template <typename T> T* as() const { return static_cast<T*>(data); }
+};
+
+class Graph {
+public:
+    int size() const { return static_cast<int>(tensors_.size()); }
+    Tensor& operator[](int id) { return tensors_.at(static_cast<size_t>(id)); }
+    const Tensor& operator[](int id) const { return tensors_.at(static_cast<size_t>(id)); }
+    const std::vector<Tensor>& tensors() const { return tensors_; }
+
+    // Leaves.
+    int input(DType dtype, Shape ne, const std::string& name);
+    int external(DType dtype, Shape ne, void* data, const std::string& name);
+    // External tensor with explicit strides (e.g. a GGUF weight or a cache slice).
+    int external_strided(DType dtype, Shape ne, std::array<size_t, kMaxDims> nb, void* data,
+                         const std::string& name);
+
+    // Views.
+    int view(int src, Shape ne, std::array<size_t, kMaxDims> nb, size_t offset);
+    int reshape(int src, Shape ne);  // src must be contiguous
+
+    // Ops; each returns the id of the new tensor.
+    int cpy(int src, DType dtype);
+    int get_rows(int table, int ids);
+    int mul_mat(int weight, int x);
+    int rms_norm(int x, int weight, float eps);  // weight may be -1
+    int add(int a, int b);
+    int mul(int a, int b);
+    int scale(int a, float s);
+    int rope(int x, int positions, int n_rot, int mode, float freq_base, float freq_scale);
+    int silu(int a);
+    int swiglu(int gate, int up);
+    int softmax(int a, float scale);
+    int attention(int q, int k_cache, int v_cache, int mask, int kv_base, int n_kv_head,
+                  float scale);
+    int set_rows(int dst, int rows, int ids);
+    int argmax(int a);
+    int top_k(int a, int k);
+    int sum(int a);
+
+    // Generic node creation (used by the ops above and by tests of the planner).
+    int add_node(Op op, DType dtype, Shape ne, std::initializer_list<int> srcs,
+                 const std::string& name = "");
+
+    void set_output(int id) { (*this)[id].flags |= kOutput; }
+    void set_pinned(int id) { (*this)[id].flags |= kPinned; }
+    void set_name(int id, const std::string& name) { (*this)[id].name = name; }
+
+    // The tensor whose memory a view ultimately lives in (itself when not a view).
+    int root_of(int id) const;
+
+private:
+    int push(Tensor t);
+    std::vector<Tensor> tensors_;
+};
+
+std::array<size_t, kMaxDims> contiguous_strides(DType dtype, const Shape& ne);
+
+}  // namespace pyspec

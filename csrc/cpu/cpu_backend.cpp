@@ -1,0 +1,98 @@
+#include "cpu/cpu_backend.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <stdexcept>
+
+#include "cpu/matmul.h"
+
+namespace pyspec {
+namespace {
+
+constexpr size_t kArenaAlignment = 64;
+
+void* aligned_zeroed(size_t bytes) {
+    const size_t rounded = (bytes + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment;
+    void* p = std::aligned_alloc(kArenaAlignment, rounded == 0 ? kArenaAlignment : rounded);
+    if (!p) throw std::bad_alloc();
+    std::memset(p, 0, rounded == 0 ? kArenaAlignment : rounded);
+    return p;
+}
+
+void run_mul_mat(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>& scratch) {
+    const Tensor& dst = g[id];
+    const Tensor& w = g[dst.src[0]];
+    const Tensor& x = g[dst.src[1]];
+    if (w.ne[2] != 1 || w.ne[3] != 1) throw std::logic_error("mul_mat: weights must be 2-D");
+    if (x.ne[2] != 1 || x.ne[3] != 1 || x.nb[0] != sizeof(float)) {
+        throw std::logic_error("mul_mat: activations must be 2-D F32 rows");
+    }
+    WeightMatrix wm{w.dtype, w.data, w.ne[1], w.ne[0], w.nb[1]};
+    matmul(wm, x.as<float>(), static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], dst.as<float>(),
+           static_cast<int64_t>(dst.nb[1] / sizeof(float)), pool, scratch);
+}
+
+}  // namespace
+
+void CpuBackend::FreeDeleter::operator()(void* p) const { std::free(p); }
+
+CpuBackend::CpuBackend(int n_threads) : pool_(n_threads), scratch_(static_cast<size_t>(pool_.size())) {}
+
+CpuBackend::~CpuBackend() = default;
+
+void* CpuBackend::alloc_persistent(size_t bytes) {
+    persistent_.emplace_back(static_cast<uint8_t*>(aligned_zeroed(bytes)));
+    return persistent_.back().get();
+}
+
+void CpuBackend::apply_plan(Graph& graph, const AllocationPlan& plan) {
+    if (plan.offset.size() != static_cast<size_t>(graph.size())) {
+        throw std::logic_error("apply_plan: the plan was made for a different graph");
+    }
+    if (plan.arena_bytes > arena_size_) {  // grow-only
+        arena_.reset(static_cast<uint8_t*>(aligned_zeroed(plan.arena_bytes)));
+        arena_size_ = plan.arena_bytes;
+    }
+    if (poison_ && arena_) {
+        float* f = reinterpret_cast<float*>(arena_.get());
+        const size_t n = arena_size_ / sizeof(float);
+        for (size_t i = 0; i < n; ++i) f[i] = std::numeric_limits<float>::quiet_NaN();
+    }
+    for (int i = 0; i < graph.size(); ++i) {
+        Tensor& t = graph[i];
+        if (t.has(kExternal)) continue;
+        if (t.is_view()) {
+            t.data = static_cast<char*>(graph[t.view_src].data) + t.view_offset;
+        } else {
+            if (plan.offset[static_cast<size_t>(i)] < 0) throw std::logic_error("apply_plan: tensor without memory: " + t.name);
+            t.data = arena_.get() + plan.offset[static_cast<size_t>(i)];
+        }
+    }
+}
+
+void CpuBackend::compute(Graph& graph) {
+    for (int id = 0; id < graph.size(); ++id) {
+        const Op op = graph[id].op;
+        if (op == Op::NONE || op == Op::VIEW) continue;
+        if (op == Op::MUL_MAT) {
+            run_mul_mat(graph, id, pool_, matmul_scratch_);
+            continue;
+        }
+        const Graph& g = graph;
+        pool_.run([&](int ith, int nth) { run_cpu_op(g, id, ith, nth, scratch_[static_cast<size_t>(ith)]); });
+    }
+}
+
+void CpuBackend::write(const Tensor& t, const void* src, size_t bytes, size_t offset) {
+    if (offset + bytes > t.nbytes()) throw std::logic_error("write past the end of tensor " + t.name);
+    std::memcpy(static_cast<char*>(t.data) + offset, src, bytes);
+}
+
+void CpuBackend::read(const Tensor& t, void* dst, size_t bytes, size_t offset) {
+    if (offset + bytes > t.nbytes()) throw std::logic_error("read past the end of tensor " + t.name);
+    std::memcpy(dst, static_cast<const char*>(t.data) + offset, bytes);
+}
+
+}  // namespace pyspec

@@ -1,0 +1,27 @@
+// Multi-threaded matrix multiply with weights in any supported DType.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/thread_pool.h"
+
+namespace pyspec {
+
+struct WeightMatrix {
+    DType dtype;
+    const void* data;
+    int64_t n_rows;      // N: output features
+    int64_t n_cols;      // K: input features (multiple of 32 for quantized types)
+    size_t row_bytes;    // stride between weight rows in bytes
+};
+
+// Y[m][n] = dot(W row n, X row m) for m < M, n < N. X rows are K floats with stride x_stride
+// floats; Y rows have stride y_stride floats. Every Y element is bit-identical whatever M, the
+// position of row m in X, and the number of threads (batch invariance, design.md invariant 7).
+// scratch holds the prepared activations and is grown as needed.
+void matmul(const WeightMatrix& w, const float* x, int64_t x_stride, int64_t m, float* y,
+            int64_t y_stride, ThreadPool& pool, std::vector<uint8_t>& scratch);
+
+}  // namespace pyspec

@@ -1,0 +1,338 @@
+#include "cpu/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "core/thread_pool.h"
+#include "cpu/quants.h"
+
+namespace pyspec {
+namespace {
+
+// Address of flattened row r (over ne[1] * ne[2] * ne[3]) of a tensor with any row strides.
+inline char* row_ptr(const Tensor& t, int64_t r) {
+    const int64_t i1 = r % t.ne[1];
+    const int64_t rest = r / t.ne[1];
+    const int64_t i2 = rest % t.ne[2];
+    const int64_t i3 = rest / t.ne[2];
+    return static_cast<char*>(t.data) + i1 * t.nb[1] + i2 * t.nb[2] + i3 * t.nb[3];
+}
+
+inline float* frow(const Tensor& t, int64_t r) { return reinterpret_cast<float*>(row_ptr(t, r)); }
+
+[[noreturn]] void unsupported(const Graph& g, int id, const std::string& why) {
+    const Tensor& t = g[id];
+    throw std::logic_error(std::string("cpu backend: ") + op_name(t.op) + " (" + t.name + "): " + why);
+}
+
+void op_cpy(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
+    const Tensor& dst = g[id];
+    const Tensor& src = g[dst.src[0]];
+    const int64_t n = src.ne[0];
+    s.f.resize(static_cast<size_t>(n));
+    int64_t r0, r1;
+    split_range(src.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        dequantize_row(src.dtype, row_ptr(src, r), s.f.data(), n);
+        quantize_row(dst.dtype, s.f.data(), row_ptr(dst, r), n);
+    }
+}
+
+void op_get_rows(const Graph& g, int id, int ith, int nth) {
+    const Tensor& dst = g[id];
+    const Tensor& table = g[dst.src[0]];
+    const Tensor& ids = g[dst.src[1]];
+    int64_t r0, r1;
+    split_range(dst.ne[1], ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const int32_t row = ids.as<int32_t>()[r];
+        dequantize_row(table.dtype, row_ptr(table, row), frow(dst, r), dst.ne[0]);
+    }
+}
+
+void op_rms_norm(const Graph& g, int id, int ith, int nth) {
+    const Tensor& dst = g[id];
+    const Tensor& x = g[dst.src[0]];
+    const float* w = dst.src[1] >= 0 ? g[dst.src[1]].as<float>() : nullptr;
+    const float eps = dst.fparams[0];
+    const int64_t n = x.ne[0];
+    int64_t r0, r1;
+    split_range(x.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* xr = frow(x, r);
+        float* yr = frow(dst, r);
+        const float mean_sq = dot_f32(xr, xr, n) / static_cast<float>(n);
+        const float inv = 1.0f / std::sqrt(mean_sq + eps);
+        if (w) {
+            for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * w[i];
+        } else {
+            for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv;
+        }
+    }
+}
+
+template <typename F>
+void binary_rows(const Graph& g, int id, int ith, int nth, F f) {
+    const Tensor& dst = g[id];
+    const Tensor& a = g[dst.src[0]];
+    const Tensor& b = g[dst.src[1]];
+    const int64_t n = a.ne[0];
+    if (b.ne[0] != n || (b.nrows() != 1 && b.nrows() != a.nrows())) unsupported(g, id, "shapes do not broadcast");
+    int64_t r0, r1;
+    split_range(a.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* ar = frow(a, r);
+        const float* br = frow(b, b.nrows() == 1 ? 0 : r);
+        float* yr = frow(dst, r);
+        for (int64_t i = 0; i < n; ++i) yr[i] = f(ar[i], br[i]);
+    }
+}
+
+template <typename F>
+void unary_rows(const Graph& g, int id, int ith, int nth, F f) {
+    const Tensor& dst = g[id];
+    const Tensor& a = g[dst.src[0]];
+    const int64_t n = a.ne[0];
+    int64_t r0, r1;
+    split_range(a.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* ar = frow(a, r);
+        float* yr = frow(dst, r);
+        for (int64_t i = 0; i < n; ++i) yr[i] = f(ar[i]);
+    }
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// Rotary embedding. Angles are computed in double from the position so that they do not
+// depend on how a position's angle was reached (no recurrences across rows).
+void op_rope(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
+    const Tensor& dst = g[id];
+    const Tensor& x = g[dst.src[0]];
+    const int32_t* pos = g[dst.src[1]].as<int32_t>();
+    const int n_rot = dst.iparams[0];
+    const bool neox = dst.iparams[1] == 2;
+    const double base = dst.fparams[0];
+    const double fscale = dst.fparams[1];
+    const int64_t hd = x.ne[0];
+    const int half = n_rot / 2;
+    s.f.resize(static_cast<size_t>(2 * half));
+    float* cs = s.f.data();
+    float* sn = cs + half;
+    int64_t t0, t1;
+    split_range(x.ne[2], ith, nth, t0, t1);
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int i = 0; i < half; ++i) {
+            const double theta = fscale * pos[t] * std::pow(base, -2.0 * i / n_rot);
+            cs[i] = static_cast<float>(std::cos(theta));
+            sn[i] = static_cast<float>(std::sin(theta));
+        }
+        for (int64_t h = 0; h < x.ne[1]; ++h) {
+            const float* xr = frow(x, t * x.ne[1] + h);
+            float* yr = frow(dst, t * x.ne[1] + h);
+            for (int i = 0; i < half; ++i) {
+                const int i0 = neox ? i : 2 * i;
+                const int i1 = neox ? i + half : 2 * i + 1;
+                const float a = xr[i0], b = xr[i1];
+                yr[i0] = a * cs[i] - b * sn[i];
+                yr[i1] = a * sn[i] + b * cs[i];
+            }
+            for (int64_t i = n_rot; i < hd; ++i) yr[i] = xr[i];
+        }
+    }
+}
+
+void softmax_inplace(float* y, int64_t n) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, y[i]);
+    if (mx == -std::numeric_limits<float>::infinity()) {
+        std::fill(y, y + n, 0.0f);
+        return;
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+        y[i] = std::exp(y[i] - mx);
+        sum += y[i];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t i = 0; i < n; ++i) y[i] *= inv;
+}
+
+void op_softmax(const Graph& g, int id, int ith, int nth) {
+    const Tensor& dst = g[id];
+    const Tensor& a = g[dst.src[0]];
+    const float sc = dst.fparams[0];
+    const int64_t n = a.ne[0];
+    int64_t r0, r1;
+    split_range(a.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* ar = frow(a, r);
+        float* yr = frow(dst, r);
+        for (int64_t i = 0; i < n; ++i) yr[i] = ar[i] * sc;
+        softmax_inplace(yr, n);
+    }
+}
+
+// Attention of each (row, kv head) group of query heads over the row's span of cache cells.
+// Cells whose mask is -inf are skipped entirely; the others are visited in ascending order, so
+// a row's result is the same whatever the span (padding) or the other rows are.
+void op_attention(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
+    const Tensor& dst = g[id];
+    const Tensor& q = g[dst.src[0]];
+    const Tensor& kc = g[dst.src[1]];
+    const Tensor& vc = g[dst.src[2]];
+    const Tensor& mask = g[dst.src[3]];
+    const int32_t* base = g[dst.src[4]].as<int32_t>();
+    const int n_kv_head = dst.iparams[0];
+    const float scale = dst.fparams[0];
+    const int64_t hd = q.ne[0];
+    const int64_t n_head = q.ne[1];
+    const int64_t n_rows = q.ne[2];
+    const int64_t span = mask.ne[0];
+    const int64_t n_rep = n_head / n_kv_head;
+    const bool f16 = kc.dtype == DType::F16;
+    if (kc.dtype != vc.dtype || (!f16 && kc.dtype != DType::F32)) unsupported(g, id, "KV cache must be F16 or F32");
+
+    s.f.resize(static_cast<size_t>(n_rep * span));
+    s.idx.resize(static_cast<size_t>(span));
+    float* scores = s.f.data();
+    int32_t* valid = s.idx.data();  // unmasked cells of the current row, ascending
+    int64_t w0, w1;
+    split_range(n_rows * n_kv_head, ith, nth, w0, w1);
+    for (int64_t w = w0; w < w1; ++w) {
+        const int64_t r = w / n_kv_head;
+        const int64_t kvh = w % n_kv_head;
+        const float* mrow = frow(mask, r);
+        int64_t n_valid = 0;
+        for (int64_t j = 0; j < span; ++j) {
+            if (mrow[j] != -std::numeric_limits<float>::infinity()) valid[n_valid++] = static_cast<int32_t>(j);
+        }
+        for (int64_t hr = 0; hr < n_rep; ++hr) {
+            const int64_t h = kvh * n_rep + hr;
+            const float* qr = reinterpret_cast<const float*>(static_cast<const char*>(q.data) + h * q.nb[1] + r * q.nb[2]);
+            float* sc = scores + hr * span;
+            for (int64_t v = 0; v < n_valid; ++v) {
+                const int64_t j = valid[v];
+                const char* krow = static_cast<const char*>(kc.data) + (base[r] + j) * kc.nb[1] + kvh * hd * kc.nb[0];
+                const float d = f16 ? dot_f16_f32(reinterpret_cast<const uint16_t*>(krow), qr, hd)
+                                    : dot_f32(reinterpret_cast<const float*>(krow), qr, hd);
+                sc[v] = d * scale + mrow[j];
+            }
+            softmax_inplace(sc, n_valid);
+            float* out = reinterpret_cast<float*>(static_cast<char*>(dst.data) + h * dst.nb[1] + r * dst.nb[2]);
+            std::fill(out, out + hd, 0.0f);
+            for (int64_t v = 0; v < n_valid; ++v) {
+                const int64_t j = valid[v];
+                const char* vrow = static_cast<const char*>(vc.data) + (base[r] + j) * vc.nb[1] + kvh * hd * vc.nb[0];
+                if (f16) {
+                    axpy_f16(sc[v], reinterpret_cast<const uint16_t*>(vrow), out, hd);
+                } else {
+                    axpy_f32(sc[v], reinterpret_cast<const float*>(vrow), out, hd);
+                }
+            }
+        }
+    }
+}
+
+void op_set_rows(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
+    const Tensor& node = g[id];
+    const Tensor& dst = g[node.src[0]];
+    const Tensor& rows = g[node.src[1]];
+    const int32_t* ids = g[node.src[2]].as<int32_t>();
+    const int64_t n = rows.ne[0];
+    s.f.resize(static_cast<size_t>(n));
+    int64_t r0, r1;
+    split_range(rows.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        char* out = static_cast<char*>(dst.data) + static_cast<int64_t>(ids[r]) * dst.nb[1];
+        if (rows.dtype == DType::F32) {
+            quantize_row(dst.dtype, frow(rows, r), out, n);
+        } else {
+            dequantize_row(rows.dtype, row_ptr(rows, r), s.f.data(), n);
+            quantize_row(dst.dtype, s.f.data(), out, n);
+        }
+    }
+}
+
+void op_argmax(const Graph& g, int id, int ith, int nth) {
+    const Tensor& dst = g[id];
+    const Tensor& a = g[dst.src[0]];
+    int64_t r0, r1;
+    split_range(a.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* ar = frow(a, r);
+        int64_t best = 0;
+        for (int64_t i = 1; i < a.ne[0]; ++i) {
+            if (ar[i] > ar[best]) best = i;
+        }
+        dst.as<int32_t>()[r] = static_cast<int32_t>(best);
+    }
+}
+
+// Indices of the k largest values, descending; equal values keep the lower index first.
+void op_top_k(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
+    const Tensor& dst = g[id];
+    const Tensor& a = g[dst.src[0]];
+    const int64_t n = a.ne[0];
+    const int64_t k = std::min<int64_t>(dst.iparams[0], n);
+    s.idx.resize(static_cast<size_t>(n));
+    int64_t r0, r1;
+    split_range(a.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* ar = frow(a, r);
+        std::iota(s.idx.begin(), s.idx.end(), 0);
+        std::partial_sort(s.idx.begin(), s.idx.begin() + k, s.idx.end(), [ar](int32_t x, int32_t y) {
+            return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
+        });
+        int32_t* out = reinterpret_cast<int32_t*>(row_ptr(dst, r));
+        std::copy(s.idx.begin(), s.idx.begin() + k, out);
+    }
+}
+
+void op_sum(const Graph& g, int id, int ith) {
+    if (ith != 0) return;  // tiny op; one thread keeps the order fixed
+    const Tensor& dst = g[id];
+    const Tensor& a = g[dst.src[0]];
+    double total = 0.0;
+    for (int64_t r = 0; r < a.nrows(); ++r) {
+        const float* ar = frow(a, r);
+        for (int64_t i = 0; i < a.ne[0]; ++i) total += ar[i];
+    }
+    dst.as<float>()[0] = static_cast<float>(total);
+}
+
+}  // namespace
+
+void run_cpu_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
+    const Tensor& t = g[id];
+    switch (t.op) {
+        case Op::NONE:
+        case Op::VIEW: return;
+        case Op::CPY: return op_cpy(g, id, ith, nth, s);
+        case Op::GET_ROWS: return op_get_rows(g, id, ith, nth);
+        case Op::RMS_NORM: return op_rms_norm(g, id, ith, nth);
+        case Op::ADD: return binary_rows(g, id, ith, nth, [](float a, float b) { return a + b; });
+        case Op::MUL: return binary_rows(g, id, ith, nth, [](float a, float b) { return a * b; });
+        case Op::SCALE: {
+            const float f = t.fparams[0];
+            return unary_rows(g, id, ith, nth, [f](float a) { return a * f; });
+        }
+        case Op::ROPE: return op_rope(g, id, ith, nth, s);
+        case Op::SILU: return unary_rows(g, id, ith, nth, [](float a) { return silu(a); });
+        case Op::SWIGLU: return binary_rows(g, id, ith, nth, [](float a, float b) { return silu(a) * b; });
+        case Op::SOFTMAX: return op_softmax(g, id, ith, nth);
+        case Op::ATTENTION: return op_attention(g, id, ith, nth, s);
+        case Op::SET_ROWS: return op_set_rows(g, id, ith, nth, s);
+        case Op::ARGMAX: return op_argmax(g, id, ith, nth);
+        case Op::TOP_K: return op_top_k(g, id, ith, nth, s);
+        case Op::SUM: return op_sum(g, id, ith);
+        default: unsupported(g, id, "not implemented on the CPU");
+    }
+}
+
+}  // namespace pyspec

@@ -1,0 +1,71 @@
+#include "model/decoder_blocks.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace pyspec {
+
+DecoderGraphInputs add_decoder_inputs(Graph& g, const DecoderGraphParams& p) {
+    DecoderGraphInputs in;
+    in.tokens = g.input(DType::I32, {p.n_rows, 1, 1, 1}, "inp_tokens");
+    in.positions = g.input(DType::I32, {p.n_rows, 1, 1, 1}, "inp_pos");
+    in.kv_cells = g.input(DType::I32, {p.n_rows, 1, 1, 1}, "inp_kv_cells");
+    in.mask = g.input(DType::F32, {p.span, p.n_rows, 1, 1}, "inp_kq_mask");
+    in.kv_base = g.input(DType::I32, {p.n_rows, 1, 1, 1}, "inp_kv_base");
+    if (p.n_outputs > 0 && p.n_outputs < p.n_rows) {
+        in.out_rows = g.input(DType::I32, {p.n_outputs, 1, 1, 1}, "inp_out_rows");
+    }
+    return in;
+}
+
+void record_layer_input(DecoderGraph& dg, const DecoderGraphParams& p, int layer, int x) {
+    if (std::find(p.layer_ids.begin(), p.layer_ids.end(), layer) == p.layer_ids.end()) return;
+    dg.graph.set_output(x);
+    dg.layer_inputs.emplace_back(layer, x);
+}
+
+int self_attention(Graph& g, const Hparams& hp, const LayerWeights& w, int layer, int h,
+                   const DecoderGraphInputs& in, const KvCacheView& kv, bool qk_norm) {
+    const int64_t n_rows = g[h].ne[1];
+    const int64_t hd = hp.head_dim;
+    int q = g.reshape(g.mul_mat(add_weight(g, w.wq), h), {hd, hp.n_head, n_rows, 1});
+    int k = g.reshape(g.mul_mat(add_weight(g, w.wk), h), {hd, hp.n_head_kv, n_rows, 1});
+    const int v = g.mul_mat(add_weight(g, w.wv), h);
+    if (qk_norm) {
+        q = g.rms_norm(q, add_weight(g, w.q_norm), hp.rms_eps);
+        k = g.rms_norm(k, add_weight(g, w.k_norm), hp.rms_eps);
+    }
+    const int n_rot = static_cast<int>(hp.n_rot);
+    q = g.rope(q, in.positions, n_rot, hp.rope_mode, hp.rope_freq_base, hp.rope_freq_scale);
+    k = g.rope(k, in.positions, n_rot, hp.rope_mode, hp.rope_freq_base, hp.rope_freq_scale);
+
+    const size_t l = static_cast<size_t>(layer);
+    const Shape cache_shape{hd * hp.n_head_kv, kv.n_cells, 1, 1};
+    const std::string ln = std::to_string(layer);
+    const int k_cache = g.external(kv.dtype, cache_shape, kv.k[l], "cache_k_l" + ln);
+    const int v_cache = g.external(kv.dtype, cache_shape, kv.v[l], "cache_v_l" + ln);
+    const int k_written = g.set_rows(k_cache, g.reshape(k, {hd * hp.n_head_kv, n_rows, 1, 1}), in.kv_cells);
+    const int v_written = g.set_rows(v_cache, v, in.kv_cells);
+
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const int att = g.attention(q, k_written, v_written, in.mask, in.kv_base, static_cast<int>(hp.n_head_kv), scale);
+    return g.mul_mat(add_weight(g, w.wo), g.reshape(att, {hd * hp.n_head, n_rows, 1, 1}));
+}
+
+int swiglu_ffn(Graph& g, const LayerWeights& w, int h) {
+    const int gate = g.mul_mat(add_weight(g, w.ffn_gate), h);
+    const int up = g.mul_mat(add_weight(g, w.ffn_up), h);
+    return g.mul_mat(add_weight(g, w.ffn_down), g.swiglu(gate, up));
+}
+
+void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGraphParams& p) {
+    if (p.n_outputs == 0) return;
+    Graph& g = dg.graph;
+    if (dg.in.out_rows >= 0) x = g.get_rows(x, dg.in.out_rows);
+    x = g.rms_norm(x, add_weight(g, model.output_norm), model.hparams().rms_eps);
+    dg.logits = g.mul_mat(add_weight(g, model.output), x);
+    g.set_name(dg.logits, "logits");
+    g.set_output(dg.logits);
+}
+
+}  // namespace pyspec

@@ -1,0 +1,25 @@
+// Pieces shared by the decoder-only architectures' graph builders.
+#pragma once
+
+#include "model/decoder_graph.h"
+
+namespace pyspec {
+
+// Creates the per-batch input tensors (flagged input).
+DecoderGraphInputs add_decoder_inputs(Graph& g, const DecoderGraphParams& p);
+
+// Marks x as the input residual stream of `layer` when the caller asked for it.
+void record_layer_input(DecoderGraph& dg, const DecoderGraphParams& p, int layer, int x);
+
+// Self-attention of one layer over normed input h [n_embd, n_rows]: Q/K/V projections, optional
+// per-head q/k RMSNorm, RoPE, K/V written to the layer's cache cells, attention, output proj.
+int self_attention(Graph& g, const Hparams& hp, const LayerWeights& w, int layer, int h,
+                   const DecoderGraphInputs& in, const KvCacheView& kv, bool qk_norm);
+
+// down(silu(gate(h)) * up(h))
+int swiglu_ffn(Graph& g, const LayerWeights& w, int h);
+
+// Final norm and output projection of the rows that want logits; sets dg.logits.
+void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGraphParams& p);
+
+}  // namespace pyspec

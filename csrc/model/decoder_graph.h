@@ -1,0 +1,52 @@
+// What a decoder graph builder needs from the runtime, and what it hands back. The runtime owns
+// the KV cache and fills the inputs; model/ knows nothing of sequences or requests.
+#pragma once
+
+#include <utility>
+#include <vector>
+
+#include "core/graph.h"
+#include "model/model.h"
+
+namespace pyspec {
+
+// The KV cache as the graph sees it: per layer, one K and one V matrix of
+// [head_dim * n_head_kv, n_cells] in `dtype`.
+struct KvCacheView {
+    DType dtype = DType::F16;
+    int64_t n_cells = 0;
+    std::vector<void*> k, v;
+};
+
+struct DecoderGraphParams {
+    int64_t n_rows = 0;          // batch rows
+    int64_t n_outputs = 0;       // rows that want logits (0: no logits computed)
+    int64_t span = 0;            // attention span: mask columns per row
+    std::vector<int> layer_ids;  // layer inputs to return (0 = embeddings, n_layer = final residual)
+};
+
+// Tensor ids of the graph's inputs (all I32 except the F32 mask).
+struct DecoderGraphInputs {
+    int tokens = -1;     // [n_rows]
+    int positions = -1;  // [n_rows]
+    int kv_cells = -1;   // [n_rows] cache cell each row's K/V is written to
+    int mask = -1;       // [span, n_rows] 0 or -inf
+    int kv_base = -1;    // [n_rows] first cache cell of each row's span
+    int out_rows = -1;   // [n_outputs] rows that want logits (absent when all rows do)
+};
+
+struct DecoderGraph {
+    Graph graph;
+    DecoderGraphInputs in;
+    int logits = -1;                               // F32 [n_vocab, n_outputs]
+    std::vector<std::pair<int, int>> layer_inputs; // (layer id, F32 [n_embd, n_rows] tensor)
+};
+
+// Builds the graph of one batch for the model's architecture.
+DecoderGraph build_decoder_graph(const Model& model, const KvCacheView& kv, const DecoderGraphParams& p);
+
+// Architecture builders (one file each).
+DecoderGraph build_llama_graph(const Model& model, const KvCacheView& kv, const DecoderGraphParams& p);
+DecoderGraph build_qwen3_graph(const Model& model, const KvCacheView& kv, const DecoderGraphParams& p);
+
+}  // namespace pyspec

@@ -1,0 +1,27 @@
+// llama (e.g. SmolLM2, Llama 3): pre-norm decoder, RoPE on pairs (2i, 2i+1) (llama.cpp's
+// converter permutes Q/K so this equals Hugging Face's rotate-half), SwiGLU FFN.
+#include "model/decoder_blocks.h"
+
+namespace pyspec {
+
+DecoderGraph build_llama_graph(const Model& model, const KvCacheView& kv, const DecoderGraphParams& p) {
+    const Hparams& hp = model.hparams();
+    DecoderGraph dg;
+    Graph& g = dg.graph;
+    dg.in = add_decoder_inputs(g, p);
+
+    int x = g.get_rows(add_weight(g, model.tok_embd), dg.in.tokens);
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const LayerWeights& w = model.layers[static_cast<size_t>(il)];
+        record_layer_input(dg, p, il, x);
+        int h = g.rms_norm(x, add_weight(g, w.attn_norm), hp.rms_eps);
+        x = g.add(x, self_attention(g, hp, w, il, h, dg.in, kv, /*qk_norm=*/false));
+        h = g.rms_norm(x, add_weight(g, w.ffn_norm), hp.rms_eps);
+        x = g.add(x, swiglu_ffn(g, w, h));
+    }
+    record_layer_input(dg, p, static_cast<int>(hp.n_layer), x);
+    output_logits(dg, model, x, p);
+    return dg;
+}
+
+}  // namespace pyspec

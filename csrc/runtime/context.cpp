@@ -1,0 +1,158 @@
+#include "runtime/context.h"
+
+#include <algorithm>
+#include <limits>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+#include "cpu/cpu_backend.h"
+
+namespace pyspec {
+namespace {
+
+// Attention spans are padded so consecutive decode steps share one graph shape (and so one
+// cached allocation plan); padded columns are masked and cost nothing in the kernel.
+constexpr int64_t kSpanPadding = 256;
+
+}  // namespace
+
+Context::Context(const Model& model, const ContextParams& params) : model_(model), params_(params) {
+    if (params_.n_seq_max < 1) throw std::invalid_argument("n_seq_max must be at least 1");
+    if (params_.n_ctx < params_.n_seq_max) throw std::invalid_argument("n_ctx must be at least n_seq_max");
+    if (params_.n_batch < 1) throw std::invalid_argument("n_batch must be at least 1");
+    if (params_.n_threads < 1) throw std::invalid_argument("n_threads must be at least 1");
+    const int64_t n_ctx_seq = params_.n_ctx / params_.n_seq_max;
+    if (n_ctx_seq > std::numeric_limits<int32_t>::max() / params_.n_seq_max) throw std::invalid_argument("n_ctx too large");
+    auto cpu = std::make_unique<CpuBackend>(params_.n_threads);
+    cpu->set_poison(params_.check_plans);
+    backend_ = std::move(cpu);
+    kv_ = std::make_unique<KvCache>(*backend_, model_.hparams(), params_.n_seq_max, n_ctx_seq, params_.kv_dtype);
+    planner_.set_checking(params_.check_plans);
+}
+
+void Context::validate(const Batch& b, const std::vector<int>& layer_ids) const {
+    const Hparams& hp = model_.hparams();
+    const size_t n = b.size();
+    if (n == 0) throw std::invalid_argument("empty batch");
+    if (b.positions.size() != n || b.seq_ids.size() != n || b.output.size() != n) {
+        throw std::invalid_argument("batch arrays must all have one entry per token");
+    }
+    std::set<std::pair<int32_t, int32_t>> seen;
+    for (size_t i = 0; i < n; ++i) {
+        const std::string row = "batch row " + std::to_string(i) + ": ";
+        if (b.tokens[i] < 0 || b.tokens[i] >= hp.n_vocab) {
+            throw std::invalid_argument(row + "token id " + std::to_string(b.tokens[i]) + " out of range [0, " +
+                                        std::to_string(hp.n_vocab) + ")");
+        }
+        if (b.seq_ids[i] < 0 || b.seq_ids[i] >= params_.n_seq_max) {
+            throw std::invalid_argument(row + "seq_id " + std::to_string(b.seq_ids[i]) + " out of range [0, " +
+                                        std::to_string(params_.n_seq_max) + ")");
+        }
+        if (b.positions[i] < 0 || b.positions[i] >= kv_->n_ctx_seq()) {
+            throw std::invalid_argument(row + "position " + std::to_string(b.positions[i]) +
+                                        " is outside the context of a sequence (n_ctx / n_seq_max = " +
+                                        std::to_string(kv_->n_ctx_seq()) + ")");
+        }
+        if (!seen.insert({b.seq_ids[i], b.positions[i]}).second) {
+            throw std::invalid_argument(row + "position " + std::to_string(b.positions[i]) + " of sequence " +
+                                        std::to_string(b.seq_ids[i]) + " appears twice in the batch");
+        }
+    }
+    for (int l : layer_ids) {
+        if (l < 0 || l > hp.n_layer) {
+            throw std::invalid_argument("layer input " + std::to_string(l) + " out of range [0, " +
+                                        std::to_string(hp.n_layer) + "]");
+        }
+    }
+}
+
+DecodeOutput Context::decode(const Batch& batch, const std::vector<int>& layer_ids_in) {
+    std::vector<int> layer_ids = layer_ids_in;
+    std::sort(layer_ids.begin(), layer_ids.end());
+    layer_ids.erase(std::unique(layer_ids.begin(), layer_ids.end()), layer_ids.end());
+    validate(batch, layer_ids);
+
+    DecodeOutput out;
+    out.n_vocab = model_.hparams().n_vocab;
+    out.n_embd = model_.hparams().n_embd;
+    for (int l : layer_ids) out.layer_inputs.emplace_back(l, std::vector<float>());
+    const size_t n_batch = static_cast<size_t>(params_.n_batch);
+    for (size_t begin = 0; begin < batch.size(); begin += n_batch) {
+        decode_chunk(batch, begin, std::min(batch.size(), begin + n_batch), layer_ids, out);
+    }
+    return out;
+}
+
+void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::vector<int>& layer_ids,
+                           DecodeOutput& out) {
+    const int64_t n_rows = static_cast<int64_t>(end - begin);
+    std::vector<int32_t> out_rows;
+    int64_t max_pos = 0;
+    for (size_t i = begin; i < end; ++i) {
+        if (b.output[i]) out_rows.push_back(static_cast<int32_t>(i - begin));
+        max_pos = std::max<int64_t>(max_pos, b.positions[i]);
+    }
+    DecoderGraphParams gp;
+    gp.n_rows = n_rows;
+    gp.n_outputs = static_cast<int64_t>(out_rows.size());
+    gp.span = std::min(kv_->n_ctx_seq(), (max_pos + kSpanPadding) / kSpanPadding * kSpanPadding);
+    gp.layer_ids = layer_ids;
+
+    // Rows see their own sequence's cells up to their position, including the rows of this
+    // chunk (their K/V are written before attention runs).
+    std::vector<std::pair<int32_t, int32_t>> newly_occupied;
+    for (size_t i = begin; i < end; ++i) {
+        if (!kv_->occupied(b.seq_ids[i], b.positions[i])) newly_occupied.emplace_back(b.seq_ids[i], b.positions[i]);
+        kv_->occupy(b.seq_ids[i], b.positions[i]);
+    }
+    try {
+        std::vector<int32_t> kv_cells(static_cast<size_t>(n_rows)), kv_base(static_cast<size_t>(n_rows));
+        std::vector<float> mask(static_cast<size_t>(n_rows * gp.span), -std::numeric_limits<float>::infinity());
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const int32_t s = b.seq_ids[begin + static_cast<size_t>(r)];
+            const int32_t p = b.positions[begin + static_cast<size_t>(r)];
+            kv_cells[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(s, p));
+            kv_base[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(s, 0));
+            float* m = mask.data() + r * gp.span;
+            for (int32_t j = 0; j <= p; ++j) {
+                if (kv_->occupied(s, j)) m[j] = 0.0f;
+            }
+        }
+
+        DecoderGraph dg = build_decoder_graph(model_, kv_->view(), gp);
+        Graph& g = dg.graph;
+        std::shared_ptr<const AllocationPlan> plan = planner_.plan(g);
+        backend_->apply_plan(g, *plan);
+        const size_t row_bytes = static_cast<size_t>(n_rows) * sizeof(int32_t);
+        backend_->write(g[dg.in.tokens], b.tokens.data() + begin, row_bytes);
+        backend_->write(g[dg.in.positions], b.positions.data() + begin, row_bytes);
+        backend_->write(g[dg.in.kv_cells], kv_cells.data(), row_bytes);
+        backend_->write(g[dg.in.kv_base], kv_base.data(), row_bytes);
+        backend_->write(g[dg.in.mask], mask.data(), mask.size() * sizeof(float));
+        if (dg.in.out_rows >= 0) backend_->write(g[dg.in.out_rows], out_rows.data(), out_rows.size() * sizeof(int32_t));
+        backend_->compute(g);
+
+        if (dg.logits >= 0) {
+            const size_t old = out.logits.size();
+            const size_t bytes = out_rows.size() * static_cast<size_t>(out.n_vocab) * sizeof(float);
+            out.logits.resize(old + out_rows.size() * static_cast<size_t>(out.n_vocab));
+            backend_->read(g[dg.logits], out.logits.data() + old, bytes);
+            for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(begin) + r);
+        }
+        for (const auto& li : dg.layer_inputs) {
+            auto it = std::find_if(out.layer_inputs.begin(), out.layer_inputs.end(),
+                                   [&](const auto& e) { return e.first == li.first; });
+            std::vector<float>& dst = it->second;
+            const size_t old = dst.size();
+            const size_t count = static_cast<size_t>(n_rows * out.n_embd);
+            dst.resize(old + count);
+            backend_->read(g[li.second], dst.data() + old, count * sizeof(float));
+        }
+    } catch (...) {
+        for (const auto& sp : newly_occupied) kv_->remove(sp.first, sp.second, sp.second + 1);
+        throw;
+    }
+}
+
+}  // namespace pyspec

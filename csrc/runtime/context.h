@@ -1,0 +1,70 @@
+// A decode context: the KV cache, the backend and the planner. decode() runs a batch whose rows
+// may belong to several sequences and mix prompt chunks with single tokens; every row's result
+// equals decoding its sequence alone.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/planner.h"
+#include "model/decoder_graph.h"
+#include "runtime/kv_cache.h"
+
+namespace pyspec {
+
+struct Batch {
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> positions;
+    std::vector<int32_t> seq_ids;
+    std::vector<uint8_t> output;  // nonzero: the row wants logits
+    size_t size() const { return tokens.size(); }
+};
+
+struct DecodeOutput {
+    int64_t n_vocab = 0;
+    int64_t n_embd = 0;
+    std::vector<int32_t> output_rows;  // batch rows with logits, in batch order
+    std::vector<float> logits;         // [output_rows.size(), n_vocab]
+    // (layer id, [n_rows, n_embd]) for every requested layer input, rows in batch order
+    std::vector<std::pair<int, std::vector<float>>> layer_inputs;
+};
+
+struct ContextParams {
+    int64_t n_ctx = 4096;     // cells in all; each sequence holds n_ctx / n_seq_max positions
+    int64_t n_seq_max = 1;
+    int64_t n_batch = 512;    // rows per graph; larger batches are split
+    int n_threads = 1;
+    bool check_plans = false; // verify every allocation plan and poison the arena (tests)
+    DType kv_dtype = DType::F16;
+};
+
+class Context {
+public:
+    Context(const Model& model, const ContextParams& params);
+
+    // Validates the whole batch first (clear std::invalid_argument, cache untouched), then runs
+    // it in chunks of n_batch rows.
+    DecodeOutput decode(const Batch& batch, const std::vector<int>& layer_ids);
+
+    KvCache& kv() { return *kv_; }
+    const ContextParams& params() const { return params_; }
+    int64_t n_ctx_seq() const { return kv_->n_ctx_seq(); }
+    size_t compute_buffer_bytes() const { return backend_->arena_bytes(); }
+    const AllocationPlanner& planner() const { return planner_; }
+
+private:
+    void validate(const Batch& batch, const std::vector<int>& layer_ids) const;
+    void decode_chunk(const Batch& batch, size_t begin, size_t end, const std::vector<int>& layer_ids,
+                      DecodeOutput& out);
+
+    const Model& model_;
+    ContextParams params_;
+    std::unique_ptr<Backend> backend_;
+    std::unique_ptr<KvCache> kv_;
+    AllocationPlanner planner_;
+};
+
+}  // namespace pyspec

