@@ -24,4 +24,9 @@ struct WeightMatrix {
 void matmul(const WeightMatrix& w, const float* x, int64_t x_stride, int64_t m, float* y,
             int64_t y_stride, ThreadPool& pool, std::vector<uint8_t>& scratch);
 
+// The same product by the scalar definitions (prepare_activation_row_reference,
+// dot_row_reference), one thread; tests hold matmul to it bit for bit.
+void matmul_reference(const WeightMatrix& w, const float* x, int64_t x_stride, int64_t m, float* y,
+                      int64_t y_stride);
+
 }  // namespace pyspec

@@ -255,11 +255,13 @@ private:
         constexpr uint64_t kMinTensor = 8 + 1 + 4 + 4 + 8;
         if (n_kv_ > remaining() / kMinKv) {
             fail_here("header claims " + std::to_string(n_kv_) +
-                      " metadata entries, more than the file can hold");
+                      " metadata entries, more than the " + std::to_string(remaining()) +
+                      " bytes after it can hold (truncated or corrupt file)");
         }
         if (n_tensors_ > remaining() / kMinTensor) {
             fail_here("header claims " + std::to_string(n_tensors_) +
-                      " tensors, more than the file can hold");
+                      " tensors, more than the " + std::to_string(remaining()) +
+                      " bytes after it can hold (truncated or corrupt file)");
         }
     }
 
