@@ -6,6 +6,14 @@ NORMAL mode (rotates pairs (2i, 2i+1)), qwen3 in the NEOX mode (pairs (i, i + d/
 theta_i = pos * base^(-2i/d); qwen3 RMS-normalizes every q and k head (attn_q_norm / attn_k_norm)
 before RoPE; attention is causal by position with grouped-query heads (query head h reads kv head
 h // (n_head / n_head_kv)) and scale 1/sqrt(head_dim); the FFN is SwiGLU: down(silu(gate) * up).
+K (after RoPE) and V are rounded to the KV cache's storage type, F16 by default as in llama.cpp:
+that rounding is what the cache really holds, not an arithmetic error to hide in a tolerance.
+
+With act_quant="Q8_0" the reference also reproduces llama.cpp's treatment of the input of a
+product with a block-quantized weight matrix: each row is quantized in blocks of 32 to
+round(x / d) * fp16(d), d = max|x| / 127 (ggml's Q8_0; Q8_1, used with Q4_1 weights, has the same
+values). That error is systematic and large next to float rounding, so emulating it lets the
+quantized types be held to tight tolerances too.
 """
 
 from __future__ import annotations
@@ -36,15 +44,30 @@ def rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool) -> np.ndarray:
     return out
 
 
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """x [..., n] (n a multiple of 32) as ggml's Q8_0 blocks hold it, dequantized."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = np.max(np.abs(blocks), axis=-1, keepdims=True) / 127.0
+    safe = np.where(d == 0, 1.0, d)
+    v = blocks / safe
+    q = np.sign(v) * np.floor(np.abs(v) + 0.5)  # roundf: halves away from zero
+    d16 = d.astype(np.float16).astype(np.float64)
+    return (q * d16).reshape(x.shape)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def forward(hparams: dict, weights: dict, tokens, positions=None, layer_ids=()):
+def forward(hparams: dict, weights: dict, tokens, positions=None, layer_ids=(), kv_dtype=np.float16,
+            act_quant=None):
     """Run one sequence through the model.
 
     tokens: token ids of the whole sequence so far; positions: their positions (default
-    0..n-1). Row i attends to every row j with positions[j] <= positions[i].
+    0..n-1). Row i attends to every row j with positions[j] <= positions[i]. kv_dtype: the cache's
+    storage type K and V are rounded to (None: no rounding). act_quant: None, or "Q8_0" to quantize
+    the input of every product with a weight matrix as described above (norm weights and the
+    embedding lookup are not products).
     Returns (logits [n, n_vocab] float64, {layer_id: residual stream [n, n_embd]}) where layer id 0
     is the embedding output, id L the input of layer L, id n_layer the residual before output_norm.
     """
@@ -59,6 +82,14 @@ def forward(hparams: dict, weights: dict, tokens, positions=None, layer_ids=()):
     eps, base = hparams["rms_eps"], hparams["rope_freq_base"]
     neox = arch == "qwen3"
     group = n_head // n_head_kv
+    if act_quant not in (None, "Q8_0"):
+        raise ValueError(f"unknown activation quantization {act_quant!r}")
+
+    def mm(a, name):
+        if act_quant is not None:
+            a = quantize_q8_0(a)
+        return a @ weights[name].T
+
     wanted = set(layer_ids)
     captured = {}
 
@@ -69,14 +100,17 @@ def forward(hparams: dict, weights: dict, tokens, positions=None, layer_ids=()):
             captured[il] = x.copy()
         p = f"blk.{il}."
         h = rms_norm(x, weights[p + "attn_norm.weight"], eps)
-        q = (h @ weights[p + "attn_q.weight"].T).reshape(n, n_head, hd)
-        k = (h @ weights[p + "attn_k.weight"].T).reshape(n, n_head_kv, hd)
-        v = (h @ weights[p + "attn_v.weight"].T).reshape(n, n_head_kv, hd)
+        q = mm(h, p + "attn_q.weight").reshape(n, n_head, hd)
+        k = mm(h, p + "attn_k.weight").reshape(n, n_head_kv, hd)
+        v = mm(h, p + "attn_v.weight").reshape(n, n_head_kv, hd)
         if arch == "qwen3":
             q = rms_norm(q, weights[p + "attn_q_norm.weight"], eps)
             k = rms_norm(k, weights[p + "attn_k_norm.weight"], eps)
         q = rope(q, positions, base, neox)
         k = rope(k, positions, base, neox)
+        if kv_dtype is not None:
+            k = k.astype(kv_dtype).astype(np.float64)
+            v = v.astype(kv_dtype).astype(np.float64)
         attn = np.empty((n, n_head, hd))
         for hh in range(n_head):
             kv = hh // group
@@ -86,13 +120,13 @@ def forward(hparams: dict, weights: dict, tokens, positions=None, layer_ids=()):
             prob = np.exp(scores)
             prob /= prob.sum(axis=1, keepdims=True)
             attn[:, hh, :] = prob @ v[:, kv, :]
-        x = x + attn.reshape(n, n_head * hd) @ weights[p + "attn_output.weight"].T
+        x = x + mm(attn.reshape(n, n_head * hd), p + "attn_output.weight")
         h = rms_norm(x, weights[p + "ffn_norm.weight"], eps)
-        gate = h @ weights[p + "ffn_gate.weight"].T
-        up = h @ weights[p + "ffn_up.weight"].T
-        x = x + (silu(gate) * up) @ weights[p + "ffn_down.weight"].T
+        gate = mm(h, p + "ffn_gate.weight")
+        up = mm(h, p + "ffn_up.weight")
+        x = x + mm(silu(gate) * up, p + "ffn_down.weight")
     if hparams["n_layer"] in wanted:
         captured[hparams["n_layer"]] = x.copy()
     h = rms_norm(x, weights["output_norm.weight"], eps)
-    logits = h @ weights["output.weight"].T
+    logits = mm(h, "output.weight")
     return logits, captured

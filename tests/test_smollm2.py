@@ -132,3 +132,15 @@ def test_greedy_matches_llama_cpp(model, case):
     # pyspec.generate is the public greedy loop: it must agree with the step-by-step decode.
     ctx.kv_clear()
     assert pyspec.generate(ctx, case["prompt_ids"], len(ours))[:len(ours)] == ours
+
+
+def test_perplexity_batches_within_a_chunk(model):
+    # -b smaller than the chunk splits it over several decode calls (the first one has no scored
+    # rows); the cache carries the chunk across them, so the result must not change.
+    ids = json.loads(EVAL_IDS.read_text())[:512]
+    whole = perplexity.compute_perplexity(pyspec.Context(model, n_ctx=256, n_batch=256), ids, 256)
+    split = perplexity.compute_perplexity(pyspec.Context(model, n_ctx=256, n_batch=100), ids, 256,
+                                          n_batch=100)
+    assert whole.n_scored == split.n_scored == 2 * 127
+    assert split.running_ppl == pytest.approx(whole.running_ppl, rel=1e-5)
+    assert split.ppl_stderr == pytest.approx(whole.ppl_stderr, rel=1e-4)

@@ -93,6 +93,8 @@ void bind_runtime(py::module_& m) {
         .def_property_readonly("n_ctx_seq", &Context::n_ctx_seq)
         .def_property_readonly("compute_buffer_bytes", &Context::compute_buffer_bytes)
         .def_property_readonly("kv_cache_bytes", [](Context& c) { return c.kv().bytes(); })
+        .def("set_profiling", &Context::set_profiling)
+        .def("op_profile", &Context::op_profile)
         .def_property_readonly("plans_built", [](Context& c) { return c.planner().plans_built(); });
 }
 

@@ -8,6 +8,7 @@ void bind_gguf(py::module_& m);
 void bind_graph(py::module_& m);
 void bind_kernels(py::module_& m);
 void bind_runtime(py::module_& m);
+void bind_compute(py::module_& m);
 }  // namespace pyspec
 
 PYBIND11_MODULE(_core, m) {
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_core, m) {
     pyspec::bind_graph(m);
     pyspec::bind_kernels(m);
     pyspec::bind_runtime(m);
+    pyspec::bind_compute(m);
 }

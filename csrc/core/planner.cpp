@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <queue>
@@ -198,7 +199,7 @@ std::string interval(int64_t def, int64_t last) {
 std::vector<int64_t> graph_plan_key(const Graph& graph) {
     const auto& ts = graph.tensors();
     std::vector<int64_t> key;
-    key.reserve(1 + ts.size() * 19);
+    key.reserve(1 + ts.size() * 18);
     key.push_back(static_cast<int64_t>(ts.size()));
     for (const Tensor& t : ts) {
         key.push_back(static_cast<int64_t>(t.op));

@@ -1,5 +1,6 @@
 #include "cpu/cpu_backend.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -73,15 +74,21 @@ void CpuBackend::apply_plan(Graph& graph, const AllocationPlan& plan) {
 }
 
 void CpuBackend::compute(Graph& graph) {
+    using clock = std::chrono::steady_clock;
     for (int id = 0; id < graph.size(); ++id) {
         const Op op = graph[id].op;
         if (op == Op::NONE || op == Op::VIEW) continue;
+        const clock::time_point t0 = profiling_ ? clock::now() : clock::time_point();
         if (op == Op::MUL_MAT) {
             run_mul_mat(graph, id, pool_, matmul_scratch_);
-            continue;
+        } else {
+            const Graph& g = graph;
+            pool_.run([&](int ith, int nth) { run_cpu_op(g, id, ith, nth, scratch_[static_cast<size_t>(ith)]); });
         }
-        const Graph& g = graph;
-        pool_.run([&](int ith, int nth) { run_cpu_op(g, id, ith, nth, scratch_[static_cast<size_t>(ith)]); });
+        if (profiling_) {
+            op_seconds_[static_cast<size_t>(op)] += std::chrono::duration<double>(clock::now() - t0).count();
+            ++op_calls_[static_cast<size_t>(op)];
+        }
     }
 }
 

@@ -32,6 +32,11 @@ public:
 
     ThreadPool& pool() { return pool_; }
 
+    // Per-op wall time, accumulated while profiling is on (indexed by Op).
+    void set_profiling(bool on) { profiling_ = on; }
+    const std::vector<double>& op_seconds() const { return op_seconds_; }
+    const std::vector<int64_t>& op_calls() const { return op_calls_; }
+
 private:
     struct FreeDeleter {
         void operator()(void* p) const;
@@ -43,6 +48,9 @@ private:
     std::vector<KernelScratch> scratch_;       // one per thread
     std::vector<uint8_t> matmul_scratch_;      // prepared activations, shared by all threads
     bool poison_ = false;
+    bool profiling_ = false;
+    std::vector<double> op_seconds_ = std::vector<double>(static_cast<size_t>(Op::COUNT), 0.0);
+    std::vector<int64_t> op_calls_ = std::vector<int64_t>(static_cast<size_t>(Op::COUNT), 0);
 };
 
 }  // namespace pyspec

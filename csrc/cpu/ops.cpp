@@ -9,7 +9,9 @@
 #include <string>
 
 #include "core/thread_pool.h"
+#include "cpu/attention.h"
 #include "cpu/quants.h"
+#include "cpu/vec_math.h"
 
 namespace pyspec {
 namespace {
@@ -147,22 +149,6 @@ void op_rope(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     }
 }
 
-void softmax_inplace(float* y, int64_t n) {
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, y[i]);
-    if (mx == -std::numeric_limits<float>::infinity()) {
-        std::fill(y, y + n, 0.0f);
-        return;
-    }
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-        y[i] = std::exp(y[i] - mx);
-        sum += y[i];
-    }
-    const float inv = static_cast<float>(1.0 / sum);
-    for (int64_t i = 0; i < n; ++i) y[i] *= inv;
-}
-
 void op_softmax(const Graph& g, int id, int ith, int nth) {
     const Tensor& dst = g[id];
     const Tensor& a = g[dst.src[0]];
@@ -174,68 +160,7 @@ void op_softmax(const Graph& g, int id, int ith, int nth) {
         const float* ar = frow(a, r);
         float* yr = frow(dst, r);
         for (int64_t i = 0; i < n; ++i) yr[i] = ar[i] * sc;
-        softmax_inplace(yr, n);
-    }
-}
-
-// Attention of each (row, kv head) group of query heads over the row's span of cache cells.
-// Cells whose mask is -inf are skipped entirely; the others are visited in ascending order, so
-// a row's result is the same whatever the span (padding) or the other rows are.
-void op_attention(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
-    const Tensor& dst = g[id];
-    const Tensor& q = g[dst.src[0]];
-    const Tensor& kc = g[dst.src[1]];
-    const Tensor& vc = g[dst.src[2]];
-    const Tensor& mask = g[dst.src[3]];
-    const int32_t* base = g[dst.src[4]].as<int32_t>();
-    const int n_kv_head = dst.iparams[0];
-    const float scale = dst.fparams[0];
-    const int64_t hd = q.ne[0];
-    const int64_t n_head = q.ne[1];
-    const int64_t n_rows = q.ne[2];
-    const int64_t span = mask.ne[0];
-    const int64_t n_rep = n_head / n_kv_head;
-    const bool f16 = kc.dtype == DType::F16;
-    if (kc.dtype != vc.dtype || (!f16 && kc.dtype != DType::F32)) unsupported(g, id, "KV cache must be F16 or F32");
-
-    s.f.resize(static_cast<size_t>(n_rep * span));
-    s.idx.resize(static_cast<size_t>(span));
-    float* scores = s.f.data();
-    int32_t* valid = s.idx.data();  // unmasked cells of the current row, ascending
-    int64_t w0, w1;
-    split_range(n_rows * n_kv_head, ith, nth, w0, w1);
-    for (int64_t w = w0; w < w1; ++w) {
-        const int64_t r = w / n_kv_head;
-        const int64_t kvh = w % n_kv_head;
-        const float* mrow = frow(mask, r);
-        int64_t n_valid = 0;
-        for (int64_t j = 0; j < span; ++j) {
-            if (mrow[j] != -std::numeric_limits<float>::infinity()) valid[n_valid++] = static_cast<int32_t>(j);
-        }
-        for (int64_t hr = 0; hr < n_rep; ++hr) {
-            const int64_t h = kvh * n_rep + hr;
-            const float* qr = reinterpret_cast<const float*>(static_cast<const char*>(q.data) + h * q.nb[1] + r * q.nb[2]);
-            float* sc = scores + hr * span;
-            for (int64_t v = 0; v < n_valid; ++v) {
-                const int64_t j = valid[v];
-                const char* krow = static_cast<const char*>(kc.data) + (base[r] + j) * kc.nb[1] + kvh * hd * kc.nb[0];
-                const float d = f16 ? dot_f16_f32(reinterpret_cast<const uint16_t*>(krow), qr, hd)
-                                    : dot_f32(reinterpret_cast<const float*>(krow), qr, hd);
-                sc[v] = d * scale + mrow[j];
-            }
-            softmax_inplace(sc, n_valid);
-            float* out = reinterpret_cast<float*>(static_cast<char*>(dst.data) + h * dst.nb[1] + r * dst.nb[2]);
-            std::fill(out, out + hd, 0.0f);
-            for (int64_t v = 0; v < n_valid; ++v) {
-                const int64_t j = valid[v];
-                const char* vrow = static_cast<const char*>(vc.data) + (base[r] + j) * vc.nb[1] + kvh * hd * vc.nb[0];
-                if (f16) {
-                    axpy_f16(sc[v], reinterpret_cast<const uint16_t*>(vrow), out, hd);
-                } else {
-                    axpy_f32(sc[v], reinterpret_cast<const float*>(vrow), out, hd);
-                }
-            }
-        }
+        vec::softmax(yr, n);
     }
 }
 
@@ -326,7 +251,7 @@ void run_cpu_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         case Op::SILU: return unary_rows(g, id, ith, nth, [](float a) { return silu(a); });
         case Op::SWIGLU: return binary_rows(g, id, ith, nth, [](float a, float b) { return silu(a) * b; });
         case Op::SOFTMAX: return op_softmax(g, id, ith, nth);
-        case Op::ATTENTION: return op_attention(g, id, ith, nth, s);
+        case Op::ATTENTION: return attention_op(g, id, ith, nth, s);
         case Op::SET_ROWS: return op_set_rows(g, id, ith, nth, s);
         case Op::ARGMAX: return op_argmax(g, id, ith, nth);
         case Op::TOP_K: return op_top_k(g, id, ith, nth, s);

@@ -6,7 +6,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "cpu/cpu_backend.h"
 
 namespace pyspec {
 namespace {
@@ -26,9 +25,24 @@ Context::Context(const Model& model, const ContextParams& params) : model_(model
     if (n_ctx_seq > std::numeric_limits<int32_t>::max() / params_.n_seq_max) throw std::invalid_argument("n_ctx too large");
     auto cpu = std::make_unique<CpuBackend>(params_.n_threads);
     cpu->set_poison(params_.check_plans);
+    cpu_ = cpu.get();
     backend_ = std::move(cpu);
     kv_ = std::make_unique<KvCache>(*backend_, model_.hparams(), params_.n_seq_max, n_ctx_seq, params_.kv_dtype);
     planner_.set_checking(params_.check_plans);
+}
+
+void Context::set_profiling(bool on) {
+    if (cpu_) cpu_->set_profiling(on);
+}
+
+std::vector<std::tuple<std::string, double, int64_t>> Context::op_profile() const {
+    std::vector<std::tuple<std::string, double, int64_t>> rows;
+    if (!cpu_) return rows;
+    for (size_t i = 0; i < cpu_->op_seconds().size(); ++i) {
+        if (cpu_->op_calls()[i] == 0) continue;
+        rows.emplace_back(op_name(static_cast<Op>(i)), cpu_->op_seconds()[i], cpu_->op_calls()[i]);
+    }
+    return rows;
 }
 
 void Context::validate(const Batch& b, const std::vector<int>& layer_ids) const {

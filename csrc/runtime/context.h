@@ -5,12 +5,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "core/backend.h"
 #include "core/planner.h"
 #include "model/decoder_graph.h"
+#include "cpu/cpu_backend.h"
 #include "runtime/kv_cache.h"
 
 namespace pyspec {
@@ -55,6 +58,10 @@ public:
     size_t compute_buffer_bytes() const { return backend_->arena_bytes(); }
     const AllocationPlanner& planner() const { return planner_; }
 
+    // Per-op time profile (op name -> seconds, calls); profiling is off by default.
+    void set_profiling(bool on);
+    std::vector<std::tuple<std::string, double, int64_t>> op_profile() const;
+
 private:
     void validate(const Batch& batch, const std::vector<int>& layer_ids) const;
     void decode_chunk(const Batch& batch, size_t begin, size_t end, const std::vector<int>& layer_ids,
@@ -63,6 +70,7 @@ private:
     const Model& model_;
     ContextParams params_;
     std::unique_ptr<Backend> backend_;
+    CpuBackend* cpu_ = nullptr;  // backend_ when it is the CPU backend
     std::unique_ptr<KvCache> kv_;
     AllocationPlanner planner_;
 };

@@ -1,0 +1,101 @@
+// Running a hand-built graph on the CPU backend from Python, so tests can check each op against
+// numpy and check that planned graphs compute the same values as freshly planned ones.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/planner.h"
+#include "cpu/cpu_backend.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+namespace {
+
+void check_id(const Graph& g, int id) {
+    if (id < 0 || id >= g.size()) throw std::invalid_argument("no tensor " + std::to_string(id) + " in the graph");
+}
+
+py::array fetch_tensor(Backend& backend, const Tensor& t) {
+    if (!t.is_contiguous()) throw std::invalid_argument("fetch: tensor " + t.name + " is not contiguous");
+    std::vector<py::ssize_t> shape;
+    for (int d = kMaxDims - 1; d >= 0; --d) shape.push_back(static_cast<py::ssize_t>(t.ne[static_cast<size_t>(d)]));
+    py::array out;
+    if (t.dtype == DType::F32) {
+        out = py::array_t<float>(shape);
+    } else if (t.dtype == DType::I32) {
+        out = py::array_t<int32_t>(shape);
+    } else {
+        out = py::array_t<uint8_t>(static_cast<py::ssize_t>(t.nbytes()));
+    }
+    backend.read(t, out.mutable_data(), t.nbytes(), 0);
+    return out;
+}
+
+std::vector<py::array> run_graph(Graph& g, const std::map<int, py::array>& feeds, const std::vector<int>& fetch,
+                                 int n_threads) {
+    std::vector<py::buffer_info> keep;  // external feeds stay borrowed during the call
+    for (const auto& kv : feeds) {
+        check_id(g, kv.first);
+        Tensor& t = g[kv.first];
+        py::buffer_info info = kv.second.request();
+        const size_t bytes = static_cast<size_t>(info.size * info.itemsize);
+        if (bytes != t.nbytes()) {
+            throw std::invalid_argument("feed for tensor " + std::to_string(kv.first) + " has " + std::to_string(bytes) +
+                                        " bytes, the tensor needs " + std::to_string(t.nbytes()));
+        }
+        if (!(kv.second.flags() & py::array::c_style)) throw std::invalid_argument("feeds must be C-contiguous");
+        if (t.has(kExternal)) t.data = info.ptr;
+        keep.push_back(std::move(info));
+    }
+    for (int i = 0; i < g.size(); ++i) {
+        if (g[i].has(kExternal) && g[i].data == nullptr && g[i].nbytes() > 0) {
+            throw std::invalid_argument("external tensor " + std::to_string(i) + " (" + g[i].name + ") has no data");
+        }
+    }
+    const AllocationPlan plan = make_plan(g, 64);
+    check_plan(g, plan);
+    CpuBackend backend(n_threads);
+    backend.set_poison(true);
+    backend.apply_plan(g, plan);
+    for (const auto& kv : feeds) {
+        const Tensor& t = g[kv.first];
+        if (t.has(kInput)) backend.write(t, kv.second.data(), t.nbytes(), 0);
+    }
+    {
+        py::gil_scoped_release release;
+        backend.compute(g);
+    }
+    std::vector<py::array> out;
+    for (int id : fetch) {
+        check_id(g, id);
+        out.push_back(fetch_tensor(backend, g[id]));
+    }
+    return out;
+}
+
+}  // namespace
+
+void bind_compute(py::module_& m) {
+    m.def(
+        "set_op_params",
+        [](Graph& g, int id, const std::vector<int32_t>& iparams, const std::vector<float>& fparams) {
+            check_id(g, id);
+            if (iparams.size() > 4 || fparams.size() > 4) throw std::invalid_argument("at most 4 params of each kind");
+            for (size_t i = 0; i < iparams.size(); ++i) g[id].iparams[i] = iparams[i];
+            for (size_t i = 0; i < fparams.size(); ++i) g[id].fparams[i] = fparams[i];
+        },
+        py::arg("graph"), py::arg("id"), py::arg("iparams") = std::vector<int32_t>(),
+        py::arg("fparams") = std::vector<float>(), "Sets an op's integer and float parameters.");
+    m.def("run_graph", &run_graph, py::arg("graph"), py::arg("feeds"), py::arg("fetch"), py::arg("n_threads") = 1,
+          "Plans (checked), poisons the arena, runs the graph on the CPU backend and returns the fetched tensors "
+          "(numpy shape = reversed ne). feeds: id -> array for inputs and external tensors.");
+}
+
+}  // namespace pyspec
