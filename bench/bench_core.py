@@ -12,6 +12,7 @@ Each figure is the best of --repeats runs, engines interleaved so that backgroun
 Load time is excluded. Run by hand; on a shared machine the numbers are noisy.
 
     python bench/bench_core.py [-m MODEL] [-t 2] [--repeats 5] [--ids IDS.json]
+(with an in-place build, from the repo root: PYTHONPATH=. python bench/bench_core.py)
 """
 
 import argparse

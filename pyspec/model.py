@@ -84,14 +84,16 @@ def _as_index_array(name: str, values, n: int) -> np.ndarray:
 class Context:
     """A KV cache for up to `n_seq_max` sequences plus the compute state to decode batches.
 
-    Each sequence holds up to n_ctx // n_seq_max positions.
+    Each sequence holds up to n_ctx // n_seq_max positions. kv_dtype: "f16" (default, as
+    llama.cpp) or "f32" for the KV cache. check_plans verifies every allocation plan and poisons
+    the compute arena (for tests).
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_seq_max: int = 1, n_batch: int = 512,
-                 check_plans: bool = False):
+                 check_plans: bool = False, kv_dtype: str = "f16"):
         self.model = model
         self._ctx = _core.Context(model._model, int(n_ctx), int(n_seq_max), int(n_batch),
-                                  bool(check_plans), model.n_threads)
+                                  bool(check_plans), model.n_threads, str(kv_dtype))
         self.n_ctx = self._ctx.n_ctx
         self.n_seq_max = self._ctx.n_seq_max
         self.n_batch = self._ctx.n_batch

@@ -9,11 +9,16 @@ h // (n_head / n_head_kv)) and scale 1/sqrt(head_dim); the FFN is SwiGLU: down(s
 K (after RoPE) and V are rounded to the KV cache's storage type, F16 by default as in llama.cpp:
 that rounding is what the cache really holds, not an arithmetic error to hide in a tolerance.
 
-With act_quant="Q8_0" the reference also reproduces llama.cpp's treatment of the input of a
-product with a block-quantized weight matrix: each row is quantized in blocks of 32 to
-round(x / d) * fp16(d), d = max|x| / 127 (ggml's Q8_0; Q8_1, used with Q4_1 weights, has the same
-values). That error is systematic and large next to float rounding, so emulating it lets the
-quantized types be held to tight tolerances too.
+With act_quant the reference also reproduces llama.cpp's treatment of the input of a product with
+a block-quantized weight matrix. "Q8_0" (used with Q8_0 and Q4_0 weights): each row is quantized
+in blocks of 32 to q = round(x / d), d = max|x| / 127, and read back as q * fp16(d). "Q8_1" (used
+with Q4_1 weights, w = d_w * q_w + m_w): the same values plus the block sum s = fp16(d * sum(q)),
+which the dot product uses for the m_w term: y = sum_j d_w q_wj * a_j + m_w * s. That error is
+systematic and large next to float rounding, so emulating it lets the quantized types be held to
+tight tolerances too.
+
+Reference.forward runs a whole sequence; Reference.layer / head run one stage on given inputs (for
+layer-by-layer checks); ReferenceSequence decodes through a KV cache of its own (for rollback).
 """
 
 from __future__ import annotations
@@ -44,73 +49,95 @@ def rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool) -> np.ndarray:
     return out
 
 
-def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """x [..., n] (n a multiple of 32) as ggml's Q8_0 blocks hold it, dequantized."""
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
+def _f16(x):
+    return np.asarray(x).astype(np.float16).astype(np.float64)
+
+
+def quantize_q8(x: np.ndarray):
+    """x [n_rows, n] (n a multiple of 32) as ggml's Q8_0 / Q8_1 blocks hold it: returns the
+    dequantized values [n_rows, n] and the Q8_1 block sums s [n_rows, n / 32]."""
+    blocks = x.reshape(x.shape[0], -1, 32)
     d = np.max(np.abs(blocks), axis=-1, keepdims=True) / 127.0
-    safe = np.where(d == 0, 1.0, d)
-    v = blocks / safe
+    v = blocks / np.where(d == 0, 1.0, d)
     q = np.sign(v) * np.floor(np.abs(v) + 0.5)  # roundf: halves away from zero
-    d16 = d.astype(np.float16).astype(np.float64)
-    return (q * d16).reshape(x.shape)
+    s = _f16(d[..., 0] * q.sum(axis=-1))
+    return (q * _f16(d)).reshape(x.shape), s
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def forward(hparams: dict, weights: dict, tokens, positions=None, layer_ids=(), kv_dtype=np.float16,
-            act_quant=None):
-    """Run one sequence through the model.
+ACT_QUANT_FOR_WEIGHT = {"Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q4_1": "Q8_1"}
 
-    tokens: token ids of the whole sequence so far; positions: their positions (default
-    0..n-1). Row i attends to every row j with positions[j] <= positions[i]. kv_dtype: the cache's
-    storage type K and V are rounded to (None: no rounding). act_quant: None, or "Q8_0" to quantize
-    the input of every product with a weight matrix as described above (norm weights and the
-    embedding lookup are not products).
-    Returns (logits [n, n_vocab] float64, {layer_id: residual stream [n, n_embd]}) where layer id 0
-    is the embedding output, id L the input of layer L, id n_layer the residual before output_norm.
+
+class Reference:
+    """The model's math over one sequence, layer by layer.
+
+    kv_dtype: the cache's storage type K and V are rounded to (None: no rounding). act_quant: None,
+    "Q8_0" or "Q8_1" to quantize the input of every product with a weight matrix as described
+    above (norm weights and the embedding lookup are not products).
     """
-    tokens = np.asarray(tokens, dtype=np.int64)
-    n = len(tokens)
-    positions = np.arange(n) if positions is None else np.asarray(positions, dtype=np.int64)
-    assert positions.shape == (n,)
-    arch = hparams["arch"]
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"reference knows no architecture {arch!r}")
-    n_head, n_head_kv, hd = hparams["n_head"], hparams["n_head_kv"], hparams["head_dim"]
-    eps, base = hparams["rms_eps"], hparams["rope_freq_base"]
-    neox = arch == "qwen3"
-    group = n_head // n_head_kv
-    if act_quant not in (None, "Q8_0"):
-        raise ValueError(f"unknown activation quantization {act_quant!r}")
 
-    def mm(a, name):
-        if act_quant is not None:
-            a = quantize_q8_0(a)
-        return a @ weights[name].T
+    def __init__(self, hparams: dict, weights: dict, kv_dtype=np.float16, act_quant=None):
+        if hparams["arch"] not in ("llama", "qwen3"):
+            raise ValueError(f"reference knows no architecture {hparams['arch']!r}")
+        if act_quant not in (None, "Q8_0", "Q8_1"):
+            raise ValueError(f"unknown activation quantization {act_quant!r}")
+        self.hp, self.w = hparams, weights
+        self.kv_dtype, self.act_quant = kv_dtype, act_quant
 
-    wanted = set(layer_ids)
-    captured = {}
+    def mm(self, a: np.ndarray, name: str) -> np.ndarray:
+        w = self.w[name]
+        if self.act_quant is None:
+            return a @ w.T
+        aq, s = quantize_q8(a)
+        y = aq @ w.T
+        if self.act_quant == "Q8_1":
+            # Q4_1 quantizes each block's minimum to q = 0, so m_w is the block's smallest value;
+            # replace its exact term m_w * sum(a_q) by m_w * s as the Q8_1 dot product does.
+            m_w = w.reshape(w.shape[0], -1, 32).min(axis=-1)  # [n_out, n_blocks]
+            exact_sums = aq.reshape(aq.shape[0], -1, 32).sum(axis=-1)  # [n_rows, n_blocks]
+            y += (s - exact_sums) @ m_w.T
+        return y
 
-    x = weights["token_embd.weight"][tokens].astype(np.float64)
-    visible = positions[None, :] <= positions[:, None]  # [query, key]
-    for il in range(hparams["n_layer"]):
-        if il in wanted:
-            captured[il] = x.copy()
+    def embed(self, tokens) -> np.ndarray:
+        return self.w["token_embd.weight"][np.asarray(tokens, dtype=np.int64)].astype(np.float64)
+
+    def layer(self, il: int, x: np.ndarray, positions, cache: dict | None = None) -> np.ndarray:
+        """Layer il on the residual stream x [n, n_embd] of rows at `positions`; row i attends to
+        every row j with positions[j] <= positions[i]. With `cache` ({position: (k, v)} of this
+        layer, updated in place) the rows also attend to the cached entries, as a KV cache does:
+        those keep the K and V computed when they were decoded."""
+        hp, w, mm = self.hp, self.w, self.mm
+        n = x.shape[0]
+        positions = np.asarray(positions, dtype=np.int64)
+        assert positions.shape == (n,)
+        n_head, n_head_kv, hd = hp["n_head"], hp["n_head_kv"], hp["head_dim"]
+        eps, base = hp["rms_eps"], hp["rope_freq_base"]
+        qwen3 = hp["arch"] == "qwen3"
+        group = n_head // n_head_kv
         p = f"blk.{il}."
-        h = rms_norm(x, weights[p + "attn_norm.weight"], eps)
+        h = rms_norm(x, w[p + "attn_norm.weight"], eps)
         q = mm(h, p + "attn_q.weight").reshape(n, n_head, hd)
         k = mm(h, p + "attn_k.weight").reshape(n, n_head_kv, hd)
         v = mm(h, p + "attn_v.weight").reshape(n, n_head_kv, hd)
-        if arch == "qwen3":
-            q = rms_norm(q, weights[p + "attn_q_norm.weight"], eps)
-            k = rms_norm(k, weights[p + "attn_k_norm.weight"], eps)
-        q = rope(q, positions, base, neox)
-        k = rope(k, positions, base, neox)
-        if kv_dtype is not None:
-            k = k.astype(kv_dtype).astype(np.float64)
-            v = v.astype(kv_dtype).astype(np.float64)
+        if qwen3:
+            q = rms_norm(q, w[p + "attn_q_norm.weight"], eps)
+            k = rms_norm(k, w[p + "attn_k_norm.weight"], eps)
+        q = rope(q, positions, base, neox=qwen3)
+        k = rope(k, positions, base, neox=qwen3)
+        if self.kv_dtype is not None:
+            k = k.astype(self.kv_dtype).astype(np.float64)
+            v = v.astype(self.kv_dtype).astype(np.float64)
+        key_pos = positions
+        if cache is not None:
+            for i, pos in enumerate(positions.tolist()):
+                cache[pos] = (k[i], v[i])
+            key_pos = np.array(sorted(cache), dtype=np.int64)
+            k = np.stack([cache[pos][0] for pos in key_pos.tolist()])
+            v = np.stack([cache[pos][1] for pos in key_pos.tolist()])
+        visible = key_pos[None, :] <= positions[:, None]  # [query, key]
         attn = np.empty((n, n_head, hd))
         for hh in range(n_head):
             kv = hh // group
@@ -121,12 +148,61 @@ def forward(hparams: dict, weights: dict, tokens, positions=None, layer_ids=(), 
             prob /= prob.sum(axis=1, keepdims=True)
             attn[:, hh, :] = prob @ v[:, kv, :]
         x = x + mm(attn.reshape(n, n_head * hd), p + "attn_output.weight")
-        h = rms_norm(x, weights[p + "ffn_norm.weight"], eps)
+        h = rms_norm(x, w[p + "ffn_norm.weight"], eps)
         gate = mm(h, p + "ffn_gate.weight")
         up = mm(h, p + "ffn_up.weight")
-        x = x + mm(silu(gate) * up, p + "ffn_down.weight")
-    if hparams["n_layer"] in wanted:
-        captured[hparams["n_layer"]] = x.copy()
-    h = rms_norm(x, weights["output_norm.weight"], eps)
-    logits = mm(h, "output.weight")
-    return logits, captured
+        return x + mm(silu(gate) * up, p + "ffn_down.weight")
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """Logits from the final residual stream."""
+        return self.mm(rms_norm(x, self.w["output_norm.weight"], self.hp["rms_eps"]), "output.weight")
+
+    def forward(self, tokens, positions=None, layer_ids=()):
+        """tokens: the whole sequence so far; positions default to 0..n-1. Returns (logits
+        [n, n_vocab] float64, {layer_id: residual stream [n, n_embd]}) where layer id 0 is the
+        embedding output, id L the input of layer L, id n_layer the residual before output_norm."""
+        n = len(tokens)
+        positions = np.arange(n) if positions is None else np.asarray(positions, dtype=np.int64)
+        wanted = set(layer_ids)
+        captured = {}
+        x = self.embed(tokens)
+        for il in range(self.hp["n_layer"]):
+            if il in wanted:
+                captured[il] = x.copy()
+            x = self.layer(il, x, positions)
+        if self.hp["n_layer"] in wanted:
+            captured[self.hp["n_layer"]] = x.copy()
+        return self.head(x), captured
+
+
+class ReferenceSequence:
+    """One sequence decoded incrementally through a KV cache of float64 K/V, for the cache
+    operations (decode in chunks, remove a range of positions, continue)."""
+
+    def __init__(self, ref: Reference):
+        self.ref = ref
+        self.cache = [{} for _ in range(ref.hp["n_layer"])]
+
+    def decode(self, tokens, positions, layer_ids=()):
+        """Returns (logits, {layer id: input}) of the new rows, like Reference.forward."""
+        positions = np.asarray(positions, dtype=np.int64)
+        wanted = set(layer_ids)
+        captured = {}
+        x = self.ref.embed(tokens)
+        for il in range(self.ref.hp["n_layer"]):
+            if il in wanted:
+                captured[il] = x.copy()
+            x = self.ref.layer(il, x, positions, self.cache[il])
+        if self.ref.hp["n_layer"] in wanted:
+            captured[self.ref.hp["n_layer"]] = x.copy()
+        return self.ref.head(x), captured
+
+    def remove(self, p0: int, p1: int = -1):
+        """Drops positions [p0, p1) (p1 < 0: to the end) from every layer's cache."""
+        for c in self.cache:
+            for pos in [pos for pos in c if pos >= p0 and (p1 < 0 or pos < p1)]:
+                del c[pos]
+
+    def pos_max(self) -> int:
+        return max(self.cache[0], default=-1)
+

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pyspec
-from numpy_reference import forward
+from numpy_reference import ACT_QUANT_FOR_WEIGHT, Reference, ReferenceSequence
 from tiny_models import ARCHS, write_tiny_model, write_unknown_arch_model
 
 N_CTX_SEQ = 32
@@ -102,6 +102,11 @@ def test_batched_sequences_equal_alone(model_dir, arch, wt):
         batched.update(decode_rows(ctx, step_rows(layout, segs, slot, toks, rng), layers))
     for name, n in LENGTHS.items():
         assert ctx.seq_pos_max(slot[name]) == n - 1
+        # equal results must also be right ones (tests/test_model_reference.py for the bounds)
+        want, _ = Reference(tm.hparams, tm.weights, act_quant=ACT_QUANT_FOR_WEIGHT.get(wt)) \
+            .forward(toks[name])
+        got = np.stack([batched[(slot[name], p)][0] for p in range(n)])
+        assert np.max(np.abs(got - want)) / np.std(want) < (0.2 if wt == "Q4_1" else 5e-3)
 
     for name, n in LENGTHS.items():
         key_map = lambda k, name=name: (0, k[1])  # noqa: E731
@@ -126,27 +131,71 @@ def test_batched_sequences_equal_alone(model_dir, arch, wt):
         assert_same_rows(mine, alone, key_map)
 
 
+def interleaved_rows(rng, n_vocab, lengths):
+    """Rows of len(lengths) sequences, each in increasing position order, mixed at random."""
+    order = rng.permutation(np.repeat(np.arange(len(lengths)), lengths))
+    nxt = [0] * len(lengths)
+    rows = []
+    for s in order.tolist():
+        rows.append((s, nxt[s], int(rng.integers(0, n_vocab))))
+        nxt[s] += 1
+    return rows
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batch_larger_than_n_batch_is_split(model_dir, arch):
     tm, model = tiny(model_dir, arch, "Q8_0")
-    rng = np.random.default_rng(9)
-    rows = [(s, p, int(rng.integers(0, model.n_vocab))) for s in range(3) for p in range(7)]
-    rows = [rows[i] for i in rng.permutation(len(rows))]
-    big = decode_rows(make_ctx(model, n_seq_max=3, n_batch=512), rows, (0, 1, model.n_layer))
+    rows = interleaved_rows(np.random.default_rng(9), model.n_vocab, [7, 9, 5])
+    layers = (0, 1, model.n_layer)
+    big = decode_rows(make_ctx(model, n_seq_max=3, n_batch=512), rows, layers)
     small_ctx = make_ctx(model, n_seq_max=3, n_batch=4)
-    small = decode_rows(small_ctx, rows, (0, 1, model.n_layer))
+    small = decode_rows(small_ctx, rows, layers)
     assert_same_rows(small, big)
-    assert [small_ctx.seq_pos_max(s) for s in range(3)] == [6, 6, 6]
+    assert [small_ctx.seq_pos_max(s) for s in range(3)] == [6, 8, 4]
 
     # Only some rows output: they come back in batch order, after splitting too.
     tok, pos, seq = [r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]
     want = np.zeros(len(rows), bool)
     want[[1, 4, 5, 13, 20]] = True
     small_ctx.kv_clear()
-    r = small_ctx.decode(tok, positions=pos, seq_ids=seq, output=want)
+    r = small_ctx.decode(tok, positions=pos, seq_ids=seq, output=want, layer_inputs=layers)
     np.testing.assert_array_equal(r.output_rows, [1, 4, 5, 13, 20])
     for i, row in zip(r.output_rows, r.logits):
         assert np.array_equal(row, big[(seq[i], pos[i])][0])
+    for il in layers:
+        assert r.layer_inputs[il].shape == (len(rows), model.n_embd)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_batch_with_unordered_positions(model_dir, arch):
+    # A sequence's rows out of position order: unsplit, every row sees all of its sequence's
+    # rows at lower positions. Split into n_batch chunks, the engine must give the same logits
+    # or refuse the batch with a ValueError, never silently attend to a partial context.
+    tm, model = tiny(model_dir, arch, "Q8_0")
+    rng = np.random.default_rng(9)
+    rows = interleaved_rows(rng, model.n_vocab, [7, 9, 5])
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    big = decode_rows(make_ctx(model, n_seq_max=3, n_batch=512), rows)
+    small_ctx = make_ctx(model, n_seq_max=3, n_batch=4)
+    try:
+        small = decode_rows(small_ctx, rows)
+    except ValueError:
+        assert [small_ctx.seq_pos_max(s) for s in range(3)] == [-1, -1, -1]
+        return
+    assert_same_rows(small, big)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_thread_count_does_not_change_results(model_dir, arch):
+    tm, model = tiny(model_dir, arch, "Q4_1")
+    rows = interleaved_rows(np.random.default_rng(3), model.n_vocab, [9, 12])
+    layers = (0, model.n_layer)
+    results = []
+    for n_threads in (1, 2, 3):
+        m = pyspec.Model(str(tm.path), n_threads=n_threads)
+        results.append(decode_rows(make_ctx(m, n_seq_max=2), rows, layers))
+    assert_same_rows(results[1], results[0])
+    assert_same_rows(results[2], results[0])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -180,21 +229,25 @@ def test_rollback_redecodes_identically(model_dir, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_remove_middle_range_matches_reference(model_dir, arch):
-    # kv_remove(seq, p0, p1) with p1 >= 0 drops exactly [p0, p1): later rows attend to the rest.
+    # kv_remove(seq, p0, p1) with p1 >= 0 drops exactly [p0, p1); the positions after the hole
+    # keep the K/V computed when they were decoded (with the removed rows still in context).
     tm, model = tiny(model_dir, arch, "F32")
     toks = np.random.default_rng(4).integers(0, model.n_vocab, 12)
     ctx = make_ctx(model)
+    ref = ReferenceSequence(Reference(tm.hparams, tm.weights))
     ctx.decode(toks[:8])
+    ref.decode(toks[:8], np.arange(8))
     ctx.kv_remove(0, 3, 5)
-    assert ctx.seq_pos_max(0) == 7
+    ref.remove(3, 5)
+    assert ctx.seq_pos_max(0) == ref.pos_max() == 7
     r = ctx.decode(toks[8:], output=np.ones(4, bool))  # default positions continue at 8
-    keep = [p for p in range(12) if not 3 <= p < 5]
-    ref, _ = forward(tm.hparams, tm.weights, toks[keep], positions=keep)
-    err = np.max(np.abs(r.logits - ref[-4:])) / np.std(ref)
-    assert err < 1e-4
-    # and removing nothing of note would have given different logits
-    full, _ = forward(tm.hparams, tm.weights, toks)
-    assert np.max(np.abs(r.logits - full[-4:])) / np.std(full) > 1e-2
+    want, _ = ref.decode(toks[8:], np.arange(8, 12))
+    assert np.max(np.abs(r.logits - want)) / np.std(want) < 5e-3
+    # without the removal the logits differ: the test sees the hole
+    full = ReferenceSequence(Reference(tm.hparams, tm.weights))
+    full.decode(toks[:8], np.arange(8))
+    other, _ = full.decode(toks[8:], np.arange(8, 12))
+    assert np.max(np.abs(r.logits - other)) / np.std(other) > 3e-2
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -256,8 +309,10 @@ def test_invalid_inputs_raise_value_error(model_dir):
     ctx.kv_remove(0, 4)
     assert_same_rows(decode_rows(ctx, [(0, 4, int(toks[4]))]), good)
 
-    with pytest.raises(ValueError):
-        pyspec.Context(model, n_ctx=64, n_seq_max=0)
+    for call in (lambda: ctx.kv_remove(2, 0), lambda: ctx.kv_clear(2), lambda: ctx.seq_pos_max(2),
+                 lambda: pyspec.Context(model, n_ctx=64, n_seq_max=0)):
+        with pytest.raises(ValueError):
+            call()
 
 
 def test_unknown_architecture_is_named(tmp_path):

@@ -68,8 +68,15 @@ void bind_runtime(py::module_& m) {
 
     py::class_<Context>(m, "Context")
         .def(py::init([](std::shared_ptr<Model> model, int64_t n_ctx, int64_t n_seq_max, int64_t n_batch,
-                         bool check_plans, int n_threads) {
+                         bool check_plans, int n_threads, const std::string& kv_dtype) {
                  ContextParams p;
+                 if (kv_dtype == "f16") {
+                     p.kv_dtype = DType::F16;
+                 } else if (kv_dtype == "f32") {
+                     p.kv_dtype = DType::F32;
+                 } else {
+                     throw std::invalid_argument("unsupported KV cache type '" + kv_dtype + "' (supported: f16, f32)");
+                 }
                  p.n_ctx = n_ctx;
                  p.n_seq_max = n_seq_max;
                  p.n_batch = n_batch;
@@ -78,7 +85,7 @@ void bind_runtime(py::module_& m) {
                  return std::make_unique<Context>(*model, p);
              }),
              py::arg("model"), py::arg("n_ctx"), py::arg("n_seq_max"), py::arg("n_batch"),
-             py::arg("check_plans"), py::arg("n_threads"), py::keep_alive<1, 2>())
+             py::arg("check_plans"), py::arg("n_threads"), py::arg("kv_dtype") = "f16", py::keep_alive<1, 2>())
         .def("decode", &decode, py::arg("tokens"), py::arg("positions"), py::arg("seq_ids"), py::arg("output"),
              py::arg("layer_ids"))
         .def("kv_remove", [](Context& c, int32_t seq, int64_t p0, int64_t p1) { c.kv().remove(seq, p0, p1); })

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -71,6 +72,20 @@ void Context::validate(const Batch& b, const std::vector<int>& layer_ids) const 
         if (!seen.insert({b.seq_ids[i], b.positions[i]}).second) {
             throw std::invalid_argument(row + "position " + std::to_string(b.positions[i]) + " of sequence " +
                                         std::to_string(b.seq_ids[i]) + " appears twice in the batch");
+        }
+    }
+    // A batch larger than n_batch runs as consecutive chunks; a row can only attend to rows of
+    // earlier chunks, so each sequence's positions must then increase in row order.
+    if (n > static_cast<size_t>(params_.n_batch)) {
+        std::map<int32_t, int32_t> last_pos;
+        for (size_t i = 0; i < n; ++i) {
+            auto it = last_pos.find(b.seq_ids[i]);
+            if (it != last_pos.end() && b.positions[i] <= it->second) {
+                throw std::invalid_argument("batch row " + std::to_string(i) + ": a batch larger than n_batch (" +
+                                            std::to_string(params_.n_batch) +
+                                            ") must give each sequence's positions in increasing order");
+            }
+            last_pos[b.seq_ids[i]] = b.positions[i];
         }
     }
     for (int l : layer_ids) {

@@ -1,0 +1,344 @@
+"""`pyspec-cli`: generate text from a prompt or chat interactively, with llama-cli's flags.
+
+Generated text goes to stdout as it decodes (after the prompt, unless --no-display-prompt); logs
+and llama.cpp-style perf lines go to stderr. Ctrl-C stops a generation cleanly: in conversation
+mode it ends the reply and returns to the input prompt, elsewhere it ends the program (code 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+from . import __version__
+from .chat import ChatTemplate, ChatTemplateError, InvalidMessagesError
+from .sampling import SamplingParams
+
+_D = SamplingParams()
+EXIT_INTERRUPTED = 130
+
+
+class CliError(Exception):
+    """A user-facing problem: printed as one `error:` line on stderr, exit code 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pyspec-cli", allow_abbrev=False,
+        description="Generate text with a GGUF model (flags follow llama.cpp's llama-cli).")
+    p.add_argument("-m", "--model", metavar="FNAME",
+                   help="GGUF model path (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("-p", "--prompt", metavar="PROMPT",
+                   help="prompt to start generation with; in conversation mode the first user "
+                        "message (use -sys for a system message)")
+    p.add_argument("-f", "--file", metavar="FNAME", help="a text file holding the prompt")
+    p.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
+                   help="number of tokens to predict (default: -1 = until end of generation, "
+                        "capped by the context)")
+    p.add_argument("--temp", type=float, default=_D.temperature, metavar="N",
+                   help=f"temperature; <= 0 is greedy (default: {_D.temperature})")
+    p.add_argument("--top-k", type=int, default=_D.top_k, metavar="N",
+                   help=f"top-k sampling, 0 = off (default: {_D.top_k})")
+    p.add_argument("--top-p", type=float, default=_D.top_p, metavar="N",
+                   help=f"top-p sampling, 1.0 = off (default: {_D.top_p})")
+    p.add_argument("--min-p", type=float, default=_D.min_p, metavar="N",
+                   help=f"min-p sampling, 0.0 = off (default: {_D.min_p})")
+    p.add_argument("-s", "--seed", type=int, default=-1, metavar="SEED",
+                   help="random seed (default: -1 = a random seed, printed on stderr)")
+    p.add_argument("-t", "--threads", type=int, default=-1, metavar="N",
+                   help="number of threads (default: -1 = all available cores)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
+                   help="context size in tokens, 0 = the model's training context (default: 4096)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, metavar="N",
+                   help="tokens per decode call while reading the prompt (default: 512)")
+    p.add_argument("-cnv", "--conversation", "--chat", dest="conversation", action="store_true",
+                   help="interactive chat with the model's chat template (/exit or EOF ends it); "
+                        "the default when no prompt is given")
+    p.add_argument("-sys", "--system-prompt", metavar="PROMPT",
+                   help="system message for conversation mode")
+    p.add_argument("--chat-template", metavar="JINJA_TEMPLATE",
+                   help="chat template: Jinja source or a built-in name (chatml); "
+                        "default: the model's own, else chatml")
+    p.add_argument("--chat-template-file", metavar="JINJA_TEMPLATE_FILE",
+                   help="read the chat template from a file")
+    p.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
+                   help="don't print the prompt before the generated text")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-generation tokens")
+    p.add_argument("--version", action="version", version=f"pyspec {__version__}")
+    return p
+
+
+@dataclass
+class _Perf:
+    """Totals over every generation of the run, for the perf lines at exit."""
+
+    load_seconds: float = 0.0
+    n_prompt: int = 0
+    prompt_seconds: float = 0.0
+    n_decoded: int = 0
+    decode_seconds: float = 0.0
+    n_sampled: int = 0
+    sample_seconds: float = 0.0
+
+    def add(self, stats) -> None:
+        if stats is None:
+            return
+        self.n_prompt += stats.n_prompt if stats.prompt_seconds > 0 else 0
+        self.prompt_seconds += stats.prompt_seconds
+        self.n_decoded += stats.n_decoded
+        self.decode_seconds += stats.decode_seconds
+        self.n_sampled += stats.n_generated
+        self.sample_seconds += stats.sample_seconds
+
+    def report(self, total_seconds: float) -> None:
+        _log(f"pyspec_perf:    sampling time = {_rate(self.sample_seconds, self.n_sampled, 'runs  ')}")
+        _log(f"pyspec_perf:        load time = {self.load_seconds * 1e3:10.2f} ms")
+        _log(f"pyspec_perf: prompt eval time = {_rate(self.prompt_seconds, self.n_prompt, 'tokens')}")
+        _log(f"pyspec_perf:        eval time = {_rate(self.decode_seconds, self.n_decoded, 'runs  ')}")
+        _log(f"pyspec_perf:       total time = {total_seconds * 1e3:10.2f} ms / "
+             f"{self.n_prompt + self.n_decoded:6d} tokens")
+
+
+def _rate(seconds: float, n: int, unit: str) -> str:
+    ms = seconds * 1e3
+    per_token = ms / n if n else 0.0
+    per_second = n / seconds if seconds > 0 else 0.0
+    return (f"{ms:10.2f} ms / {n:6d} {unit} ({per_token:8.2f} ms per token, "
+            f"{per_second:8.2f} tokens per second)")
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _emit(text: str) -> None:
+    """Writes generated text as UTF-8 whatever the locale says, and shows it at once."""
+    if not text:
+        return
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is not None:
+        sys.stdout.flush()
+        buffer.write(text.encode("utf-8", errors="replace"))
+        buffer.flush()
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _read_text_file(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CliError(f"{what} '{path}' not found") from None
+    except IsADirectoryError:
+        raise CliError(f"{what} '{path}' is a directory") from None
+    except OSError as exc:
+        raise CliError(f"cannot read {what} '{path}': {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{what} '{path}' is not UTF-8 text") from None
+
+
+def _check_args(args) -> None:
+    if args.n_predict < -1:
+        raise CliError(f"--n-predict must be -1 (until end of generation) or >= 0, "
+                       f"got {args.n_predict}")
+    if args.ctx_size < 0:
+        raise CliError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.batch_size < 1:
+        raise CliError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.seed < -1 or args.seed >= 2 ** 32:
+        raise CliError(f"--seed must be -1 or in [0, 2^32), got {args.seed}")
+    if args.prompt is not None and args.file is not None:
+        raise CliError("give the prompt with -p or -f, not both")
+    if args.chat_template is not None and args.chat_template_file is not None:
+        raise CliError("give --chat-template or --chat-template-file, not both")
+    try:
+        SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, None)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _load(args):
+    """The LLM with the chosen chat template, or a CliError that says what is wrong."""
+    from .llm import LLM
+
+    if args.model is not None and not os.path.isfile(args.model):
+        what = "is a directory" if os.path.isdir(args.model) else "not found"
+        raise CliError(f"model file '{args.model}' {what}")
+    try:
+        llm = LLM(args.model, n_ctx=args.ctx_size,
+                  n_threads=args.threads if args.threads > 0 else None,
+                  n_batch=args.batch_size)
+    except (OSError, ValueError, RuntimeError) as exc:
+        name = args.model if args.model is not None else "the default model"
+        raise CliError(f"failed to load model '{name}': {exc}") from None
+    try:
+        if args.chat_template_file is not None:
+            llm.chat_template = ChatTemplate.from_tokenizer(
+                llm.tokenizer, override_file=args.chat_template_file)
+        elif args.chat_template is not None:
+            llm.chat_template = ChatTemplate.from_tokenizer(llm.tokenizer,
+                                                            override=args.chat_template)
+    except ChatTemplateError as exc:
+        raise CliError(str(exc)) from None
+    return llm
+
+
+def _sampling_kwargs(args, seed: int) -> dict:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                seed=seed)
+
+
+def _stream(pieces, collected: List[str]) -> None:
+    for text in pieces:
+        collected.append(text)
+        _emit(text)
+
+
+def _complete(llm, args, prompt: str, seed: int, perf: _Perf) -> int:
+    max_tokens = None if args.n_predict == -1 else args.n_predict
+    try:
+        pieces = llm.generate(prompt, max_tokens=max_tokens, stream=True,
+                              ignore_eos=args.ignore_eos, **_sampling_kwargs(args, seed))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.display_prompt:
+        _emit(prompt)
+    rc = 0
+    try:
+        _stream(pieces, [])
+    except KeyboardInterrupt:
+        rc = EXIT_INTERRUPTED
+    _emit("\n")
+    perf.add(llm.last_stats)
+    _log_end(llm.last_stats)
+    return rc
+
+
+def _log_end(stats) -> None:
+    if stats is None:
+        return
+    reasons = {"eog": "end of generation token", "length": "token limit (-n)",
+               "context": "context full (-c)", "interrupted": "interrupted", "stop": "stop string",
+               "closed": "closed"}
+    _log(f"generate: {stats.n_generated} tokens, stopped by {reasons.get(stats.stop_reason, '?')}")
+
+
+def _converse(llm, args, seed: int, perf: _Perf) -> int:
+    try:
+        template = llm.chat_template
+    except ChatTemplateError as exc:
+        raise CliError(str(exc)) from None
+    _log(f"chat: template '{template.name}'; type /exit or send EOF to quit, Ctrl-C to stop a reply")
+    messages = []
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    pending = _prompt_text(args)
+    max_tokens = None if args.n_predict == -1 else args.n_predict
+    turn = 0
+    while True:
+        if pending is not None:
+            user, pending = pending, None
+            if args.display_prompt:
+                _emit(f"> {user}\n")
+        else:
+            _emit("\n> ")
+            try:
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:
+                _emit("\n")
+                return EXIT_INTERRUPTED
+            if not line:
+                _emit("\n")
+                return 0
+            user = line.rstrip("\r\n")
+            if user.strip() == "/exit":
+                return 0
+            if not user.strip():
+                continue
+        messages.append({"role": "user", "content": user})
+        try:
+            pieces = llm.chat(messages, max_tokens=max_tokens, stream=True,
+                              **_sampling_kwargs(args, (seed + turn) % 2 ** 32))
+        except (ChatTemplateError, InvalidMessagesError) as exc:
+            raise CliError(str(exc)) from None
+        except ValueError as exc:
+            raise CliError(f"the conversation no longer fits: {exc}") from None
+        reply: List[str] = []
+        try:
+            _stream(pieces, reply)
+        except KeyboardInterrupt:
+            _log("\n(reply interrupted)")
+        _emit("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        perf.add(llm.last_stats)
+        turn += 1
+
+
+def _prompt_text(args) -> Optional[str]:
+    if args.file is not None:
+        text = _read_text_file(args.file, "prompt file")
+        # As llama-cli does: a file's final newline ends the file, it is not part of the prompt.
+        return text[:-1] if text.endswith("\n") else text
+    return args.prompt
+
+
+def _run(args) -> int:
+    start = time.perf_counter()
+    _check_args(args)
+    prompt = _prompt_text(args)
+    conversation = args.conversation or prompt is None
+    if not args.conversation and prompt is None:
+        _log("main: no prompt given (-p/-f): starting conversation mode")
+    if not conversation and prompt == "":
+        raise CliError("the prompt is empty")
+
+    llm = _load(args)
+    perf = _Perf(load_seconds=time.perf_counter() - start)
+    m = llm.model
+    _log(f"load: '{m.path}': {m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, "
+         f"vocab {m.n_vocab}, loaded in {perf.load_seconds * 1e3:.0f} ms")
+    seed = args.seed if args.seed != -1 else secrets.randbits(32)
+    _log(f"main: n_ctx = {llm.n_ctx}, n_batch = {llm.context.n_batch}, "
+         f"n_predict = {args.n_predict}, n_threads = {m.n_threads}")
+    _log(f"sampler seed: {seed}")
+    _log(f"sampler params: top_k = {args.top_k}, top_p = {args.top_p:.3f}, "
+         f"min_p = {args.min_p:.3f}, temp = {args.temp:.3f}")
+
+    rc = 0
+    try:
+        if conversation:
+            rc = _converse(llm, args, seed, perf)
+        else:
+            rc = _complete(llm, args, prompt, seed, perf)
+    finally:
+        perf.report(time.perf_counter() - start)
+    return rc
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except CliError as exc:
+        _log(f"error: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        _log("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly, and keep Python from complaining
+        # about the unflushable stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""`pyspec.LLM`: text in, text out. Loads a GGUF model with its tokenizer and chat template and
+generates with llama.cpp's sampling chain.
+
+Each call starts from an empty cache (prefix reuse across calls may come later), so calls are
+independent; one LLM runs one generation at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .chat import ChatTemplate
+from .model import Context, Model
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+_D = SamplingParams()
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of the latest generation, for llama.cpp-style perf lines."""
+
+    n_prompt: int = 0
+    prompt_seconds: float = 0.0
+    n_generated: int = 0        # tokens returned (an end-of-generation token is not counted)
+    n_decoded: int = 0          # single-token decode calls after the prompt
+    decode_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    seed: int = 0
+    stop_reason: str = ""       # eog | stop | length | context | interrupted | closed
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.n_prompt / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.n_decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class LLM:
+    """A model ready to generate text.
+
+    model: a GGUF path or a loaded `pyspec.Model`; None loads the embedded default.
+    n_ctx: context size in tokens (prompt plus generated); 0 uses the model's training context.
+    chat_template: None uses the model's template (ChatML if it has none); otherwise a built-in
+        name ("chatml"), Jinja source, or a `ChatTemplate`.
+    """
+
+    def __init__(self, model: Union[str, os.PathLike, Model, None] = None, n_ctx: int = 4096,
+                 n_threads: Optional[int] = None, n_batch: int = 512,
+                 chat_template: Union[str, ChatTemplate, None] = None):
+        if isinstance(model, Model):
+            self.model = model
+        else:
+            self.model = Model(None if model is None else os.fspath(model), n_threads=n_threads)
+        n_ctx = int(n_ctx)
+        if n_ctx < 0:
+            raise ValueError(f"n_ctx must be >= 0 (0 = the model's {self.model.n_ctx_train}), "
+                             f"got {n_ctx}")
+        if n_ctx == 0:
+            n_ctx = self.model.n_ctx_train
+        if int(n_batch) < 1:
+            raise ValueError(f"n_batch must be at least 1, got {n_batch}")
+        self.tokenizer = Tokenizer.from_gguf(self.model.path)
+        self.context = Context(self.model, n_ctx=n_ctx, n_seq_max=1, n_batch=int(n_batch))
+        self.n_ctx = self.context.n_ctx
+        self.last_stats: Optional[GenerationStats] = None
+        self._running = False
+        # A user's template is compiled now so that mistakes show at once; the model's own only
+        # when chat is used, so a broken template in a file does not stop plain generation.
+        if isinstance(chat_template, ChatTemplate):
+            self._chat_template: Optional[ChatTemplate] = chat_template
+        elif chat_template is not None:
+            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer, override=chat_template)
+        else:
+            self._chat_template = None
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer)
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: ChatTemplate) -> None:
+        if not isinstance(template, ChatTemplate):
+            raise TypeError("chat_template must be a ChatTemplate (see ChatTemplate.from_tokenizer)")
+        self._chat_template = template
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> List[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special=skip_special)
+
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
+                            tools: Optional[list] = None, tokenize: bool = False, **template_vars):
+        """The prompt text for a conversation, or its token ids with `tokenize=True`.
+
+        Ids are tokenized with special tokens parsed; a BOS is added when the vocabulary wants
+        one and the template did not already write it.
+        """
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, **template_vars)
+        if not tokenize:
+            return text
+        ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if self.tokenizer.add_bos and bos is not None and bos >= 0 and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    def generate(self, prompt: Union[str, Sequence[int]], max_tokens: Optional[int] = 128,
+                 temperature: float = _D.temperature, top_k: int = _D.top_k,
+                 top_p: float = _D.top_p, min_p: float = _D.min_p, seed: Optional[int] = None,
+                 stop: Union[str, Sequence[str], None] = None, stream: bool = False,
+                 ignore_eos: bool = False) -> Union[str, Iterator[str]]:
+        """Continues `prompt` (text, tokenized with BOS per the model and special tokens parsed,
+        as llama.cpp does; or a list of token ids).
+
+        Stops at an end-of-generation token (unless `ignore_eos`), at the first `stop` string
+        (which is not returned), after `max_tokens` tokens (None or -1: no limit), or when the
+        context is full. Returns the text, or with `stream=True` an iterator of text pieces as
+        they decode (never splitting a UTF-8 character).
+        """
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt, add_special=True, parse_special=True)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.tokenizer.n_vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.tokenizer.n_vocab})")
+        return self._run(ids, params, max_tokens, stop, stream, ignore_eos)
+
+    def chat(self, messages: Any, max_tokens: Optional[int] = 128,
+             temperature: float = _D.temperature, top_k: int = _D.top_k, top_p: float = _D.top_p,
+             min_p: float = _D.min_p, seed: Optional[int] = None,
+             stop: Union[str, Sequence[str], None] = None, stream: bool = False,
+             tools: Optional[list] = None, **template_vars) -> Union[str, Iterator[str]]:
+        """The assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]), rendered
+        with the chat template and a generation prompt; arguments as for `generate`."""
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        ids = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                       tokenize=True, **template_vars)
+        return self._run(ids, params, max_tokens, stop, stream, False)
+
+    def _run(self, ids: List[int], params: SamplingParams, max_tokens: Optional[int],
+             stop, stream: bool, ignore_eos: bool) -> Union[str, Iterator[str]]:
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens): give some text")
+        if len(ids) >= self.n_ctx:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx} "
+                             "(prompt and output together): shorten the prompt or raise n_ctx")
+        if max_tokens is not None:
+            max_tokens = int(max_tokens)
+            if max_tokens < -1:
+                raise ValueError(f"max_tokens must be >= 0, or -1/None for no limit, got {max_tokens}")
+            if max_tokens == -1:
+                max_tokens = None
+        stops = _stop_list(stop)
+        pieces = self._text_pieces(ids, params, max_tokens, stops, ignore_eos)
+        if stream:
+            return pieces
+        return "".join(pieces)
+
+    def _text_pieces(self, ids, params, max_tokens, stops, ignore_eos) -> Iterator[str]:
+        decoder = self.tokenizer.stream_decoder()
+        matcher = _StopMatcher(stops)
+        with contextlib.closing(self._tokens(ids, params, max_tokens, ignore_eos)) as tokens:
+            for tok in tokens:
+                text, hit = matcher.feed(decoder.push(tok))
+                if text:
+                    yield text
+                if hit:
+                    self.last_stats.stop_reason = "stop"
+                    return
+        text, hit = matcher.feed(decoder.flush())
+        if hit:
+            self.last_stats.stop_reason = "stop"
+        else:
+            text += matcher.finish()
+        if text:
+            yield text
+
+    def _tokens(self, ids: List[int], params: SamplingParams, max_tokens: Optional[int],
+                ignore_eos: bool) -> Iterator[int]:
+        if self._running:
+            raise RuntimeError("this LLM is already generating: finish or close the other "
+                               "stream first")
+        self._running = True
+        sampler = Sampler(params)
+        stats = GenerationStats(n_prompt=len(ids), seed=sampler.seed)
+        self.last_stats = stats
+        ctx = self.context
+        try:
+            if max_tokens == 0:
+                stats.stop_reason = "length"
+                return
+            ctx.kv_clear()
+            t = time.perf_counter()
+            logits = ctx.decode(np.asarray(ids, dtype=np.int32)).logits[-1]
+            stats.prompt_seconds = time.perf_counter() - t
+            while True:
+                t = time.perf_counter()
+                tok = sampler.sample(logits)
+                stats.sample_seconds += time.perf_counter() - t
+                if not ignore_eos and self.tokenizer.is_eog(tok):
+                    stats.stop_reason = "eog"
+                    return
+                stats.n_generated += 1
+                yield tok
+                if max_tokens is not None and stats.n_generated >= max_tokens:
+                    stats.stop_reason = "length"
+                    return
+                if len(ids) + stats.n_generated >= self.n_ctx:
+                    stats.stop_reason = "context"
+                    return
+                t = time.perf_counter()
+                logits = ctx.decode([tok]).logits[-1]
+                stats.decode_seconds += time.perf_counter() - t
+                stats.n_decoded += 1
+        except KeyboardInterrupt:
+            stats.stop_reason = "interrupted"
+            raise
+        except GeneratorExit:
+            if not stats.stop_reason:
+                stats.stop_reason = "closed"
+            raise
+        finally:
+            self._running = False
+
+    def __repr__(self) -> str:
+        return f"LLM({self.model.path!r}, n_ctx={self.n_ctx})"
+
+
+def _stop_list(stop) -> List[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    out = []
+    for s in stop:
+        if not isinstance(s, str):
+            raise ValueError(f"stop strings must be strings, got {type(s).__name__}")
+        if s:
+            out.append(s)
+    return out
+
+
+class _StopMatcher:
+    """Finds stop strings in streamed text. Text that might be the start of a stop string is held
+    back until the next piece shows whether it is."""
+
+    def __init__(self, stops: List[str]):
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, text: str):
+        """Returns (text safe to emit, whether a stop string was found)."""
+        buf = self.held + text
+        if not self.stops:
+            self.held = ""
+            return buf, False
+        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.held = ""
+            return buf[:min(found)], True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:n]):
+                    keep = n
+                    break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def finish(self) -> str:
+        out, self.held = self.held, ""
+        return out

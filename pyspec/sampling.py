@@ -1,0 +1,182 @@
+"""Host-side token sampling with llama.cpp's parameters, defaults and chain order.
+
+llama.cpp's default chain (common/sampling.cpp) runs, for the knobs we expose:
+
+    top-k -> top-p -> min-p -> temperature -> draw
+
+over the candidates sorted by logit, each stage seeing what the previous one kept:
+
+- top-k keeps the k highest logits; k <= 0 turns it off.
+- top-p renormalises the current candidates (softmax of their logits at temperature 1) and keeps
+  the shortest prefix whose cumulative probability reaches p; p >= 1 turns it off.
+- min-p keeps the candidates whose probability is at least min_p times the best one's, i.e.
+  logit >= max_logit + log(min_p); min_p <= 0 turns it off.
+- temperature divides the kept logits by T; T <= 0 means greedy (the argmax of the raw logits,
+  which every filter keeps).
+- the draw samples from the softmax of what is left.
+
+A stage that is off does not run at all, so temperature-only sampling draws from exactly
+softmax(logits / T) over the whole vocabulary (design invariant 5). Ties between equal logits are
+ordered by token id, so the kept sets never depend on the sort's whims.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+# Beyond this many candidates top-p first tries the best few (as llama.cpp does): when they
+# already hold p of the mass, sorting the whole vocabulary is unnecessary.
+_TOP_P_FIRST_TRY = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """llama.cpp's sampling knobs with its defaults. `seed` None (or -1) draws a random seed."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, (int, np.integer))
+                                      or self.seed < -1):
+            raise ValueError(f"seed must be a non-negative integer, -1 or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class Sampler:
+    """Draws token ids from logits with a seeded numpy generator (one per generation)."""
+
+    def __init__(self, params: SamplingParams = SamplingParams()):
+        self.params = params
+        seed = params.seed
+        # A random seed is still chosen explicitly so that it can be reported and replayed.
+        self.seed = secrets.randbits(32) if seed is None or seed == -1 else int(seed)
+        self.rng = np.random.default_rng(self.seed)
+        p = params
+        if p.greedy:
+            self.stages: Tuple[str, ...] = ("greedy",)
+        else:
+            stages = []
+            if p.top_k > 0:
+                stages.append("top-k")
+            if p.top_p < 1.0:
+                stages.append("top-p")
+            if p.min_p > 0.0:
+                stages.append("min-p")
+            self.stages = tuple(stages) + ("temperature", "dist")
+
+    def candidates(self, logits: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """The ids the draw chooses from and their probabilities (sum 1).
+
+        Filtered candidates come sorted by logit (highest first, ties by id); with no filter the
+        whole vocabulary is returned in id order.
+        """
+        z = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if z.shape[0] == 0:
+            raise ValueError("cannot sample from empty logits")
+        if self.params.greedy:
+            return np.array([int(np.argmax(z))]), np.ones(1)
+        ids, kept = self._filter(z)
+        return ids, _softmax(kept / self.params.temperature)
+
+    def sample(self, logits: np.ndarray) -> int:
+        z = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if self.params.greedy:
+            if z.shape[0] == 0:
+                raise ValueError("cannot sample from empty logits")
+            return int(np.argmax(z))
+        ids, probs = self.candidates(z)
+        cdf = np.cumsum(probs)
+        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        return int(ids[min(i, ids.shape[0] - 1)])
+
+    def _filter(self, z: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        p = self.params
+        n = z.shape[0]
+        if p.top_k > 0:
+            ids = _top_sorted(z, min(int(p.top_k), n))
+            kept = z[ids]
+            if p.top_p < 1.0:
+                kept = kept[:_top_p_cut(kept, p.top_p)]
+            if p.min_p > 0.0:
+                kept = kept[:_min_p_cut(kept, p.min_p)]
+            return ids[:kept.shape[0]], kept
+        if p.top_p >= 1.0 and p.min_p <= 0.0:
+            return np.arange(n), z
+        # Without top-k every stage cuts a prefix of the whole vocabulary's sorted order, and
+        # min-p's length needs no sort (a count against the best logit): only sort what can
+        # survive it.
+        limit = n
+        if p.min_p > 0.0:
+            limit = max(1, int(np.count_nonzero(z >= z.max() + math.log(p.min_p))))
+        if p.top_p < 1.0:
+            ids = _top_p_prefix_of_vocab(z, p.top_p, limit)
+        else:
+            ids = _top_sorted(z, limit)
+        return ids, z[ids]
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _top_sorted(z: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k highest logits, sorted descending, ties broken by lower id."""
+    n = z.shape[0]
+    if k >= n:
+        return np.lexsort((np.arange(n), -z))
+    threshold = np.partition(z, n - k)[n - k]
+    above = np.flatnonzero(z > threshold)
+    tied = np.flatnonzero(z == threshold)[:k - above.shape[0]]
+    ids = np.concatenate([above, tied])
+    return ids[np.lexsort((ids, -z[ids]))]
+
+
+def _top_p_cut(sorted_logits: np.ndarray, top_p: float) -> int:
+    """Length of the shortest prefix of sorted candidates whose renormalised mass reaches top_p."""
+    cdf = np.cumsum(_softmax(sorted_logits))
+    return min(int(np.searchsorted(cdf, top_p, side="left")) + 1, sorted_logits.shape[0])
+
+
+def _top_p_prefix_of_vocab(z: np.ndarray, top_p: float, limit: int) -> np.ndarray:
+    """Sorted ids of the top-p prefix of the whole vocabulary, at most `limit` long. The best few
+    are tried first: when they already hold top_p of the mass (or reach the limit), sorting the
+    rest is unnecessary, and the prefix of the full order is the same either way."""
+    zmax = z.max()
+    total = np.exp(z - zmax).sum()
+    ids = _top_sorted(z, min(limit, _TOP_P_FIRST_TRY))
+    cdf = np.cumsum(np.exp(z[ids] - zmax)) / total
+    if cdf[-1] < top_p and ids.shape[0] < limit:
+        ids = _top_sorted(z, limit)
+        cdf = np.cumsum(np.exp(z[ids] - zmax)) / total
+    return ids[:int(np.searchsorted(cdf, top_p, side="left")) + 1]
+
+
+def _min_p_cut(sorted_logits: np.ndarray, min_p: float) -> int:
+    """Number of sorted candidates with probability >= min_p * the best one's."""
+    floor = sorted_logits[0] + math.log(min_p)
+    return max(1, int(np.count_nonzero(sorted_logits >= floor)))
