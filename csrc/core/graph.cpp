@@ -215,6 +215,10 @@ int Graph::set_rows(int dst, int rows, int ids) {
 int Graph::argmax(int a) { return add_node(Op::ARGMAX, DType::I32, {1, (*this)[a].ne[1], 1, 1}, {a}); }
 
 int Graph::top_k(int a, int k) {
+    if (k < 1 || k > (*this)[a].ne[0]) {
+        throw std::invalid_argument("top_k: k = " + std::to_string(k) + " must be in [1, " +
+                                    std::to_string((*this)[a].ne[0]) + "]");
+    }
     int id = add_node(Op::TOP_K, DType::I32, {k, (*this)[a].ne[1], 1, 1}, {a});
     (*this)[id].iparams[0] = k;
     return id;

@@ -60,6 +60,7 @@ void attention_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     for (int64_t w = w0; w < w1; ++w) {
         const int64_t r = w / n_kv_head;
         const int64_t kvh = w % n_kv_head;
+        if (base[r] < 0 || base[r] + span > kc.ne[1]) throw std::logic_error("attention: span outside the cache");
         const float* mrow = reinterpret_cast<const float*>(static_cast<const char*>(mask.data) + r * mask.nb[1]);
         int64_t n_valid = 0;
         for (int64_t j = 0; j < span; ++j) {

@@ -53,6 +53,7 @@ void op_get_rows(const Graph& g, int id, int ith, int nth) {
     split_range(dst.ne[1], ith, nth, r0, r1);
     for (int64_t r = r0; r < r1; ++r) {
         const int32_t row = ids.as<int32_t>()[r];
+        if (row < 0 || row >= table.nrows()) unsupported(g, id, "row id " + std::to_string(row) + " out of range");
         dequantize_row(table.dtype, row_ptr(table, row), frow(dst, r), dst.ne[0]);
     }
 }
@@ -174,6 +175,7 @@ void op_set_rows(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     int64_t r0, r1;
     split_range(rows.nrows(), ith, nth, r0, r1);
     for (int64_t r = r0; r < r1; ++r) {
+        if (ids[r] < 0 || ids[r] >= dst.ne[1]) unsupported(g, id, "row id " + std::to_string(ids[r]) + " out of range");
         char* out = static_cast<char*>(dst.data) + static_cast<int64_t>(ids[r]) * dst.nb[1];
         if (rows.dtype == DType::F32) {
             quantize_row(dst.dtype, frow(rows, r), out, n);
@@ -204,7 +206,7 @@ void op_top_k(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     const Tensor& dst = g[id];
     const Tensor& a = g[dst.src[0]];
     const int64_t n = a.ne[0];
-    const int64_t k = std::min<int64_t>(dst.iparams[0], n);
+    const int64_t k = std::min<int64_t>(dst.ne[0], n);
     s.idx.resize(static_cast<size_t>(n));
     int64_t r0, r1;
     split_range(a.nrows(), ith, nth, r0, r1);
@@ -216,6 +218,7 @@ void op_top_k(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         });
         int32_t* out = reinterpret_cast<int32_t*>(row_ptr(dst, r));
         std::copy(s.idx.begin(), s.idx.begin() + k, out);
+        std::fill(out + k, out + dst.ne[0], -1);  // k > n: no candidate
     }
 }
 

