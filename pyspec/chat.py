@@ -86,14 +86,16 @@ def validate_messages(messages: Any) -> List[Dict[str, Any]]:
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidMessagesError(
-            f"messages must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}")
+            "messages must be a list of {'role', 'content'} objects, "
+            f"got {type(messages).__name__}")
     if len(messages) == 0:
         raise InvalidMessagesError("messages is empty: give at least one message")
     out = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise InvalidMessagesError(
-                f"messages[{i}] must be an object with 'role' and 'content', got {type(msg).__name__}")
+                f"messages[{i}] must be an object with 'role' and 'content', "
+                f"got {type(msg).__name__}")
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidMessagesError(f"messages[{i}] needs a non-empty string 'role'")
@@ -159,7 +161,8 @@ class ChatTemplate:
                        override_file: Optional[Union[str, os.PathLike]] = None) -> "ChatTemplate":
         """The template to use for a model: `override_file`, else `override` (a built-in name
         such as "chatml" or Jinja source), else the model's own, else ChatML."""
-        bos, eos = _token_text(tokenizer, tokenizer.bos_id), _token_text(tokenizer, tokenizer.eos_id)
+        bos = _token_text(tokenizer, tokenizer.bos_id)
+        eos = _token_text(tokenizer, tokenizer.eos_id)
         if override_file is not None:
             return cls.from_file(override_file, bos, eos)
         if override is not None:

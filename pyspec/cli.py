@@ -97,10 +97,13 @@ class _Perf:
         self.sample_seconds += stats.sample_seconds
 
     def report(self, total_seconds: float) -> None:
-        _log(f"pyspec_perf:    sampling time = {_rate(self.sample_seconds, self.n_sampled, 'runs  ')}")
+        sampling = _rate(self.sample_seconds, self.n_sampled, "runs  ")
+        prompt = _rate(self.prompt_seconds, self.n_prompt, "tokens")
+        decode = _rate(self.decode_seconds, self.n_decoded, "runs  ")
+        _log(f"pyspec_perf:    sampling time = {sampling}")
         _log(f"pyspec_perf:        load time = {self.load_seconds * 1e3:10.2f} ms")
-        _log(f"pyspec_perf: prompt eval time = {_rate(self.prompt_seconds, self.n_prompt, 'tokens')}")
-        _log(f"pyspec_perf:        eval time = {_rate(self.decode_seconds, self.n_decoded, 'runs  ')}")
+        _log(f"pyspec_perf: prompt eval time = {prompt}")
+        _log(f"pyspec_perf:        eval time = {decode}")
         _log(f"pyspec_perf:       total time = {total_seconds * 1e3:10.2f} ms / "
              f"{self.n_prompt + self.n_decoded:6d} tokens")
 
@@ -196,10 +199,19 @@ def _sampling_kwargs(args, seed: int) -> dict:
                 seed=seed)
 
 
-def _stream(pieces, collected: List[str]) -> None:
-    for text in pieces:
-        collected.append(text)
-        _emit(text)
+def _stream(llm, pieces, collected: List[str]) -> bool:
+    """Prints generated pieces as they come; False when Ctrl-C stopped the generation."""
+    try:
+        for text in pieces:
+            collected.append(text)
+            _emit(text)
+        return True
+    except KeyboardInterrupt:
+        # Ctrl-C may land outside the generator (while printing), so close it here and say why.
+        pieces.close()
+        if llm.last_stats is not None:
+            llm.last_stats.stop_reason = "interrupted"
+        return False
 
 
 def _complete(llm, args, prompt: str, seed: int, perf: _Perf) -> int:
@@ -211,11 +223,7 @@ def _complete(llm, args, prompt: str, seed: int, perf: _Perf) -> int:
         raise CliError(str(exc)) from None
     if args.display_prompt:
         _emit(prompt)
-    rc = 0
-    try:
-        _stream(pieces, [])
-    except KeyboardInterrupt:
-        rc = EXIT_INTERRUPTED
+    rc = 0 if _stream(llm, pieces, []) else EXIT_INTERRUPTED
     _emit("\n")
     perf.add(llm.last_stats)
     _log_end(llm.last_stats)
@@ -236,7 +244,8 @@ def _converse(llm, args, seed: int, perf: _Perf) -> int:
         template = llm.chat_template
     except ChatTemplateError as exc:
         raise CliError(str(exc)) from None
-    _log(f"chat: template '{template.name}'; type /exit or send EOF to quit, Ctrl-C to stop a reply")
+    _log(f"chat: template '{template.name}'; type /exit or send EOF to quit, "
+         "Ctrl-C to stop a reply")
     messages = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
@@ -272,10 +281,8 @@ def _converse(llm, args, seed: int, perf: _Perf) -> int:
         except ValueError as exc:
             raise CliError(f"the conversation no longer fits: {exc}") from None
         reply: List[str] = []
-        try:
-            _stream(pieces, reply)
-        except KeyboardInterrupt:
-            _log("\n(reply interrupted)")
+        if not _stream(llm, pieces, reply):
+            _log("(reply interrupted)")
         _emit("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
         perf.add(llm.last_stats)

@@ -79,7 +79,8 @@ class LLM:
         if isinstance(chat_template, ChatTemplate):
             self._chat_template: Optional[ChatTemplate] = chat_template
         elif chat_template is not None:
-            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer, override=chat_template)
+            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer,
+                                                              override=chat_template)
         else:
             self._chat_template = None
 
@@ -92,14 +93,20 @@ class LLM:
     @chat_template.setter
     def chat_template(self, template: ChatTemplate) -> None:
         if not isinstance(template, ChatTemplate):
-            raise TypeError("chat_template must be a ChatTemplate (see ChatTemplate.from_tokenizer)")
+            raise TypeError("chat_template must be a ChatTemplate "
+                            "(see ChatTemplate.from_tokenizer)")
         self._chat_template = template
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> List[int]:
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = True) -> List[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
-    def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self.tokenizer.decode(list(ids), skip_special=skip_special)
+    def detokenize(self, ids: Sequence[int], skip_special: bool = False,
+                   continuation: bool = False) -> str:
+        """Text of `ids`; `continuation=True` joins the pieces as they are, as generated text
+        is returned (see Tokenizer.decode)."""
+        return self.tokenizer.decode(list(ids), skip_special=skip_special,
+                                     continuation=continuation)
 
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
                             tools: Optional[list] = None, tokenize: bool = False, **template_vars):
@@ -164,7 +171,8 @@ class LLM:
         if max_tokens is not None:
             max_tokens = int(max_tokens)
             if max_tokens < -1:
-                raise ValueError(f"max_tokens must be >= 0, or -1/None for no limit, got {max_tokens}")
+                raise ValueError("max_tokens must be >= 0, or -1/None for no limit, "
+                                 f"got {max_tokens}")
             if max_tokens == -1:
                 max_tokens = None
         stops = _stop_list(stop)
@@ -174,7 +182,9 @@ class LLM:
         return "".join(pieces)
 
     def _text_pieces(self, ids, params, max_tokens, stops, ignore_eos) -> Iterator[str]:
-        decoder = self.tokenizer.stream_decoder()
+        # Generated text as llama.cpp shows it: each token's piece appended as is (no clean-up of
+        # spaces against the prompt), control tokens hidden.
+        decoder = self.tokenizer.stream_decoder(skip_special=True, continuation=True)
         matcher = _StopMatcher(stops)
         with contextlib.closing(self._tokens(ids, params, max_tokens, ignore_eos)) as tokens:
             for tok in tokens:

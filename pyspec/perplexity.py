@@ -1,4 +1,8 @@
-"""`pyspec-perplexity`: perplexity of a model over a token file, by llama-perplexity's method.
+"""`pyspec-perplexity`: perplexity of a model over a text or token file, by llama-perplexity's method.
+
+The input is a text file (`-f`, tokenized with the model's own tokenizer as llama-perplexity does:
+one trailing newline dropped, BOS added only if the vocabulary adds one, special-token text left as
+plain text) or a JSON list of token ids (`--ids`).
 
 The ids are cut into chunks of `n_ctx` tokens (a tail that does not fill a chunk is dropped). Each
 chunk is evaluated on its own from an empty cache, and only the second half of it is scored: for
@@ -143,6 +147,25 @@ def load_ids(path: str) -> List[int]:
     return data
 
 
+def load_text_ids(path: str, tokenizer) -> List[int]:
+    """The token ids of a text file, as llama-perplexity -f gets them: the file's bytes (invalid
+    UTF-8 replaced) less one trailing newline, tokenized with add_special=True and no special-token
+    parsing."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise PerplexityError(f"text file not found: {path}") from None
+    except IsADirectoryError:
+        raise PerplexityError(f"text file is a directory: {path}") from None
+    except OSError as exc:
+        raise PerplexityError(f"cannot read text file {path}: {exc.strerror}") from None
+    if data.endswith(b"\n"):
+        data = data[:-1]
+    return tokenizer.encode(data.decode("utf-8", errors="replace"), add_special=True,
+                            parse_special=False)
+
+
 def _vocab_bos(metadata: dict) -> Optional[int]:
     """The BOS id when the vocabulary adds one (tokenizer.ggml.add_bos_token), else None."""
     if not metadata.get("tokenizer.ggml.add_bos_token", False):
@@ -161,13 +184,13 @@ class _ArgumentParser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(
         prog="pyspec-perplexity",
-        description="Perplexity of a GGUF model over pre-tokenized text (llama-perplexity's "
-                    "method: chunks of -c tokens, each from an empty cache, second half scored).")
+        description="Perplexity of a GGUF model over a text (llama-perplexity's method: chunks "
+                    "of -c tokens, each from an empty cache, second half scored).")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF model path (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--ids", default=None, help="JSON file with a list of token ids")
     p.add_argument("-f", "--file", default=None,
-                   help="text file (not supported yet: needs the tokenizer; use --ids)")
+                   help="text file, tokenized with the model's tokenizer")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size (default 512)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("-b", "--batch-size", type=int, default=None,
@@ -176,12 +199,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    if args.file is not None:
-        raise PerplexityError(
-            "text input (-f) needs the tokenizer, which pyspec does not have yet; tokenize the "
-            "text elsewhere (e.g. llama.cpp) and pass the ids with --ids IDS.json")
-    if args.ids is None:
-        raise PerplexityError("no input: pass --ids IDS.json (a JSON list of token ids)")
+    if args.file is not None and args.ids is not None:
+        raise PerplexityError("give either -f TEXTFILE or --ids IDS.json, not both")
+    if args.file is None and args.ids is None:
+        raise PerplexityError("no input: pass -f TEXTFILE or --ids IDS.json (a JSON list of "
+                              "token ids)")
     if args.ctx_size < 4:
         raise PerplexityError(f"-c must be at least 4, got {args.ctx_size}")
     if args.threads is not None and args.threads < 1:
@@ -189,27 +211,39 @@ def _run(args) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise PerplexityError(f"-b must be at least 1, got {args.batch_size}")
 
-    ids = load_ids(args.ids)
     n_ctx = args.ctx_size
-    _check_enough_tokens(len(ids), n_ctx, args.ids)
-
     import pyspec
 
+    if args.ids is not None:
+        source = args.ids
+        ids = load_ids(args.ids)
+        _check_enough_tokens(len(ids), n_ctx, source)
     try:
         path = args.model if args.model is not None else pyspec.default_model_path()
+        if args.file is not None:
+            from .tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_gguf(path)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise PerplexityError(f"cannot load model: {exc}") from None
+    if args.file is not None:
+        source = args.file
+        ids = load_text_ids(args.file, tokenizer)
+        _check_enough_tokens(len(ids), n_ctx, source)
+    try:
         model = pyspec.Model(path, n_threads=args.threads)
     except (ValueError, RuntimeError, OSError) as exc:
         raise PerplexityError(f"cannot load model: {exc}") from None
     bad = [t for t in ids if t < 0 or t >= model.n_vocab]
     if bad:
         raise PerplexityError(
-            f"ids file {args.ids} has token id {bad[0]} outside the vocabulary [0, {model.n_vocab})")
+            f"{source} has token id {bad[0]} outside the vocabulary [0, {model.n_vocab})")
     n_batch = min(args.batch_size or n_ctx, n_ctx)
     ctx = pyspec.Context(model, n_ctx=n_ctx, n_seq_max=1, n_batch=n_batch)
 
     n_chunks = len(ids) // n_ctx
     print(f"perplexity: model {path}", file=sys.stderr)
-    print(f"perplexity: {len(ids)} tokens, {n_chunks} chunks, n_ctx={n_ctx}, "
+    print(f"perplexity: {len(ids)} tokens from {source}, {n_chunks} chunks, n_ctx={n_ctx}, "
           f"batch_size={n_batch}, n_threads={model.n_threads}", file=sys.stderr)
 
     def on_chunk(i: int, running: float) -> None:

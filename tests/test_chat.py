@@ -85,20 +85,24 @@ def test_qwen_style_template_with_system_message():
 
 
 def test_tools_reach_the_template_as_plain_json():
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & 'here'",
-                                             "parameters": {"city": "Zürich"}}}
+    tool = {"type": "function",
+            "function": {"name": "get_weather", "description": "Weather <now> & 'here'",
+                         "parameters": {"city": "Zürich"}}}
     text = ChatTemplate(QWEN_STYLE).render([{"role": "user", "content": "Weather?"}], tools=[tool])
     # HF's tojson: no HTML escaping, non-ASCII kept.
     assert "\n" + json.dumps(tool, ensure_ascii=False) + "\n</tools>" in text
-    assert text.startswith("<|im_start|>system\nYou are Qwen, a helpful assistant.\n\n# Tools\n<tools>")
+    assert text.startswith(
+        "<|im_start|>system\nYou are Qwen, a helpful assistant.\n\n# Tools\n<tools>")
 
 
 def test_bos_eos_strftime_and_extra_variables():
-    t = ChatTemplate("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}|{{ strftime_now('%Y') }}"
-                     "|{{ enable_thinking }}", bos_token="<s>", eos_token="</s>")
+    t = ChatTemplate("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"
+                     "|{{ strftime_now('%Y') }}|{{ enable_thinking }}",
+                     bos_token="<s>", eos_token="</s>")
     import datetime
     year = datetime.datetime.now().strftime("%Y")
-    assert t.render([{"role": "user", "content": "x"}], enable_thinking=False) == f"<s>x</s>|{year}|False"
+    text = t.render([{"role": "user", "content": "x"}], enable_thinking=False)
+    assert text == f"<s>x</s>|{year}|False"
 
 
 def test_raise_exception_gives_chat_template_error_with_the_templates_text():
@@ -124,9 +128,11 @@ def test_chatml_fallback_when_the_model_has_no_template():
     assert t.name == "chatml" and t.source == CHATML_TEMPLATE
     assert (t.bos_token, t.eos_token) == ("<s>", "</s>")
     text = t.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
-    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+                    "<|im_start|>assistant\n")
     # The built-in name gives the same template, and overrides the model's own.
-    assert ChatTemplate.from_name_or_source("chatml").render([{"role": "user", "content": "U"}]) == \
+    builtin = ChatTemplate.from_name_or_source("chatml")
+    assert builtin.render([{"role": "user", "content": "U"}]) == \
         "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -143,7 +149,8 @@ def test_template_from_file_and_from_string(tmp_path):
     from_file = ChatTemplate.from_tokenizer(Tok(), override_file=path)
     assert from_file.render(msgs) == "[user]héllo[assistant]"
     assert from_file.name == "mine.jinja" and from_file.bos_token == ""
-    assert ChatTemplate.from_tokenizer(Tok(), override=path.read_text()).render(msgs, False) == "[user]héllo"
+    from_string = ChatTemplate.from_tokenizer(Tok(), override=path.read_text())
+    assert from_string.render(msgs, add_generation_prompt=False) == "[user]héllo"
     with pytest.raises(ChatTemplateError, match="cannot read chat template file"):
         ChatTemplate.from_file(tmp_path / "missing.jinja")
     with pytest.raises(ChatTemplateError, match="unknown chat template 'llama9'"):
@@ -158,13 +165,16 @@ def test_syntax_errors_are_chat_template_errors():
 
 
 def test_trim_and_lstrip_blocks_as_hf():
-    t = ChatTemplate("{% for m in messages %}\n    {% if true %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}")
+    t = ChatTemplate("{% for m in messages %}\n    {% if true %}\n{{ m.content }}\n"
+                     "    {% endif %}\n{% endfor %}")
     # The block tags' own lines vanish; only the content lines remain.
-    assert t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a\nb\n"
+    two = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert t.render(two) == "a\nb\n"
 
 
 def test_loop_controls_are_available():
-    t = ChatTemplate("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}")
+    t = ChatTemplate("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                     "{{ m.content }}{% endfor %}")
     assert t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a"
 
 
@@ -188,8 +198,8 @@ def test_runtime_errors_in_templates_are_wrapped():
 
 
 def test_content_parts_are_joined_and_other_keys_pass_through():
-    msgs = validate_messages([{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                          {"type": "text", "text": "b"}], "name": "n"},
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    msgs = validate_messages([{"role": "user", "content": parts, "name": "n"},
                               {"role": "assistant", "content": None}])
     assert msgs == [{"role": "user", "content": "a\nb", "name": "n"},
                     {"role": "assistant", "content": ""}]

@@ -41,7 +41,8 @@ def test_prompt_is_echoed_then_the_greedy_continuation(llm):
     assert r.returncode == 0, r.stderr
     expected = llm.generate(FRANCE["prompt"], max_tokens=16, temperature=0)
     assert r.stdout == FRANCE["prompt"] + expected + "\n"
-    assert r.stdout.startswith(FRANCE["prompt"] + llm.detokenize(FRANCE["greedy_ids"][:N_EXACT]))
+    reference = llm.detokenize(FRANCE["greedy_ids"][:N_EXACT], continuation=True)
+    assert r.stdout.startswith(FRANCE["prompt"] + reference)
     # Logs and llama.cpp-style perf lines go to stderr.
     assert re.search(r"prompt eval time = +[\d.]+ ms / +5 tokens \( *[\d.]+ ms per token, +[\d.]+ "
                      r"tokens per second\)", r.stderr), r.stderr
@@ -79,8 +80,9 @@ def test_chat_alias_system_prompt_first_message_and_eof(llm):
 
 def test_chat_template_file_is_used(tmp_path):
     template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}{{ raise_exception('custom template: ' + m.content) }}"
-                        "{% endfor %}", encoding="utf-8")
+    template.write_text("{% for m in messages %}"
+                        "{{ raise_exception('custom template: ' + m.content) }}{% endfor %}",
+                        encoding="utf-8")
     r = run_cli("-cnv", "--chat-template-file", str(template), *BASE, stdin="hi\n")
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == "error: custom template: hi"
@@ -114,10 +116,12 @@ def _main(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["-m", "/nonexistent/model.gguf", "-p", "hi"], 1, "error: model file '/nonexistent/model.gguf' not found"),
+    (["-m", "/nonexistent/model.gguf", "-p", "hi"], 1,
+     "error: model file '/nonexistent/model.gguf' not found"),
     (["-p", "hi", "--top-k", "many"], 2, "argument --top-k: invalid int value: 'many'"),
     (["-p", "hi", "--bogus"], 2, "unrecognized arguments: --bogus"),
-    (["-f", "/nonexistent/prompt.txt"], 1, "error: prompt file '/nonexistent/prompt.txt' not found"),
+    (["-f", "/nonexistent/prompt.txt"], 1,
+     "error: prompt file '/nonexistent/prompt.txt' not found"),
     (["-p", "hi", "-n", "-5"], 1, "error: --n-predict must be -1"),
     (["-p", "hi", "--top-p", "2"], 1, "error: top_p must be in [0, 1]"),
     (["-p", "hi", "-f", "x.txt"], 1, "error: give the prompt with -p or -f, not both"),

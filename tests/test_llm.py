@@ -39,9 +39,9 @@ def greedy_ids(llm):
 @pytest.mark.parametrize("case", RAW_CASES, ids=lambda c: c["prompt"][:20])
 def test_greedy_text_matches_llama_cpp(llm, greedy_ids, case):
     text = llm.generate(case["prompt"], max_tokens=N_GEN, temperature=0)
-    assert text.startswith(llm.detokenize(case["greedy_ids"][:N_EXACT]))
+    assert text.startswith(llm.detokenize(case["greedy_ids"][:N_EXACT], continuation=True))
     # The whole text is the detokenized greedy tokens of the plain decode loop.
-    assert text == llm.detokenize(greedy_ids[case["prompt"]])
+    assert text == llm.detokenize(greedy_ids[case["prompt"]], skip_special=True, continuation=True)
     assert llm.last_stats.n_generated == N_GEN and llm.last_stats.stop_reason == "length"
     assert llm.last_stats.n_prompt == len(case["prompt_ids"])
 
@@ -83,8 +83,8 @@ def test_chat_reproduces_the_reference_and_stops_at_im_end(llm):
     assert CHAT_CASE["greedy_ids"][-1] == llm.tokenizer.eos_id
     stats = llm.last_stats
     assert stats.stop_reason == "eog" and stats.n_generated == len(CHAT_CASE["greedy_ids"]) - 1
-    streamed = "".join(llm.chat(CHAT_CASE["chat_messages"], max_tokens=64, temperature=0, stream=True))
-    assert streamed == reply
+    streamed = llm.chat(CHAT_CASE["chat_messages"], max_tokens=64, temperature=0, stream=True)
+    assert "".join(streamed) == reply
 
 
 def test_sampling_with_a_seed_reproduces(llm):
@@ -92,7 +92,7 @@ def test_sampling_with_a_seed_reproduces(llm):
     a = llm.generate(prompt, max_tokens=10, temperature=1.0, seed=11)
     assert llm.last_stats.seed == 11
     assert llm.generate(prompt, max_tokens=10, temperature=1.0, seed=11) == a
-    others = {llm.generate(prompt, max_tokens=10, temperature=1.0, seed=s) for s in (12, 13, 14)}
+    others = {llm.generate(prompt, max_tokens=10, temperature=1.0, seed=s) for s in (12, 13)}
     assert others != {a}
 
 
@@ -106,11 +106,12 @@ def test_prompt_longer_than_the_context_is_a_clear_error(llm):
 
 
 def test_generation_stops_when_the_context_is_full(llm):
-    ids = llm.tokenize("one two three " * 200)[:505]
-    text = llm.generate(ids, max_tokens=None, temperature=0, ignore_eos=True)
-    stats = llm.last_stats
-    assert stats.stop_reason == "context" and stats.n_generated == 512 - 505
-    assert len(llm.tokenize(text, add_special=False)) >= 1
+    small = pyspec.LLM(llm.model, n_ctx=64)
+    ids = small.tokenize("one two three " * 30)[:57]
+    text = small.generate(ids, max_tokens=None, temperature=0, ignore_eos=True)
+    stats = small.last_stats
+    assert stats.stop_reason == "context" and stats.n_generated == 64 - 57
+    assert text and stats.n_decoded == stats.n_generated - 1
 
 
 def test_max_tokens_zero_and_one_generation_at_a_time(llm):

@@ -70,7 +70,8 @@ def softmax(x):
 
 def test_chi2_pvalue_approximation():
     # Tabulated chi-square quantiles: P(X > x) for (x, dof).
-    for x, dof, p in [(7.815, 3, 0.05), (23.209, 10, 0.01), (124.342, 100, 0.05), (16.266, 3, 0.001)]:
+    table = [(7.815, 3, 0.05), (23.209, 10, 0.01), (124.342, 100, 0.05), (16.266, 3, 0.001)]
+    for x, dof, p in table:
         assert chi2_pvalue(x, dof) == pytest.approx(p, rel=0.15)
     scipy_stats = pytest.importorskip("scipy.stats")
     for x, dof in [(5.0, 4), (40.0, 30), (300.0, 250), (12.0, 3)]:

@@ -17,7 +17,7 @@
 #include <string>
 #include <type_traits>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 // GCC 12 warns about the self-initialised "undefined" vectors inside its own intrinsic headers
 // when they are inlined (GCC bug 105593); the warning is about the header, not this file.
 #pragma GCC diagnostic push
@@ -62,18 +62,16 @@ void check_blocks(DType t, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 // Scalar quantizers (ggml's reference rounding: the gguf package reproduces them bit for bit).
 
-// Q8 quants of one block: d = amax / 127, q = roundf(x / d) (half away from zero).
-float quantize_block_q8(const float* x, int8_t* q) {
-    float amax = 0.0f;
-    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int j = 0; j < QK; ++j) q[j] = static_cast<int8_t>(std::roundf(x[j] * id));
-    return d;
-}
-
+// d = amax / 127, q = roundf(x * (1 / d)) (half away from zero).
 void quantize_row_q8_0(const float* x, BlockQ8_0* y, int64_t nb) {
-    for (int64_t b = 0; b < nb; ++b) y[b].d = fp32_to_fp16(quantize_block_q8(x + b * QK, y[b].qs));
+    for (int64_t b = 0; b < nb; ++b, x += QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = fp32_to_fp16(d);
+        for (int j = 0; j < QK; ++j) y[b].qs[j] = static_cast<int8_t>(std::roundf(x[j] * id));
+    }
 }
 
 void quantize_row_q4_0(const float* x, BlockQ4_0* y, int64_t nb) {
@@ -116,85 +114,89 @@ void quantize_row_q4_1(const float* x, BlockQ4_1* y, int64_t nb) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Activation quantization: ggml's Q8_0 / Q8_1 values, scalar and vectorised. The vector code
-// rounds half away from zero like roundf: truncate, then step away from zero when the exact
-// remainder is at least one half.
+// Activation quantization: Q8 blocks as llama.cpp's CPU backend makes them for its dot products
+// (x86 quantize_row_q8_0 / q8_1), so our logits track llama.cpp's: d = amax / 127 stored as fp16,
+// q = round-half-even(x * (127 / amax)), s = fp16(d * sum(q)). (Weight quantization above follows
+// ggml's reference instead: 1 / d and half away from zero, which is what GGUF files hold.)
+
+// v rounded to the nearest fp16 (ties to even), back as float.
+inline float round_to_fp16(float v) {
+#if defined(__F16C__)
+    return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    return fp16_to_fp32(fp32_to_fp16(v));
+#endif
+}
 
 template <typename Block>
-void finish_activation_block(Block& blk, float d, int32_t sum);
+void finish_activation_block(Block& blk, float amax, int32_t sum);
 
 template <>
-inline void finish_activation_block(BlockQ8_0Sum& blk, float d, int32_t sum) {
-    blk.d = fp16_to_fp32(fp32_to_fp16(d));
+inline void finish_activation_block(BlockQ8_0Sum& blk, float amax, int32_t sum) {
+    blk.d = round_to_fp16(amax / 127.0f);
     blk.sum = sum;
 }
 
 template <>
-inline void finish_activation_block(BlockQ8_1& blk, float d, int32_t sum) {
-    blk.d = fp16_to_fp32(fp32_to_fp16(d));
-    blk.s = fp16_to_fp32(fp32_to_fp16(static_cast<float>(sum) * d));
+inline void finish_activation_block(BlockQ8_1& blk, float amax, int32_t sum) {
+    const float d = amax / 127.0f;
+    blk.d = round_to_fp16(d);
+    blk.s = round_to_fp16(d * static_cast<float>(sum));
 }
+
+inline float activation_scale(float amax) { return amax != 0.0f ? 127.0f / amax : 0.0f; }
 
 template <typename Block>
 void quantize_activation_scalar(const float* x, Block* y, int64_t nb) {
-    for (int64_t b = 0; b < nb; ++b) {
-        const float d = quantize_block_q8(x + b * QK, y[b].qs);
+    for (int64_t b = 0; b < nb; ++b, x += QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const float id = activation_scale(amax);
         int32_t sum = 0;
-        for (int j = 0; j < QK; ++j) sum += y[b].qs[j];
-        finish_activation_block(y[b], d, sum);
+        for (int j = 0; j < QK; ++j) {
+            y[b].qs[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));  // default mode: ties to even
+            sum += y[b].qs[j];
+        }
+        finish_activation_block(y[b], amax, sum);
     }
 }
 
 #if PYSPEC_AVX512
-inline __m512i round_away_epi32(__m512 v) {
-    const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __m512 frac = _mm512_abs_ps(_mm512_sub_ps(v, t));
-    const __m512 step = _mm512_or_ps(_mm512_and_ps(v, _mm512_set1_ps(-0.0f)), _mm512_set1_ps(1.0f));
-    const __mmask16 up = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, step));
-}
-
 template <typename Block>
 void quantize_activation(const float* x, Block* y, int64_t nb) {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int64_t b = 0; b < nb; ++b, x += QK) {
         const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const float d = amax / 127.0f;
-        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        const __m512i q0 = round_away_epi32(_mm512_mul_ps(x0, id));
-        const __m512i q1 = round_away_epi32(_mm512_mul_ps(x1, id));
+        const __m512 id = _mm512_set1_ps(activation_scale(amax));
+        const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, id), kNearest);
+        const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, id), kNearest);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs + 16), _mm512_cvtepi32_epi8(q1));
-        finish_activation_block(y[b], d, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        finish_activation_block(y[b], amax, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
 }
 #elif PYSPEC_AVX2
-inline __m256i round_away_epi32(__m256 v) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __m256 frac = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));
-    const __m256 step = _mm256_or_ps(_mm256_and_ps(v, sign), _mm256_set1_ps(1.0f));
-    const __m256 up = _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
-    return _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
-}
-
 template <typename Block>
 void quantize_activation(const float* x, Block* y, int64_t nb) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < nb; ++b, x += QK) {
         __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
+        __m256 amax8 = _mm256_setzero_ps();
         for (int i = 0; i < 4; ++i) {
             v[i] = _mm256_loadu_ps(x + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[i]));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float d = _mm_cvtss_f32(m4) / 127.0f;
-        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const float amax = _mm_cvtss_f32(m4);
+        const __m256 id = _mm256_set1_ps(activation_scale(amax));
         __m256i q[4];
-        for (int i = 0; i < 4; ++i) q[i] = round_away_epi32(_mm256_mul_ps(v[i], id));
+        for (int i = 0; i < 4; ++i) {
+            q[i] = _mm256_cvttps_epi32(
+                _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
         const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
         s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
@@ -205,7 +207,7 @@ void quantize_activation(const float* x, Block* y, int64_t nb) {
         const __m256i b8 = _mm256_packs_epi16(w16, z16);
         const __m256i ordered = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y[b].qs), ordered);
-        finish_activation_block(y[b], d, _mm_cvtsi128_si32(s4));
+        finish_activation_block(y[b], amax, _mm_cvtsi128_si32(s4));
     }
 }
 #else

@@ -21,18 +21,22 @@
 
 namespace pyspec {
 
-// The activation side of Q4_1 dot products. d and s are rounded through fp16 exactly as ggml's
-// block_q8_1 stores them (s = fp16(d * sum(qs)) with the unrounded d), widened to float so a
-// kernel can broadcast them straight from memory.
+// Activation rows are quantized as llama.cpp's CPU backend does before its dot products (x86
+// quantize_row_q8_0 / q8_1), so results track llama.cpp's: per block of 32, d = amax / 127 rounded
+// to fp16, q = round-half-even(x * (127 / amax)). Scales are widened to float so a kernel can
+// broadcast them straight from memory.
+
+// The activation side of Q4_1 dot products: s = fp16(d * sum(qs)) with the unrounded d (ggml's
+// block_q8_1), which carries Q4_1's offset term m * sum(x).
 struct BlockQ8_1 {
     float d;
     float s;
     int8_t qs[QK];
 };
 
-// The activation side of Q8_0 and Q4_0 dot products: ggml's Q8_0 quantization of the values (d
-// widened to float) plus the sum of the quants, which lets a kernel multiply unsigned (biased)
-// weight bytes and subtract the bias exactly: sum_j (w_j + c) * a_j - c * sum.
+// The activation side of Q8_0 and Q4_0 dot products, plus the sum of the quants: it lets a kernel
+// multiply unsigned (biased) weight bytes and subtract the bias exactly:
+// sum_j (w_j + c) * a_j - c * sum.
 struct BlockQ8_0Sum {
     float d;
     int32_t sum;

@@ -13,7 +13,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from safetensors import safe_open
@@ -65,10 +65,10 @@ class TensorRef:
 class Checkpoint:
     """The weights of one Hugging Face model directory."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, files: Optional[List[Path]] = None):
         self.dir = model_dir
         self.tensors: Dict[str, TensorRef] = {}
-        files = self._weight_files()
+        files = self._weight_files() if files is None else files
         for file in files:
             with safe_open(str(file), framework="np") as f:
                 for name in f.keys():

@@ -34,7 +34,7 @@ def plan_target(model_dir: Path, config: dict, hf_arch: str, name: str) -> Plan:
 
     if not mapper.has("embed_tokens.weight"):
         raise ConversionError(f"{model_dir} has no embedding tensor model.embed_tokens.weight")
-    n_vocab, n_embd = mapper.shape("embed_tokens.weight")
+    n_vocab = mapper.shape("embed_tokens.weight")[0]
     vocab_size = config.get("vocab_size", n_vocab)
     if vocab_size != n_vocab:
         raise ConversionError(f"{where} says vocab_size {vocab_size} but model.embed_tokens.weight "
