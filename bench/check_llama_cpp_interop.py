@@ -48,23 +48,10 @@ TEXTS = ["Hello, world! It's 2024 and we'll see 12345 dogs.",
 
 def reference_logits(target, tokens, outtype):
     """The Hugging Face forward pass (tests/hf_reference.py) on the checkpoint's weights rounded
-    to the types the converter stores them in, with 8-bit activation blocks where the weight is
-    block-quantized. It checks llama.cpp against the checkpoint itself: both engines read the same
-    file, so only this comparison can see a layout error in the converter."""
-    import gguf
-    q = gguf.GGMLQuantizationType[outtype.upper()]
-    block = q in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
-                  gguf.GGMLQuantizationType.Q4_1)
-    weights, act = {}, {}
-    for name, w in target.weights.items():
-        wq = q
-        if w.ndim == 2 and block and w.shape[1] % 32:
-            wq = gguf.GGMLQuantizationType.F16
-        if w.ndim == 2:
-            w = gguf.quants.dequantize(gguf.quants.quantize(w, wq), wq)
-            if wq == q and block:
-                act[name] = "Q8_1" if outtype == "q4_1" else "Q8_0"
-        weights[name] = w
+    to the types the converter stores them in. It checks llama.cpp against the checkpoint itself:
+    both engines read the same file, so only this comparison can see a layout error in the
+    converter."""
+    weights, act = hf_reference.stored_as(target.weights, outtype)
     return hf_reference.forward(target.config, weights, tokens, act_quant=act)
 
 
@@ -137,6 +124,10 @@ def main(argv=None) -> int:
     _QUIET = _make_quiet()   # kept referenced: llama.cpp calls it for as long as it logs
     print(f"llama-cpp-python {llama_cpp.__version__}, pyspec {pyspec.__version__}")
 
+    outtypes = args.outtypes.split(",")
+    unknown = set(outtypes) - set(TOL)
+    if unknown:
+        parser.error(f"unknown outtypes {sorted(unknown)} (choose from {', '.join(TOL)})")
     work = args.keep or Path(tempfile.mkdtemp(prefix="pyspec-interop-"))
     failures = 0
     for arch, seed in (("llama", 0), ("qwen3", 1)):
@@ -144,7 +135,7 @@ def main(argv=None) -> int:
         tokens = np.random.default_rng(seed).integers(0, target.n_vocab, 24)
         print(f"{arch}: hidden {target.config['hidden_size']}, {target.config['num_hidden_layers']} "
               f"layers, vocab {target.n_vocab}")
-        for outtype in args.outtypes.split(","):
+        for outtype in outtypes:
             path = work / f"{arch}-{outtype}.gguf"
             convert(work / arch, path, outtype, progress=False)
             llm, lc, meta = llama_cpp_logits(path, tokens)
@@ -157,12 +148,13 @@ def main(argv=None) -> int:
             ok = (err < TOL[outtype] and err_lc < TOL[outtype]
                   and meta.get("general.architecture") == arch)
             failures += not ok
-            print(f"  {outtype:5} logits rel err (tol {TOL[outtype]:.2g}): pyspec vs llama.cpp {err:.2e}; "
+            print(f"  {outtype:5} logits rel err (tol {TOL[outtype]:.2g}): "
+                  f"pyspec vs llama.cpp {err:.2e}; "
                   f"vs the HF reference: llama.cpp {err_lc:.2e}, pyspec {err_ps:.2e}")
             print(f"        argmax agree "
                   f"{argmax_same:.0%}, llama.cpp n_vocab {llm.n_vocab()}, "
                   f"context_length {meta.get(arch + '.context_length')}: {'OK' if ok else 'FAIL'}")
-            if outtype == args.outtypes.split(",")[0]:
+            if outtype == outtypes[0]:
                 failures += not check_tokenizer(llm, work / arch)
             del llm
 
@@ -173,14 +165,13 @@ def main(argv=None) -> int:
                                       **extra)
             if i == 0:
                 tiny.write_mask_embedding(draft.path, target.config["hidden_size"], "npy")
-            for tdir in (work / arch, work / f"{arch}-q8_0.gguf"):
-                if not tdir.exists():
-                    continue
+            for tdir in (work / arch, work / f"{arch}-{outtypes[0]}.gguf"):
                 out = work / f"draft{i}-{arch}-{'gguf' if tdir.is_file() else 'dir'}.gguf"
                 convert(draft.path, out, "q8_0", target_model_dir=tdir, progress=False)
                 loaded, desc = llama_cpp_load_model(out)
                 failures += not loaded
-                print(f"  {kind}{' ' + str(extra) if extra else ''}{' + mask embedding' if i == 0 else ''}"
+                label = kind + (f" {extra}" if extra else "") + (" + mask embedding" if i == 0 else "")
+                print(f"  {label}"
                       f" against {tdir.name}: llama.cpp loads it: {desc if loaded else 'FAIL'}")
     print("all checks passed" if failures == 0 else f"{failures} check(s) FAILED")
     return 1 if failures else 0

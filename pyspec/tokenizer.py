@@ -235,7 +235,6 @@ def clean_up_spaces(text: str) -> str:
     return "".join(out)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The tokenizer
 # ---------------------------------------------------------------------------------------------
@@ -309,8 +308,10 @@ class Tokenizer:
             add_bos_default = rule.add_bos
             self._add_space_prefix = False
             self._clean_spaces = rule.clean_spaces
-            self._bos_id = None
-            self._eos_id = None
+            # llama.cpp's defaults for BPE vocabularies (GPT-NeoX's <|endoftext|>), used when
+            # the file names no BOS/EOS.
+            self._bos_id = 11 if n > 11 else None
+            self._eos_id = 11 if n > 11 else None
             self._unk_id = None
         else:
             rule = None

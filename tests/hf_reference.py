@@ -87,7 +87,8 @@ def forward(config: dict, weights: Dict[str, np.ndarray], tokens, kv_dtype=np.fl
     d = config.get("head_dim") or e // nh
     eps, theta = config["rms_norm_eps"], config.get("rope_theta", 10000.0)
     scaling = config.get("rope_scaling") or {}
-    scale = float(scaling.get("factor", 1.0)) if scaling.get("rope_type", scaling.get("type")) == "linear" else 1.0
+    linear = scaling.get("rope_type", scaling.get("type")) == "linear"
+    scale = float(scaling.get("factor", 1.0)) if linear else 1.0
     n_rot = int(d * config.get("partial_rotary_factor", 1.0))
     pos = np.arange(n)
     causal = pos[None, :] <= pos[:, None]
@@ -121,3 +122,24 @@ def forward(config: dict, weights: Dict[str, np.ndarray], tokens, kv_dtype=np.fl
     x = rms_norm(x, w["model.norm.weight"], eps)
     head = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
     return mm(x, head)
+
+
+def stored_as(weights: Dict[str, np.ndarray], outtype: str):
+    """(weights, act_quant) for forward(): the checkpoint's weights rounded to the types a GGUF of
+    `outtype` stores them in (llama.cpp's policy, stated here independently of the converter:
+    1-D tensors F32; matrices in outtype, except F16 for block-quantized types when a row is not a
+    multiple of 32 long), and the activation quantization that goes with each block-quantized
+    matrix (Q8_1 for Q4_1, Q8_0 for Q8_0 and Q4_0)."""
+    import gguf
+    q = gguf.GGMLQuantizationType[outtype.upper()]
+    block = outtype in ("q8_0", "q4_0", "q4_1")
+    out, act = {}, {}
+    for name, w in weights.items():
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim == 2:
+            wq = gguf.GGMLQuantizationType.F16 if block and w.shape[1] % 32 else q
+            w = gguf.quants.dequantize(gguf.quants.quantize(w, wq), wq)
+            if wq == q and block:
+                act[name] = "Q8_1" if outtype == "q4_1" else "Q8_0"
+        out[name] = w
+    return out, act

@@ -1,12 +1,19 @@
 """CPU weight kernels (pyspec._core.kernels).
 
 - quantize/dequantize agree bit for bit with the gguf package (ggml's reference rounding);
-- activation rows are quantized exactly as ggml's Q8_0 / Q8_1 would be;
+- activation rows are quantized exactly as llama.cpp's CPU backend does (Q8_0 / Q8_1);
 - matmul equals an independent numpy emulation of the documented reduction order (quants.h) bit
   for bit, equals the C++ scalar reference bit for bit, and is batch invariant (design.md
   invariant 7): a row's result does not depend on M, its position, or the thread count;
-- results stay within the activation quantization error of a float64 product.
+- results stay within the activation quantization error of a float64 product;
+- the AVX-512, AVX2 and scalar builds of the kernels give the same bits (tests/cpp/kernel_paths.cpp).
 """
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -92,30 +99,24 @@ def test_fma32_emulation_is_exact_on_known_cases():
 # ---- independent emulation of the documented reduction order ---------------------------------
 
 
-def q8_blocks(x):
-    """ggml's Q8 quantization of float32 rows: (unrounded d, fp16 d, qs), per block of 32."""
-    b = x.reshape(x.shape[0], -1, 32)
+def emulate_activation(dtype, x):
+    """llama.cpp's CPU activation quantization (x86 quantize_row_q8_0 / q8_1): per block of 32,
+    d = amax / 127 stored as fp16, q = round-half-even(x * (127 / amax)), s = fp16(d * sum(q))."""
+    b = x.reshape(-1, 32)
     amax = np.abs(b).max(axis=-1)
     d = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    v = (b * inv[..., None]).astype(np.float32)
-    a = np.abs(v)
-    qs = (np.sign(v) * (np.floor(a) + np.floor(2 * (a - np.floor(a))))).astype(np.int8)  # roundf
-    return d, d.astype(np.float16).astype(np.float32), qs
-
-
-def emulate_activation(dtype, x):
-    d_raw, d16, qs = q8_blocks(x[None, :])
+        inv = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
+    qs = np.rint((b * inv[:, None]).astype(np.float32)).astype(np.int8)  # rint: ties to even
     sums = qs.astype(np.int32).sum(axis=-1)
     if dtype == "Q4_1":
-        out = np.zeros(qs.shape[1], ACT_Q8_1)
-        out["s"] = (sums[0].astype(np.float32) * d_raw[0]).astype(np.float16).astype(np.float32)
+        out = np.zeros(len(b), ACT_Q8_1)
+        out["s"] = (d * sums.astype(np.float32)).astype(np.float16).astype(np.float32)
     else:
-        out = np.zeros(qs.shape[1], ACT_Q8_0)
-        out["sum"] = sums[0]
-    out["d"] = d16[0]
-    out["qs"] = qs[0]
+        out = np.zeros(len(b), ACT_Q8_0)
+        out["sum"] = sums
+    out["d"] = d.astype(np.float16).astype(np.float32)
+    out["qs"] = qs
     return out
 
 
@@ -217,21 +218,19 @@ def test_quantize_rejects_bad_input():
 
 
 @pytest.mark.parametrize("dtype", QTYPES)
-def test_activation_rows_are_ggml_q8(dtype):
+def test_activation_rows_are_quantized_like_llama_cpp(dtype):
     rng = rng_for("act", dtype)
-    for x in list(random_rows(rng, 8, 576)) + [np.zeros(576, np.float32), np.full(576, 1e-30, np.float32)]:
+    rows = list(random_rows(rng, 8, 576)) + [np.zeros(576, np.float32), np.full(576, 1e-30, np.float32)]
+    ties = np.tile(np.array([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5], np.float32), 4)  # id = 1: exact .5s
+    rows.append(np.tile(ties, 18))
+    for x in rows:
         want = emulate_activation(dtype, x)
         fast = kernels.prepare_activation(dtype, x)
         slow = kernels.prepare_activation(dtype, x, reference=True)
         np.testing.assert_array_equal(fast, slow)
         np.testing.assert_array_equal(fast, want.view(np.uint8))
-    # Q8_0 and Q4_0 activations carry exactly gguf's Q8_0 quantization of the row.
-    if dtype != "Q4_1":
-        x = random_rows(rng, 1, 576)[0]
-        act = kernels.prepare_activation(dtype, x).view(ACT_Q8_0)
-        ref = ggml_quantize("Q8_0", x).view(WEIGHT_BLOCKS["Q8_0"])
-        np.testing.assert_array_equal(act["qs"], ref["qs"])
-        np.testing.assert_array_equal(act["d"], ref["d"].astype(np.float32))
+    # Ties go to even, unlike the weight quantizer's half away from zero.
+    assert kernels.prepare_activation(dtype, rows[-1]).view(want.dtype)["qs"][0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 4]
 
 
 # ---- matmul -----------------------------------------------------------------------------------
@@ -349,3 +348,35 @@ def test_axpy_is_an_elementwise_fma(n):
     x16 = x.astype(np.float16)
     np.testing.assert_array_equal(kernels.axpy_f16(alpha, x16, y), fma32(alpha, x16.astype(np.float32), y))
     np.testing.assert_array_equal(kernels.axpy_f32(alpha, x, y), fma32(alpha, x, y))
+
+
+# ---- every instruction set gives the same bits -------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+ISA_BUILDS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "x86-64": "-march=x86-64"}
+
+
+def test_kernel_paths_agree_across_instruction_sets(tmp_path):
+    """Builds tests/cpp/kernel_paths.cpp for AVX-512 (this CPU), AVX2 and plain x86-64; each build
+    checks its vector kernels against the scalar definitions and prints a digest of all results."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C++ compiler on x86-64")
+    sources = [ROOT / "tests/cpp/kernel_paths.cpp"] + [ROOT / "csrc" / f for f in
+                                                        ("cpu/quants.cpp", "cpu/matmul.cpp", "core/thread_pool.cpp")]
+    builds = {}
+    for name, flag in ISA_BUILDS.items():
+        exe = tmp_path / name
+        cmd = [cxx, "-std=c++17", "-O1", flag, f"-I{ROOT / 'csrc'}", *map(str, sources), "-o", str(exe), "-pthread"]
+        builds[name] = (exe, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    digests = {}
+    for name, (exe, proc) in builds.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{name} build failed:\n{out}"
+        run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, f"{name}: {run.stdout}{run.stderr}"
+        digest, isa = run.stdout.strip().split(maxsplit=1)
+        digests[name] = (isa, digest)
+    assert digests["native"][0] == kernels.isa()
+    assert digests["x86-64-v3"][0] == "avx2" and digests["x86-64"][0] == "scalar"
+    assert len({d for _, d in digests.values()}) == 1, digests

@@ -151,7 +151,8 @@ def _save_safetensors(path: Path, tensors: Dict[str, np.ndarray], dtype: str) ->
                 stored[name] = (words.astype(np.uint32) << 16).view(np.float32)
                 blob, st_dtype = words.tobytes(), "BF16"
             else:
-                blob, st_dtype = np.ascontiguousarray(arr).tobytes(), {"i": "I64", "b": "BOOL"}[arr.dtype.kind]
+                blob = np.ascontiguousarray(arr).tobytes()
+                st_dtype = {"i": "I64", "b": "BOOL"}[arr.dtype.kind]
             header[name] = {"dtype": st_dtype, "shape": list(arr.shape),
                             "data_offsets": [offset, offset + len(blob)]}
             blobs.append(blob)
@@ -172,7 +173,8 @@ def _save_safetensors(path: Path, tensors: Dict[str, np.ndarray], dtype: str) ->
     return stored
 
 
-def _write_weights(out_dir: Path, tensors: Dict[str, np.ndarray], dtype: str, shards: int) -> Dict[str, np.ndarray]:
+def _write_weights(out_dir: Path, tensors: Dict[str, np.ndarray], dtype: str,
+                   shards: int) -> Dict[str, np.ndarray]:
     names = list(tensors)
     if shards <= 1:
         return _save_safetensors(out_dir / "model.safetensors", tensors, dtype)

@@ -63,12 +63,15 @@ class TensorRef:
 
 
 class Checkpoint:
-    """The weights of one Hugging Face model directory."""
+    """The weights of one Hugging Face model directory: the index's shards, else every
+    *.safetensors file except those named in `exclude` (side files such as a mask embedding);
+    or exactly `files`."""
 
-    def __init__(self, model_dir: Path, files: Optional[List[Path]] = None):
+    def __init__(self, model_dir: Path, files: Optional[List[Path]] = None,
+                 exclude: Tuple[str, ...] = ()):
         self.dir = model_dir
         self.tensors: Dict[str, TensorRef] = {}
-        files = self._weight_files() if files is None else files
+        files = self._weight_files(exclude) if files is None else files
         for file in files:
             with safe_open(str(file), framework="np") as f:
                 for name in f.keys():
@@ -80,7 +83,7 @@ class Checkpoint:
                                                    tuple(int(d) for d in sl.get_shape()))
         self._offsets: Dict[Path, Tuple[int, dict]] = {}
 
-    def _weight_files(self) -> List[Path]:
+    def _weight_files(self, exclude: Tuple[str, ...]) -> List[Path]:
         index = self.dir / INDEX_NAME
         if index.is_file():
             weight_map = read_json(index, "safetensors index").get("weight_map")
@@ -94,7 +97,8 @@ class Checkpoint:
                                           f"missing from {self.dir}")
                 files.append(path)
             return files
-        files = sorted(self.dir.glob("*.safetensors"), key=lambda p: natural_key(p.name))
+        files = sorted((p for p in self.dir.glob("*.safetensors") if p.name not in exclude),
+                       key=lambda p: natural_key(p.name))
         if not files:
             has_bin = any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt"))
             hint = (" (PyTorch .bin/.pt weights are not supported: save the model with "

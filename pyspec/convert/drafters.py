@@ -26,7 +26,8 @@ from safetensors import safe_open
 from .checkpoint import Checkpoint, read_config
 from .errors import ConversionError
 from .gguf_out import Plan, Tensor
-from .hparams import TensorMapper, add_hparams, permute_pairs_to_rotate_half, read_hparams, rope_parameters
+from .hparams import (TensorMapper, add_hparams, permute_pairs_to_rotate_half, read_hparams,
+                      rope_parameters)
 from .tokenizer import add_hf_tokenizer, copy_gguf_tokenizer
 
 log = logging.getLogger("pyspec.convert")
@@ -176,149 +177,205 @@ def _load_mask_embedding(path: Path, n_embd: int) -> Tuple[np.ndarray, Optional[
     return vec, mask_id
 
 
+@dataclass
+class DrafterConfig:
+    """A drafter's config.json, read once. DFlash fields live in `dflash_config` or at the top
+    level; speculators exports keep the backbone's hyperparameters in `transformer_layer_config`."""
+    where: Path
+    hf_arch: str
+    is_dspark: bool
+    speculators: bool
+    hp_cfg: dict
+    dflash_cfg: dict
+
+    @classmethod
+    def read(cls, model_dir: Path, config: dict, hf_arch: str) -> "DrafterConfig":
+        layer_cfg = config.get("transformer_layer_config")
+        hp_cfg = dict(config, **layer_cfg) if isinstance(layer_cfg, dict) else dict(config)
+        dcfg = config.get("dflash_config")
+        return cls(where=model_dir / "config.json", hf_arch=hf_arch,
+                   is_dspark=hf_arch in DSPARK_ARCHS,
+                   speculators=isinstance(layer_cfg, dict) or "aux_hidden_state_layer_ids" in config,
+                   hp_cfg=hp_cfg, dflash_cfg=dcfg if isinstance(dcfg, dict) else {})
+
+    def opt(self, key: str, default=None):
+        return self.dflash_cfg[key] if key in self.dflash_cfg else self.hp_cfg.get(key, default)
+
+    def target_layer_ids(self, target: TargetInfo) -> List[int]:
+        ids = self.opt("target_layer_ids")
+        if ids is None and self.opt("aux_hidden_state_layer_ids") is not None:
+            ids = [int(a) - 1 for a in self.opt("aux_hidden_state_layer_ids")]
+        if not isinstance(ids, list) or not ids:
+            raise ConversionError(f"{self.where} has no target_layer_ids (in dflash_config or at "
+                                  "the top level) nor aux_hidden_state_layer_ids")
+        for lid in ids:
+            if not isinstance(lid, int) or not -1 <= lid < target.n_layer:
+                raise ConversionError(f"target layer id {lid} is out of range: the target has "
+                                      f"{target.n_layer} layers, so ids run from -1 (the "
+                                      f"embeddings) to {target.n_layer - 1}")
+            if lid == target.n_layer - 1:
+                log.warning("target layer id %d reads the output of the last layer, which "
+                            "llama.cpp's llama and qwen3 graphs do not expose", lid)
+        return ids
+
+
 def plan_drafter(model_dir: Path, config: dict, hf_arch: str, name: str,
                  target_dir: Optional[Path]) -> Plan:
-    where = model_dir / "config.json"
     if target_dir is None:
         raise ConversionError(f"{hf_arch} is a drafter: --target-model-dir is required (the "
                               "target's Hugging Face directory or its GGUF file)")
-    is_dspark = hf_arch in DSPARK_ARCHS
-    hp_cfg = dict(config)
-    speculators = (isinstance(config.get("transformer_layer_config"), dict)
-                   or "aux_hidden_state_layer_ids" in config)
-    if isinstance(config.get("transformer_layer_config"), dict):
-        hp_cfg.update(config["transformer_layer_config"])
-    dcfg = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
-
-    def opt(key, default=None):
-        if key in dcfg:
-            return dcfg[key]
-        return hp_cfg.get(key, default)
-
-    hp = read_hparams(hp_cfg, where)
+    cfg = DrafterConfig.read(model_dir, config, hf_arch)
+    hp = read_hparams(cfg.hp_cfg, cfg.where)
     if hp.n_ctx is None:
-        raise ConversionError(f"{where} has no 'max_position_embeddings' (the drafter's trained "
-                              "context length, written as dflash.context_length)")
+        raise ConversionError(f"{cfg.where} has no 'max_position_embeddings' (the drafter's "
+                              "trained context length, written as dflash.context_length)")
     target = target_info(target_dir)
     if hp.n_embd != target.n_embd:
         raise ConversionError(f"drafter hidden_size {hp.n_embd} != target hidden size "
                               f"{target.n_embd} ({target.source}): the drafter reads the target's "
                               "hidden states and shares its embeddings, so they must be equal")
-
-    layer_ids = opt("target_layer_ids")
-    if layer_ids is None and opt("aux_hidden_state_layer_ids") is not None:
-        layer_ids = [int(a) - 1 for a in opt("aux_hidden_state_layer_ids")]
-    if not isinstance(layer_ids, list) or not layer_ids:
-        raise ConversionError(f"{where} has no target_layer_ids (in dflash_config or at the top "
-                              "level) nor aux_hidden_state_layer_ids")
-    for lid in layer_ids:
-        if not isinstance(lid, int) or not -1 <= lid < target.n_layer:
-            raise ConversionError(f"target layer id {lid} is out of range: the target has "
-                                  f"{target.n_layer} layers, so ids run from -1 (the embeddings) "
-                                  f"to {target.n_layer - 1}")
-        if lid == target.n_layer - 1:
-            log.warning("target layer id %d reads the output of the last layer, which llama.cpp's "
-                        "llama and qwen3 graphs do not expose", lid)
-
-    if is_dspark:
-        head_type = opt("markov_head_type", "vanilla")
-        if head_type != "vanilla":
-            raise ConversionError(f"markov_head_type '{head_type}' is not supported: only 'vanilla' "
-                                  "(a first-order low-rank Markov head) is")
+    layer_ids = cfg.target_layer_ids(target)
+    if cfg.is_dspark and cfg.opt("markov_head_type", "vanilla") != "vanilla":
+        raise ConversionError(f"markov_head_type '{cfg.opt('markov_head_type')}' is not "
+                              "supported: only 'vanilla' (a first-order low-rank Markov head) is")
 
     plan = Plan(arch="dflash", name=name)
     add_hparams(plan, "dflash", hp, key_length=True)
     plan.i32_array("dflash.target_layers", [lid + 1 for lid in layer_ids])
-    plan.u32("dflash.block_size", opt("block_size", 16))
-    plan.boolean("dflash.attention.causal", bool(opt("causal", hp_cfg.get("is_causal", False))))
-    if is_dspark:
-        anchor = opt("sample_from_anchor")
-        plan.boolean("dflash.sample_from_anchor", (not speculators) if anchor is None else bool(anchor))
-    _optional_keys(plan, hp, hp_cfg, opt, target, where)
+    plan.u32("dflash.block_size", cfg.opt("block_size", 16))
+    plan.boolean("dflash.attention.causal",
+                 bool(cfg.opt("causal", cfg.hp_cfg.get("is_causal", False))))
+    if cfg.is_dspark:
+        anchor = cfg.opt("sample_from_anchor")
+        plan.boolean("dflash.sample_from_anchor",
+                     (not cfg.speculators) if anchor is None else bool(anchor))
+    _optional_keys(plan, hp, cfg, target)
 
-    ckpt = Checkpoint(model_dir)
-    m = TensorMapper(ckpt, plan)
-    n_tl, e, v = len(layer_ids), hp.n_embd, target.n_vocab
-    mask_file = next((model_dir / f for f in MASK_EMBEDDING_FILES if (model_dir / f).is_file()), None)
-    mask_vec, file_mask_id = (_load_mask_embedding(mask_file, e) if mask_file else (None, None))
-    mask_id = opt("mask_token_id")
-    if file_mask_id is not None:
-        if mask_id is not None and int(mask_id) != file_mask_id:
-            raise ConversionError(f"{mask_file} is for mask token {file_mask_id} but {where} says "
-                                  f"mask_token_id {mask_id}")
-        mask_id = file_mask_id
-    if mask_id is None:
-        raise ConversionError(f"{where} has no mask_token_id (in dflash_config or at the top level)")
-    if not 0 <= int(mask_id) < v:
-        raise ConversionError(f"mask_token_id {mask_id} is outside the target vocabulary "
-                              f"({v} tokens)")
-
-    # Draft-owned embedding: the draft's own, or the target's with the trained mask row patched in.
-    if m.has("embed_tokens.weight"):
-        m.check_shape("embed_tokens.weight", (v, e))
-    if mask_vec is not None:
-        own = m.use("embed_tokens.weight") if m.has("embed_tokens.weight") else None
-        base = (lambda: ckpt.load(own)) if own else target.embedding
-
-        def patched(base=base, row=int(mask_id), vec=mask_vec):
-            emb = np.array(base(), dtype=np.float32)
-            if emb.shape != (v, e):
-                raise ConversionError(f"the embedding to patch has shape {list(emb.shape)}, "
-                                      f"expected {[v, e]}")
-            emb[row] = vec
-            return emb
-        plan.add(Tensor("token_embd.weight", (v, e), patched,
-                        source=f"{own or 'target embedding'} + {mask_file.name}"))
-        plan.notes.append(f"token_embd: row {mask_id} patched from {mask_file.name}")
-    elif m.has("embed_tokens.weight"):
-        m.map("embed_tokens.weight", "token_embd.weight", "weight", (v, e))
-
+    m = TensorMapper(Checkpoint(model_dir, exclude=MASK_EMBEDDING_FILES), plan)
+    mask_id, mask = _mask_token(model_dir, cfg, target, hp.n_embd)
+    _add_embedding(plan, m, target, hp.n_embd, mask_id, mask)
     for required in ("fc.weight", "hidden_norm.weight", "norm.weight"):
         if not m.has(required):
             raise ConversionError(f"{model_dir} is missing the drafter tensor {required}")
-    m.map("fc.weight", "fc.weight", "weight", (e, n_tl * e))
+    e = hp.n_embd
+    m.map("fc.weight", "fc.weight", "weight", (e, len(layer_ids) * e))
     m.map("hidden_norm.weight", "enc.output_norm.weight", "f32", (e,))
-    qk = permute_pairs_to_rotate_half if opt("rope_is_neox_style", True) is False else None
+    qk = permute_pairs_to_rotate_half if cfg.opt("rope_is_neox_style", True) is False else None
     m.map_layers(hp, qk_norm=True, qk_transform=qk, optional=("self_attn.v_proj.weight",))
     m.map("norm.weight", "output_norm.weight", "f32", (e,))
+    n_vocab_draft = _add_output(plan, m, cfg, target, e, mask is not None)
+    _add_dspark_heads(plan, m, cfg, target, e, n_vocab_draft)
+    m.reject_unknown()
 
-    vd = m.shape("lm_head.weight")[0] if m.has("lm_head.weight") else v
-    has_d2t = m.has("d2t")
+    target.add_tokenizer(plan)
+    plan.u32(MASK_KEY, mask_id)
+    return plan
+
+
+def _mask_token(model_dir: Path, cfg: DrafterConfig, target: TargetInfo,
+                n_embd: int) -> Tuple[int, Optional[Tuple[Path, np.ndarray]]]:
+    """(mask token id, (file, trained embedding) if the drafter ships one)."""
+    mask_file = next((model_dir / f for f in MASK_EMBEDDING_FILES if (model_dir / f).is_file()),
+                     None)
+    mask_id = cfg.opt("mask_token_id")
+    mask = None
+    if mask_file is not None:
+        vec, file_id = _load_mask_embedding(mask_file, n_embd)
+        mask = (mask_file, vec)
+        if file_id is not None:
+            if mask_id is not None and int(mask_id) != file_id:
+                raise ConversionError(f"{mask_file} is for mask token {file_id} but {cfg.where} "
+                                      f"says mask_token_id {mask_id}")
+            mask_id = file_id
+    if mask_id is None:
+        raise ConversionError(f"{cfg.where} has no mask_token_id (in dflash_config or at the top "
+                              "level)")
+    if not 0 <= int(mask_id) < target.n_vocab:
+        raise ConversionError(f"mask_token_id {mask_id} is outside the target vocabulary "
+                              f"({target.n_vocab} tokens)")
+    return int(mask_id), mask
+
+
+def _add_embedding(plan: Plan, m: TensorMapper, target: TargetInfo, e: int, mask_id: int,
+                   mask: Optional[Tuple[Path, np.ndarray]]) -> None:
+    """token_embd: the drafter's own embedding if it has one, and with a trained mask embedding
+    the drafter owns one in any case: its own or the target's, with the mask row replaced."""
+    v = target.n_vocab
+    own = m.has("embed_tokens.weight")
+    if own:
+        m.check_shape("embed_tokens.weight", (v, e))
+    if mask is None:
+        if own:
+            m.map("embed_tokens.weight", "token_embd.weight", "weight", (v, e))
+        return
+    mask_file, vec = mask
+    base = (lambda src=m.use("embed_tokens.weight"): m.ckpt.load(src)) if own else target.embedding
+
+    def patched():
+        emb = np.array(base(), dtype=np.float32)
+        if emb.shape != (v, e):
+            raise ConversionError(f"the embedding to patch has shape {list(emb.shape)}, "
+                                  f"expected {[v, e]}")
+        emb[mask_id] = vec
+        return emb
+    plan.add(Tensor("token_embd.weight", (v, e), patched,
+                    source=f"{'embed_tokens' if own else 'target embedding'} + {mask_file.name}"))
+    plan.notes.append(f"token_embd: row {mask_id} patched from {mask_file.name}")
+
+
+def _add_output(plan: Plan, m: TensorMapper, cfg: DrafterConfig, target: TargetInfo, e: int,
+                owns_embedding: bool) -> int:
+    """output (and d2t for a reduced draft vocabulary); returns the draft vocabulary size.
+
+    A DSpark head over the full vocabulary is the target's and is dropped, as llama.cpp's
+    converter does; llama.cpp then takes the output from the drafter's token_embd if it has one,
+    else from the target."""
+    v = target.n_vocab
+    has_head, has_d2t = m.has("lm_head.weight"), m.has("d2t")
+    vd = m.shape("lm_head.weight")[0] if has_head else v
     if has_d2t:
-        if not m.has("lm_head.weight"):
-            raise ConversionError(f"{model_dir} has d2t but no lm_head.weight for the draft "
+        if not has_head:
+            raise ConversionError(f"{m.ckpt.dir} has d2t but no lm_head.weight for the draft "
                                   "vocabulary it maps")
         m.check_shape("d2t", (vd,))
     elif vd != v:
         raise ConversionError(f"lm_head.weight has {vd} rows but the target vocabulary has {v} "
                               "tokens and there is no d2t mapping the draft vocabulary to it")
-    if m.has("lm_head.weight"):
-        if is_dspark and vd == v and not has_d2t:
-            m.use("lm_head.weight")
-            plan.notes.append("lm_head.weight not written: a full-vocabulary DSpark head is the "
-                              "target's")
-            if m.has("embed_tokens.weight") and mask_vec is None and not target.tied:
-                log.warning("the drafter has its own token_embd but no output: llama.cpp then uses "
-                            "token_embd as the output, which is wrong for this untied target")
-        else:
-            m.map("lm_head.weight", "output.weight", "weight", (vd, e))
-    if mask_vec is not None and plan_output_missing(plan):
+    if has_head and cfg.is_dspark and vd == v and not has_d2t:
+        m.use("lm_head.weight")
+        plan.notes.append("lm_head.weight not written: a full-vocabulary DSpark head is the "
+                          "target's")
+        if m.has("embed_tokens.weight") and not owns_embedding and not target.tied:
+            log.warning("the drafter has its own token_embd but no output: llama.cpp then uses "
+                        "token_embd as the output, which is wrong for this untied target")
+    elif has_head:
+        m.map("lm_head.weight", "output.weight", "weight", (vd, e))
+    if owns_embedding and not any(t.name == "output.weight" for t in plan.tensors):
+        # The drafter's token_embd is patched, so the tie to it would be wrong: the output is
+        # the target's own, unpatched.
         plan.add(Tensor("output.weight", (v, e), target.head, source="target output matrix"))
     if has_d2t:
         src = m.use("d2t")
 
-        def absolute_ids(src=src):
-            offsets = ckpt.load(src).astype(np.int64)
+        def absolute_ids():
+            offsets = m.ckpt.load(src).astype(np.int64)
             return offsets + np.arange(offsets.shape[0], dtype=np.int64)
         plan.add(Tensor("d2t", (vd,), absolute_ids, kind="i64", source=src))
     if m.has("t2d"):
-        m.use("t2d")
+        m.use("t2d")    # the inverse map; llama.cpp does not use it
+    return vd
 
+
+def _add_dspark_heads(plan: Plan, m: TensorMapper, cfg: DrafterConfig, target: TargetInfo,
+                      e: int, vd: int) -> None:
+    """The Markov head (markov_w1 {R, V}, markov_w2 {R, Vd}) and the confidence head
+    (conf_proj {E+R, 1}, bias {1}), and the has_confidence_head flag."""
+    v = target.n_vocab
     has_conf = False
     if m.has("markov_head.markov_w1.weight"):
-        if not is_dspark:
-            raise ConversionError(f"{hf_arch} has Markov head tensors; a DSpark drafter's config "
-                                  f"names a DSpark architecture ({', '.join(DSPARK_ARCHS)})")
+        if not cfg.is_dspark:
+            raise ConversionError(f"{cfg.hf_arch} has Markov head tensors; a DSpark drafter's "
+                                  f"config names a DSpark architecture ({', '.join(DSPARK_ARCHS)})")
         w1 = m.shape("markov_head.markov_w1.weight")
         if len(w1) != 2 or w1[0] != v:
             raise ConversionError(f"markov_head.markov_w1.weight has shape {list(w1)}, expected "
@@ -333,29 +390,23 @@ def plan_drafter(model_dir: Path, config: dict, hf_arch: str, name: str,
             m.map("confidence_head.proj.weight", "conf_proj.weight", "weight", (1, e + rank))
             if m.has("confidence_head.proj.bias"):
                 m.map("confidence_head.proj.bias", "conf_proj.bias", "f32", (1,))
-    elif is_dspark:
+    elif cfg.is_dspark:
         plan.notes.append("no Markov head (markov_head.markov_w1.weight): llama.cpp runs this "
                           "file as a plain DFlash drafter")
-    if is_dspark:
+    if cfg.is_dspark:
         plan.boolean("dflash.has_confidence_head", has_conf)
-    m.reject_unknown()
-
-    target.add_tokenizer(plan)
-    plan.u32(MASK_KEY, int(mask_id))
-    return plan
 
 
-def plan_output_missing(plan: Plan) -> bool:
-    return not any(t.name == "output.weight" for t in plan.tensors)
-
-
-def _optional_keys(plan: Plan, hp, hp_cfg: dict, opt, target: TargetInfo, where: Path) -> None:
+def _optional_keys(plan: Plan, hp, cfg: DrafterConfig, target: TargetInfo) -> None:
+    """Keys llama.cpp reads when present: embedding/value scales, logit softcapping, a GELU
+    activation, sliding-window attention, and M-RoPE sections for drafts of M-RoPE targets."""
+    opt, where = cfg.opt, cfg.where
     for key, gguf_key in (("input_embedding_scale", "dflash.embedding_scale"),
                           ("final_logit_softcapping", "dflash.final_logit_softcapping"),
                           ("attention_value_scale", "dflash.attention.value_scale")):
         if opt(key) is not None:
             plan.f32(gguf_key, float(opt(key)))
-    act = hp_cfg.get("hidden_act", "silu")
+    act = cfg.hp_cfg.get("hidden_act", "silu")
     if act in ("gelu", "gelu_pytorch_tanh"):
         plan.string("dflash.hidden_activation", act)
     elif act != "silu":

@@ -172,7 +172,9 @@ def add_hf_tokenizer(plan: Plan, model_dir: Path, config: dict, vocab_size: Opti
 
     vocab: Dict[str, int] = model.get("vocab") or {}
     added = [a for a in tok.get("added_tokens") or [] if isinstance(a, dict)]
-    n_tok = 1 + max([int(i) for i in vocab.values()] + [int(a["id"]) for a in added])
+    n_tok = 1 + max([int(i) for i in vocab.values()] + [int(a["id"]) for a in added], default=-1)
+    if n_tok == 0:
+        raise ConversionError(f"{path} has an empty vocabulary")
     n = n_tok
     if vocab_size is not None:
         if vocab_size < n_tok:
