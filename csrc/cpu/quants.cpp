@@ -358,32 +358,40 @@ inline float fold_lanes(const __m256* p) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
+// One 32-wide step of a tile: p[(i * RM + r) * 4 + q] += w_i[k + 8q ..] * x_r[k + 8q ..].
+template <DType T, int RN, int RM>
+__attribute__((always_inline)) inline void float_step(const void* const* wr, const float* const* xr, int64_t k,
+                                                      __m256* p) {
+    __m256 wv[RN * 4];
+#pragma GCC unroll 16
+    for (int j = 0; j < RN * 4; ++j) wv[j] = load_w8<T>(wr[j / 4], k + 8 * (j % 4));
+#pragma GCC unroll 16
+    for (int r = 0; r < RM; ++r) {
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+            const __m256 xv = _mm256_loadu_ps(xr[r] + k + 8 * q);
+#pragma GCC unroll 16
+            for (int i = 0; i < RN; ++i) p[(i * RM + r) * 4 + q] = _mm256_fmadd_ps(wv[i * 4 + q], xv, p[(i * RM + r) * 4 + q]);
+        }
+    }
+}
+
 template <DType T, int RN, int RM>
 void float_tile(const uint8_t* w, size_t w_stride, const float* x, size_t x_stride, int64_t n, float* y,
                 int64_t y_stride) {
     using WElem = std::conditional_t<T == DType::F32, float, uint16_t>;
-    __m256 p[RN][RM][4];
-    for (int i = 0; i < RN; ++i)
-        for (int r = 0; r < RM; ++r)
-            for (int q = 0; q < 4; ++q) p[i][r][q] = _mm256_setzero_ps();
-    const int64_t full = n / kLanes * kLanes;
-    auto step = [&](const void* const* wr, const float* const* xr, int64_t k) {
-        __m256 wv[RN][4];
-        for (int i = 0; i < RN; ++i)
-            for (int q = 0; q < 4; ++q) wv[i][q] = load_w8<T>(wr[i], k + 8 * q);
-        for (int r = 0; r < RM; ++r) {
-            for (int q = 0; q < 4; ++q) {
-                const __m256 xv = _mm256_loadu_ps(xr[r] + k + 8 * q);
-                for (int i = 0; i < RN; ++i) p[i][r][q] = _mm256_fmadd_ps(wv[i][q], xv, p[i][r][q]);
-            }
-        }
-    };
+    // Accumulators in registers only if every loop indexing them is unrolled early (see the
+    // AVX-512 tile).
+    __m256 p[RN * RM * 4];
+#pragma GCC unroll 64
+    for (int j = 0; j < RN * RM * 4; ++j) p[j] = _mm256_setzero_ps();
     const void* wr[RN];
     const float* xr[RM];
     for (int i = 0; i < RN; ++i) wr[i] = w + i * w_stride;
     for (int r = 0; r < RM; ++r) xr[r] = x + r * x_stride;
-    for (int64_t k = 0; k < full; k += kLanes) step(wr, xr, k);
-    if (full < n) {
+    const int64_t full = n / kLanes * kLanes;
+    for (int64_t k = 0; k < full; k += kLanes) float_step<T, RN, RM>(wr, xr, k, p);
+    if (full < n) {  // the last partial chunk, through zero-padded copies
         WElem wt[RN][kLanes] = {};
         float xt[RM][kLanes] = {};
         for (int i = 0; i < RN; ++i) {
@@ -394,20 +402,38 @@ void float_tile(const uint8_t* w, size_t w_stride, const float* x, size_t x_stri
             std::memcpy(xt[r], xr[r] + full, (n - full) * sizeof(float));
             xr[r] = xt[r];
         }
-        step(wr, xr, 0);
+        float_step<T, RN, RM>(wr, xr, 0, p);
     }
+#pragma GCC unroll 16
     for (int r = 0; r < RM; ++r)
-        for (int i = 0; i < RN; ++i) y[r * y_stride + i] = fold_lanes(p[i][r]);
+#pragma GCC unroll 16
+        for (int i = 0; i < RN; ++i) y[r * y_stride + i] = fold_lanes(p + (i * RM + r) * 4);
 }
 #endif
 
 #if PYSPEC_AVX512 || PYSPEC_AVX2
+// Tile shape: accumulators, weights and one activation vector must fit the register file
+// (32 zmm: 2 x 4 x 2 + 4 + 2; 16 ymm: 1 x 2 x 4 + 4 + 1).
 #if PYSPEC_AVX512
 constexpr int kFloatRN = 2;  // weight rows per float tile
+constexpr int kFloatRM = 4;  // activation rows per float tile
 #else
 constexpr int kFloatRN = 1;
+constexpr int kFloatRM = 2;
 #endif
-constexpr int kFloatRM = 4;  // activation rows per float tile
+
+// The last rows < kFloatRM of a batch: a tile of exactly that many.
+template <DType T, int RN, int RM>
+void float_tile_rest(int64_t rows, const uint8_t* w, size_t w_stride, const float* x, size_t x_stride, int64_t n,
+                     float* y, int64_t y_stride) {
+    if constexpr (RM > 0) {
+        if (rows == RM) {
+            float_tile<T, RN, RM>(w, w_stride, x, x_stride, n, y, y_stride);
+        } else {
+            float_tile_rest<T, RN, RM - 1>(rows, w, w_stride, x, x_stride, n, y, y_stride);
+        }
+    }
+}
 
 template <DType T, int RN>
 void float_tiles_m(const uint8_t* w, size_t w_stride, const float* x, size_t x_stride, int64_t n_a, int64_t n,
@@ -416,14 +442,7 @@ void float_tiles_m(const uint8_t* w, size_t w_stride, const float* x, size_t x_s
     for (; m + kFloatRM <= n_a; m += kFloatRM) {
         float_tile<T, RN, kFloatRM>(w, w_stride, x + m * x_stride, x_stride, n, y + m * y_stride, y_stride);
     }
-    const float* xm = x + m * x_stride;
-    float* ym = y + m * y_stride;
-    switch (n_a - m) {
-        case 3: float_tile<T, RN, 3>(w, w_stride, xm, x_stride, n, ym, y_stride); break;
-        case 2: float_tile<T, RN, 2>(w, w_stride, xm, x_stride, n, ym, y_stride); break;
-        case 1: float_tile<T, RN, 1>(w, w_stride, xm, x_stride, n, ym, y_stride); break;
-        default: break;
-    }
+    float_tile_rest<T, RN, kFloatRM - 1>(n_a - m, w, w_stride, x + m * x_stride, x_stride, n, y + m * y_stride, y_stride);
 }
 
 template <DType T>
@@ -558,9 +577,12 @@ inline __m512i panel_block_sums(const Panel& p, const typename QuantTraits<T>::A
     return sums;
 }
 
+constexpr int kQuantRM = 4;  // activation rows per tile
+
+// Y rows [0, RM) x panel rows [0, rows) of one panel (rows <= 16).
 template <DType T, int RM>
-void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* act,
-                size_t act_stride, float* y, int64_t y_stride, __mmask16 store_mask, const Prefetch& pf) {
+void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* act, size_t act_stride, float* y,
+                int64_t y_stride, int rows, const Prefetch& pf) {
     using Act = typename QuantTraits<T>::Act;
     __m512 acc[RM];
     for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
@@ -575,40 +597,10 @@ void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* 
             if constexpr (T == DType::Q4_1) acc[r] = _mm512_fmadd_ps(p.m, _mm512_set1_ps(a.s), acc[r]);
         }
     }
-    for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(y + r * y_stride, store_mask, acc[r]);
+    const __mmask16 store = static_cast<__mmask16>((1u << rows) - 1);
+    for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(y + r * y_stride, store, acc[r]);
 }
 
-template <DType T>
-void quant_dot_rows(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* act, size_t act_stride,
-                    int64_t n_a, int64_t n, float* y, int64_t y_stride) {
-    constexpr int kRM = 4;
-    const int64_t nb = n / QK;
-    for (int64_t i0 = 0; i0 < n_w; i0 += kPanelRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, n_w - i0));
-        // Lanes past the last row repeat it (valid memory) and are not stored.
-        size_t off[kPanelRows];
-        for (int r = 0; r < kPanelRows; ++r) off[r] = static_cast<size_t>(std::min(r, rows - 1)) * w_stride;
-        const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-        const uint8_t* wp = w + i0 * w_stride;
-        // The first pass over this panel streams the next one into the cache.
-        const Prefetch next{wp + kPanelRows * w_stride, kPanelRows * w_stride, nb};
-        const Prefetch none{};
-        int64_t m = 0;
-        for (; m + kRM <= n_a; m += kRM) {
-            quant_tile<T, kRM>(wp, off, nb, act + m * act_stride, act_stride, y + m * y_stride + i0, y_stride, mask,
-                               m == 0 ? next : none);
-        }
-        const uint8_t* am = act + m * act_stride;
-        float* ym = y + m * y_stride + i0;
-        const Prefetch& pf = m == 0 ? next : none;
-        switch (n_a - m) {
-            case 3: quant_tile<T, 3>(wp, off, nb, am, act_stride, ym, y_stride, mask, pf); break;
-            case 2: quant_tile<T, 2>(wp, off, nb, am, act_stride, ym, y_stride, mask, pf); break;
-            case 1: quant_tile<T, 1>(wp, off, nb, am, act_stride, ym, y_stride, mask, pf); break;
-            default: break;
-        }
-    }
-}
 #elif PYSPEC_AVX2
 constexpr int kPanelRows = 8;
 
@@ -616,8 +608,8 @@ inline __m256i load_2x128(const uint8_t* p0, const uint8_t* p1) {
     return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0));
 }
 
-// One block of an 8-row panel. Q8_0 quants stay signed (lo/hi) with their magnitudes (alo/ahi
-// hold |q|), for maddubs' unsigned x signed product without int16 overflow.
+// One block of an 8-row panel. Q8_0 quants stay signed (lo/hi) next to their magnitudes
+// (abs_lo/abs_hi) for maddubs' unsigned x signed product, which must not overflow int16.
 struct Panel {
     __m256i lo[4], hi[4], abs_lo[4], abs_hi[4];
     __m256 d, m;
@@ -678,6 +670,8 @@ inline __m256i panel_block_sums(const Panel& p, const typename QuantTraits<T>::A
     return sums;
 }
 
+constexpr int kQuantRM = 2;  // activation rows per tile (16 ymm registers)
+
 template <DType T, int RM>
 void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* act, size_t act_stride, float* y,
                 int64_t y_stride, int rows, const Prefetch& pf) {
@@ -706,27 +700,42 @@ void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* 
     }
 }
 
+#endif
+
+#if PYSPEC_AVX512VNNI || PYSPEC_AVX2
+// The last rows < kQuantRM of a batch: a tile of exactly that many.
+template <DType T, int RM>
+void quant_tile_rest(int64_t rows_a, const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* act,
+                     size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
+    if constexpr (RM > 0) {
+        if (rows_a == RM) {
+            quant_tile<T, RM>(w, off, nb, act, act_stride, y, y_stride, rows, pf);
+        } else {
+            quant_tile_rest<T, RM - 1>(rows_a, w, off, nb, act, act_stride, y, y_stride, rows, pf);
+        }
+    }
+}
+
 template <DType T>
 void quant_dot_rows(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* act, size_t act_stride,
                     int64_t n_a, int64_t n, float* y, int64_t y_stride) {
-    constexpr int kRM = 2;
     const int64_t nb = n / QK;
     for (int64_t i0 = 0; i0 < n_w; i0 += kPanelRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, n_w - i0));
+        // Lanes past the last row repeat it (valid memory) and are not stored.
         size_t off[kPanelRows];
         for (int r = 0; r < kPanelRows; ++r) off[r] = static_cast<size_t>(std::min(r, rows - 1)) * w_stride;
         const uint8_t* wp = w + i0 * w_stride;
+        // The first pass over this panel streams the next one into the cache.
         const Prefetch next{wp + kPanelRows * w_stride, kPanelRows * w_stride, nb};
         const Prefetch none{};
         int64_t m = 0;
-        for (; m + kRM <= n_a; m += kRM) {
-            quant_tile<T, kRM>(wp, off, nb, act + m * act_stride, act_stride, y + m * y_stride + i0, y_stride, rows,
-                               m == 0 ? next : none);
+        for (; m + kQuantRM <= n_a; m += kQuantRM) {
+            quant_tile<T, kQuantRM>(wp, off, nb, act + m * act_stride, act_stride, y + m * y_stride + i0, y_stride, rows,
+                                    m == 0 ? next : none);
         }
-        if (m < n_a) {
-            quant_tile<T, 1>(wp, off, nb, act + m * act_stride, act_stride, y + m * y_stride + i0, y_stride, rows,
-                             m == 0 ? next : none);
-        }
+        quant_tile_rest<T, kQuantRM - 1>(n_a - m, wp, off, nb, act + m * act_stride, act_stride, y + m * y_stride + i0,
+                                         y_stride, rows, m == 0 ? next : none);
     }
 }
 #else
