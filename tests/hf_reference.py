@@ -10,8 +10,7 @@ is the checkpoint's, a converter that reorders Q/K rows wrongly for llama.cpp's 
 with it.
 
 kv_dtype rounds K (after RoPE) and V to the storage type of the engine's KV cache, which is what
-the cache really holds, and Q too: like llama.cpp's CPU attention, the engine meets an F16 cache
-with F16 queries. act_quant (HF weight name -> "Q8_0" | "Q8_1") reproduces what llama.cpp
+the cache really holds. act_quant (HF weight name -> "Q8_0" | "Q8_1") reproduces what llama.cpp
 and pyspec do to the input of a product with a block-quantized weight: each row is quantized in
 blocks of 32 to q = round(x / d), d = max|x| / 127, read back as q * fp16(d); with "Q8_1" (used for
 Q4_1 weights, w = d_w * q_w + m_w) the block-minimum term m_w * sum(a) uses the stored block sum
@@ -107,7 +106,6 @@ def forward(config: dict, weights: Dict[str, np.ndarray], tokens, kv_dtype=np.fl
         q = rotate_half_rope(q, pos, theta, n_rot, scale)
         k = rotate_half_rope(k, pos, theta, n_rot, scale)
         if kv_dtype is not None:
-            q = q.astype(kv_dtype).astype(np.float64)
             k = k.astype(kv_dtype).astype(np.float64)
             v = v.astype(kv_dtype).astype(np.float64)
         out = np.empty((n, nh, d))

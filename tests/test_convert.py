@@ -33,9 +33,9 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 QTYPE = {o: Q[o.upper()] for o in OUTTYPES}
 # Relative logit tolerance, max|pyspec - reference| / std(reference). The reference rounds the
 # weights as the file stores them and quantizes activations as the engine does, so what is left is
-# float32 arithmetic (measured <= 1e-3 over 4 seeds) and, for block-quantized types, activations
-# within float noise of an 8-bit rounding tie, which the two resolve differently (measured
-# <= 5e-2). A layout error in the converter costs O(1).
+# float32 arithmetic (measured <= 1e-3 over 8 seeds per architecture) and, for block-quantized
+# types, activations within float noise of an 8-bit rounding tie, which the two resolve
+# differently (measured <= 2.5e-2). A layout error in the converter costs O(1).
 LOGIT_TOL = {"f32": 5e-3, "f16": 5e-3, "bf16": 5e-3, "q8_0": 0.1, "q4_0": 0.1, "q4_1": 0.1}
 ARCHS = ("llama", "qwen3")
 
@@ -684,7 +684,7 @@ def test_cli_main_and_launcher(root, capsys):
 
 
 def test_console_script_is_declared():
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["pyspec-convert"] == "pyspec.convert:main"
     deps = " ".join(project["dependencies"])

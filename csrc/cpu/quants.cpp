@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 // GCC 12 warns about the self-initialised "undefined" vectors inside its own intrinsic headers
@@ -579,17 +580,21 @@ inline __m512i panel_block_sums(const Panel& p, const typename QuantTraits<T>::A
 
 constexpr int kQuantRM = 4;  // activation rows per tile
 
-// Y rows [0, RM) x panel rows [0, rows) of one panel (rows <= 16).
-template <DType T, int RM>
-void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* act, size_t act_stride, float* y,
-                int64_t y_stride, int rows, const Prefetch& pf) {
+// Y rows [0, RM) x panel rows [0, rows): blocks unpacked on the fly, or taken from `cached`
+// (the panel unpacked once for a long batch).
+template <DType T, int RM, bool kCached>
+void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached, const uint8_t* act,
+                size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
     using Act = typename QuantTraits<T>::Act;
     __m512 acc[RM];
     for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        pf.step(b);
-        Panel p;
-        load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, p);
+        Panel fresh;
+        if constexpr (!kCached) {
+            pf.step(b);
+            load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, fresh);
+        }
+        const Panel& p = kCached ? cached[b] : fresh;
         for (int r = 0; r < RM; ++r) {
             const Act& a = reinterpret_cast<const Act*>(act + r * act_stride)[b];
             const __m512 sums = _mm512_cvtepi32_ps(panel_block_sums<T>(p, a));
@@ -672,16 +677,21 @@ inline __m256i panel_block_sums(const Panel& p, const typename QuantTraits<T>::A
 
 constexpr int kQuantRM = 2;  // activation rows per tile (16 ymm registers)
 
-template <DType T, int RM>
-void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* act, size_t act_stride, float* y,
-                int64_t y_stride, int rows, const Prefetch& pf) {
+// Y rows [0, RM) x panel rows [0, rows): blocks unpacked on the fly, or taken from `cached`
+// (the panel unpacked once for a long batch).
+template <DType T, int RM, bool kCached>
+void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached, const uint8_t* act,
+                size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
     using Act = typename QuantTraits<T>::Act;
     __m256 acc[RM];
     for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        pf.step(b);
-        Panel p;
-        load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, p);
+        Panel fresh;
+        if constexpr (!kCached) {
+            pf.step(b);
+            load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, fresh);
+        }
+        const Panel& p = kCached ? cached[b] : fresh;
         for (int r = 0; r < RM; ++r) {
             const Act& a = reinterpret_cast<const Act*>(act + r * act_stride)[b];
             const __m256 sums = _mm256_cvtepi32_ps(panel_block_sums<T>(p, a));
@@ -704,22 +714,40 @@ void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* 
 
 #if PYSPEC_AVX512VNNI || PYSPEC_AVX2
 // The last rows < kQuantRM of a batch: a tile of exactly that many.
-template <DType T, int RM>
-void quant_tile_rest(int64_t rows_a, const uint8_t* w, const size_t* off, int64_t nb, const uint8_t* act,
-                     size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
+template <DType T, int RM, bool kCached>
+void quant_tile_rest(int64_t rows_a, const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached,
+                     const uint8_t* act, size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
     if constexpr (RM > 0) {
         if (rows_a == RM) {
-            quant_tile<T, RM>(w, off, nb, act, act_stride, y, y_stride, rows, pf);
+            quant_tile<T, RM, kCached>(w, off, nb, cached, act, act_stride, y, y_stride, rows, pf);
         } else {
-            quant_tile_rest<T, RM - 1>(rows_a, w, off, nb, act, act_stride, y, y_stride, rows, pf);
+            quant_tile_rest<T, RM - 1, kCached>(rows_a, w, off, nb, cached, act, act_stride, y, y_stride, rows, pf);
         }
     }
+}
+
+template <DType T, bool kCached>
+void quant_tiles_m(const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached, const uint8_t* act,
+                   size_t act_stride, int64_t n_a, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
+    const Prefetch none{};
+    int64_t m = 0;
+    for (; m + kQuantRM <= n_a; m += kQuantRM) {
+        quant_tile<T, kQuantRM, kCached>(w, off, nb, cached, act + m * act_stride, act_stride, y + m * y_stride, y_stride,
+                                         rows, m == 0 ? pf : none);
+    }
+    quant_tile_rest<T, kQuantRM - 1, kCached>(n_a - m, w, off, nb, cached, act + m * act_stride, act_stride,
+                                              y + m * y_stride, y_stride, rows, m == 0 ? pf : none);
 }
 
 template <DType T>
 void quant_dot_rows(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* act, size_t act_stride,
                     int64_t n_a, int64_t n, float* y, int64_t y_stride) {
     const int64_t nb = n / QK;
+    // With more than one tile of activation rows, each panel is unpacked once into this buffer
+    // instead of once per tile.
+    thread_local std::vector<Panel> cache;
+    const bool cached = n_a > kQuantRM;
+    if (cached && cache.size() < static_cast<size_t>(nb)) cache.resize(static_cast<size_t>(nb));
     for (int64_t i0 = 0; i0 < n_w; i0 += kPanelRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, n_w - i0));
         // Lanes past the last row repeat it (valid memory) and are not stored.
@@ -728,14 +756,15 @@ void quant_dot_rows(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_
         const uint8_t* wp = w + i0 * w_stride;
         // The first pass over this panel streams the next one into the cache.
         const Prefetch next{wp + kPanelRows * w_stride, kPanelRows * w_stride, nb};
-        const Prefetch none{};
-        int64_t m = 0;
-        for (; m + kQuantRM <= n_a; m += kQuantRM) {
-            quant_tile<T, kQuantRM>(wp, off, nb, act + m * act_stride, act_stride, y + m * y_stride + i0, y_stride, rows,
-                                    m == 0 ? next : none);
+        if (cached) {
+            for (int64_t b = 0; b < nb; ++b) {
+                next.step(b);
+                load_panel<T>(wp + b * QuantTraits<T>::kBlockBytes, off, cache[static_cast<size_t>(b)]);
+            }
+            quant_tiles_m<T, true>(wp, off, nb, cache.data(), act, act_stride, n_a, y + i0, y_stride, rows, Prefetch{});
+        } else {
+            quant_tiles_m<T, false>(wp, off, nb, nullptr, act, act_stride, n_a, y + i0, y_stride, rows, next);
         }
-        quant_tile_rest<T, kQuantRM - 1>(n_a - m, wp, off, nb, act + m * act_stride, act_stride, y + m * y_stride + i0,
-                                         y_stride, rows, m == 0 ? next : none);
     }
 }
 #else

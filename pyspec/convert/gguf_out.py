@@ -81,12 +81,6 @@ class Plan:
     def bool_array(self, key: str, values) -> None:
         self.set(key, [bool(v) for v in values], VT.ARRAY, VT.BOOL)
 
-    def get(self, key: str, default=None):
-        for k, v, _, _ in self.kv:
-            if k == key:
-                return v
-        return default
-
     def add(self, tensor: Tensor) -> None:
         if any(t.name == tensor.name for t in self.tensors):
             raise ConversionError(f"two tensors map to {tensor.name}")

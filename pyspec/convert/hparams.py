@@ -215,9 +215,6 @@ class TensorMapper:
         self.used.add(short)
         return self.by_short[short]
 
-    def load(self, short: str) -> np.ndarray:
-        return self.ckpt.load(self.use(short))
-
     def check_shape(self, short: str, expected: Tuple[int, ...]) -> None:
         got = self.shape(short)
         if tuple(got) != tuple(expected):
@@ -240,37 +237,31 @@ class TensorMapper:
     def map_layers(self, hp: Hparams, qk_norm: bool,
                    qk_transform: Optional[Callable[[np.ndarray, int], np.ndarray]] = None,
                    optional: Tuple[str, ...] = ()) -> None:
+        """Every per-layer tensor; qk_transform(w, n_heads) reorders the rows of Q and K (and of
+        the per-head q/k norm vectors, one "head") for the rope convention the GGUF runs with."""
         shapes = layer_shapes(hp)
+        heads = {"self_attn.q_proj.weight": hp.n_head, "self_attn.k_proj.weight": hp.n_head_kv,
+                 "self_attn.q_norm.weight": 1, "self_attn.k_norm.weight": 1}
         missing: List[str] = []
         for il in range(hp.n_layer):
             for hf, (gg, kind) in LAYER_TENSORS.items():
-                if hf.startswith("self_attn.q_norm") or hf.startswith("self_attn.k_norm"):
-                    if not qk_norm:
-                        continue
+                if hf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and not qk_norm:
+                    continue
                 short = f"layers.{il}.{hf}"
                 if not self.has(short):
                     if hf not in optional:
                         missing.append(short)
                     continue
                 transform = None
-                if qk_transform is not None and hf in ("self_attn.q_proj.weight",
-                                                       "self_attn.q_norm.weight"):
-                    n = hp.n_head if hf == "self_attn.q_proj.weight" else 1
-                    transform = lambda w, n=n: qk_transform(w, n)
-                elif qk_transform is not None and hf in ("self_attn.k_proj.weight",
-                                                         "self_attn.k_norm.weight"):
-                    n = hp.n_head_kv if hf == "self_attn.k_proj.weight" else 1
-                    transform = lambda w, n=n: qk_transform(w, n)
+                if qk_transform is not None and hf in heads:
+                    transform = lambda w, n=heads[hf]: qk_transform(w, n)
                 self.map(short, f"blk.{il}.{gg}", kind, shapes[hf], transform)
         if missing:
             raise ConversionError(f"{self.ckpt.dir} is missing tensors: {', '.join(missing)}")
 
-    def unused(self) -> List[str]:
-        return [self.by_short[s] for s in self.by_short
-                if s not in self.used and not s.endswith(IGNORED_SUFFIXES)]
-
-    def reject_unknown(self, ignore: Tuple[str, ...] = ()) -> None:
-        unknown = [n for n in self.unused() if n not in ignore]
+    def reject_unknown(self) -> None:
+        unknown = [self.by_short[s] for s in self.by_short
+                   if s not in self.used and not s.endswith(IGNORED_SUFFIXES)]
         if unknown:
             raise ConversionError(f"{len(unknown)} tensor(s) in {self.ckpt.dir} that the mapping "
                                   f"does not know: {', '.join(unknown)}")
