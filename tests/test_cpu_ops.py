@@ -314,12 +314,15 @@ def test_set_rows_then_attention_reads_the_new_cells():
 # --------------------------------------------------------------------------------------------
 
 
-def rope_ref(x, pos, n_rot, mode, base, fscale):
-    """x (n_rows, n_head, hd) float64; theta_i = fscale * pos * base^(-2i / n_rot), i < n_rot/2,
-    rotating pairs (2i, 2i+1) (mode 0) or (i, i + n_rot/2) (mode 2, NEOX); dims >= n_rot pass."""
+def rope_ref(x, pos, n_rot, mode, base, fscale, factors=None):
+    """x (n_rows, n_head, hd) float64; theta_i = fscale * pos * base^(-2i / n_rot) / factors_i,
+    i < n_rot/2, rotating pairs (2i, 2i+1) (mode 0) or (i, i + n_rot/2) (mode 2, NEOX); dims >=
+    n_rot pass."""
     half = n_rot // 2
     i = np.arange(half, dtype=np.float64)
     theta = np.float64(fscale) * pos.astype(np.float64)[:, None] * np.float64(base) ** (-2.0 * i / n_rot)
+    if factors is not None:
+        theta = theta / np.asarray(factors, np.float64)[None, :]
     c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
     first = i.astype(int) if mode == 2 else 2 * i.astype(int)
     second = first + half if mode == 2 else first + 1
@@ -347,6 +350,26 @@ def test_rope(mode, n_rot, base, fscale):
     np.testing.assert_allclose(got, rope_ref(x, pos, n_rot, mode, base, fscale), rtol=1e-6, atol=1e-6)
     assert np.array_equal(got[..., n_rot:], x[..., n_rot:])  # the tail passes through untouched
     assert np.array_equal(got[0], x[0])  # position 0 is the identity
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+def test_rope_with_frequency_factors(mode):
+    # llama 3.1's rope_freqs: per-frequency divisors given as a third source.
+    rng = np.random.default_rng(11 + mode)
+    hd, n_head, n_rows, n_rot = 32, 2, 4, 32
+    x = rng.standard_normal((n_rows, n_head, hd)).astype(np.float32)
+    pos = np.array([0, 5, 100, 8000], np.int32)
+    factors = rng.uniform(1.0, 8.0, n_rot // 2).astype(np.float32)
+    g = core.Graph()
+    tx = g.input("F32", [hd, n_head, n_rows], "x")
+    tp = g.input("I32", [n_rows], "pos")
+    tf = g.external("F32", [n_rot // 2], "rope_freqs")
+    out = node(g, "ROPE", "F32", [hd, n_head, n_rows], [tx, tp, tf], [n_rot, mode], [10000.0, 1.0])
+    (got,) = run(g, {tx: x, tp: pos, tf: factors}, [out])
+    got = got.reshape(n_rows, n_head, hd)
+    want = rope_ref(x, pos, n_rot, mode, 10000.0, 1.0, factors)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - rope_ref(x, pos, n_rot, mode, 10000.0, 1.0)).max() > 0.1  # factors matter
 
 
 def test_rope_modes_rotate_different_pairs():

@@ -172,8 +172,9 @@ int Graph::scale(int a, float s) {
     return id;
 }
 
-int Graph::rope(int x, int positions, int n_rot, int mode, float freq_base, float freq_scale) {
-    int id = add_node(Op::ROPE, DType::F32, (*this)[x].ne, {x, positions});
+int Graph::rope(int x, int positions, int n_rot, int mode, float freq_base, float freq_scale, int freq_factors) {
+    int id = freq_factors >= 0 ? add_node(Op::ROPE, DType::F32, (*this)[x].ne, {x, positions, freq_factors})
+                               : add_node(Op::ROPE, DType::F32, (*this)[x].ne, {x, positions});
     Tensor& t = (*this)[id];
     t.iparams[0] = n_rot;
     t.iparams[1] = mode;

@@ -27,7 +27,8 @@ enum class Op : uint8_t {
     ADD,        // src0 + src1 (src1 broadcast over rows when it has one row)
     MUL,        // src0 * src1 (src1 broadcast over rows when it has one row)
     SCALE,      // src0 * fparams[0]
-    ROPE,       // src0 [head_dim, n_head, n_rows], src1 I32 positions [n_rows];
+    ROPE,       // src0 [head_dim, n_head, n_rows], src1 I32 positions [n_rows], optional src2 F32
+                // [n_rot / 2] frequency divisors (llama 3.1's rope_freqs);
                 // iparams: {n_rot, mode (0 = normal pairs (2i, 2i+1), 2 = NEOX pairs (i, i+n/2))}
                 // fparams: {freq_base, freq_scale}
     SILU,       // x * sigmoid(x)
@@ -106,7 +107,8 @@ public:
     int add(int a, int b);
     int mul(int a, int b);
     int scale(int a, float s);
-    int rope(int x, int positions, int n_rot, int mode, float freq_base, float freq_scale);
+    int rope(int x, int positions, int n_rot, int mode, float freq_base, float freq_scale,
+             int freq_factors = -1);
     int silu(int a);
     int swiglu(int gate, int up);
     int softmax(int a, float scale);

@@ -122,6 +122,7 @@ void op_rope(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     const bool neox = dst.iparams[1] == 2;
     const double base = dst.fparams[0];
     const double fscale = dst.fparams[1];
+    const float* factors = dst.src[2] >= 0 ? g[dst.src[2]].as<float>() : nullptr;
     const int64_t hd = x.ne[0];
     const int half = n_rot / 2;
     s.f.resize(static_cast<size_t>(2 * half));
@@ -131,7 +132,8 @@ void op_rope(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     split_range(x.ne[2], ith, nth, t0, t1);
     for (int64_t t = t0; t < t1; ++t) {
         for (int i = 0; i < half; ++i) {
-            const double theta = fscale * pos[t] * std::pow(base, -2.0 * i / n_rot);
+            double theta = fscale * pos[t] * std::pow(base, -2.0 * i / n_rot);
+            if (factors) theta /= factors[i];
             cs[i] = static_cast<float>(std::cos(theta));
             sn[i] = static_cast<float>(std::sin(theta));
         }

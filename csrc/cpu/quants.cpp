@@ -449,8 +449,15 @@ void float_tiles_m(const uint8_t* w, size_t w_stride, const float* x, size_t x_s
 template <DType T>
 void float_dot_rows(const uint8_t* w, size_t w_stride, int64_t n_w, const float* x, size_t x_stride, int64_t n_a,
                     int64_t n, float* y, int64_t y_stride) {
+    // Rows four tiles ahead go to L2 first: with only the hardware prefetcher, F16 rows streamed
+    // from memory at half the speed (Zen 4).
+    const size_t row_bytes = static_cast<size_t>(n) * (T == DType::F32 ? sizeof(float) : sizeof(uint16_t));
     int64_t i = 0;
     for (; i + kFloatRN <= n_w; i += kFloatRN) {
+        const uint8_t* ahead = w + (i + 4 * kFloatRN) * w_stride;
+        for (int j = 0; j < kFloatRN; ++j) {
+            for (size_t l = 0; l < row_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * w_stride + l), _MM_HINT_T1);
+        }
         float_tiles_m<T, kFloatRN>(w + i * w_stride, w_stride, x, x_stride, n_a, n, y + i, y_stride);
     }
     for (; i < n_w; ++i) float_tiles_m<T, 1>(w + i * w_stride, w_stride, x, x_stride, n_a, n, y + i, y_stride);

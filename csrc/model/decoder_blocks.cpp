@@ -24,8 +24,10 @@ void record_layer_input(DecoderGraph& dg, const DecoderGraphParams& p, int layer
     dg.layer_inputs.emplace_back(layer, x);
 }
 
-int self_attention(Graph& g, const Hparams& hp, const LayerWeights& w, int layer, int h,
-                   const DecoderGraphInputs& in, const KvCacheView& kv, bool qk_norm) {
+int self_attention(Graph& g, const Model& model, int layer, int h, const DecoderGraphInputs& in,
+                   const KvCacheView& kv, bool qk_norm) {
+    const Hparams& hp = model.hparams();
+    const LayerWeights& w = model.layers[static_cast<size_t>(layer)];
     const int64_t n_rows = g[h].ne[1];
     const int64_t hd = hp.head_dim;
     int q = g.reshape(g.mul_mat(add_weight(g, w.wq), h), {hd, hp.n_head, n_rows, 1});
@@ -36,8 +38,9 @@ int self_attention(Graph& g, const Hparams& hp, const LayerWeights& w, int layer
         k = g.rms_norm(k, add_weight(g, w.k_norm), hp.rms_eps);
     }
     const int n_rot = static_cast<int>(hp.n_rot);
-    q = g.rope(q, in.positions, n_rot, hp.rope_mode, hp.rope_freq_base, hp.rope_freq_scale);
-    k = g.rope(k, in.positions, n_rot, hp.rope_mode, hp.rope_freq_base, hp.rope_freq_scale);
+    const int factors = model.rope_freqs.present() ? add_weight(g, model.rope_freqs) : -1;
+    q = g.rope(q, in.positions, n_rot, hp.rope_mode, hp.rope_freq_base, hp.rope_freq_scale, factors);
+    k = g.rope(k, in.positions, n_rot, hp.rope_mode, hp.rope_freq_base, hp.rope_freq_scale, factors);
 
     const size_t l = static_cast<size_t>(layer);
     const Shape cache_shape{hd * hp.n_head_kv, kv.n_cells, 1, 1};

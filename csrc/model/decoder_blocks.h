@@ -13,8 +13,8 @@ void record_layer_input(DecoderGraph& dg, const DecoderGraphParams& p, int layer
 
 // Self-attention of one layer over normed input h [n_embd, n_rows]: Q/K/V projections, optional
 // per-head q/k RMSNorm, RoPE, K/V written to the layer's cache cells, attention, output proj.
-int self_attention(Graph& g, const Hparams& hp, const LayerWeights& w, int layer, int h,
-                   const DecoderGraphInputs& in, const KvCacheView& kv, bool qk_norm);
+int self_attention(Graph& g, const Model& model, int layer, int h, const DecoderGraphInputs& in,
+                   const KvCacheView& kv, bool qk_norm);
 
 // down(silu(gate(h)) * up(h))
 int swiglu_ffn(Graph& g, const LayerWeights& w, int h);

@@ -15,7 +15,7 @@ DecoderGraph build_llama_graph(const Model& model, const KvCacheView& kv, const 
         const LayerWeights& w = model.layers[static_cast<size_t>(il)];
         record_layer_input(dg, p, il, x);
         int h = g.rms_norm(x, add_weight(g, w.attn_norm), hp.rms_eps);
-        x = g.add(x, self_attention(g, hp, w, il, h, dg.in, kv, /*qk_norm=*/false));
+        x = g.add(x, self_attention(g, model, il, h, dg.in, kv, /*qk_norm=*/false));
         h = g.rms_norm(x, add_weight(g, w.ffn_norm), hp.rms_eps);
         x = g.add(x, swiglu_ffn(g, w, h));
     }

@@ -114,6 +114,8 @@ void Model::load_weights() {
     hp_.tied_output = file_->find_tensor("output.weight") == nullptr;
     output = hp_.tied_output ? tok_embd : require("output.weight", {n_embd, hp_.n_vocab});
 
+    if (file_->find_tensor("rope_freqs.weight")) rope_freqs = require("rope_freqs.weight", {hp_.n_rot / 2}, true);
+
     layers.resize(static_cast<size_t>(hp_.n_layer));
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";

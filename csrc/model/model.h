@@ -57,6 +57,7 @@ public:
     const GgufFile& gguf() const { return *file_; }
 
     Weight tok_embd, output_norm, output;
+    Weight rope_freqs;  // optional [n_rot / 2] frequency divisors (llama 3.1 rope scaling)
     std::vector<LayerWeights> layers;
 
 private:
