@@ -315,6 +315,9 @@ def test_matmul_handles_empty_and_rejects_bad_shapes():
     w, x = make_problem("Q4_1", 16, 64, 2, 3)
     assert kernels.matmul("Q4_1", w, 16, 64, x[:0], 2).shape == (0, 16)
     assert kernels.matmul("Q4_1", w[:0], 0, 64, x, 2).shape == (2, 0)
+    for dtype in ("Q4_1", "F16"):  # K = 0: empty dot products are +0
+        y = kernels.matmul(dtype, np.zeros(0, np.uint8), 3, 0, np.zeros((2, 0), np.float32), 2)
+        assert y.shape == (2, 3) and not np.signbit(y).any() and not y.any()
     with pytest.raises(ValueError):
         kernels.matmul("Q4_1", w, 16, 64, np.zeros((2, 63), np.float32))
     with pytest.raises(ValueError):

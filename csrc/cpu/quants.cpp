@@ -890,7 +890,8 @@ void dot_rows(DType weight_type, const void* w, size_t w_stride, int64_t n_w, co
     // Activation rows go in chunks small enough to stay in L2 while every weight panel meets
     // them; a long batch would otherwise be streamed from memory once per panel.
     constexpr size_t kChunkBytes = 192 << 10;
-    const int64_t chunk = std::max<int64_t>(8, static_cast<int64_t>(kChunkBytes / activation_row_bytes(weight_type, n)));
+    const size_t act_bytes = std::max<size_t>(1, activation_row_bytes(weight_type, n));
+    const int64_t chunk = std::max<int64_t>(8, static_cast<int64_t>(kChunkBytes / act_bytes));
     const uint8_t* wb = static_cast<const uint8_t*>(w);
     for (int64_t m0 = 0; m0 < n_a; m0 += chunk) {
         const int64_t rows = std::min(chunk, n_a - m0);
