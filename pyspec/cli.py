@@ -17,13 +17,14 @@ from typing import List, Optional
 
 from . import __version__
 from .chat import ChatTemplate, ChatTemplateError, InvalidMessagesError
+from .cli_common import UserError, read_user_file
 from .sampling import SamplingParams
 
 _D = SamplingParams()
 EXIT_INTERRUPTED = 130
 
 
-class CliError(Exception):
+class CliError(UserError):
     """A user-facing problem: printed as one `error:` line on stderr, exit code 1."""
 
 
@@ -132,20 +133,6 @@ def _emit(text: str) -> None:
     else:
         sys.stdout.write(text)
         sys.stdout.flush()
-
-
-def _read_text_file(path: str, what: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise CliError(f"{what} '{path}' not found") from None
-    except IsADirectoryError:
-        raise CliError(f"{what} '{path}' is a directory") from None
-    except OSError as exc:
-        raise CliError(f"cannot read {what} '{path}': {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise CliError(f"{what} '{path}' is not UTF-8 text") from None
 
 
 def _check_args(args) -> None:
@@ -291,7 +278,7 @@ def _converse(llm, args, seed: int, perf: _Perf) -> int:
 
 def _prompt_text(args) -> Optional[str]:
     if args.file is not None:
-        text = _read_text_file(args.file, "prompt file")
+        text = read_user_file(args.file, "prompt file", error=CliError)
         # As llama-cli does: a file's final newline ends the file, it is not part of the prompt.
         return text[:-1] if text.endswith("\n") else text
     return args.prompt

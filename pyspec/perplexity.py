@@ -23,8 +23,10 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
+from .cli_common import UserArgumentParser, UserError, read_user_file
 
-class PerplexityError(Exception):
+
+class PerplexityError(UserError):
     """A user-facing problem (bad file, too few tokens, ...): printed as one line, exit code 1."""
 
 
@@ -128,17 +130,11 @@ def compute_perplexity(ctx, ids: Sequence[int], n_ctx: int, n_batch: Optional[in
 
 def load_ids(path: str) -> List[int]:
     """A JSON list of token ids (or an object with an "ids" list)."""
+    raw = read_user_file(path, "ids file", binary=True, error=PerplexityError)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise PerplexityError(f"ids file not found: {path}") from None
-    except IsADirectoryError:
-        raise PerplexityError(f"ids file is a directory: {path}") from None
+        data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PerplexityError(f"ids file {path} is not valid JSON: {exc}") from None
-    except OSError as exc:
-        raise PerplexityError(f"cannot read ids file {path}: {exc.strerror}") from None
     if isinstance(data, dict) and "ids" in data:
         data = data["ids"]
     if not isinstance(data, list) or not all(
@@ -151,15 +147,7 @@ def load_text_ids(path: str, tokenizer) -> List[int]:
     """The token ids of a text file, as llama-perplexity -f gets them: the file's bytes (invalid
     UTF-8 replaced) less one trailing newline, tokenized with add_special=True and no special-token
     parsing."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise PerplexityError(f"text file not found: {path}") from None
-    except IsADirectoryError:
-        raise PerplexityError(f"text file is a directory: {path}") from None
-    except OSError as exc:
-        raise PerplexityError(f"cannot read text file {path}: {exc.strerror}") from None
+    data = read_user_file(path, "text file", binary=True, error=PerplexityError)
     if data.endswith(b"\n"):
         data = data[:-1]
     return tokenizer.encode(data.decode("utf-8", errors="replace"), add_special=True,
@@ -174,20 +162,12 @@ def _vocab_bos(metadata: dict) -> Optional[int]:
     return int(bos) if bos is not None else None
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """Bad flags are user errors like any other: one line and exit code 1 (argparse uses 2)."""
-
-    def error(self, message: str):
-        self.exit(1, f"{self.prog}: error: {message}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(
+    p = UserArgumentParser(
         prog="pyspec-perplexity",
         description="Perplexity of a GGUF model over a text (llama-perplexity's method: chunks "
                     "of -c tokens, each from an empty cache, second half scored).")
-    p.add_argument("-m", "--model", default=None,
-                   help="GGUF model path (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_model_argument()
     p.add_argument("--ids", default=None, help="JSON file with a list of token ids")
     p.add_argument("-f", "--file", default=None,
                    help="text file, tokenized with the model's tokenizer")

@@ -15,12 +15,14 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from .cli_common import UserArgumentParser, UserError, read_user_file
+
 _ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'",
             ord('"'): b'"', ord("\\"): b"\\"}
 _HEX = b"0123456789abcdefABCDEF"
 
 
-class TokenizeError(Exception):
+class TokenizeError(UserError):
     """A user-facing problem: printed as one line, exit code 1."""
 
 
@@ -48,20 +50,12 @@ def process_escapes(data: bytes) -> bytes:
     return bytes(out)
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """Bad flags are user errors like any other: one line and exit code 1 (argparse uses 2)."""
-
-    def error(self, message: str):
-        self.exit(1, f"{self.prog}: error: {message}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(
+    p = UserArgumentParser(
         prog="pyspec-tokenize",
         description="Tokenize a text with a GGUF model's tokenizer and print the tokens "
                     "(llama-tokenize's output format).")
-    p.add_argument("-m", "--model", default=None,
-                   help="GGUF model path (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_model_argument()
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", default=None, help="the text to tokenize")
     src.add_argument("-f", "--file", default=None, help="a file holding the text to tokenize")
@@ -87,15 +81,7 @@ def _read_text(args) -> bytes:
         # Command-line arguments are str; surrogateescape gives back the bytes the shell passed.
         return args.prompt.encode("utf-8", errors="surrogateescape")
     if args.file is not None:
-        try:
-            with open(args.file, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise TokenizeError(f"file not found: {args.file}") from None
-        except IsADirectoryError:
-            raise TokenizeError(f"{args.file} is a directory, not a text file") from None
-        except OSError as exc:
-            raise TokenizeError(f"cannot read {args.file}: {exc.strerror}") from None
+        return read_user_file(args.file, "text file", binary=True, error=TokenizeError)
     if args.stdin:
         return sys.stdin.buffer.read()
     raise TokenizeError("no text: give one of -p TEXT, -f FILE or --stdin")

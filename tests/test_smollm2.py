@@ -84,7 +84,7 @@ def test_nll_is_float64_log_softmax():
     (lambda tmp: ["--ids", str(_write(tmp, "short.json", json.dumps(list(range(1023)))))],
      "at least 1024 tokens"),
     (lambda tmp: ["-f", str(_write(tmp, "t.txt", "hello"))], "got 1 in"),
-    (lambda tmp: ["-f", str(tmp / "missing.txt")], "text file not found"),
+    (lambda tmp: ["-f", str(tmp / "missing.txt")], "missing.txt' not found"),
     (lambda tmp: ["-f", str(_write(tmp, "t.txt", "hello")), "--ids", str(EVAL_IDS)], "not both"),
     (lambda tmp: ["--ids", str(EVAL_IDS), "-c", "zero"], "invalid int"),
     (lambda tmp: ["--ids", str(_write(tmp, "oov.json", json.dumps([49152] * 1024))), "-c", "512"],

@@ -687,7 +687,7 @@ def test_tokenize_cli_pieces_and_file(smol, tmp_path):
     (["-m", "/nonexistent/model.gguf", "-p", "x"], "cannot open GGUF file"),
     (["-p", "x", "-f", "y"], "not allowed with"),
     (["--ids"], "no text"),
-    (["-f", "/nonexistent/prompt.txt"], "file not found"),
+    (["-f", "/nonexistent/prompt.txt"], "text file '/nonexistent/prompt.txt' not found"),
 ])
 def test_tokenize_cli_errors(args, message):
     proc = _tokenize_cli(*args)
