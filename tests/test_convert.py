@@ -22,6 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
+from conftest import subprocess_env  # noqa: E402
+
 import hf_reference  # noqa: E402
 import make_tiny_models as tiny  # noqa: E402
 import pyspec  # noqa: E402
@@ -676,7 +678,7 @@ def test_cli_main_and_launcher(root, capsys):
     out = root / "cli.gguf"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_hf_to_gguf.py"), str(tm.path),
                            "--outfile", str(out), "--outtype", "q8_0", "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout
     assert "20 tensors (5 F32, 15 Q8_0)" in proc.stdout

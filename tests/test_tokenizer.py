@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from pyspec.tokenizer import (  # noqa: E402
     PRE_TOKENIZER_RULES, TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL,
     TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED, Tokenizer, clean_up_spaces, split_pieces)
 from pyspec.tokenize_cli import process_escapes  # noqa: E402
+from conftest import subprocess_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
@@ -654,9 +656,8 @@ def test_bad_metadata_is_a_clear_error():
 # ---------------------------------------------------------------------------------------------
 
 def _tokenize_cli(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "pyspec.tokenize_cli", *args], cwd=ROOT,
-                          env=env, capture_output=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "pyspec.tokenize_cli", *args], cwd=tempfile.gettempdir(),
+                          env=subprocess_env(), capture_output=True, timeout=120)
 
 
 def test_tokenize_cli_ids_match_llama_cpp(smol):

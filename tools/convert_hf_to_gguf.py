@@ -9,10 +9,12 @@ The implementation lives in the pyspec package (pyspec/convert/) so the installe
 import sys
 from pathlib import Path
 
-# Run from a source checkout without installing: the package is one directory up.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pyspec.convert import main  # noqa: E402
+try:
+    from pyspec.convert import main
+except ImportError:
+    # A source checkout with an in-place build and no install: the package is one directory up.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pyspec.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

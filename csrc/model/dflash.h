@@ -1,0 +1,123 @@
+// The block drafter of GGUF architecture "dflash": DFlash, and DSpark (DFlash plus a Markov head
+// and an optional confidence head). Weights point into the drafter's mapped GGUF file; the token
+// embedding and the output matrix come from the target unless the drafter carries its own.
+// Loading validates the file and its fit to the target (reference/dflash-dspark.md §1-§3).
+//
+// Three graphs, all over a drafter KV cache laid out like the target's (KvCacheView):
+//   injection: target feature rows -> fc -> hidden_norm -> per layer K (k_norm, RoPE), V -> cache
+//   block:     noise block [id_last, MASK, ...] -> Qwen3-style layers over context + block
+//              -> final norm -> output head; DSpark: Markov chain and confidence head in-graph
+//   shift:     moves cached rows down by `delta` positions and re-rotates K (window rebase)
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/decoder_graph.h"
+#include "model/model.h"
+
+namespace pyspec {
+
+struct DraftHparams {
+    int64_t n_embd = 0;
+    int64_t n_layer = 0;
+    int64_t n_ff = 0;
+    int64_t n_head = 0;
+    int64_t n_head_kv = 0;
+    int64_t head_dim = 0;
+    int64_t n_rot = 0;
+    int64_t n_ctx_train = 0;      // dflash.context_length: the positions the drafter was trained on
+    float rope_freq_base = 10000.0f;
+    float rope_freq_scale = 1.0f;
+    float rms_eps = 1e-6f;
+    float attn_scale = 0.0f;      // dflash.attention.scale, else 1/sqrt(head_dim)
+    float embedding_scale = 1.0f; // dflash.embedding_scale
+    std::vector<int> target_layers;  // target layer-input ids (0 = embeddings)
+    int64_t block_size = 16;
+    int32_t mask_token_id = 0;
+    bool causal = false;             // dflash.attention.causal: causal within the block
+    bool is_dspark = false;          // markov_w1.weight present
+    bool sample_from_anchor = true;  // DSpark layout: anchor-first (true) or bonus-anchor (false)
+    bool has_confidence_head = false;
+    int64_t markov_rank = 0;
+    int64_t n_vocab = 0;             // the target's vocabulary (logits are this wide)
+
+    // First block slot whose output is a draft: 0 for DSpark anchor-first, else 1 (§1.5).
+    int draft_offset() const { return is_dspark && sample_from_anchor ? 0 : 1; }
+    // Most drafts per block: block_size (DSpark anchor-first) or block_size - 1.
+    int64_t n_draft_max() const { return block_size - draft_offset(); }
+};
+
+struct DraftLayerWeights {
+    Weight attn_norm, wq, wk, wv, wo, q_norm, k_norm;
+    Weight ffn_norm, ffn_gate, ffn_up, ffn_down;
+};
+
+class DraftModel {
+public:
+    // Throws std::invalid_argument naming the problem for a bad file or a drafter that does not
+    // fit `target`.
+    DraftModel(const std::string& path, std::shared_ptr<const Model> target);
+
+    const DraftHparams& hparams() const { return hp_; }
+    const Model& target() const { return *target_; }
+    const GgufFile& gguf() const { return *file_; }
+    // The drafter's attention shape in the target's Hparams form (sizes a KvCache).
+    Hparams cache_hparams() const;
+
+    Weight fc, hidden_norm, output_norm;
+    Weight tok_embd, output;            // the drafter's own or the target's
+    bool owns_tok_embd = false, owns_output = false;
+    std::vector<DraftLayerWeights> layers;
+    Weight markov_w1, markov_w2;        // DSpark
+    float markov_w2_scale = 1.0f;
+    // conf_proj split into its hidden-state and Markov-feature parts, as F32 [n, 1] columns, so
+    // the graph can apply it without a concat op; plus the bias.
+    std::vector<float> conf_w_h, conf_w_e;
+    float conf_bias = 0.0f;
+
+private:
+    void load_hparams();
+    void load_weights();
+    Weight require(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32 = false) const;
+    Weight optional(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32 = false) const;
+
+    std::shared_ptr<const Model> target_;
+    std::unique_ptr<GgufFile> file_;
+    DraftHparams hp_;
+};
+
+// Injection of n_rows committed context rows.
+struct DraftInjectGraph {
+    Graph graph;
+    int features = -1;   // F32 [n_target_layers * n_embd, n_rows] input
+    int positions = -1;  // I32 [n_rows] drafter positions
+    int kv_cells = -1;   // I32 [n_rows] cache cells
+};
+DraftInjectGraph build_dflash_inject_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_rows);
+
+// n_blocks noise blocks of `block` rows each, block-major.
+struct DraftBlockGraph {
+    Graph graph;
+    int tokens = -1, positions = -1, kv_cells = -1, mask = -1, kv_base = -1;  // as in a decoder
+    int anchors = -1;     // I32 [n_blocks] id_last of each block (the Markov chain's start)
+    int logits = -1;      // F32 [n_vocab, n_rows] backbone logits of every slot
+    // DSpark, per slot i >= draft_offset (index i - draft_offset): Markov-biased logits
+    // F32 [n_vocab, n_blocks], their argmax I32 [1, n_blocks] (the next slot's predecessor),
+    // and the confidence head's Markov-feature term F32 [1, n_blocks].
+    std::vector<int> markov_logits, markov_ids, conf_e;
+    int conf_h = -1;      // F32 [1, n_rows] confidence head's hidden-state term
+};
+DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_blocks,
+                                         int64_t block, int64_t span);
+
+// Moves n_rows cache rows (cells src -> dst, both I32 [n_rows] inputs) and rotates K by
+// `rotate` (I32 [n_rows], the position change): RoPE composes, rope(rope(k, p), d) = rope(k, p + d).
+struct DraftShiftGraph {
+    Graph graph;
+    int src = -1, dst = -1, rotate = -1;
+};
+DraftShiftGraph build_dflash_shift_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_rows);
+
+}  // namespace pyspec

@@ -1,0 +1,29 @@
+#include "runtime/philox.h"
+
+#include <stdexcept>
+
+namespace pyspec {
+
+namespace {
+
+// Element indices are 32-bit counter words times four; a longer vector would wrap onto itself.
+constexpr size_t kMaxNoiseElements = size_t{1} << 34;
+
+template <typename Convert>
+void fill_noise(const NoiseKey& key, float* out, size_t n, Convert convert) {
+    if (n > kMaxNoiseElements) throw std::invalid_argument("noise vector longer than 2^34 elements");
+    for (size_t base = 0; base < n; base += 4) {
+        const PhiloxCounter block = noise_block(key, static_cast<uint32_t>(base >> 2));
+        for (size_t j = 0; j < 4 && base + j < n; ++j) out[base + j] = convert(u01_open(block[j]));
+    }
+}
+
+}  // namespace
+
+void fill_uniforms(const NoiseKey& key, float* out, size_t n) {
+    fill_noise(key, out, n, [](float u) { return u; });
+}
+
+void fill_gumbel(const NoiseKey& key, float* out, size_t n) { fill_noise(key, out, n, gumbel_from_u01); }
+
+}  // namespace pyspec

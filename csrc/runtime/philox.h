@@ -1,0 +1,74 @@
+// Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC'11), the counter-based generator that keys every
+// random draw of a request: the draft noise, the acceptance uniforms and the correction and bonus
+// draws. A draw is a pure function of (request seed, step offset, position, stream, element
+// index), so it never depends on batch rows, threads or graph replay (design invariant 5).
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+namespace pyspec {
+
+using PhiloxCounter = std::array<uint32_t, 4>;
+using PhiloxKey = std::array<uint32_t, 2>;
+
+constexpr uint32_t kPhiloxMul0 = 0xD2511F53u;
+constexpr uint32_t kPhiloxMul1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u;
+constexpr uint32_t kPhiloxWeyl1 = 0xBB67AE85u;
+
+// `rounds` rounds of Philox4x32; round r uses key + r * Weyl. Ten is the standard generator, the
+// known-answer tests also cover seven.
+inline PhiloxCounter philox4x32(PhiloxCounter c, PhiloxKey k, int rounds = 10) {
+    for (int r = 0; r < rounds; ++r) {
+        if (r > 0) {
+            k[0] += kPhiloxWeyl0;
+            k[1] += kPhiloxWeyl1;
+        }
+        const uint64_t prod0 = static_cast<uint64_t>(kPhiloxMul0) * c[0];
+        const uint64_t prod1 = static_cast<uint64_t>(kPhiloxMul1) * c[2];
+        c = {static_cast<uint32_t>(prod1 >> 32) ^ c[1] ^ k[0], static_cast<uint32_t>(prod1),
+             static_cast<uint32_t>(prod0 >> 32) ^ c[3] ^ k[1], static_cast<uint32_t>(prod0)};
+    }
+    return c;
+}
+
+// Random123's u01fixedpt: odd multiples of 2^-24, all exact in float, so the value lies strictly
+// inside (0, 1): never 0 (log stays finite) and never 1 (a ratio >= 1 always accepts).
+inline float u01_open(uint32_t x) { return static_cast<float>((x >> 8) | 1u) * 0x1p-24f; }
+
+// Gumbel(0, 1) noise from a uniform strictly inside (0, 1); finite, in [-2.81, 16.64].
+inline float gumbel_from_u01(float u) { return -std::log(-std::log(u)); }
+
+// Which consumer a draw belongs to; a proposal and the residual it is resampled from must never
+// share noise. Stored in the counter's last word, whose high bits stay reserved.
+enum class NoiseStream : uint32_t { Target = 0, Draft = 1, Accept = 2, Correction = 3 };
+
+// The key of one noise vector. `offset` is the step offset (the committed length at the start of
+// the round; it grows every round, so block verification never reuses noise it looked at and did
+// not consume); `position` names the slot sampled in that round.
+struct NoiseKey {
+    uint64_t seed = 0;
+    uint32_t offset = 0;
+    uint32_t position = 0;
+    NoiseStream stream = NoiseStream::Target;
+};
+
+// Layout: key = the 64-bit seed (low word, high word); counter = (element / 4, position, offset,
+// stream); element e uses output word e % 4 of its block.
+inline PhiloxCounter noise_block(const NoiseKey& key, uint32_t block) {
+    return philox4x32({block, key.position, key.offset, static_cast<uint32_t>(key.stream)},
+                      {static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32)});
+}
+
+inline uint32_t noise_bits(const NoiseKey& key, uint32_t element) { return noise_block(key, element >> 2)[element & 3u]; }
+
+inline float noise_uniform(const NoiseKey& key, uint32_t element) { return u01_open(noise_bits(key, element)); }
+
+// out[0..n) = the uniforms (resp. Gumbel noise) of elements 0..n-1 under `key`.
+void fill_uniforms(const NoiseKey& key, float* out, size_t n);
+void fill_gumbel(const NoiseKey& key, float* out, size_t n);
+
+}  // namespace pyspec
