@@ -1,0 +1,287 @@
+#include "spec/verify.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace pyspec {
+
+namespace {
+
+// Checks the shapes and the drafts; returns how many drafts come before the padding (-1).
+int checked_draft_count(const ProbRows& p, const ProbRows* q, const int32_t* drafts, int gamma) {
+    if (gamma < 0) throw std::invalid_argument("the number of drafts must be >= 0");
+    if (p.n_vocab < 1) throw std::invalid_argument("target rows need at least one token");
+    if (p.n_rows != gamma + 1)
+        throw std::invalid_argument("expected " + std::to_string(gamma + 1) + " target rows for " +
+                                    std::to_string(gamma) + " drafts, got " + std::to_string(p.n_rows));
+    if (q) {
+        if (q->n_rows != gamma)
+            throw std::invalid_argument("expected " + std::to_string(gamma) + " proposal rows for " +
+                                        std::to_string(gamma) + " drafts, got " + std::to_string(q->n_rows));
+        if (q->n_vocab != p.n_vocab)
+            throw std::invalid_argument("proposal rows have " + std::to_string(q->n_vocab) + " tokens, target rows " +
+                                        std::to_string(p.n_vocab));
+    }
+    int n_valid = gamma;
+    for (int i = 0; i < gamma; ++i) {
+        const int32_t x = drafts[i];
+        if (x == -1) {
+            if (n_valid == gamma) n_valid = i;
+            continue;
+        }
+        if (x < 0 || x >= p.n_vocab)
+            throw std::invalid_argument("draft " + std::to_string(i) + " is token " + std::to_string(x) +
+                                        ", outside [0, " + std::to_string(p.n_vocab) + ")");
+        if (n_valid != gamma)
+            throw std::invalid_argument("draft " + std::to_string(i) + " follows padding (-1); pad only at the end");
+    }
+    return n_valid;
+}
+
+void check_prob_row(const float* row, int64_t n, const char* what, int64_t index, bool need_mass) {
+    double sum = 0.0;
+    for (int64_t t = 0; t < n; ++t) {
+        if (!(row[t] >= 0.0f) || !std::isfinite(row[t]))
+            throw std::invalid_argument(std::string(what) + " row " + std::to_string(index) + " has entry " +
+                                        std::to_string(row[t]) + " at token " + std::to_string(t) +
+                                        "; probabilities must be finite and >= 0");
+        sum += row[t];
+    }
+    if (need_mass && !(sum > 0.0))
+        throw std::invalid_argument(std::string(what) + " row " + std::to_string(index) + " has no probability mass");
+}
+
+// The rows a stochastic verifier reads: p_1..p_{n+1} and q_1..q_n for n verified drafts.
+void check_prob_rows(const ProbRows& p, const ProbRows& q, int n_valid) {
+    for (int i = 0; i <= n_valid; ++i) check_prob_row(p.row(i), p.n_vocab, "target", i, true);
+    for (int i = 0; i < n_valid; ++i) check_prob_row(q.row(i), q.n_vocab, "proposal", i, false);
+}
+
+// A draw from the unnormalised weights w(t) = max(0, scale * p(t) - q(t)) (w = p when q is null)
+// by the exponential race argmax w(t) / E(t), E(t) = -log u(t): it samples w / sum(w) exactly and
+// needs no normalisation. Returns -1 when every weight is 0.
+int32_t sample_weights(const float* p, const float* q, double scale, int64_t n, const NoiseKey& key) {
+    int32_t best = -1;
+    double best_val = 0.0;
+    for (int64_t base = 0; base < n; base += 4) {
+        const PhiloxCounter block = noise_block(key, static_cast<uint32_t>(base >> 2));
+        for (int64_t j = 0; j < 4 && base + j < n; ++j) {
+            const int64_t t = base + j;
+            const double w = q ? scale * p[t] - q[t] : static_cast<double>(p[t]);
+            if (!(w > 0.0)) continue;
+            const double val = w / -std::log(static_cast<double>(u01_open(block[j])));
+            if (best < 0 || val > best_val) {
+                best = static_cast<int32_t>(t);
+                best_val = val;
+            }
+        }
+    }
+    return best;
+}
+
+NoiseKey slot_key(uint64_t seed, uint32_t offset, int slot, NoiseStream stream) {
+    return NoiseKey{seed, offset, static_cast<uint32_t>(slot), stream};
+}
+
+// The bonus after all n drafts were accepted: a draw from p_{n+1}.
+int32_t draw_bonus(const ProbRows& p, int n, uint64_t seed, uint32_t offset) {
+    return sample_weights(p.row(n), nullptr, 1.0, p.n_vocab, slot_key(seed, offset, n, NoiseStream::Target));
+}
+
+// The correction at slot `slot` from max(0, scale * p - q); an empty residual (unreachable in exact
+// arithmetic) falls back to p and is counted.
+int32_t draw_correction(const ProbRows& p, const ProbRows& q, int slot, double scale, uint64_t seed, uint32_t offset,
+                        VerifyEvents& events) {
+    const NoiseKey key = slot_key(seed, offset, slot, NoiseStream::Correction);
+    const int32_t y = sample_weights(p.row(slot), q.row(slot), scale, p.n_vocab, key);
+    if (y >= 0) return y;
+    ++events.empty_residual;
+    return sample_weights(p.row(slot), nullptr, 1.0, p.n_vocab, key);
+}
+
+float scaled_logit(float logit, float temperature) { return logit / temperature; }
+
+void check_temperature(float temperature) {
+    if (!std::isfinite(temperature) || temperature < 0.0f)
+        throw std::invalid_argument("temperature must be finite and >= 0, got " + std::to_string(temperature));
+}
+
+// π_1..π_n and h_1..h_n of block verification for n verified drafts.
+BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int n, VerifyEvents& events) {
+    BlockThresholds th;
+    th.pi.resize(n);
+    th.h.resize(n);
+    // Step 1: π_i = min(1, π_{i-1} p_i(x_i) / q_i(x_i)). A zero π stays zero (no 0 * inf); q = 0
+    // with p > 0 counts as an unbounded ratio, the limit of the rule.
+    double pi = 1.0;
+    for (int i = 0; i < n; ++i) {
+        const double px = p.row(i)[drafts[i]];
+        const double qx = q.row(i)[drafts[i]];
+        if (qx == 0.0) ++events.zero_q;
+        if (pi > 0.0) pi = px == 0.0 ? 0.0 : (qx == 0.0 ? 1.0 : std::min(1.0, pi * px / qx));
+        th.pi[i] = pi;
+    }
+    // Steps 2-3: h_i = Z_{i+1} / (Z_{i+1} + 1 - π_i), where Z_{i+1} is the residual mass of the NEXT
+    // position (rows of slot i, i.e. p_{i+1}, q_{i+1}); h_n = π_n. A 0/0 gives h = 0 so the scan
+    // never stops where the residual is empty.
+    for (int i = 0; i + 1 < n; ++i) {
+        const float* pn = p.row(i + 1);
+        const float* qn = q.row(i + 1);
+        double z = 0.0;
+        for (int64_t t = 0; t < p.n_vocab; ++t) z += std::max(0.0, th.pi[i] * pn[t] - qn[t]);
+        const double denom = z + (1.0 - th.pi[i]);
+        th.h[i] = denom > 0.0 ? std::min(1.0, z / denom) : 0.0;
+    }
+    if (n > 0) th.h[n - 1] = th.pi[n - 1];
+    return th;
+}
+
+}  // namespace
+
+int32_t argmax_first(const float* x, int64_t n) {
+    if (n < 1) throw std::invalid_argument("argmax of an empty row");
+    int32_t best = 0;
+    for (int64_t t = 0; t < n; ++t) {
+        if (std::isnan(x[t])) throw std::invalid_argument("row has NaN at token " + std::to_string(t));
+        if (x[t] > x[best]) best = static_cast<int32_t>(t);
+    }
+    return best;
+}
+
+VerifyResult verify_greedy(const ProbRows& p, const int32_t* drafts, int gamma) {
+    const int n = checked_draft_count(p, nullptr, drafts, gamma);
+    VerifyResult r;
+    for (int i = 0; i <= n; ++i) {
+        const int32_t a = argmax_first(p.row(i), p.n_vocab);
+        r.tokens.push_back(a);
+        if (i == n || drafts[i] != a) break;
+        ++r.accepted;
+    }
+    return r;
+}
+
+VerifyResult verify_rejection(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
+                              uint32_t offset) {
+    const int n = checked_draft_count(p, &q, drafts, gamma);
+    check_prob_rows(p, q, n);
+    VerifyResult r;
+    for (int i = 0; i < n; ++i) {
+        const int32_t x = drafts[i];
+        const float px = p.row(i)[x];
+        const float qx = q.row(i)[x];
+        if (qx == 0.0f) ++r.events.zero_q;
+        // u < p/q without a division: u and q carry 24-bit mantissas, so u * q is exact in double.
+        // q = 0 accepts iff p > 0, the limit of the rule; u < 1 makes a ratio >= 1 always accept.
+        const float u = noise_uniform(slot_key(seed, offset, i, NoiseStream::Accept), 0);
+        if (static_cast<double>(u) * qx < static_cast<double>(px)) {
+            r.tokens.push_back(x);
+            ++r.accepted;
+            continue;
+        }
+        r.tokens.push_back(draw_correction(p, q, i, 1.0, seed, offset, r.events));
+        return r;
+    }
+    r.tokens.push_back(draw_bonus(p, n, seed, offset));
+    return r;
+}
+
+BlockThresholds block_thresholds(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma) {
+    const int n = checked_draft_count(p, &q, drafts, gamma);
+    check_prob_rows(p, q, n);
+    VerifyEvents events;
+    return thresholds(p, q, drafts, n, events);
+}
+
+VerifyResult verify_block(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
+                          uint32_t offset) {
+    const int n = checked_draft_count(p, &q, drafts, gamma);
+    check_prob_rows(p, q, n);
+    VerifyResult r;
+    const BlockThresholds th = thresholds(p, q, drafts, n, r.events);
+    // Step 4: τ = max{i : η_i <= h_i}, scanning every position from the back. Stopping at the first
+    // failure instead is a different, lossy rule (reference §2.3 item 5).
+    int tau = 0;
+    for (int i = n; i >= 1; --i) {
+        const float eta = noise_uniform(slot_key(seed, offset, i - 1, NoiseStream::Accept), 0);
+        if (eta <= th.h[i - 1]) {
+            tau = i;
+            break;
+        }
+    }
+    r.accepted = tau;
+    r.tokens.assign(drafts, drafts + tau);
+    // Step 5: the bonus, or the correction from the π_τ-scaled residual at slot τ (π_0 = 1).
+    if (tau == n) {
+        r.tokens.push_back(draw_bonus(p, n, seed, offset));
+    } else {
+        const double pi_tau = tau == 0 ? 1.0 : th.pi[tau - 1];
+        r.tokens.push_back(draw_correction(p, q, tau, pi_tau, seed, offset, r.events));
+    }
+    return r;
+}
+
+VerifyResult verify(VerifyMethod method, const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma,
+                    uint64_t seed, uint32_t offset) {
+    switch (method) {
+        case VerifyMethod::Greedy:
+            return verify_greedy(p, drafts, gamma);
+        case VerifyMethod::Rejection:
+            return verify_rejection(p, q, drafts, gamma, seed, offset);
+        case VerifyMethod::Block:
+            return verify_block(p, q, drafts, gamma, seed, offset);
+    }
+    throw std::invalid_argument("unknown verification method");
+}
+
+int32_t gumbel_max(const float* logits, int64_t n, float temperature, const NoiseKey& key) {
+    check_temperature(temperature);
+    if (n < 1) throw std::invalid_argument("gumbel_max over an empty row");
+    if (temperature == 0.0f) return argmax_first(logits, n);
+    int32_t best = -1;
+    float best_val = 0.0f;
+    for (int64_t base = 0; base < n; base += 4) {
+        const PhiloxCounter block = noise_block(key, static_cast<uint32_t>(base >> 2));
+        for (int64_t j = 0; j < 4 && base + j < n; ++j) {
+            const int64_t t = base + j;
+            const float l = logits[t];
+            if (std::isnan(l) || l == std::numeric_limits<float>::infinity())
+                throw std::invalid_argument("logit " + std::to_string(l) + " at token " + std::to_string(t) +
+                                            "; logits must be finite or -inf");
+            if (l == -std::numeric_limits<float>::infinity()) continue;
+            const float z = scaled_logit(l, temperature);
+            if (!std::isfinite(z)) throw std::invalid_argument("logits / temperature overflows at token " + std::to_string(t));
+            const float val = z + gumbel_from_u01(u01_open(block[j]));
+            if (best < 0 || val > best_val) {
+                best = static_cast<int32_t>(t);
+                best_val = val;
+            }
+        }
+    }
+    if (best < 0) throw std::invalid_argument("every logit is -inf");
+    return best;
+}
+
+void proposal_distribution(const float* logits, int64_t n, float temperature, float* out) {
+    check_temperature(temperature);
+    const int32_t top = argmax_first(logits, n);
+    if (logits[top] == std::numeric_limits<float>::infinity())
+        throw std::invalid_argument("logit +inf at token " + std::to_string(top) + "; logits must be finite or -inf");
+    if (logits[top] == -std::numeric_limits<float>::infinity()) throw std::invalid_argument("every logit is -inf");
+    if (temperature == 0.0f) {
+        std::fill(out, out + n, 0.0f);
+        out[top] = 1.0f;
+        return;
+    }
+    // The same float z = logit / T that gumbel_max perturbs; the normalisation runs in double.
+    const double z_max = scaled_logit(logits[top], temperature);
+    if (!std::isfinite(z_max)) throw std::invalid_argument("logits / temperature overflows at token " + std::to_string(top));
+    double sum = 0.0;
+    for (int64_t t = 0; t < n; ++t) sum += std::exp(static_cast<double>(scaled_logit(logits[t], temperature)) - z_max);
+    for (int64_t t = 0; t < n; ++t)
+        out[t] = static_cast<float>(std::exp(static_cast<double>(scaled_logit(logits[t], temperature)) - z_max) / sum);
+}
+
+}  // namespace pyspec
