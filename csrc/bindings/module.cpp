@@ -9,6 +9,8 @@ void bind_graph(py::module_& m);
 void bind_kernels(py::module_& m);
 void bind_runtime(py::module_& m);
 void bind_compute(py::module_& m);
+void bind_draft(py::module_& m);
+void bind_spec(py::module_& m);
 }  // namespace pyspec
 
 PYBIND11_MODULE(_core, m) {
@@ -18,4 +20,6 @@ PYBIND11_MODULE(_core, m) {
     pyspec::bind_kernels(m);
     pyspec::bind_runtime(m);
     pyspec::bind_compute(m);
+    pyspec::bind_draft(m);
+    pyspec::bind_spec(m);
 }

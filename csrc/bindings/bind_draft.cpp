@@ -1,0 +1,117 @@
+// Bindings for block drafters (DraftModel) and their context (DraftContext). Arrays cross as
+// numpy; inject and draft_logits release the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+
+#include "model/dflash.h"
+#include "spec/draft_context.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+namespace {
+
+using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+void inject(DraftContext& ctx, int32_t seq, const I32Array& positions, const F32Array& features) {
+    if (positions.ndim() != 1) throw std::invalid_argument("inject: positions must be a 1-D array");
+    const auto& hp = ctx.model().hparams();
+    const auto width = static_cast<py::ssize_t>(hp.target_layers.size()) * static_cast<py::ssize_t>(hp.n_embd);
+    if (features.ndim() != 2 || features.shape(0) != positions.shape(0) || features.shape(1) != width) {
+        throw std::invalid_argument("inject: features must be [n_rows, n_target_layers * n_embd] = [" +
+                                    std::to_string(positions.shape(0)) + ", " + std::to_string(width) + "]");
+    }
+    std::vector<int32_t> pos(positions.data(), positions.data() + positions.size());
+    py::gil_scoped_release release;
+    ctx.inject(seq, pos, features.data(), pos.size());
+}
+
+py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block) {
+    DraftOutput out;
+    {
+        py::gil_scoped_release release;
+        out = ctx.draft(seq, id_last, pos0, n_block);
+    }
+    auto matrix = [&](const std::vector<float>& v) {
+        py::array_t<float> a({static_cast<py::ssize_t>(out.n_block), static_cast<py::ssize_t>(out.n_vocab)});
+        std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(float));
+        return a;
+    };
+    py::dict d;
+    d["logits"] = matrix(out.logits);
+    py::array_t<int32_t> tokens(static_cast<py::ssize_t>(out.tokens.size()));
+    std::memcpy(tokens.mutable_data(), out.tokens.data(), out.tokens.size() * sizeof(int32_t));
+    d["tokens"] = tokens;
+    if (!out.base_logits.empty()) d["base_logits"] = matrix(out.base_logits);
+    if (!out.confidence.empty()) {
+        py::array_t<float> c(static_cast<py::ssize_t>(out.confidence.size()));
+        std::memcpy(c.mutable_data(), out.confidence.data(), out.confidence.size() * sizeof(float));
+        d["confidence"] = c;
+    }
+    return d;
+}
+
+}  // namespace
+
+void bind_draft(py::module_& m) {
+    py::class_<DraftModel, std::shared_ptr<DraftModel>>(m, "DraftModel")
+        .def(py::init([](const std::string& path, std::shared_ptr<Model> target) {
+                 return std::make_shared<DraftModel>(path, std::move(target));
+             }),
+             py::arg("path"), py::arg("target_model"), py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("block_size", [](const DraftModel& d) { return d.hparams().block_size; })
+        .def_property_readonly("target_layers", [](const DraftModel& d) { return d.hparams().target_layers; })
+        .def_property_readonly("mask_token_id", [](const DraftModel& d) { return d.hparams().mask_token_id; })
+        .def_property_readonly("n_layer", [](const DraftModel& d) { return d.hparams().n_layer; })
+        .def_property_readonly("n_embd", [](const DraftModel& d) { return d.hparams().n_embd; })
+        .def_property_readonly("n_vocab", [](const DraftModel& d) { return d.hparams().n_vocab; })
+        .def_property_readonly("n_ctx_train", [](const DraftModel& d) { return d.hparams().n_ctx_train; })
+        .def_property_readonly("is_dspark", [](const DraftModel& d) { return d.hparams().is_dspark; })
+        .def_property_readonly("sample_from_anchor", [](const DraftModel& d) { return d.hparams().sample_from_anchor; })
+        .def_property_readonly("has_confidence_head", [](const DraftModel& d) { return d.hparams().has_confidence_head; })
+        .def_property_readonly("causal", [](const DraftModel& d) { return d.hparams().causal; })
+        .def_property_readonly("markov_rank", [](const DraftModel& d) { return d.hparams().markov_rank; })
+        .def_property_readonly("draft_offset", [](const DraftModel& d) { return d.hparams().draft_offset(); })
+        .def_property_readonly("n_draft_max", [](const DraftModel& d) { return d.hparams().n_draft_max(); })
+        .def_property_readonly("owns_tok_embd", [](const DraftModel& d) { return d.owns_tok_embd; })
+        .def_property_readonly("owns_output", [](const DraftModel& d) { return d.owns_output; });
+
+    py::class_<DraftContext>(m, "DraftContext")
+        .def(py::init([](std::shared_ptr<DraftModel> model, int64_t n_seq_max, int64_t n_batch, int n_threads,
+                         const std::string& kv_dtype, bool check_plans) {
+                 DraftContextParams p;
+                 if (kv_dtype == "f16") {
+                     p.kv_dtype = DType::F16;
+                 } else if (kv_dtype == "f32") {
+                     p.kv_dtype = DType::F32;
+                 } else {
+                     throw std::invalid_argument("unsupported KV cache type '" + kv_dtype + "' (supported: f16, f32)");
+                 }
+                 p.n_seq_max = n_seq_max;
+                 p.n_batch = n_batch;
+                 p.n_threads = n_threads;
+                 p.check_plans = check_plans;
+                 return std::make_unique<DraftContext>(*model, p);
+             }),
+             py::arg("draft_model"), py::arg("n_seq_max"), py::arg("n_batch"), py::arg("n_threads"),
+             py::arg("kv_dtype") = "f16", py::arg("check_plans") = false, py::keep_alive<1, 2>())
+        .def("inject", &inject, py::arg("seq"), py::arg("positions"), py::arg("features"))
+        .def("draft_logits", &draft_logits, py::arg("seq"), py::arg("id_last"), py::arg("pos0"), py::arg("n_block"))
+        .def("remove", &DraftContext::remove, py::arg("seq"), py::arg("p0"), py::arg("p1") = -1)
+        .def("clear", &DraftContext::clear, py::arg("seq") = -1)
+        .def("pos_base", &DraftContext::pos_base)
+        .def("seq_pos_min", &DraftContext::pos_min)
+        .def("seq_pos_max", &DraftContext::pos_max)
+        .def("n_rows", &DraftContext::n_rows)
+        .def_property_readonly("window", &DraftContext::window)
+        .def_property_readonly("kv_cache_bytes", &DraftContext::kv_bytes)
+        .def_property_readonly("compute_buffer_bytes", &DraftContext::compute_buffer_bytes)
+        .def_property_readonly("plans_built", [](const DraftContext& c) { return c.planner().plans_built(); });
+}
+
+}  // namespace pyspec

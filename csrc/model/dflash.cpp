@@ -1,0 +1,403 @@
+// dflash drafters (DFlash, DSpark): loading and the three graph builders (see dflash.h).
+//
+// The DSpark Markov head runs in-graph: slot i's bias depends on the argmax of slot i-1's biased
+// logits, so on the host it would cost one round trip per slot; in-graph it is a short chain of
+// get_rows -> mul_mat -> add -> argmax nodes in the same pass (as llama.cpp does), and a sampling
+// chain can later replace the argmax by a draw without changing the shape of the pass. The
+// confidence head is split into two dot products computed in-graph; the host adds them and the
+// bias and applies the sigmoid (there is no concat or sigmoid op, and it is B scalars).
+#include "model/dflash.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "cpu/quants.h"
+
+namespace pyspec {
+namespace {
+
+std::string fmt_shape(const int64_t* v, size_t n) {
+    std::string s = "[";
+    for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + "]";
+}
+
+// Features llama.cpp's dflash graph has that this engine does not run; refused by name.
+const char* const kUnsupportedKeys[][2] = {
+    {"dflash.attention.sliding_window", "sliding-window attention"},
+    {"dflash.hidden_activation", "a GELU activation"},
+    {"dflash.attention.value_scale", "attention.value_scale"},
+    {"dflash.hyper_connection_count", "the DeepSeek-V4 backbone"},
+    {"dflash.selector_top_k", "DFlash2 (selector lattice)"},
+};
+const char* const kUnsupportedTensors[][2] = {
+    {"selector_hidden.weight", "DFlash2 (selector lattice)"},
+    {"fc.scale", "per-tensor scales"},
+    {"d2t", "a reduced draft vocabulary (d2t, an I64 tensor)"},
+    {"rope_freqs.weight", "rope frequency factors"},
+};
+const char* const kUnsupportedLayerTensors[][2] = {
+    {"attn_sinks.weight", "attention sinks"},
+    {"attn_post_norm.weight", "post-attention norms"},
+    {"ffn_post_norm.weight", "post-FFN norms"},
+    {"layer_output_scale.weight", "per-layer output scales"},
+    {"attn_conv_base.weight", "DFlash2 convolutions"},
+};
+
+}  // namespace
+
+DraftModel::DraftModel(const std::string& path, std::shared_ptr<const Model> target)
+    : target_(std::move(target)) {
+    if (!target_) throw std::invalid_argument("DraftModel: no target model");
+    file_ = std::make_unique<GgufFile>(path);
+    load_hparams();
+    load_weights();
+}
+
+Hparams DraftModel::cache_hparams() const {
+    Hparams h;
+    h.n_embd = hp_.n_embd;
+    h.n_layer = hp_.n_layer;
+    h.n_head = hp_.n_head;
+    h.n_head_kv = hp_.n_head_kv;
+    h.head_dim = hp_.head_dim;
+    h.n_rot = hp_.n_rot;
+    h.n_vocab = hp_.n_vocab;
+    return h;
+}
+
+void DraftModel::load_hparams() {
+    const GgufFile& f = *file_;
+    const Hparams& th = target_->hparams();
+    const std::string arch = f.get_string("general.architecture");
+    if (arch != "dflash") {
+        throw std::invalid_argument("drafter " + f.path() + " has architecture '" + arch + "', expected 'dflash'");
+    }
+    for (const auto& k : kUnsupportedKeys) {
+        if (f.has(k[0])) throw std::invalid_argument("drafter " + f.path() + " uses " + k[1] + " (" + k[0] + "), which is not supported");
+    }
+    const std::string k = "dflash.";
+    hp_.n_embd = f.get_int(k + "embedding_length");
+    hp_.n_layer = f.get_int(k + "block_count");
+    hp_.n_ff = f.get_int(k + "feed_forward_length");
+    hp_.n_head = f.get_int(k + "attention.head_count");
+    hp_.n_head_kv = f.get_int_or(k + "attention.head_count_kv", hp_.n_head);
+    if (!f.has(k + "context_length")) {
+        throw std::invalid_argument("drafter " + f.path() + " has no dflash.context_length (its trained context)");
+    }
+    hp_.n_ctx_train = f.get_int(k + "context_length");
+    if (hp_.n_embd <= 0 || hp_.n_layer <= 0 || hp_.n_ff <= 0 || hp_.n_head <= 0 || hp_.n_head_kv <= 0 ||
+        hp_.n_ctx_train <= 0) {
+        throw std::invalid_argument("invalid hyperparameters in drafter " + f.path() +
+                                    ": sizes, head counts and context_length must be positive");
+    }
+    if (hp_.n_head % hp_.n_head_kv != 0) {
+        throw std::invalid_argument("drafter attention.head_count (" + std::to_string(hp_.n_head) +
+                                    ") is not a multiple of attention.head_count_kv (" + std::to_string(hp_.n_head_kv) + ")");
+    }
+    hp_.head_dim = f.get_int_or(k + "attention.key_length", hp_.n_embd / hp_.n_head);
+    if (f.get_int_or(k + "attention.value_length", hp_.head_dim) != hp_.head_dim) {
+        throw std::invalid_argument("drafter attention.value_length != key_length is not supported");
+    }
+    hp_.n_rot = f.get_int_or(k + "rope.dimension_count", hp_.head_dim);
+    if (hp_.head_dim <= 0 || hp_.n_rot <= 0 || hp_.n_rot > hp_.head_dim || hp_.n_rot % 2 != 0) {
+        throw std::invalid_argument("drafter has invalid rope.dimension_count " + std::to_string(hp_.n_rot) +
+                                    " for head size " + std::to_string(hp_.head_dim));
+    }
+    if (f.has(k + "rope.dimension_sections")) {
+        // M-RoPE drafts use degenerate sections [n_rot/2, 0, 0, 0]: plain NEOX for text positions.
+        const std::vector<int64_t> s = f.get_int_array(k + "rope.dimension_sections");
+        for (size_t i = 1; i < s.size(); ++i) {
+            if (s[i] != 0) throw std::invalid_argument("drafter M-RoPE sections other than [n_rot/2, 0, 0, 0] are not supported");
+        }
+    }
+    hp_.rope_freq_base = static_cast<float>(f.get_float_or(k + "rope.freq_base", 10000.0));
+    const std::string scaling = f.get_string_or(k + "rope.scaling.type", "none");
+    if (scaling == "linear") {
+        const double factor = f.get_float_or(k + "rope.scaling.factor", 1.0);
+        if (!(factor > 0)) throw std::invalid_argument("drafter rope.scaling.factor must be positive");
+        hp_.rope_freq_scale = static_cast<float>(1.0 / factor);
+    } else if (scaling != "none") {
+        throw std::invalid_argument("drafter rope scaling '" + scaling + "' is not supported (none, linear)");
+    }
+    hp_.rms_eps = static_cast<float>(f.get_float_or(k + "attention.layer_norm_rms_epsilon", 1e-6));
+    if (!(hp_.rms_eps > 0) || !std::isfinite(hp_.rms_eps)) throw std::invalid_argument("drafter has an invalid layer_norm_rms_epsilon");
+    hp_.attn_scale = static_cast<float>(f.get_float_or(k + "attention.scale", 1.0 / std::sqrt(static_cast<double>(hp_.head_dim))));
+    hp_.embedding_scale = static_cast<float>(f.get_float_or(k + "embedding_scale", 1.0));
+    if (!std::isfinite(hp_.attn_scale) || !std::isfinite(hp_.embedding_scale)) {
+        throw std::invalid_argument("drafter attention.scale / embedding_scale must be finite");
+    }
+
+    if (!f.has(k + "target_layers")) throw std::invalid_argument("drafter " + f.path() + " has no dflash.target_layers");
+    const std::vector<int64_t> layers = f.get_int_array(k + "target_layers");
+    if (layers.empty()) throw std::invalid_argument("drafter dflash.target_layers is empty");
+    for (int64_t l : layers) {
+        if (l < 0 || l > th.n_layer) {
+            throw std::invalid_argument("drafter target layer " + std::to_string(l) + " is outside what the target exposes: "
+                                        "layer inputs 0 (embeddings) to " + std::to_string(th.n_layer) +
+                                        " (output of its last layer)");
+        }
+        hp_.target_layers.push_back(static_cast<int>(l));
+    }
+    if (hp_.n_embd != th.n_embd) {
+        throw std::invalid_argument("drafter hidden size " + std::to_string(hp_.n_embd) + " != target hidden size " +
+                                    std::to_string(th.n_embd) + ": the drafter reads the target's hidden states");
+    }
+    hp_.n_vocab = th.n_vocab;
+    hp_.block_size = f.get_int_or(k + "block_size", 16);
+    const int64_t mask = f.get_int("tokenizer.ggml.mask_token_id");
+    if (mask < 0 || mask >= th.n_vocab) {
+        throw std::invalid_argument("drafter mask_token_id " + std::to_string(mask) + " is outside the target vocabulary (" +
+                                    std::to_string(th.n_vocab) + " tokens)");
+    }
+    hp_.mask_token_id = static_cast<int32_t>(mask);
+    hp_.causal = f.get_bool_or(k + "attention.causal", false);
+    hp_.sample_from_anchor = f.get_bool_or(k + "sample_from_anchor", true);
+}
+
+Weight DraftModel::require(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32) const {
+    const GgufTensorInfo* t = file_->find_tensor(name);
+    if (!t) throw std::invalid_argument("missing tensor " + name + " in drafter " + file_->path());
+    std::vector<int64_t> want(ne);
+    for (size_t d = 0; d < 4; ++d) {
+        if (t->ne[d] != (d < want.size() ? want[d] : 1)) {
+            throw std::invalid_argument("drafter tensor " + name + " has shape " +
+                                        fmt_shape(t->ne, static_cast<size_t>(t->n_dims)) + ", expected " +
+                                        fmt_shape(want.data(), want.size()));
+        }
+    }
+    if (vector_f32 && t->dtype != DType::F32) {
+        throw std::invalid_argument("drafter tensor " + name + " has type " + dtype_name(t->dtype) + ", expected F32");
+    }
+    if (t->dtype == DType::I32) throw std::invalid_argument("drafter tensor " + name + " has integer type I32");
+    Weight w;
+    w.name = name;
+    w.dtype = t->dtype;
+    w.ne = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
+    w.data = t->data;
+    return w;
+}
+
+Weight DraftModel::optional(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32) const {
+    return file_->find_tensor(name) ? require(name, ne, vector_f32) : Weight{};
+}
+
+void DraftModel::load_weights() {
+    const GgufFile& f = *file_;
+    for (const auto& t : kUnsupportedTensors) {
+        if (f.find_tensor(t[0])) throw std::invalid_argument("drafter " + f.path() + " uses " + t[1] + " (" + t[0] + "), which is not supported");
+    }
+    const int64_t e = hp_.n_embd, hd = hp_.head_dim, v = hp_.n_vocab;
+    const int64_t n_tl = static_cast<int64_t>(hp_.target_layers.size());
+    fc = require("fc.weight", {n_tl * e, e});
+    hidden_norm = require("enc.output_norm.weight", {e}, true);
+    output_norm = require("output_norm.weight", {e}, true);
+
+    // Embedding: the drafter's own, else the target's. Output: the drafter's own, else the
+    // target's real head (reference §3.4: a drafter's token_embd is not a head for an untied target).
+    owns_tok_embd = f.find_tensor("token_embd.weight") != nullptr;
+    tok_embd = owns_tok_embd ? require("token_embd.weight", {e, v}) : target_->tok_embd;
+    owns_output = f.find_tensor("output.weight") != nullptr;
+    if (owns_output) {
+        const GgufTensorInfo* t = f.find_tensor("output.weight");
+        if (t->ne[1] != v) {
+            throw std::invalid_argument("drafter output.weight has " + std::to_string(t->ne[1]) + " rows but the target vocabulary has " +
+                                        std::to_string(v) + " tokens (and no d2t maps them)");
+        }
+        output = require("output.weight", {e, v});
+    } else {
+        output = target_->output;
+    }
+
+    layers.resize(static_cast<size_t>(hp_.n_layer));
+    for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        const std::string p = "blk." + std::to_string(il) + ".";
+        for (const auto& t : kUnsupportedLayerTensors) {
+            if (f.find_tensor(p + t[0])) throw std::invalid_argument("drafter " + f.path() + " uses " + t[1] + " (" + p + t[0] + "), which is not supported");
+        }
+        DraftLayerWeights& l = layers[static_cast<size_t>(il)];
+        l.attn_norm = require(p + "attn_norm.weight", {e}, true);
+        l.wq = require(p + "attn_q.weight", {e, hp_.n_head * hd});
+        l.wk = require(p + "attn_k.weight", {e, hp_.n_head_kv * hd});
+        if (!f.find_tensor(p + "attn_v.weight")) {
+            throw std::invalid_argument("drafter " + f.path() + " has no " + p + "attn_v.weight: K=V sharing is not supported");
+        }
+        l.wv = require(p + "attn_v.weight", {e, hp_.n_head_kv * hd});
+        l.wo = require(p + "attn_output.weight", {hp_.n_head * hd, e});
+        l.q_norm = require(p + "attn_q_norm.weight", {hd}, true);
+        l.k_norm = require(p + "attn_k_norm.weight", {hd}, true);
+        l.ffn_norm = require(p + "ffn_norm.weight", {e}, true);
+        l.ffn_gate = require(p + "ffn_gate.weight", {e, hp_.n_ff});
+        l.ffn_up = require(p + "ffn_up.weight", {e, hp_.n_ff});
+        l.ffn_down = require(p + "ffn_down.weight", {hp_.n_ff, e});
+    }
+
+    const GgufTensorInfo* w1 = f.find_tensor("markov_w1.weight");
+    hp_.is_dspark = w1 != nullptr;
+    if (hp_.is_dspark) {
+        hp_.markov_rank = w1->ne[0];
+        const int64_t r = hp_.markov_rank;
+        if (r <= 0) throw std::invalid_argument("drafter markov_w1.weight has rank 0");
+        markov_w1 = require("markov_w1.weight", {r, v});
+        markov_w2 = require("markov_w2.weight", {r, v});
+        if (const Weight s = optional("markov_w2.scale", {1}, true); s.present()) {
+            markov_w2_scale = *static_cast<const float*>(s.data);
+        }
+        const bool key = f.get_bool_or("dflash.has_confidence_head", true);
+        const bool tensor = f.find_tensor("conf_proj.weight") != nullptr;
+        if (key && tensor) {
+            const Weight c = require("conf_proj.weight", {e + r, 1});
+            std::vector<float> all(static_cast<size_t>(e + r));
+            dequantize_row(c.dtype, c.data, all.data(), e + r);
+            conf_w_h.assign(all.begin(), all.begin() + e);
+            conf_w_e.assign(all.begin() + e, all.end());
+            if (const Weight b = optional("conf_proj.bias", {1}, true); b.present()) conf_bias = *static_cast<const float*>(b.data);
+            hp_.has_confidence_head = true;
+        } else if (key && f.has("dflash.has_confidence_head")) {
+            throw std::invalid_argument("drafter says dflash.has_confidence_head = true but has no conf_proj.weight");
+        }
+    } else if (f.find_tensor("markov_w2.weight") || f.find_tensor("conf_proj.weight")) {
+        throw std::invalid_argument("drafter has DSpark head tensors (markov_w2 / conf_proj) but no markov_w1.weight");
+    }
+    if (hp_.block_size < 1 || hp_.n_draft_max() < 1) {
+        throw std::invalid_argument("drafter dflash.block_size " + std::to_string(hp_.block_size) +
+                                    " leaves no draft slot in its block layout");
+    }
+}
+
+namespace {
+
+// The K/V cache matrices of one layer as graph leaves.
+std::pair<int, int> cache_leaves(Graph& g, const DraftHparams& hp, const KvCacheView& kv, int layer) {
+    const Shape shape{hp.head_dim * hp.n_head_kv, kv.n_cells, 1, 1};
+    const std::string ln = std::to_string(layer);
+    return {g.external(kv.dtype, shape, kv.k[static_cast<size_t>(layer)], "draft_cache_k_l" + ln),
+            g.external(kv.dtype, shape, kv.v[static_cast<size_t>(layer)], "draft_cache_v_l" + ln)};
+}
+
+int f32_column(Graph& g, const std::vector<float>& w, const std::string& name) {
+    return g.external(DType::F32, {static_cast<int64_t>(w.size()), 1, 1, 1}, const_cast<float*>(w.data()), name);
+}
+
+}  // namespace
+
+DraftInjectGraph build_dflash_inject_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_rows) {
+    const DraftHparams& hp = model.hparams();
+    DraftInjectGraph ig;
+    Graph& g = ig.graph;
+    const int64_t n_tl = static_cast<int64_t>(hp.target_layers.size());
+    ig.features = g.input(DType::F32, {n_tl * hp.n_embd, n_rows, 1, 1}, "inp_features");
+    ig.positions = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_pos");
+    ig.kv_cells = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_kv_cells");
+
+    // No attn_norm on the fused context (reference §1.2).
+    const int h = g.rms_norm(g.mul_mat(add_weight(g, model.fc), ig.features), add_weight(g, model.hidden_norm), hp.rms_eps);
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const DraftLayerWeights& w = model.layers[static_cast<size_t>(il)];
+        int k = g.reshape(g.mul_mat(add_weight(g, w.wk), h), {hp.head_dim, hp.n_head_kv, n_rows, 1});
+        k = g.rms_norm(k, add_weight(g, w.k_norm), hp.rms_eps);
+        k = g.rope(k, ig.positions, static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
+        const int v = g.mul_mat(add_weight(g, w.wv), h);
+        const auto [k_cache, v_cache] = cache_leaves(g, hp, kv, il);
+        g.set_rows(k_cache, g.reshape(k, {hp.head_dim * hp.n_head_kv, n_rows, 1, 1}), ig.kv_cells);
+        g.set_rows(v_cache, v, ig.kv_cells);
+    }
+    return ig;
+}
+
+DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_blocks,
+                                         int64_t block, int64_t span) {
+    const DraftHparams& hp = model.hparams();
+    const int64_t n_rows = n_blocks * block, hd = hp.head_dim;
+    DraftBlockGraph bg;
+    Graph& g = bg.graph;
+    bg.tokens = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_tokens");
+    bg.positions = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_pos");
+    bg.kv_cells = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_kv_cells");
+    bg.mask = g.input(DType::F32, {span, n_rows, 1, 1}, "inp_kq_mask");
+    bg.kv_base = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_kv_base");
+
+    int x = g.get_rows(add_weight(g, model.tok_embd), bg.tokens);
+    if (hp.embedding_scale != 1.0f) x = g.scale(x, hp.embedding_scale);
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const DraftLayerWeights& w = model.layers[static_cast<size_t>(il)];
+        int h = g.rms_norm(x, add_weight(g, w.attn_norm), hp.rms_eps);
+        int q = g.reshape(g.mul_mat(add_weight(g, w.wq), h), {hd, hp.n_head, n_rows, 1});
+        int k = g.reshape(g.mul_mat(add_weight(g, w.wk), h), {hd, hp.n_head_kv, n_rows, 1});
+        const int v = g.mul_mat(add_weight(g, w.wv), h);
+        q = g.rms_norm(q, add_weight(g, w.q_norm), hp.rms_eps);
+        k = g.rms_norm(k, add_weight(g, w.k_norm), hp.rms_eps);
+        q = g.rope(q, bg.positions, static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
+        k = g.rope(k, bg.positions, static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
+        const auto [k_cache, v_cache] = cache_leaves(g, hp, kv, il);
+        const int k_written = g.set_rows(k_cache, g.reshape(k, {hd * hp.n_head_kv, n_rows, 1, 1}), bg.kv_cells);
+        const int v_written = g.set_rows(v_cache, v, bg.kv_cells);
+        const int att = g.attention(q, k_written, v_written, bg.mask, bg.kv_base, static_cast<int>(hp.n_head_kv), hp.attn_scale);
+        x = g.add(x, g.mul_mat(add_weight(g, w.wo), g.reshape(att, {hd * hp.n_head, n_rows, 1, 1})));
+        h = g.rms_norm(x, add_weight(g, w.ffn_norm), hp.rms_eps);
+        const int gate = g.mul_mat(add_weight(g, w.ffn_gate), h);
+        const int up = g.mul_mat(add_weight(g, w.ffn_up), h);
+        x = g.add(x, g.mul_mat(add_weight(g, w.ffn_down), g.swiglu(gate, up)));
+    }
+    const int h_final = g.rms_norm(x, add_weight(g, model.output_norm), hp.rms_eps);
+    bg.logits = g.mul_mat(add_weight(g, model.output), h_final);
+    g.set_name(bg.logits, "draft_logits");
+    g.set_output(bg.logits);
+    if (!hp.is_dspark) return bg;
+
+    // Markov chain (reference §2.1): prev starts at each block's anchor; slot i gets
+    // base_i + W2 * W1[prev_i] and passes its argmax on as prev_{i+1}.
+    bg.anchors = g.input(DType::I32, {n_blocks, 1, 1, 1}, "inp_anchors");
+    const int w1 = add_weight(g, model.markov_w1);
+    const int w2 = add_weight(g, model.markov_w2);
+    const int ce_w = hp.has_confidence_head ? f32_column(g, model.conf_w_e, "conf_w_e") : -1;
+    const size_t col_bytes = static_cast<size_t>(hp.n_vocab) * sizeof(float);
+    int prev = bg.anchors;
+    for (int64_t i = hp.draft_offset(); i < block; ++i) {
+        const int e = g.get_rows(w1, prev);
+        int bias = g.mul_mat(w2, e);
+        if (model.markov_w2_scale != 1.0f) bias = g.scale(bias, model.markov_w2_scale);
+        const size_t stride = static_cast<size_t>(block) * col_bytes;
+        const int base = g.view(bg.logits, {hp.n_vocab, n_blocks, 1, 1}, {sizeof(float), stride, stride * n_blocks, stride * n_blocks},
+                                static_cast<size_t>(i) * col_bytes);
+        const int biased = g.add(base, bias);
+        const int ids = g.argmax(biased);
+        g.set_output(biased);
+        g.set_output(ids);
+        bg.markov_logits.push_back(biased);
+        bg.markov_ids.push_back(ids);
+        if (ce_w >= 0) {
+            const int ce = g.mul_mat(ce_w, e);
+            g.set_output(ce);
+            bg.conf_e.push_back(ce);
+        }
+        prev = g.reshape(ids, {n_blocks, 1, 1, 1});
+    }
+    if (hp.has_confidence_head) {
+        bg.conf_h = g.mul_mat(f32_column(g, model.conf_w_h, "conf_w_h"), h_final);
+        g.set_output(bg.conf_h);
+    }
+    return bg;
+}
+
+DraftShiftGraph build_dflash_shift_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_rows) {
+    const DraftHparams& hp = model.hparams();
+    DraftShiftGraph sg;
+    Graph& g = sg.graph;
+    sg.src = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_src_cells");
+    sg.dst = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_dst_cells");
+    sg.rotate = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_rotate");
+    const int64_t width = hp.head_dim * hp.n_head_kv;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const auto [k_cache, v_cache] = cache_leaves(g, hp, kv, il);
+        int k = g.reshape(g.get_rows(k_cache, sg.src), {hp.head_dim, hp.n_head_kv, n_rows, 1});
+        k = g.rope(k, sg.rotate, static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
+        const int v = g.get_rows(v_cache, sg.src);
+        // Every row is read before any is written, so overlapping src/dst ranges are safe.
+        g.set_rows(k_cache, g.reshape(k, {width, n_rows, 1, 1}), sg.dst);
+        g.set_rows(v_cache, v, sg.dst);
+    }
+    return sg;
+}
+
+}  // namespace pyspec

@@ -1,0 +1,246 @@
+#include "spec/draft_context.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace pyspec {
+
+DraftContext::DraftContext(const DraftModel& model, const DraftContextParams& params)
+    : model_(model), params_(params) {
+    const DraftHparams& hp = model_.hparams();
+    if (params_.n_seq_max < 1) throw std::invalid_argument("n_seq_max must be at least 1");
+    if (params_.n_batch < 1) throw std::invalid_argument("n_batch must be at least 1");
+    if (params_.n_threads < 1) throw std::invalid_argument("n_threads must be at least 1");
+    window_ = std::min(hp.n_ctx_train, params_.n_batch);
+    if (window_ <= 2 * hp.block_size) {
+        throw std::invalid_argument("drafter window " + std::to_string(window_) + " = min(drafter context_length " +
+                                    std::to_string(hp.n_ctx_train) + ", n_batch " + std::to_string(params_.n_batch) +
+                                    ") must be larger than 2 x block_size (" + std::to_string(2 * hp.block_size) +
+                                    "): raise n_batch");
+    }
+    if (window_ > std::numeric_limits<int32_t>::max() / params_.n_seq_max) throw std::invalid_argument("drafter window too large");
+    // Keep half the window on a rebase (so rebases are rare), but always leave room for a block
+    // and the rows a verification commits.
+    keep_ = std::min(window_ / 2, window_ - 2 * hp.block_size);
+    auto cpu = std::make_unique<CpuBackend>(params_.n_threads);
+    cpu->set_poison(params_.check_plans);
+    backend_ = std::move(cpu);
+    kv_ = std::make_unique<KvCache>(*backend_, model_.cache_hparams(), params_.n_seq_max, window_, params_.kv_dtype);
+    planner_.set_checking(params_.check_plans);
+    pos_base_.assign(static_cast<size_t>(params_.n_seq_max), 0);
+}
+
+void DraftContext::check_seq(int32_t seq) const {
+    if (seq < 0 || seq >= params_.n_seq_max) {
+        throw std::invalid_argument("seq_id " + std::to_string(seq) + " out of range [0, " + std::to_string(params_.n_seq_max) + ")");
+    }
+}
+
+int64_t DraftContext::pos_base(int32_t seq) const {
+    check_seq(seq);
+    return pos_base_[static_cast<size_t>(seq)];
+}
+
+int64_t DraftContext::pos_max(int32_t seq) const {
+    check_seq(seq);
+    const int64_t m = kv_->pos_max(seq);
+    return m < 0 ? -1 : m + pos_base_[static_cast<size_t>(seq)];
+}
+
+int64_t DraftContext::pos_min(int32_t seq) const {
+    check_seq(seq);
+    for (int64_t p = 0; p < window_; ++p) {
+        if (kv_->occupied(seq, static_cast<int32_t>(p))) return p + pos_base_[static_cast<size_t>(seq)];
+    }
+    return -1;
+}
+
+int64_t DraftContext::n_rows(int32_t seq) const {
+    check_seq(seq);
+    int64_t n = 0;
+    for (int64_t p = 0; p < window_; ++p) n += kv_->occupied(seq, static_cast<int32_t>(p)) ? 1 : 0;
+    return n;
+}
+
+void DraftContext::run(Graph& g) {
+    std::shared_ptr<const AllocationPlan> plan = planner_.plan(g);
+    backend_->apply_plan(g, *plan);
+}
+
+void DraftContext::make_room(int32_t seq, int64_t first, int64_t end) {
+    int64_t& base = pos_base_[static_cast<size_t>(seq)];
+    const bool empty = kv_->pos_max(seq) < 0;
+    if (first >= base && end - base <= window_) return;
+    const int64_t new_base = std::max<int64_t>(0, std::max(first - keep_, end - window_));
+    if (empty) {
+        base = new_base;
+        return;
+    }
+    if (first < base) {
+        throw std::invalid_argument("position " + std::to_string(first) + " precedes the drafter window of sequence " +
+                                    std::to_string(seq) + " (it starts at " + std::to_string(base) + ")");
+    }
+    shift(seq, new_base - base);
+}
+
+void DraftContext::shift(int32_t seq, int64_t delta) {
+    std::vector<int32_t> src, dst, rotate;
+    for (int64_t p = delta; p < window_; ++p) {
+        if (!kv_->occupied(seq, static_cast<int32_t>(p))) continue;
+        src.push_back(static_cast<int32_t>(kv_->cell(seq, static_cast<int32_t>(p))));
+        dst.push_back(static_cast<int32_t>(kv_->cell(seq, static_cast<int32_t>(p - delta))));
+        rotate.push_back(static_cast<int32_t>(-delta));
+    }
+    if (!src.empty()) {
+        DraftShiftGraph sg = build_dflash_shift_graph(model_, kv_->view(), static_cast<int64_t>(src.size()));
+        run(sg.graph);
+        const size_t bytes = src.size() * sizeof(int32_t);
+        backend_->write(sg.graph[sg.src], src.data(), bytes);
+        backend_->write(sg.graph[sg.dst], dst.data(), bytes);
+        backend_->write(sg.graph[sg.rotate], rotate.data(), bytes);
+        backend_->compute(sg.graph);
+    }
+    kv_->clear(seq);
+    for (int32_t c : dst) kv_->occupy(seq, static_cast<int32_t>(c - kv_->cell(seq, 0)));
+    pos_base_[static_cast<size_t>(seq)] += delta;
+}
+
+void DraftContext::inject(int32_t seq, const std::vector<int32_t>& positions, const float* features, size_t n_rows) {
+    check_seq(seq);
+    if (positions.size() != n_rows) throw std::invalid_argument("inject: one position per feature row is required");
+    if (n_rows == 0) return;
+    for (size_t i = 0; i < n_rows; ++i) {
+        if (positions[i] < 0) throw std::invalid_argument("inject: negative position " + std::to_string(positions[i]));
+        if (i > 0 && positions[i] <= positions[i - 1]) throw std::invalid_argument("inject: positions must be strictly increasing");
+    }
+    const size_t width = model_.hparams().target_layers.size() * static_cast<size_t>(model_.hparams().n_embd);
+    // A row older than the window's reach at the last position can never be attended to.
+    size_t i = 0;
+    while (positions[i] <= static_cast<int64_t>(positions.back()) - window_) ++i;
+    const int64_t chunk_span = window_ - keep_;
+    while (i < n_rows) {
+        size_t j = i;
+        while (j < n_rows && positions[j] - positions[i] < chunk_span) ++j;
+        make_room(seq, positions[i], static_cast<int64_t>(positions[j - 1]) + 1);
+        const int64_t n = static_cast<int64_t>(j - i);
+        const int64_t base = pos_base_[static_cast<size_t>(seq)];
+        std::vector<int32_t> pos(static_cast<size_t>(n)), cells(static_cast<size_t>(n));
+        for (int64_t r = 0; r < n; ++r) {
+            pos[static_cast<size_t>(r)] = static_cast<int32_t>(positions[i + static_cast<size_t>(r)] - base);
+            cells[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(seq, pos[static_cast<size_t>(r)]));
+        }
+        DraftInjectGraph ig = build_dflash_inject_graph(model_, kv_->view(), n);
+        run(ig.graph);
+        backend_->write(ig.graph[ig.features], features + i * width, static_cast<size_t>(n) * width * sizeof(float));
+        backend_->write(ig.graph[ig.positions], pos.data(), pos.size() * sizeof(int32_t));
+        backend_->write(ig.graph[ig.kv_cells], cells.data(), cells.size() * sizeof(int32_t));
+        backend_->compute(ig.graph);
+        for (int32_t p : pos) kv_->occupy(seq, p);
+        i = j;
+    }
+}
+
+DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block) {
+    check_seq(seq);
+    const DraftHparams& hp = model_.hparams();
+    if (n_block < 1 || n_block > hp.block_size) {
+        throw std::invalid_argument("draft: n_block " + std::to_string(n_block) + " must be in [1, block_size = " +
+                                    std::to_string(hp.block_size) + "]");
+    }
+    if (id_last < 0 || id_last >= hp.n_vocab) {
+        throw std::invalid_argument("draft: id_last " + std::to_string(id_last) + " out of range [0, " + std::to_string(hp.n_vocab) + ")");
+    }
+    if (pos0 < 0) throw std::invalid_argument("draft: negative pos0");
+    if (pos_max(seq) >= pos0) {
+        throw std::invalid_argument("draft: sequence " + std::to_string(seq) + " holds context at position " +
+                                    std::to_string(pos_max(seq)) + " >= pos0 " + std::to_string(pos0) +
+                                    "; remove it first");
+    }
+    make_room(seq, pos0, static_cast<int64_t>(pos0) + n_block);
+    const int32_t p0 = static_cast<int32_t>(pos0 - pos_base_[static_cast<size_t>(seq)]);
+
+    // Every block row sees the context below the block and (non-causal) the whole block, or
+    // (causal) the block up to itself. The noise rows are written to their cells by the graph but
+    // never marked occupied, so they are gone from the sequence when this returns.
+    const int64_t span = window_;
+    std::vector<int32_t> tokens(static_cast<size_t>(n_block), hp.mask_token_id), pos, cells, base;
+    tokens[0] = id_last;
+    std::vector<float> mask(static_cast<size_t>(n_block * span), -std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < n_block; ++i) {
+        pos.push_back(p0 + static_cast<int32_t>(i));
+        cells.push_back(static_cast<int32_t>(kv_->cell(seq, p0 + static_cast<int32_t>(i))));
+        base.push_back(static_cast<int32_t>(kv_->cell(seq, 0)));
+        float* m = mask.data() + i * span;
+        for (int32_t j = 0; j < p0; ++j) {
+            if (kv_->occupied(seq, j)) m[j] = 0.0f;
+        }
+        const int64_t last = hp.causal ? i : n_block - 1;
+        for (int64_t j = 0; j <= last; ++j) m[p0 + j] = 0.0f;
+    }
+
+    DraftBlockGraph bg = build_dflash_block_graph(model_, kv_->view(), 1, n_block, span);
+    Graph& g = bg.graph;
+    run(g);
+    const size_t row_bytes = static_cast<size_t>(n_block) * sizeof(int32_t);
+    backend_->write(g[bg.tokens], tokens.data(), row_bytes);
+    backend_->write(g[bg.positions], pos.data(), row_bytes);
+    backend_->write(g[bg.kv_cells], cells.data(), row_bytes);
+    backend_->write(g[bg.kv_base], base.data(), row_bytes);
+    backend_->write(g[bg.mask], mask.data(), mask.size() * sizeof(float));
+    if (bg.anchors >= 0) backend_->write(g[bg.anchors], &id_last, sizeof(int32_t));
+    backend_->compute(g);
+
+    DraftOutput out;
+    out.n_vocab = hp.n_vocab;
+    out.n_block = n_block;
+    const size_t v = static_cast<size_t>(hp.n_vocab);
+    out.logits.resize(static_cast<size_t>(n_block) * v);
+    backend_->read(g[bg.logits], out.logits.data(), out.logits.size() * sizeof(float));
+    out.tokens.resize(static_cast<size_t>(n_block));
+    for (int64_t i = 0; i < n_block; ++i) {
+        const float* row = out.logits.data() + static_cast<size_t>(i) * v;
+        out.tokens[static_cast<size_t>(i)] = static_cast<int32_t>(std::max_element(row, row + v) - row);
+    }
+    if (!hp.is_dspark) return out;
+
+    out.base_logits = out.logits;
+    std::vector<float> conf_h;
+    if (hp.has_confidence_head) {
+        out.confidence.assign(static_cast<size_t>(n_block), std::numeric_limits<float>::quiet_NaN());
+        conf_h.resize(static_cast<size_t>(n_block));
+        backend_->read(g[bg.conf_h], conf_h.data(), conf_h.size() * sizeof(float));
+    }
+    for (size_t k = 0; k < bg.markov_logits.size(); ++k) {
+        const size_t i = static_cast<size_t>(hp.draft_offset()) + k;
+        backend_->read(g[bg.markov_logits[k]], out.logits.data() + i * v, v * sizeof(float));
+        backend_->read(g[bg.markov_ids[k]], &out.tokens[i], sizeof(int32_t));
+        if (hp.has_confidence_head) {
+            float ce = 0.0f;
+            backend_->read(g[bg.conf_e[k]], &ce, sizeof(float));
+            const double z = static_cast<double>(conf_h[i]) + ce + model_.conf_bias;
+            out.confidence[i] = static_cast<float>(1.0 / (1.0 + std::exp(-z)));
+        }
+    }
+    return out;
+}
+
+void DraftContext::remove(int32_t seq, int64_t p0, int64_t p1) {
+    check_seq(seq);
+    const int64_t base = pos_base_[static_cast<size_t>(seq)];
+    const int64_t lo = std::max<int64_t>(0, p0 - base);
+    const int64_t hi = p1 < 0 ? window_ : std::min(window_, p1 - base);
+    if (hi > lo) kv_->remove(seq, lo, hi);
+}
+
+void DraftContext::clear(int32_t seq) {
+    if (seq >= 0) check_seq(seq);
+    kv_->clear(seq);
+    for (int64_t s = 0; s < params_.n_seq_max; ++s) {
+        if (seq < 0 || s == seq) pos_base_[static_cast<size_t>(s)] = 0;
+    }
+}
+
+}  // namespace pyspec

@@ -1,0 +1,87 @@
+// The drafter's decode context (design.md invariants 2 and 3): a draft KV cache with one region
+// per sequence id, each holding the drafter window of `window = min(n_ctx_train, n_batch)`
+// positions. Rows are stored at drafter positions `abs_pos - pos_base`; when a row or a block
+// would land past the window, the sequence is rebased: pos_base moves up, rows that fall below it
+// are dropped and the kept rows move down in the cache with K re-rotated (RoPE composes), so the
+// drafter only ever sees positions it was trained on, and the cache and compute buffers are sized
+// by the window, never by the target's context.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/planner.h"
+#include "cpu/cpu_backend.h"
+#include "model/dflash.h"
+#include "runtime/kv_cache.h"
+
+namespace pyspec {
+
+struct DraftContextParams {
+    int64_t n_seq_max = 1;
+    int64_t n_batch = 512;     // rows per graph; caps the window
+    int n_threads = 1;
+    DType kv_dtype = DType::F16;
+    bool check_plans = false;  // verify allocation plans and poison the arena (tests)
+};
+
+struct DraftOutput {
+    int64_t n_vocab = 0;
+    int64_t n_block = 0;
+    // [n_block, n_vocab] the logits each slot drafts from: backbone logits, plus the Markov bias
+    // along the greedy chain for DSpark draft slots.
+    std::vector<float> logits;
+    std::vector<float> base_logits;  // [n_block, n_vocab] backbone logits (DSpark only)
+    std::vector<int32_t> tokens;     // [n_block] argmax of each slot's logits (DSpark: the chain)
+    std::vector<float> confidence;   // [n_block] DSpark confidence of draft slots, NaN elsewhere;
+                                     // empty without a confidence head
+};
+
+class DraftContext {
+public:
+    // Throws std::invalid_argument when the window is <= 2 x block_size.
+    DraftContext(const DraftModel& model, const DraftContextParams& params);
+
+    // Stores committed context rows of a sequence: features is [n_rows, n_target_layers * n_embd]
+    // (the target's layer inputs concatenated in target_layers order), positions absolute and
+    // strictly increasing. Rows too old to stay in the window are skipped.
+    void inject(int32_t seq, const std::vector<int32_t>& positions, const float* features, size_t n_rows);
+
+    // Decodes the block [id_last, MASK, ...] (n_block tokens) at absolute positions pos0.. over the
+    // sequence's context (rows < pos0). The block's rows are not kept in the cache afterwards.
+    DraftOutput draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block);
+
+    // Removes absolute positions [p0, p1) of a sequence (p1 < 0: to the end).
+    void remove(int32_t seq, int64_t p0, int64_t p1);
+    void clear(int32_t seq);  // seq < 0: every sequence
+
+    int64_t window() const { return window_; }
+    int64_t pos_base(int32_t seq) const;
+    int64_t pos_min(int32_t seq) const;  // absolute; -1 when empty
+    int64_t pos_max(int32_t seq) const;  // absolute; -1 when empty
+    int64_t n_rows(int32_t seq) const;   // context rows held
+    const DraftModel& model() const { return model_; }
+    const DraftContextParams& params() const { return params_; }
+    size_t kv_bytes() const { return kv_->bytes(); }
+    size_t compute_buffer_bytes() const { return backend_->arena_bytes(); }
+    const AllocationPlanner& planner() const { return planner_; }
+
+private:
+    void check_seq(int32_t seq) const;
+    // Rebases seq so that absolute positions [first, end) fit the window.
+    void make_room(int32_t seq, int64_t first, int64_t end);
+    void shift(int32_t seq, int64_t delta);
+    void run(Graph& g);
+
+    const DraftModel& model_;
+    DraftContextParams params_;
+    int64_t window_ = 0;
+    int64_t keep_ = 0;  // context rows a rebase keeps
+    std::unique_ptr<Backend> backend_;
+    std::unique_ptr<KvCache> kv_;
+    AllocationPlanner planner_;
+    std::vector<int64_t> pos_base_;
+};
+
+}  // namespace pyspec

@@ -1,0 +1,413 @@
+"""Block drafters (GGUF arch dflash: DFlash and DSpark) in pyspec's core: DraftModel and DraftContext.
+
+Tiny random drafters from tools/make_tiny_models.py, converted with pyspec.convert against tiny
+converted targets, are checked against a float64 numpy drafter written here straight from the
+Hugging Face safetensors weights (shared/docs/reference/dflash-dspark.md §1-§2): fc, hidden_norm,
+k_norm and RoPE (rotate-half, i.e. NEOX) of the injected context; the noise block [id_last, MASK...]
+through Qwen3 layers attending over context + block (non-causal unless the file says causal);
+final norm; the target's head; DSpark's Markov chain and confidence head. The feature rows fed to
+both are the target's layer inputs as pyspec's target context returns them.
+Also: bad drafter files and mismatched targets are refused with their messages, and the drafter
+window (design.md invariant 2) rebases long contexts without growing any buffer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import make_tiny_models as tiny  # noqa: E402
+from pyspec import _core  # noqa: E402
+from pyspec.convert import convert  # noqa: E402
+
+# max|pyspec - reference| / std(reference). Both round K/V to the F16 cache and the reference
+# rounds the weights as the file stores them; what is left is F32 arithmetic and, against F16
+# weights, F16 activations (measured <= 4e-6 and <= 3e-5). A wrong norm, rope, mask or head
+# costs O(1).
+TOL = {"f32": 1e-4, "f16": 5e-4}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("dflash")
+
+
+_targets = {}
+
+
+def target(root, arch, **overrides):
+    """(HF checkpoint, converted F32 GGUF path, loaded _core.Model)."""
+    key = (arch, tuple(sorted(overrides.items())))
+    if key not in _targets:
+        name = f"{arch}-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        ckpt = tiny.make_target(root / f"hf-{name}", arch, seed=5, **overrides)
+        path = root / f"{name}.gguf"
+        convert(ckpt.path, path, "f32", progress=False)
+        _targets[key] = (ckpt, path, _core.Model(str(path)))
+    return _targets[key]
+
+
+def make_drafter(root, name, tm, outtype="f32", **kwargs):
+    ckpt = tiny.make_drafter(root / f"hf-{name}", tm, **kwargs)
+    path = root / f"{name}-{outtype}.gguf"
+    convert(ckpt.path, path, outtype, target_model_dir=tm.path, progress=False)
+    return ckpt, path
+
+
+def features(model, tokens, layers):
+    """The target's layer inputs for tokens at positions 0.., concatenated in `layers` order."""
+    n = len(tokens)
+    ctx = _core.Context(model, n_ctx=256, n_seq_max=1, n_batch=256, check_plans=False, n_threads=2)
+    _, _, inputs = ctx.decode(np.asarray(tokens, np.int32), np.arange(n, dtype=np.int32),
+                              np.zeros(n, np.int32), np.zeros(n, np.uint8), list(layers))
+    return np.concatenate([inputs[lid] for lid in layers], axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 reference from the Hugging Face weights
+
+def rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope(x, pos, theta):
+    """HF rotate_half RoPE over the whole head; x [n, heads, d]."""
+    d = x.shape[-1]
+    ang = np.asarray(pos, np.float64)[:, None] * theta ** (-np.arange(0, d, 2) / d)[None, :]
+    cos = np.concatenate([np.cos(ang)] * 2, axis=-1)[:, None, :]
+    sin = np.concatenate([np.sin(ang)] * 2, axis=-1)[:, None, :]
+    rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+    return x * cos + rot * sin
+
+
+def f16(x):
+    return x.astype(np.float16).astype(np.float64)
+
+
+def reference(draft, tm, outtype, feats, ctx_pos, id_last, block_pos, causal=False):
+    """{logits (drafting logits), base, hidden, w1} for the block [id_last, MASK, ...]."""
+    cfg = dict(draft.config)
+    cfg.update(cfg.get("transformer_layer_config") or {})
+    dcfg = cfg.get("dflash_config") or cfg
+    w = {k: (f16(v) if outtype == "f16" and v.ndim == 2 else v.astype(np.float64))
+         for k, v in draft.weights.items()}
+    p = "model." if "model.fc.weight" in w else ""
+    e, nh, nkv, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+    temb = tm.weights["model.embed_tokens.weight"].astype(np.float64)
+    head = temb if tm.config["tie_word_embeddings"] else tm.weights["lm_head.weight"].astype(np.float64)
+    emb = w.get(p + "embed_tokens.weight", temb)
+
+    g = rms(feats.astype(np.float64) @ w[p + "fc.weight"].T, w[p + "hidden_norm.weight"], eps)
+    n = len(block_pos)
+    tokens = [id_last] + [dcfg["mask_token_id"]] * (n - 1)
+    x = emb[tokens]
+    nc = len(ctx_pos)
+    allowed = np.ones((n, nc + n), bool)
+    if causal:
+        allowed[:, nc:] = np.tril(np.ones((n, n), bool))
+    for il in range(cfg["num_hidden_layers"]):
+        lp = f"{p}layers.{il}."
+        wk, wv = w[lp + "self_attn.k_proj.weight"], w[lp + "self_attn.v_proj.weight"]
+        kn, qn = w[lp + "self_attn.k_norm.weight"], w[lp + "self_attn.q_norm.weight"]
+        # Context K/V from the fused features: no input_layernorm (reference §1.2).
+        kc = rope(rms((g @ wk.T).reshape(nc, nkv, d), kn, eps), ctx_pos, theta)
+        vc = (g @ wv.T).reshape(nc, nkv, d)
+        h = rms(x, w[lp + "input_layernorm.weight"], eps)
+        q = rope(rms((h @ w[lp + "self_attn.q_proj.weight"].T).reshape(n, nh, d), qn, eps), block_pos, theta)
+        kb = rope(rms((h @ wk.T).reshape(n, nkv, d), kn, eps), block_pos, theta)
+        vb = (h @ wv.T).reshape(n, nkv, d)
+        k_all, v_all = f16(np.concatenate([kc, kb])), f16(np.concatenate([vc, vb]))
+        out = np.empty((n, nh, d))
+        for hh in range(nh):
+            s = np.where(allowed, q[:, hh] @ k_all[:, hh // (nh // nkv)].T / np.sqrt(d), -np.inf)
+            pr = np.exp(s - s.max(axis=1, keepdims=True))
+            out[:, hh] = pr / pr.sum(axis=1, keepdims=True) @ v_all[:, hh // (nh // nkv)]
+        x = x + out.reshape(n, nh * d) @ w[lp + "self_attn.o_proj.weight"].T
+        h = rms(x, w[lp + "post_attention_layernorm.weight"], eps)
+        gt, up = h @ w[lp + "mlp.gate_proj.weight"].T, h @ w[lp + "mlp.up_proj.weight"].T
+        x = x + (gt / (1 + np.exp(-gt)) * up) @ w[lp + "mlp.down_proj.weight"].T
+    hidden = rms(x, w[p + "norm.weight"], eps)
+    return dict(base=hidden @ head.T, hidden=hidden, w=w)
+
+
+def rel_err(got, ref):
+    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.std(ref))
+
+
+def check_markov(out, ref, offset, id_last, tol):
+    """DSpark: along the engine's own greedy chain, biased logits and confidences equal the
+    reference's, and each chosen token is the reference argmax unless the top two are within
+    float noise."""
+    w = ref["w"]
+    w1, w2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    n = out["logits"].shape[0]
+    logits = ref["base"].copy()
+    conf = np.full(n, np.nan)
+    prev = id_last
+    for i in range(offset, n):
+        e = w1[prev]
+        logits[i] = ref["base"][i] + w2 @ e
+        if "confidence_head.proj.weight" in w:
+            z = np.concatenate([ref["hidden"][i], e]) @ w["confidence_head.proj.weight"][0]
+            conf[i] = 1 / (1 + np.exp(-(z + w["confidence_head.proj.bias"][0])))
+        top2 = np.sort(logits[i])[-2:]
+        if top2[1] - top2[0] > 1e-2:
+            assert out["tokens"][i] == np.argmax(logits[i]), f"slot {i}"
+        prev = int(out["tokens"][i])
+    assert rel_err(out["logits"], logits) < tol
+    assert rel_err(out["base_logits"], ref["base"]) < tol
+    if "confidence_head.proj.weight" in w:
+        got = out["confidence"]
+        assert np.all(np.isnan(got[:offset]))
+        np.testing.assert_allclose(got[offset:], conf[offset:], atol=tol)
+    else:
+        assert "confidence" not in out
+    # Bonus-anchor slot 0 passes through unbiased.
+    if offset == 1:
+        np.testing.assert_array_equal(out["logits"][0], out["base_logits"][0])
+
+
+# name: (target arch, make_drafter kwargs, expected (is_dspark, draft_offset, has_conf))
+VARIANTS = {
+    "dflash": ("qwen3", dict(kind="dflash", seed=11), (False, 1, False)),
+    "dflash-causal-own-embd-2layers": ("qwen3", dict(kind="dflash", seed=12, causal=True, own_embedding=True,
+                                                     num_layers=2, target_layer_ids=[1, -1, 0]),
+                                       (False, 1, False)),
+    "dspark-anchor-conf": ("qwen3", dict(kind="dspark", seed=13), (True, 0, True)),
+    "dspark-bonus-conf": ("qwen3", dict(kind="dspark", seed=14, sample_from_anchor=False), (True, 1, True)),
+    "dspark-anchor-noconf-llama": ("llama", dict(kind="dspark", seed=15, confidence_head=False),
+                                   (True, 0, False)),
+}
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_block_logits_match_reference(root, variant, outtype):
+    arch, kwargs, (dspark, offset, conf) = VARIANTS[variant]
+    tm, _, tmodel = target(root, arch)
+    draft, path = make_drafter(root, variant, tm, outtype, **kwargs)
+    dm = _core.DraftModel(str(path), tmodel)
+    cfg = draft.config
+    block = (cfg.get("dflash_config") or cfg)["block_size"]
+    assert (dm.is_dspark, dm.draft_offset, dm.has_confidence_head) == (dspark, offset, conf)
+    assert dm.block_size == block and dm.n_draft_max == block - offset
+    assert dm.target_layers == [lid + 1 for lid in kwargs.get("target_layer_ids", [-1, 0])]
+    assert dm.causal == bool(kwargs.get("causal", False))
+
+    rng = np.random.default_rng(kwargs["seed"])
+    n_ctx = 23
+    tokens = rng.integers(0, tm.n_vocab, n_ctx + 1)
+    feats = features(tmodel, tokens[:n_ctx], dm.target_layers)
+    dc = _core.DraftContext(dm, n_seq_max=2, n_batch=128, n_threads=2, check_plans=True)
+    # Sequence 1 gets other context: sequences must not see each other's rows.
+    dc.inject(1, np.arange(5, dtype=np.int32), feats[:5][::-1].copy())
+    dc.inject(0, np.arange(n_ctx, dtype=np.int32), feats)
+    id_last, pos0 = int(tokens[n_ctx]), n_ctx
+    tol = TOL[outtype]
+    for n_block in sorted({block, block - 2}):
+        out = dc.draft_logits(0, id_last, pos0, n_block)
+        assert out["logits"].shape == (n_block, tm.n_vocab)
+        ref = reference(draft, tm, outtype, feats, np.arange(n_ctx), id_last, pos0 + np.arange(n_block),
+                        causal=dm.causal)
+        if dspark:
+            check_markov(out, ref, offset, id_last, tol)
+        else:
+            assert rel_err(out["logits"], ref["base"]) < tol
+            np.testing.assert_array_equal(out["tokens"], np.argmax(out["logits"], axis=1))
+            assert "base_logits" not in out and "confidence" not in out
+        # The noise rows are gone: the draft KV holds the committed context only.
+        assert dc.seq_pos_max(0) == n_ctx - 1 and dc.n_rows(0) == n_ctx
+        assert dc.seq_pos_max(1) == 4
+
+    # Roll back, re-inject: the same block sees the same context, so the same logits.
+    again = dc.draft_logits(0, id_last, pos0, block)
+    dc.remove(0, 10, -1)
+    assert dc.seq_pos_max(0) == 9
+    dc.inject(0, np.arange(10, n_ctx, dtype=np.int32), feats[10:])
+    with pytest.raises(ValueError, match="holds context at position 22 >= pos0 22"):
+        dc.draft_logits(0, id_last, n_ctx - 1, block)
+    np.testing.assert_array_equal(dc.draft_logits(0, id_last, pos0, block)["logits"], again["logits"])
+
+
+def test_context_rows_change_the_block(root):
+    """Guards the reference test against a drafter that ignores its context."""
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "dflash-ctx", tm, kind="dflash", seed=21)
+    dm = _core.DraftModel(str(path), tmodel)
+    feats = features(tmodel, np.arange(3, 15), dm.target_layers)
+    dc = _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=1)
+    dc.inject(0, np.arange(12, dtype=np.int32), feats)
+    full = dc.draft_logits(0, 7, 12, 16)["logits"]
+    dc.remove(0, 0, 6)
+    part = dc.draft_logits(0, 7, 12, 16)["logits"]
+    assert rel_err(part, full.astype(np.float64)) > 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# window (design.md invariant 2)
+
+def test_window_rebases_long_contexts_without_growing_buffers(root):
+    tm, _, tmodel = target(root, "qwen3")
+    draft, path = make_drafter(root, "dspark-window", tm, kind="dspark", seed=31)
+    dm = _core.DraftModel(str(path), tmodel)
+    assert dm.n_ctx_train == 256
+    n_ctx, block = 150, 7
+    tokens = np.random.default_rng(3).integers(0, tm.n_vocab, n_ctx + 1)
+    feats = features(tmodel, tokens[:n_ctx], dm.target_layers)
+    id_last = int(tokens[n_ctx])
+
+    small = _core.DraftContext(dm, n_seq_max=1, n_batch=40, n_threads=2, check_plans=True)
+    assert small.window == 40
+    # A short context first: the buffers it needs are all the long one may use.
+    small.inject(0, np.arange(10, dtype=np.int32), feats[:10])
+    small.draft_logits(0, id_last, 10, block)
+    kv_bytes, compute_bytes = small.kv_cache_bytes, small.compute_buffer_bytes
+    small.clear(0)
+    # Committed in verify-sized steps, drafting after each, like the speculative loop.
+    for start in range(0, n_ctx, 8):
+        stop = min(n_ctx, start + 8)
+        small.inject(0, np.arange(start, stop, dtype=np.int32), feats[start:stop])
+        small.draft_logits(0, id_last, stop, block)
+    out = small.draft_logits(0, id_last, n_ctx, block)
+    base, lo = small.pos_base(0), small.seq_pos_min(0)
+    # Context and block live at drafter positions [0, window).
+    assert base <= lo and n_ctx + block - base <= small.window
+    assert small.seq_pos_max(0) == n_ctx - 1 and small.n_rows(0) == n_ctx - lo
+    assert 0 < n_ctx - lo < small.window
+    assert small.kv_cache_bytes == kv_bytes and small.compute_buffer_bytes == compute_bytes
+    width = dm.n_layer * 2 * 2 * 16 * 2  # layers x (K, V) x kv heads x head_dim x f16 bytes
+    assert kv_bytes == width * small.window
+
+    # The drafter saw the retained rows at rebased positions: equal to the reference there (K
+    # was rotated once more and re-rounded to F16, hence the looser tolerance; measured 5e-4).
+    ref = reference(draft, tm, "f32", feats[lo:], np.arange(lo, n_ctx) - base, id_last,
+                    n_ctx - base + np.arange(block))
+    check_markov(out, ref, 0, id_last, 3e-3)
+
+    # A window of min(n_ctx_train, n_batch): a huge n_batch does not make a huge cache.
+    big = _core.DraftContext(dm, n_seq_max=1, n_batch=100000, n_threads=1)
+    assert big.window == 256 and big.kv_cache_bytes == width * 256
+
+
+@pytest.mark.parametrize("n_batch,ok", [(14, False), (15, True)])
+def test_window_must_exceed_two_blocks(root, n_batch, ok):
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "dspark-small-window", tm, kind="dspark", seed=32)
+    dm = _core.DraftModel(str(path), tmodel)
+    if ok:
+        assert _core.DraftContext(dm, 1, n_batch, 1).window == n_batch
+    else:
+        with pytest.raises(ValueError, match=r"window 14 .* must be larger than 2 x block_size \(14\)"):
+            _core.DraftContext(dm, 1, n_batch, 1)
+
+
+def test_bad_calls_are_refused(root):
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "dflash-calls", tm, kind="dflash", seed=33)
+    dm = _core.DraftModel(str(path), tmodel)
+    dc = _core.DraftContext(dm, 1, 64, 1)
+    feats = np.zeros((3, 2 * 64), np.float32)
+    with pytest.raises(ValueError, match="seq_id 1 out of range"):
+        dc.inject(1, np.arange(3, dtype=np.int32), feats)
+    with pytest.raises(ValueError, match="features must be"):
+        dc.inject(0, np.arange(3, dtype=np.int32), feats[:, :64])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        dc.inject(0, np.array([0, 2, 1], np.int32), feats)
+    with pytest.raises(ValueError, match="n_block 17"):
+        dc.draft_logits(0, 1, 0, 17)
+    with pytest.raises(ValueError, match="id_last"):
+        dc.draft_logits(0, tm.n_vocab, 0, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# refusing bad files and mismatched targets
+
+def rewrite(src, dst, *, set_keys=None, drop_keys=(), drop_tensors=(), add_tensors=None):
+    """Copy of an F32 GGUF with keys/tensors changed."""
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    set_keys = dict(set_keys or {})
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+            continue
+        val = set_keys.pop(key, f.contents())
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, val, f.types[0], sub_type=sub)
+    for key, (val, vtype, sub) in set_keys.items():
+        w.add_key_value(key, val, vtype, sub_type=sub)
+    for t in r.tensors:
+        if t.name not in drop_tensors:
+            w.add_tensor(t.name, np.array(t.data))
+    for name, arr in (add_tensors or {}).items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(dst)
+
+
+def test_bad_drafters_are_refused(root):
+    tm, tpath, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "dflash-bad", tm, kind="dflash", seed=41)
+    _, dspark = make_drafter(root, "dspark-bad", tm, kind="dspark", seed=42)
+    V = gguf.GGUFValueType
+    e = 64
+    cases = [
+        (str(tpath), "architecture 'qwen3', expected 'dflash'"),
+        (rewrite(path, root / "b1.gguf", set_keys={"dflash.target_layers": [0, 3]}),
+         r"target layer 3 is outside what the target exposes: layer inputs 0 \(embeddings\) to 2"),
+        (rewrite(path, root / "b2.gguf", set_keys={"tokenizer.ggml.mask_token_id": 100000}),
+         r"mask_token_id 100000 is outside the target vocabulary \(320 tokens\)"),
+        (rewrite(path, root / "b3.gguf", drop_tensors=("blk.0.attn_k_norm.weight",)),
+         "missing tensor blk.0.attn_k_norm.weight"),
+        (rewrite(path, root / "b4.gguf", drop_keys=("dflash.context_length",)), "no dflash.context_length"),
+        (rewrite(path, root / "b5.gguf", add_tensors={"output.weight": np.zeros((64, e), np.float32)}),
+         "output.weight has 64 rows but the target vocabulary has 320 tokens"),
+        (rewrite(path, root / "b6.gguf", add_tensors={"selector_hidden.weight": np.zeros((4, e), np.float32)}),
+         "DFlash2"),
+        (rewrite(path, root / "b7.gguf", drop_tensors=("blk.0.attn_v.weight",)), "K=V sharing is not supported"),
+        (rewrite(path, root / "b8.gguf", drop_tensors=("fc.weight",), add_tensors={
+            "fc.weight": np.zeros((e, 3 * e), np.float32)}), r"fc.weight has shape \[192, 64\], expected \[128, 64\]"),
+        (rewrite(path, root / "b9.gguf", set_keys={"dflash.attention.sliding_window": (8, V.UINT32, None)}),
+         "sliding-window attention"),
+        (rewrite(dspark, root / "b10.gguf", drop_tensors=("conf_proj.weight", "conf_proj.bias")),
+         "has_confidence_head = true but has no conf_proj.weight"),
+        (rewrite(dspark, root / "b11.gguf", drop_tensors=("markov_w1.weight",)),
+         "DSpark head tensors .* but no markov_w1.weight"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _core.DraftModel(bad, tmodel)
+    # The unmodified files load: the refusals above are the edits'.
+    assert _core.DraftModel(str(path), tmodel).block_size == 16
+    assert _core.DraftModel(rewrite(path, root / "ok.gguf"), tmodel).block_size == 16
+
+
+def test_mismatched_targets_are_refused(root):
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "dflash-mismatch", tm, kind="dflash", seed=51, target_layer_ids=[-1, 1])
+    assert _core.DraftModel(str(path), tmodel).target_layers == [0, 2]
+    _, _, narrow = target(root, "llama", hidden_size=32)
+    with pytest.raises(ValueError, match="drafter hidden size 64 != target hidden size 32"):
+        _core.DraftModel(str(path), narrow)
+    _, _, shallow = target(root, "llama", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="target layer 2 is outside what the target exposes"):
+        _core.DraftModel(str(path), shallow)
+
+
+def test_reduced_vocabulary_drafter_is_refused(root):
+    """speculators-style drafters carry d2t as I64, which the GGUF reader does not map yet."""
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "speculators", tm, kind="speculators", seed=61)
+    with pytest.raises(ValueError, match="I64"):
+        _core.DraftModel(str(path), tmodel)
