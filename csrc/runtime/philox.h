@@ -63,7 +63,9 @@ inline PhiloxCounter noise_block(const NoiseKey& key, uint32_t block) {
                       {static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32)});
 }
 
-inline uint32_t noise_bits(const NoiseKey& key, uint32_t element) { return noise_block(key, element >> 2)[element & 3u]; }
+inline uint32_t noise_bits(const NoiseKey& key, uint32_t element) {
+    return noise_block(key, element >> 2)[element & 3u];
+}
 
 inline float noise_uniform(const NoiseKey& key, uint32_t element) { return u01_open(noise_bits(key, element)); }
 

@@ -124,16 +124,17 @@ BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* 
         if (pi > 0.0) pi = px == 0.0 ? 0.0 : (qx == 0.0 ? 1.0 : std::min(1.0, pi * px / qx));
         th.pi[i] = pi;
     }
-    // Steps 2-3: h_i = Z_{i+1} / (Z_{i+1} + 1 - π_i), where Z_{i+1} is the residual mass of the NEXT
-    // position (rows of slot i, i.e. p_{i+1}, q_{i+1}); h_n = π_n. A 0/0 gives h = 0 so the scan
-    // never stops where the residual is empty.
-    for (int i = 0; i + 1 < n; ++i) {
-        const float* pn = p.row(i + 1);
-        const float* qn = q.row(i + 1);
+    // Steps 2-3: h_i = Z_{i+1} / (Z_{i+1} + 1 - π_i) with Z_{i+1} = Σ max(0, π_i p_{i+1} - q_{i+1}), the
+    // residual mass of the NEXT position: the rows conditioned on x_≤i, not the rows x_i came from.
+    // With 0-based j = i - 1 below, π_i is th.pi[j] and those rows are row j + 1. h_n = π_n. A 0/0
+    // gives h = 0, so the scan never stops where the residual is empty.
+    for (int j = 0; j + 1 < n; ++j) {
+        const float* pn = p.row(j + 1);
+        const float* qn = q.row(j + 1);
         double z = 0.0;
-        for (int64_t t = 0; t < p.n_vocab; ++t) z += std::max(0.0, th.pi[i] * pn[t] - qn[t]);
-        const double denom = z + (1.0 - th.pi[i]);
-        th.h[i] = denom > 0.0 ? std::min(1.0, z / denom) : 0.0;
+        for (int64_t t = 0; t < p.n_vocab; ++t) z += std::max(0.0, th.pi[j] * pn[t] - qn[t]);
+        const double denom = z + (1.0 - th.pi[j]);
+        th.h[j] = denom > 0.0 ? std::min(1.0, z / denom) : 0.0;
     }
     if (n > 0) th.h[n - 1] = th.pi[n - 1];
     return th;
@@ -252,7 +253,8 @@ int32_t gumbel_max(const float* logits, int64_t n, float temperature, const Nois
                                             "; logits must be finite or -inf");
             if (l == -std::numeric_limits<float>::infinity()) continue;
             const float z = scaled_logit(l, temperature);
-            if (!std::isfinite(z)) throw std::invalid_argument("logits / temperature overflows at token " + std::to_string(t));
+            if (!std::isfinite(z))
+                throw std::invalid_argument("logits / temperature overflows at token " + std::to_string(t));
             const float val = z + gumbel_from_u01(u01_open(block[j]));
             if (best < 0 || val > best_val) {
                 best = static_cast<int32_t>(t);
@@ -277,7 +279,8 @@ void proposal_distribution(const float* logits, int64_t n, float temperature, fl
     }
     // The same float z = logit / T that gumbel_max perturbs; the normalisation runs in double.
     const double z_max = scaled_logit(logits[top], temperature);
-    if (!std::isfinite(z_max)) throw std::invalid_argument("logits / temperature overflows at token " + std::to_string(top));
+    if (!std::isfinite(z_max))
+        throw std::invalid_argument("logits / temperature overflows at token " + std::to_string(top));
     double sum = 0.0;
     for (int64_t t = 0; t < n; ++t) sum += std::exp(static_cast<double>(scaled_logit(logits[t], temperature)) - z_max);
     for (int64_t t = 0; t < n; ++t)
