@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="don't print the prompt before the generated text")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-generation tokens")
+    p.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
+                   metavar="FNAME", help="DFlash/DSpark drafter GGUF for speculative decoding")
+    p.add_argument("--spec-type", choices=("draft-dflash", "draft-dspark"), default=None,
+                   help="speculative decoding type (default: from the drafter file)")
+    p.add_argument("--draft-max", "--spec-draft-n-max", "--draft-n", dest="draft_max", type=int,
+                   default=None, metavar="N",
+                   help="drafted tokens per round, clamped to the drafter's block "
+                        "(default: the drafter's maximum)")
+    p.add_argument("--spec-verify", choices=("greedy", "rejection", "block"), default=None,
+                   help="verification rule (default: greedy at temp 0, rejection otherwise)")
     p.add_argument("--version", action="version", version=f"pyspec {__version__}")
     return p
 
@@ -86,10 +96,17 @@ class _Perf:
     decode_seconds: float = 0.0
     n_sampled: int = 0
     sample_seconds: float = 0.0
+    n_rounds: int = 0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
 
     def add(self, stats) -> None:
         if stats is None:
             return
+        if stats.spec is not None:
+            self.n_rounds += stats.spec.n_rounds
+            self.draft_n += stats.spec.draft_n
+            self.draft_n_accepted += stats.spec.draft_n_accepted
         self.n_prompt += stats.n_prompt if stats.prompt_seconds > 0 else 0
         self.prompt_seconds += stats.prompt_seconds
         self.n_decoded += stats.n_decoded
@@ -105,6 +122,11 @@ class _Perf:
         _log(f"pyspec_perf:        load time = {self.load_seconds * 1e3:10.2f} ms")
         _log(f"pyspec_perf: prompt eval time = {prompt}")
         _log(f"pyspec_perf:        eval time = {decode}")
+        if self.n_rounds:
+            rate = self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+            _log(f"pyspec_perf: draft acceptance = {rate:.5f} ({self.draft_n_accepted} accepted / "
+                 f"{self.draft_n} generated), mean len = "
+                 f"{1 + self.draft_n_accepted / self.n_rounds:.3f} over {self.n_rounds} rounds")
         _log(f"pyspec_perf:       total time = {total_seconds * 1e3:10.2f} ms / "
              f"{self.n_prompt + self.n_decoded:6d} tokens")
 
@@ -149,6 +171,16 @@ def _check_args(args) -> None:
         raise CliError("give the prompt with -p or -f, not both")
     if args.chat_template is not None and args.chat_template_file is not None:
         raise CliError("give --chat-template or --chat-template-file, not both")
+    if args.model_draft is None and (args.spec_type or args.draft_max is not None
+                                     or args.spec_verify):
+        raise CliError("--spec-type, --draft-max and --spec-verify need a draft model (-md)")
+    if args.draft_max is not None and args.draft_max < 0:
+        raise CliError(f"--draft-max must be >= 0, got {args.draft_max}")
+    if args.spec_verify == "greedy" and args.temp > 0:
+        raise CliError("--spec-verify greedy needs --temp 0 (use rejection or block)")
+    if args.model_draft is not None and not os.path.isfile(args.model_draft):
+        what = "is a directory" if os.path.isdir(args.model_draft) else "not found"
+        raise CliError(f"draft model file '{args.model_draft}' {what}")
     try:
         SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, None)
     except ValueError as exc:
@@ -165,7 +197,9 @@ def _load(args):
     try:
         llm = LLM(args.model, n_ctx=args.ctx_size,
                   n_threads=args.threads if args.threads > 0 else None,
-                  n_batch=args.batch_size)
+                  n_batch=args.batch_size, draft_model=args.model_draft,
+                  spec_type=args.spec_type, draft_n_max=args.draft_max,
+                  verify=args.spec_verify)
     except (OSError, ValueError, RuntimeError) as exc:
         name = args.model if args.model is not None else "the default model"
         raise CliError(f"failed to load model '{name}': {exc}") from None

@@ -18,6 +18,7 @@ import numpy as np
 from .chat import ChatTemplate
 from .model import Context, Model
 from .sampling import Sampler, SamplingParams
+from .speculative import Drafter, SpeculativeGenerator, SpecStats
 from .tokenizer import Tokenizer
 
 _D = SamplingParams()
@@ -35,6 +36,15 @@ class GenerationStats:
     sample_seconds: float = 0.0
     seed: int = 0
     stop_reason: str = ""       # eog | stop | length | context | interrupted | closed
+    spec: Optional[SpecStats] = None  # drafting and acceptance, when speculating
+
+    @property
+    def draft_n(self) -> int:
+        return self.spec.draft_n if self.spec else 0
+
+    @property
+    def draft_n_accepted(self) -> int:
+        return self.spec.draft_n_accepted if self.spec else 0
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -52,11 +62,20 @@ class LLM:
     n_ctx: context size in tokens (prompt plus generated); 0 uses the model's training context.
     chat_template: None uses the model's template (ChatML if it has none); otherwise a built-in
         name ("chatml"), Jinja source, or a `ChatTemplate`.
+    draft_model: a DFlash/DSpark drafter GGUF made for this target; generate and chat then
+        speculate (pyspec.speculative), with the drafting stats in `last_stats.spec`.
+    spec_type: "draft-dflash" or "draft-dspark" (None: from the drafter file; a mismatch is an
+        error). draft_n_max: drafts per round (None: the drafter's block allows, i.e. block_size
+        or block_size - 1). verify: "greedy" (T = 0 only), "rejection" or "block"; None is greedy
+        at T = 0 and rejection at T > 0. All are lossless.
     """
 
     def __init__(self, model: Union[str, os.PathLike, Model, None] = None, n_ctx: int = 4096,
                  n_threads: Optional[int] = None, n_batch: int = 512,
-                 chat_template: Union[str, ChatTemplate, None] = None):
+                 chat_template: Union[str, ChatTemplate, None] = None,
+                 draft_model: Union[str, os.PathLike, None] = None,
+                 spec_type: Optional[str] = None, draft_n_max: Optional[int] = None,
+                 verify: Optional[str] = None):
         if isinstance(model, Model):
             self.model = model
         else:
@@ -72,6 +91,13 @@ class LLM:
         self.tokenizer = Tokenizer.from_gguf(self.model.path)
         self.context = Context(self.model, n_ctx=n_ctx, n_seq_max=1, n_batch=int(n_batch))
         self.n_ctx = self.context.n_ctx
+        self.speculative: Optional[SpeculativeGenerator] = None
+        if draft_model is not None:
+            drafter = Drafter(os.fspath(draft_model), self.model, spec_type=spec_type)
+            self.speculative = SpeculativeGenerator(self.context, drafter,
+                                                    draft_n_max=draft_n_max, verify=verify)
+        elif spec_type is not None or draft_n_max is not None or verify is not None:
+            raise ValueError("spec_type, draft_n_max and verify need a draft_model")
         self.last_stats: Optional[GenerationStats] = None
         self._running = False
         # A user's template is compiled now so that mistakes show at once; the model's own only
@@ -216,6 +242,10 @@ class LLM:
             if max_tokens == 0:
                 stats.stop_reason = "length"
                 return
+            if self.speculative is not None:
+                yield from self._spec_tokens(ids, params, sampler.seed, max_tokens, ignore_eos,
+                                             stats)
+                return
             ctx.kv_clear()
             t = time.perf_counter()
             logits = ctx.decode(np.asarray(ids, dtype=np.int32)).logits[-1]
@@ -248,6 +278,28 @@ class LLM:
             raise
         finally:
             self._running = False
+
+    def _spec_tokens(self, ids, params, seed, max_tokens, ignore_eos, stats):
+        spec = stats.spec = SpecStats()
+        limit = self.n_ctx - len(ids)
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        is_eog = (lambda t: False) if ignore_eos else self.tokenizer.is_eog
+        try:
+            for tok in self.speculative.tokens(ids, params, limit, spec, is_eog, seed):
+                stats.n_generated += 1
+                yield tok
+        finally:
+            # Drafting and verification only: not the time the caller held the tokens.
+            stats.decode_seconds = spec.draft_seconds + spec.verify_seconds
+            stats.n_decoded = spec.n_rounds
+        if not stats.stop_reason:
+            if max_tokens is not None and stats.n_generated >= max_tokens:
+                stats.stop_reason = "length"
+            elif stats.n_generated >= self.n_ctx - len(ids):
+                stats.stop_reason = "context"
+            else:
+                stats.stop_reason = "eog"
 
     def __repr__(self) -> str:
         return f"LLM({self.model.path!r}, n_ctx={self.n_ctx})"

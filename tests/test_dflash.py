@@ -405,9 +405,82 @@ def test_mismatched_targets_are_refused(root):
         _core.DraftModel(str(path), shallow)
 
 
-def test_reduced_vocabulary_drafter_is_refused(root):
-    """speculators-style drafters carry d2t as I64, which the GGUF reader does not map yet."""
+def test_reduced_vocabulary_drafter_matches_reference(root):
+    """speculators-style DSpark drafters carry d2t (I64, absolute target ids in the GGUF): the
+    draft head's Vd logits land at their target ids in a -inf row, and the Markov chain embeds
+    the target token of each greedy draft id (reference §1.4, §2.1)."""
     tm, _, tmodel = target(root, "qwen3")
-    _, path = make_drafter(root, "speculators", tm, kind="speculators", seed=61)
-    with pytest.raises(ValueError, match="I64"):
-        _core.DraftModel(str(path), tmodel)
+    vd = 40
+    draft, path = make_drafter(root, "speculators", tm, kind="speculators", seed=61, draft_vocab=vd)
+    dm = _core.DraftModel(str(path), tmodel)
+    draft_ids = draft.weights["d2t"] + np.arange(vd)  # HF d2t holds offsets
+    assert dm.n_vocab_draft == vd and dm.n_vocab == tm.n_vocab and dm.d2t == draft_ids.tolist()
+    assert dm.is_dspark and dm.owns_output
+    offset = dm.draft_offset
+    block = dm.block_size
+
+    rng = np.random.default_rng(61)
+    n_ctx = 17
+    tokens = rng.integers(0, tm.n_vocab, n_ctx + 1)
+    feats = features(tmodel, tokens[:n_ctx], dm.target_layers)
+    dc = _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=2, check_plans=True)
+    dc.inject(0, np.arange(n_ctx, dtype=np.int32), feats)
+    # An anchor outside the draft vocabulary: W1 is indexed by target ids.
+    id_last = int(np.setdiff1d(np.arange(tm.n_vocab), draft_ids)[3])
+    out = dc.draft_logits(0, id_last, n_ctx, block)
+    ref = reference(draft, tm, "f32", feats, np.arange(n_ctx), id_last, n_ctx + np.arange(block))
+    w = ref["w"]
+    base_d = ref["hidden"] @ w["lm_head.weight"].T
+    w1, w2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    outside = np.ones(tm.n_vocab, bool)
+    outside[draft_ids] = False
+    for key in ("logits", "base_logits"):
+        assert out[key].shape == (block, tm.n_vocab)
+        assert np.all(np.isneginf(out[key][:, outside])) and np.all(np.isfinite(out[key][:, draft_ids]))
+    assert rel_err(out["base_logits"][:, draft_ids], base_d) < TOL["f32"]
+    biased = base_d.copy()
+    conf = np.full(block, np.nan)
+    prev = id_last
+    for i in range(offset, block):
+        e = w1[prev]
+        biased[i] = base_d[i] + w2 @ e
+        z = np.concatenate([ref["hidden"][i], e]) @ w["confidence_head.proj.weight"][0]
+        conf[i] = 1 / (1 + np.exp(-(z + w["confidence_head.proj.bias"][0])))
+        top2 = np.sort(biased[i])[-2:]
+        if top2[1] - top2[0] > 1e-2:
+            assert out["tokens"][i] == draft_ids[np.argmax(biased[i])], f"slot {i}"
+        prev = int(out["tokens"][i])
+        assert prev in set(draft_ids.tolist())
+    assert rel_err(out["logits"][:, draft_ids], biased) < TOL["f32"]
+    np.testing.assert_allclose(out["confidence"][offset:], conf[offset:], atol=TOL["f32"])
+    np.testing.assert_array_equal(out["tokens"], np.argmax(out["logits"], axis=1))
+    # The Markov chain must embed the target id: had it used the draft id as a W1 row, slot
+    # offset + 1's bias would be this instead, which is far from the engine's.
+    i = offset + 1
+    wrong = base_d[i] + w2 @ w1[int(np.argmax(biased[i - 1]))]
+    assert rel_err(out["logits"][i, draft_ids], wrong) > 0.05
+
+
+def test_bad_d2t_is_refused(root):
+    tm, _, tmodel = target(root, "qwen3")
+    draft, path = make_drafter(root, "speculators-bad", tm, kind="speculators", seed=62, draft_vocab=40)
+    good = (draft.weights["d2t"] + np.arange(40)).astype(np.int64)
+    v = tm.n_vocab
+
+    def with_d2t(name, arr, drop=()):
+        return rewrite(path, root / name, drop_tensors=("d2t",) + tuple(drop), add_tensors={"d2t": arr})
+
+    out_of_range, dup = good.copy(), good.copy()
+    out_of_range[5] = v
+    dup[7] = dup[6]
+    cases = [
+        (with_d2t("d1.gguf", out_of_range), f"d2t maps draft id 5 to {v}, outside the target vocabulary"),
+        (with_d2t("d2.gguf", dup), f"d2t maps two draft ids to target id {dup[6]}"),
+        (with_d2t("d3.gguf", good[:-1]), "output.weight has 40 rows but d2t maps 39 draft tokens"),
+        (with_d2t("d4.gguf", good.astype(np.float32)), "d2t has type F32, expected I64"),
+        (with_d2t("d5.gguf", good, drop=("output.weight",)), "has d2t but no output.weight"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _core.DraftModel(bad, tmodel)
+    assert _core.DraftModel(with_d2t("d0.gguf", good), tmodel).d2t == good.tolist()

@@ -316,6 +316,8 @@ def make_tensors(rng):
     for qt, shape in [(QT.Q8_0, (2, 64)), (QT.Q4_0, (3, 32)), (QT.Q4_1, (1, 2, 2, 96))]:
         values = rng.standard_normal(shape).astype(np.float32)
         add(f"{qt.name.lower()}.weight", gguf.quants.quantize(values, qt), qt, qt.name, shape)
+    # I64 (ggml type 27): index tensors such as a drafter's d2t; values beyond 32 bits survive
+    add("i64.vector", np.array([-2**40, -1, 0, 7, 2**40 + 3], dtype=np.int64), None, "I64", (5,))
     return out
 
 
@@ -348,6 +350,7 @@ def test_tensor_round_trip(tmp_path, alignment):
     q = f.tensor_data("q8_0.weight").reshape(2, 68)
     np.testing.assert_array_equal(gguf.quants.dequantize(q, QT.Q8_0),
                                   gguf.quants.dequantize(tensors[5][1], QT.Q8_0))
+    assert f.tensor_data("i64.vector").view(np.int64).tolist() == [-2**40, -1, 0, 7, 2**40 + 3]
 
 
 def test_tensor_data_is_a_read_only_view_that_keeps_the_file_alive(tmp_path):
@@ -541,7 +544,7 @@ def test_tensor_offset_misaligned(small):
                  "not a multiple of the alignment 32")
 
 
-@pytest.mark.parametrize("type_id", [QT.Q5_K, QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.I8, QT.I64, QT.F64])
+@pytest.mark.parametrize("type_id", [QT.Q5_K, QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.I8, QT.I16, QT.F64])
 def test_unsupported_tensor_type(small, type_id):
     path, buf, layout = small
     at = layout.tensors["blk.0.ffn_down.weight"]["type_at"]

@@ -48,6 +48,16 @@ py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t p
     std::memcpy(tokens.mutable_data(), out.tokens.data(), out.tokens.size() * sizeof(int32_t));
     d["tokens"] = tokens;
     if (!out.base_logits.empty()) d["base_logits"] = matrix(out.base_logits);
+    // The sampling chains' outputs: [n_block, n_candidates] each.
+    const std::vector<py::ssize_t> kshape{static_cast<py::ssize_t>(out.n_block), static_cast<py::ssize_t>(out.n_candidates)};
+    py::array_t<int32_t> cand(kshape);
+    std::memcpy(cand.mutable_data(), out.candidates.data(), out.candidates.size() * sizeof(int32_t));
+    d["candidates"] = cand;
+    py::array_t<float> cl(kshape), cp(kshape);
+    std::memcpy(cl.mutable_data(), out.candidate_logits.data(), out.candidate_logits.size() * sizeof(float));
+    std::memcpy(cp.mutable_data(), out.candidate_probs.data(), out.candidate_probs.size() * sizeof(float));
+    d["candidate_logits"] = cl;
+    d["probs"] = cp;
     if (!out.confidence.empty()) {
         py::array_t<float> c(static_cast<py::ssize_t>(out.confidence.size()));
         std::memcpy(c.mutable_data(), out.confidence.data(), out.confidence.size() * sizeof(float));
@@ -70,6 +80,8 @@ void bind_draft(py::module_& m) {
         .def_property_readonly("n_layer", [](const DraftModel& d) { return d.hparams().n_layer; })
         .def_property_readonly("n_embd", [](const DraftModel& d) { return d.hparams().n_embd; })
         .def_property_readonly("n_vocab", [](const DraftModel& d) { return d.hparams().n_vocab; })
+        .def_property_readonly("n_vocab_draft", [](const DraftModel& d) { return d.hparams().n_vocab_draft; })
+        .def_property_readonly("d2t", [](const DraftModel& d) { return d.d2t; })
         .def_property_readonly("n_ctx_train", [](const DraftModel& d) { return d.hparams().n_ctx_train; })
         .def_property_readonly("is_dspark", [](const DraftModel& d) { return d.hparams().is_dspark; })
         .def_property_readonly("sample_from_anchor", [](const DraftModel& d) { return d.hparams().sample_from_anchor; })
@@ -83,7 +95,7 @@ void bind_draft(py::module_& m) {
 
     py::class_<DraftContext>(m, "DraftContext")
         .def(py::init([](std::shared_ptr<DraftModel> model, int64_t n_seq_max, int64_t n_batch, int n_threads,
-                         const std::string& kv_dtype, bool check_plans) {
+                         const std::string& kv_dtype, bool check_plans, int64_t n_candidates) {
                  DraftContextParams p;
                  if (kv_dtype == "f16") {
                      p.kv_dtype = DType::F16;
@@ -96,10 +108,12 @@ void bind_draft(py::module_& m) {
                  p.n_batch = n_batch;
                  p.n_threads = n_threads;
                  p.check_plans = check_plans;
+                 p.n_candidates = n_candidates;
                  return std::make_unique<DraftContext>(*model, p);
              }),
              py::arg("draft_model"), py::arg("n_seq_max"), py::arg("n_batch"), py::arg("n_threads"),
-             py::arg("kv_dtype") = "f16", py::arg("check_plans") = false, py::keep_alive<1, 2>())
+             py::arg("kv_dtype") = "f16", py::arg("check_plans") = false,
+             py::arg("n_candidates") = 8, py::keep_alive<1, 2>())
         .def("inject", &inject, py::arg("seq"), py::arg("positions"), py::arg("features"))
         .def("draft_logits", &draft_logits, py::arg("seq"), py::arg("id_last"), py::arg("pos0"), py::arg("n_block"))
         .def("remove", &DraftContext::remove, py::arg("seq"), py::arg("p0"), py::arg("p1") = -1)
@@ -111,7 +125,9 @@ void bind_draft(py::module_& m) {
         .def_property_readonly("window", &DraftContext::window)
         .def_property_readonly("kv_cache_bytes", &DraftContext::kv_bytes)
         .def_property_readonly("compute_buffer_bytes", &DraftContext::compute_buffer_bytes)
-        .def_property_readonly("plans_built", [](const DraftContext& c) { return c.planner().plans_built(); });
+        .def_property_readonly("n_candidates", [](const DraftContext& c) { return c.params().n_candidates; })
+        .def_property_readonly("plans_built", [](const DraftContext& c) { return c.planner().plans_built(); })
+        .def_property_readonly("cache_hits", [](const DraftContext& c) { return c.planner().cache_hits(); });
 }
 
 }  // namespace pyspec

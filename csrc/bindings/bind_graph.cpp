@@ -21,7 +21,7 @@ DType parse_dtype(const std::string& s) {
     for (int i = 0; i < static_cast<int>(DType::COUNT); ++i) {
         if (s == dtype_name(static_cast<DType>(i))) return static_cast<DType>(i);
     }
-    throw std::invalid_argument("unknown dtype '" + s + "' (expected F32, F16, BF16, Q8_0, Q4_0, Q4_1 or I32)");
+    throw std::invalid_argument("unknown dtype '" + s + "' (expected F32, F16, BF16, Q8_0, Q4_0, Q4_1, I32 or I64)");
 }
 
 Op parse_op(const std::string& s) {

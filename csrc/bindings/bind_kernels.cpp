@@ -29,7 +29,7 @@ using ByteArray = py::array_t<uint8_t, py::array::c_style | py::array::forcecast
 DType parse_dtype(const std::string& name) {
     for (int i = 0; i < static_cast<int>(DType::COUNT); ++i) {
         const DType t = static_cast<DType>(i);
-        if (t != DType::I32 && name == dtype_name(t)) return t;
+        if (!dtype_is_integer(t) && name == dtype_name(t)) return t;
     }
     throw std::invalid_argument("unknown weight type '" + name + "' (expected F32, F16, BF16, Q8_0, Q4_0 or Q4_1)");
 }

@@ -9,7 +9,9 @@
 
 namespace pyspec {
 
-enum class DType : uint8_t { F32, F16, BF16, Q8_0, Q4_0, Q4_1, I32, COUNT };
+// I32 and I64 are index types (row ids, positions, d2t maps), never compute types: matmul,
+// get_rows tables and dequantize_row refuse them.
+enum class DType : uint8_t { F32, F16, BF16, Q8_0, Q4_0, Q4_1, I32, I64, COUNT };
 
 constexpr int QK = 32;  // values per quantized block
 
@@ -39,8 +41,14 @@ inline int dtype_block_size(DType t) {
         case DType::Q8_0:
         case DType::Q4_0:
         case DType::Q4_1: return QK;
-        default: return 1;
+        case DType::F32:
+        case DType::F16:
+        case DType::BF16:
+        case DType::I32:
+        case DType::I64:
+        case DType::COUNT: return 1;
     }
+    return 1;
 }
 inline size_t dtype_unit_bytes(DType t) {
     switch (t) {
@@ -51,8 +59,24 @@ inline size_t dtype_unit_bytes(DType t) {
         case DType::Q4_0: return sizeof(BlockQ4_0);
         case DType::Q4_1: return sizeof(BlockQ4_1);
         case DType::I32: return 4;
-        default: return 0;
+        case DType::I64: return 8;
+        case DType::COUNT: break;
     }
+    return 0;
+}
+inline bool dtype_is_integer(DType t) {
+    switch (t) {
+        case DType::I32:
+        case DType::I64: return true;
+        case DType::F32:
+        case DType::F16:
+        case DType::BF16:
+        case DType::Q8_0:
+        case DType::Q4_0:
+        case DType::Q4_1:
+        case DType::COUNT: return false;
+    }
+    return false;
 }
 inline bool dtype_is_quantized(DType t) { return dtype_block_size(t) > 1; }
 
@@ -70,8 +94,10 @@ inline const char* dtype_name(DType t) {
         case DType::Q4_0: return "Q4_0";
         case DType::Q4_1: return "Q4_1";
         case DType::I32: return "I32";
-        default: return "?";
+        case DType::I64: return "I64";
+        case DType::COUNT: break;
     }
+    return "?";
 }
 
 // Scalar half/bfloat16 conversions (kernels use vector versions where the CPU has them).

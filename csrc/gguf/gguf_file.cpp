@@ -77,7 +77,7 @@ const char* ggml_type_name(uint32_t id) {
     }
 }
 
-// The ggml types we compute with; false for every other id.
+// The ggml types we compute with, plus the index types I32 and I64; false for every other id.
 bool dtype_from_ggml(uint32_t id, DType* out) {
     switch (id) {
         case 0: *out = DType::F32; return true;
@@ -86,6 +86,7 @@ bool dtype_from_ggml(uint32_t id, DType* out) {
         case 3: *out = DType::Q4_1; return true;
         case 8: *out = DType::Q8_0; return true;
         case 26: *out = DType::I32; return true;
+        case 27: *out = DType::I64; return true;
         case 30: *out = DType::BF16; return true;
         default: return false;
     }

@@ -9,6 +9,7 @@
 #include "model/dflash.h"
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "cpu/quants.h"
@@ -33,7 +34,6 @@ const char* const kUnsupportedKeys[][2] = {
 const char* const kUnsupportedTensors[][2] = {
     {"selector_hidden.weight", "DFlash2 (selector lattice)"},
     {"fc.scale", "per-tensor scales"},
-    {"d2t", "a reduced draft vocabulary (d2t, an I64 tensor)"},
     {"rope_freqs.weight", "rope frequency factors"},
 };
 const char* const kUnsupportedLayerTensors[][2] = {
@@ -169,7 +169,9 @@ Weight DraftModel::require(const std::string& name, std::initializer_list<int64_
     if (vector_f32 && t->dtype != DType::F32) {
         throw std::invalid_argument("drafter tensor " + name + " has type " + dtype_name(t->dtype) + ", expected F32");
     }
-    if (t->dtype == DType::I32) throw std::invalid_argument("drafter tensor " + name + " has integer type I32");
+    if (dtype_is_integer(t->dtype)) {
+        throw std::invalid_argument("drafter tensor " + name + " has integer type " + dtype_name(t->dtype));
+    }
     Weight w;
     w.name = name;
     w.dtype = t->dtype;
@@ -182,12 +184,53 @@ Weight DraftModel::optional(const std::string& name, std::initializer_list<int64
     return file_->find_tensor(name) ? require(name, ne, vector_f32) : Weight{};
 }
 
+void DraftModel::load_d2t() {
+    const int64_t v = hp_.n_vocab;
+    hp_.n_vocab_draft = v;
+    const GgufTensorInfo* t = file_->find_tensor("d2t");
+    if (!t) return;
+    if (t->dtype != DType::I64 && t->dtype != DType::I32) {
+        throw std::invalid_argument(std::string("drafter tensor d2t has type ") + dtype_name(t->dtype) + ", expected I64");
+    }
+    if (t->n_dims != 1 || t->ne[0] < 1 || t->ne[0] > v) {
+        throw std::invalid_argument("drafter tensor d2t has shape " + fmt_shape(t->ne, static_cast<size_t>(t->n_dims)) +
+                                    ", expected [Vd] with 1 <= Vd <= " + std::to_string(v) + " (the target vocabulary)");
+    }
+    if (!file_->find_tensor("output.weight")) {
+        throw std::invalid_argument("drafter has d2t but no output.weight (the head over its draft vocabulary)");
+    }
+    const int64_t vd = t->ne[0];
+    d2t.resize(static_cast<size_t>(vd));
+    std::vector<bool> seen(static_cast<size_t>(v), false);
+    for (int64_t d = 0; d < vd; ++d) {
+        int64_t id;
+        if (t->dtype == DType::I64) {
+            std::memcpy(&id, t->data + d * 8, 8);
+        } else {
+            int32_t x;
+            std::memcpy(&x, t->data + d * 4, 4);
+            id = x;
+        }
+        if (id < 0 || id >= v) {
+            throw std::invalid_argument("drafter d2t maps draft id " + std::to_string(d) + " to " + std::to_string(id) +
+                                        ", outside the target vocabulary (" + std::to_string(v) + " tokens)");
+        }
+        if (seen[static_cast<size_t>(id)]) {
+            throw std::invalid_argument("drafter d2t maps two draft ids to target id " + std::to_string(id));
+        }
+        seen[static_cast<size_t>(id)] = true;
+        d2t[static_cast<size_t>(d)] = static_cast<int32_t>(id);
+    }
+    hp_.n_vocab_draft = vd;
+}
+
 void DraftModel::load_weights() {
     const GgufFile& f = *file_;
+    load_d2t();
     for (const auto& t : kUnsupportedTensors) {
         if (f.find_tensor(t[0])) throw std::invalid_argument("drafter " + f.path() + " uses " + t[1] + " (" + t[0] + "), which is not supported");
     }
-    const int64_t e = hp_.n_embd, hd = hp_.head_dim, v = hp_.n_vocab;
+    const int64_t e = hp_.n_embd, hd = hp_.head_dim, v = hp_.n_vocab, vd = hp_.n_vocab_draft;
     const int64_t n_tl = static_cast<int64_t>(hp_.target_layers.size());
     fc = require("fc.weight", {n_tl * e, e});
     hidden_norm = require("enc.output_norm.weight", {e}, true);
@@ -200,11 +243,12 @@ void DraftModel::load_weights() {
     owns_output = f.find_tensor("output.weight") != nullptr;
     if (owns_output) {
         const GgufTensorInfo* t = f.find_tensor("output.weight");
-        if (t->ne[1] != v) {
-            throw std::invalid_argument("drafter output.weight has " + std::to_string(t->ne[1]) + " rows but the target vocabulary has " +
-                                        std::to_string(v) + " tokens (and no d2t maps them)");
+        if (t->ne[1] != vd) {
+            throw std::invalid_argument("drafter output.weight has " + std::to_string(t->ne[1]) + " rows but " +
+                                        (d2t.empty() ? "the target vocabulary has " + std::to_string(v) + " tokens (and no d2t maps them)"
+                                                     : "d2t maps " + std::to_string(vd) + " draft tokens"));
         }
-        output = require("output.weight", {e, v});
+        output = require("output.weight", {e, vd});
     } else {
         output = target_->output;
     }
@@ -239,7 +283,21 @@ void DraftModel::load_weights() {
         const int64_t r = hp_.markov_rank;
         if (r <= 0) throw std::invalid_argument("drafter markov_w1.weight has rank 0");
         markov_w1 = require("markov_w1.weight", {r, v});
-        markov_w2 = require("markov_w2.weight", {r, v});
+        markov_w2 = require("markov_w2.weight", {r, vd});
+        markov_w1_draft = markov_w1;
+        if (!d2t.empty()) {
+            if (markov_w1.ne[0] % dtype_block_size(markov_w1.dtype) != 0) {
+                throw std::invalid_argument("drafter markov_w1.weight rank is not a whole number of blocks");
+            }
+            const size_t row = dtype_row_bytes(markov_w1.dtype, r);
+            w1_draft_rows_.resize(row * d2t.size());
+            for (size_t d = 0; d < d2t.size(); ++d) {
+                std::memcpy(w1_draft_rows_.data() + d * row, static_cast<const uint8_t*>(markov_w1.data) + static_cast<size_t>(d2t[d]) * row, row);
+            }
+            markov_w1_draft.name = "markov_w1_draft";
+            markov_w1_draft.ne = {r, vd, 1, 1};
+            markov_w1_draft.data = w1_draft_rows_.data();
+        }
         if (const Weight s = optional("markov_w2.scale", {1}, true); s.present()) {
             markov_w2_scale = *static_cast<const float*>(s.data);
         }
@@ -275,6 +333,8 @@ std::pair<int, int> cache_leaves(Graph& g, const DraftHparams& hp, const KvCache
             g.external(kv.dtype, shape, kv.v[static_cast<size_t>(layer)], "draft_cache_v_l" + ln)};
 }
 
+bool d2t_free(const DraftModel& m) { return m.d2t.empty(); }
+
 int f32_column(Graph& g, const std::vector<float>& w, const std::string& name) {
     return g.external(DType::F32, {static_cast<int64_t>(w.size()), 1, 1, 1}, const_cast<float*>(w.data()), name);
 }
@@ -306,7 +366,8 @@ DraftInjectGraph build_dflash_inject_graph(const DraftModel& model, const KvCach
 }
 
 DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_blocks,
-                                         int64_t block, int64_t span) {
+                                         int64_t block, int64_t span, int64_t n_chain_slots,
+                                         int64_t n_candidates) {
     const DraftHparams& hp = model.hparams();
     const int64_t n_rows = n_blocks * block, hd = hp.head_dim;
     DraftBlockGraph bg;
@@ -340,42 +401,92 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         x = g.add(x, g.mul_mat(add_weight(g, w.ffn_down), g.swiglu(gate, up)));
     }
     const int h_final = g.rms_norm(x, add_weight(g, model.output_norm), hp.rms_eps);
+    const int64_t v = hp.n_vocab, vd = hp.n_vocab_draft;
     bg.logits = g.mul_mat(add_weight(g, model.output), h_final);
     g.set_name(bg.logits, "draft_logits");
     g.set_output(bg.logits);
-    if (!hp.is_dspark) return bg;
+    int final_d = bg.logits;  // the drafting logits over the draft vocabulary
 
-    // Markov chain (reference §2.1): prev starts at each block's anchor; slot i gets
-    // base_i + W2 * W1[prev_i] and passes its argmax on as prev_{i+1}.
-    bg.anchors = g.input(DType::I32, {n_blocks, 1, 1, 1}, "inp_anchors");
-    const int w1 = add_weight(g, model.markov_w1);
-    const int w2 = add_weight(g, model.markov_w2);
-    const int ce_w = hp.has_confidence_head ? f32_column(g, model.conf_w_e, "conf_w_e") : -1;
-    const size_t col_bytes = static_cast<size_t>(hp.n_vocab) * sizeof(float);
-    int prev = bg.anchors;
-    for (int64_t i = hp.draft_offset(); i < block; ++i) {
-        const int e = g.get_rows(w1, prev);
-        int bias = g.mul_mat(w2, e);
-        if (model.markov_w2_scale != 1.0f) bias = g.scale(bias, model.markov_w2_scale);
+    if (hp.is_dspark) {
+        // Markov chain (reference §2.1): prev starts at each block's anchor (a target id); slot i
+        // gets base_i + W2 * W1[prev_i] and passes its argmax (a draft id) on as prev_{i+1}, whose
+        // embedding is W1[d2t[prev]] = markov_w1_draft[prev]. The biased rows are written over
+        // a copy of the backbone logits, so final_d holds every slot's drafting logits.
+        const int64_t n_markov = block - hp.draft_offset();
+        bg.anchors = g.input(DType::I32, {n_blocks, 1, 1, 1}, "inp_anchors");
+        if (n_markov > 0) bg.markov_rows = g.input(DType::I32, {n_blocks, n_markov, 1, 1}, "inp_markov_rows");
+        const int w1 = add_weight(g, model.markov_w1);
+        const int w1_draft = d2t_free(model) ? w1 : add_weight(g, model.markov_w1_draft);
+        const int w2 = add_weight(g, model.markov_w2);
+        const int ce_w = hp.has_confidence_head ? f32_column(g, model.conf_w_e, "conf_w_e") : -1;
+        const size_t col_bytes = static_cast<size_t>(vd) * sizeof(float);
         const size_t stride = static_cast<size_t>(block) * col_bytes;
-        const int base = g.view(bg.logits, {hp.n_vocab, n_blocks, 1, 1}, {sizeof(float), stride, stride * n_blocks, stride * n_blocks},
-                                static_cast<size_t>(i) * col_bytes);
-        const int biased = g.add(base, bias);
-        const int ids = g.argmax(biased);
-        g.set_output(biased);
-        g.set_output(ids);
-        bg.markov_logits.push_back(biased);
-        bg.markov_ids.push_back(ids);
-        if (ce_w >= 0) {
-            const int ce = g.mul_mat(ce_w, e);
-            g.set_output(ce);
-            bg.conf_e.push_back(ce);
+        final_d = g.cpy(bg.logits, DType::F32);
+        g.set_name(final_d, "drafting_logits");
+        int prev = bg.anchors;
+        for (int64_t i = hp.draft_offset(); i < block; ++i) {
+            const int64_t k = i - hp.draft_offset();
+            const int e = g.get_rows(k == 0 ? w1 : w1_draft, prev);
+            int bias = g.mul_mat(w2, e);
+            if (model.markov_w2_scale != 1.0f) bias = g.scale(bias, model.markov_w2_scale);
+            const int base = g.view(bg.logits, {vd, n_blocks, 1, 1}, {sizeof(float), stride, stride * n_blocks, stride * n_blocks},
+                                    static_cast<size_t>(i) * col_bytes);
+            const int biased = g.add(base, bias);
+            const int ids = g.argmax(biased);
+            const size_t ids_bytes = static_cast<size_t>(n_blocks) * sizeof(int32_t);
+            const int rows = g.view(bg.markov_rows, {n_blocks, 1, 1, 1}, {sizeof(int32_t), ids_bytes, ids_bytes, ids_bytes},
+                                    static_cast<size_t>(k) * ids_bytes);
+            final_d = g.set_rows(final_d, biased, rows);
+            if (ce_w >= 0) {
+                const int ce = g.mul_mat(ce_w, e);
+                g.set_output(ce);
+                bg.conf_e.push_back(ce);
+            }
+            prev = g.reshape(ids, {n_blocks, 1, 1, 1});
         }
-        prev = g.reshape(ids, {n_blocks, 1, 1, 1});
+        if (hp.has_confidence_head) {
+            bg.conf_h = g.mul_mat(f32_column(g, model.conf_w_h, "conf_w_h"), h_final);
+            g.set_output(bg.conf_h);
+        }
     }
-    if (hp.has_confidence_head) {
-        bg.conf_h = g.mul_mat(f32_column(g, model.conf_w_h, "conf_w_h"), h_final);
-        g.set_output(bg.conf_h);
+
+    if (d2t_free(model)) {
+        bg.final_logits = final_d;
+    } else {
+        // d2t scatter (reference §1.4): each draft logit goes to its target id in a row that is
+        // -inf elsewhere; element-wise as SET_ROWS of one-element rows into the flattened fill.
+        bg.fill = g.input(DType::F32, {v, n_rows, 1, 1}, "inp_logits_fill");
+        bg.scatter_ids = g.input(DType::I32, {vd * n_rows, 1, 1, 1}, "inp_d2t_scatter");
+        const int scattered = g.set_rows(g.reshape(bg.fill, {1, v * n_rows, 1, 1}),
+                                         g.reshape(final_d, {1, vd * n_rows, 1, 1}), bg.scatter_ids);
+        bg.final_logits = g.reshape(scattered, {v, n_rows, 1, 1});
+    }
+    g.set_output(g.root_of(bg.final_logits));
+
+    // Backend sampling chains, one per slot, bound to rows through chain_rows.
+    bg.n_candidates = n_candidates;
+    bg.chain_rows = g.input(DType::I32, {n_chain_slots, 1, 1, 1}, "inp_chain_rows");
+    const int rows = g.get_rows(bg.final_logits, bg.chain_rows);  // F32 [V, n_chain_slots]
+    const size_t row_bytes = static_cast<size_t>(v) * sizeof(float);
+    for (int64_t j = 0; j < n_chain_slots; ++j) {
+        const size_t off = static_cast<size_t>(j) * row_bytes;
+        const int row = g.view(rows, {v, 1, 1, 1}, {sizeof(float), row_bytes, row_bytes, row_bytes}, off);
+        // The same row as a table of one-element rows, for GET_ROWS at the candidate ids.
+        const int table = g.view(rows, {1, v, 1, 1}, {sizeof(float), sizeof(float), row_bytes, row_bytes}, off);
+        const int cand = g.top_k(row, static_cast<int>(n_candidates));
+        const int cand_logits = g.get_rows(table, g.reshape(cand, {n_candidates, 1, 1, 1}));
+        const int probs = g.softmax(g.reshape(cand_logits, {n_candidates, 1, 1, 1}), 1.0f);
+        const int sampled = g.argmax(row);
+        const std::string js = std::to_string(j);
+        g.set_name(cand, "chain_candidates_" + js);
+        g.set_name(cand_logits, "chain_logits_" + js);
+        g.set_name(probs, "chain_probs_" + js);
+        g.set_name(sampled, "chain_sampled_" + js);
+        for (int t : {cand, cand_logits, probs, sampled}) g.set_pinned(t);
+        bg.chain_candidates.push_back(cand);
+        bg.chain_logits.push_back(cand_logits);
+        bg.chain_probs.push_back(probs);
+        bg.chain_sampled.push_back(sampled);
     }
     return bg;
 }

@@ -42,6 +42,8 @@ struct DraftHparams {
     bool has_confidence_head = false;
     int64_t markov_rank = 0;
     int64_t n_vocab = 0;             // the target's vocabulary (logits are this wide)
+    int64_t n_vocab_draft = 0;       // the drafter head's vocabulary: n_vocab, or |d2t| when the
+                                     // file carries a reduced draft vocabulary
 
     // First block slot whose output is a draft: 0 for DSpark anchor-first, else 1 (§1.5).
     int draft_offset() const { return is_dspark && sample_from_anchor ? 0 : 1; }
@@ -70,7 +72,13 @@ public:
     Weight tok_embd, output;            // the drafter's own or the target's
     bool owns_tok_embd = false, owns_output = false;
     std::vector<DraftLayerWeights> layers;
-    Weight markov_w1, markov_w2;        // DSpark
+    // Reduced draft vocabulary (reference §1.4): d2t[d] is the target id of draft id d (the GGUF
+    // stores absolute ids; the converter added arange to the HF offsets). Empty: Vd = V.
+    std::vector<int32_t> d2t;
+    Weight markov_w1, markov_w2;        // DSpark: W1 {R, V} (target ids), W2 {R, Vd}
+    // W1's rows at d2t (W1[d2t[d]] for draft id d), so the Markov chain, which passes on draft
+    // ids between slots, embeds the right target token; markov_w1 itself without d2t.
+    Weight markov_w1_draft;
     float markov_w2_scale = 1.0f;
     // conf_proj split into its hidden-state and Markov-feature parts, as F32 [n, 1] columns, so
     // the graph can apply it without a concat op; plus the bias.
@@ -78,6 +86,7 @@ public:
     float conf_bias = 0.0f;
 
 private:
+    void load_d2t();
     void load_hparams();
     void load_weights();
     Weight require(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32 = false) const;
@@ -86,6 +95,7 @@ private:
     std::shared_ptr<const Model> target_;
     std::unique_ptr<GgufFile> file_;
     DraftHparams hp_;
+    std::vector<uint8_t> w1_draft_rows_;  // storage of markov_w1_draft when d2t is present
 };
 
 // Injection of n_rows committed context rows.
@@ -97,20 +107,37 @@ struct DraftInjectGraph {
 };
 DraftInjectGraph build_dflash_inject_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_rows);
 
-// n_blocks noise blocks of `block` rows each, block-major.
+// n_blocks noise blocks of `block` rows each, block-major, plus the backend sampling chains
+// (design.md invariant 1): n_chain_slots chains, each bound to one batch row by the input
+// chain_rows, so the graph (and its allocation plan) does not depend on which sequences are in
+// the batch. Every chain's outputs are pinned, bound to a live row or not.
 struct DraftBlockGraph {
     Graph graph;
     int tokens = -1, positions = -1, kv_cells = -1, mask = -1, kv_base = -1;  // as in a decoder
     int anchors = -1;     // I32 [n_blocks] id_last of each block (the Markov chain's start)
-    int logits = -1;      // F32 [n_vocab, n_rows] backbone logits of every slot
-    // DSpark, per slot i >= draft_offset (index i - draft_offset): Markov-biased logits
-    // F32 [n_vocab, n_blocks], their argmax I32 [1, n_blocks] (the next slot's predecessor),
-    // and the confidence head's Markov-feature term F32 [1, n_blocks].
-    std::vector<int> markov_logits, markov_ids, conf_e;
+    int logits = -1;      // F32 [n_vocab_draft, n_rows] backbone logits of every slot (draft ids)
+    // F32 [n_vocab, n_rows]: the logits each slot drafts from, over the target vocabulary
+    // (DSpark draft slots: Markov-biased; with d2t: scattered, -inf outside the draft vocabulary).
+    int final_logits = -1;
+    int markov_rows = -1;  // DSpark: I32 [n_blocks, n_markov_slots]; column k = rows of slot
+                           // draft_offset + k (b * block + slot), where its biased logits go
+    int fill = -1;         // d2t: F32 [n_vocab, n_rows] input, -inf; the scatter's destination
+    int scatter_ids = -1;  // d2t: I32 [n_vocab_draft * n_rows], r * n_vocab + d2t[d]
+    // DSpark, per Markov slot k: the confidence head's Markov-feature term F32 [1, n_blocks].
+    std::vector<int> conf_e;
     int conf_h = -1;      // F32 [1, n_rows] confidence head's hidden-state term
+
+    // Sampling chains: chain_rows I32 [n_chain_slots] binds chain j to a row of final_logits.
+    // Per chain j (all pinned): candidates I32 [k, 1] (TOP_K), their logits F32 [1, k]
+    // (GET_ROWS of the row at the candidates), their probabilities F32 [k, 1] (SOFTMAX of the
+    // candidate logits) and the drawn token I32 [1, 1] (ARGMAX: T = 0).
+    int64_t n_candidates = 0;
+    int chain_rows = -1;
+    std::vector<int> chain_candidates, chain_logits, chain_probs, chain_sampled;
 };
 DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_blocks,
-                                         int64_t block, int64_t span);
+                                         int64_t block, int64_t span, int64_t n_chain_slots,
+                                         int64_t n_candidates);
 
 // Moves n_rows cache rows (cells src -> dst, both I32 [n_rows] inputs) and rotates K by
 // `rotate` (I32 [n_rows], the position change): RoPE composes, rope(rope(k, p), d) = rope(k, p + d).

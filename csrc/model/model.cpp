@@ -94,7 +94,7 @@ Weight Model::require(const std::string& name, std::initializer_list<int64_t> ne
     if (vector_f32 && t->dtype != DType::F32) {
         throw std::invalid_argument("tensor " + name + " has type " + dtype_name(t->dtype) + ", expected F32");
     }
-    if (t->dtype == DType::I32) throw std::invalid_argument("tensor " + name + " has integer type I32");
+    if (dtype_is_integer(t->dtype)) throw std::invalid_argument("tensor " + name + " has integer type " + dtype_name(t->dtype));
     Weight w;
     w.name = name;
     w.dtype = t->dtype;

@@ -22,6 +22,13 @@ DraftContext::DraftContext(const DraftModel& model, const DraftContextParams& pa
                                     "): raise n_batch");
     }
     if (window_ > std::numeric_limits<int32_t>::max() / params_.n_seq_max) throw std::invalid_argument("drafter window too large");
+    if (params_.n_candidates < 1 || params_.n_candidates > hp.n_vocab) {
+        throw std::invalid_argument("n_candidates " + std::to_string(params_.n_candidates) + " must be in [1, n_vocab = " +
+                                    std::to_string(hp.n_vocab) + "]");
+    }
+    if (hp.n_vocab > std::numeric_limits<int32_t>::max() / (hp.block_size * params_.n_seq_max)) {
+        throw std::invalid_argument("drafter vocabulary too large for the block's logits");
+    }
     // Keep half the window on a rebase (so rebases are rare), but always leave room for a block
     // and the rows a verification commits.
     keep_ = std::min(window_ / 2, window_ - 2 * hp.block_size);
@@ -181,7 +188,8 @@ DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int6
         for (int64_t j = 0; j <= last; ++j) m[p0 + j] = 0.0f;
     }
 
-    DraftBlockGraph bg = build_dflash_block_graph(model_, kv_->view(), 1, n_block, span);
+    const int64_t n_chain = params_.n_seq_max * n_block;
+    DraftBlockGraph bg = build_dflash_block_graph(model_, kv_->view(), 1, n_block, span, n_chain, params_.n_candidates);
     Graph& g = bg.graph;
     run(g);
     const size_t row_bytes = static_cast<size_t>(n_block) * sizeof(int32_t);
@@ -191,35 +199,67 @@ DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int6
     backend_->write(g[bg.kv_base], base.data(), row_bytes);
     backend_->write(g[bg.mask], mask.data(), mask.size() * sizeof(float));
     if (bg.anchors >= 0) backend_->write(g[bg.anchors], &id_last, sizeof(int32_t));
+    if (bg.markov_rows >= 0) {  // one block: Markov slot k's row is draft_offset + k
+        std::vector<int32_t> rows;
+        for (int64_t i = hp.draft_offset(); i < n_block; ++i) rows.push_back(static_cast<int32_t>(i));
+        backend_->write(g[bg.markov_rows], rows.data(), rows.size() * sizeof(int32_t));
+    }
+    const size_t v = static_cast<size_t>(hp.n_vocab), vd = static_cast<size_t>(hp.n_vocab_draft);
+    if (bg.fill >= 0) {
+        const std::vector<float> fill(static_cast<size_t>(n_block) * v, -std::numeric_limits<float>::infinity());
+        backend_->write(g[bg.fill], fill.data(), fill.size() * sizeof(float));
+        std::vector<int32_t> ids(static_cast<size_t>(n_block) * vd);
+        for (size_t r = 0; r < static_cast<size_t>(n_block); ++r) {
+            for (size_t d = 0; d < vd; ++d) ids[r * vd + d] = static_cast<int32_t>(r * v) + model_.d2t[d];
+        }
+        backend_->write(g[bg.scatter_ids], ids.data(), ids.size() * sizeof(int32_t));
+    }
+    // Chain s * n_block + i samples row i for this sequence; other sequences' chains are bound
+    // to row 0 (their outputs are computed and ignored; the topology stays the same).
+    std::vector<int32_t> chain_rows(static_cast<size_t>(n_chain), 0);
+    for (int64_t i = 0; i < n_block; ++i) chain_rows[static_cast<size_t>(seq * n_block + i)] = static_cast<int32_t>(i);
+    backend_->write(g[bg.chain_rows], chain_rows.data(), chain_rows.size() * sizeof(int32_t));
     backend_->compute(g);
 
     DraftOutput out;
     out.n_vocab = hp.n_vocab;
     out.n_block = n_block;
-    const size_t v = static_cast<size_t>(hp.n_vocab);
     out.logits.resize(static_cast<size_t>(n_block) * v);
-    backend_->read(g[bg.logits], out.logits.data(), out.logits.size() * sizeof(float));
+    backend_->read(g[bg.final_logits], out.logits.data(), out.logits.size() * sizeof(float));
+    const size_t k = static_cast<size_t>(bg.n_candidates);
+    out.n_candidates = bg.n_candidates;
     out.tokens.resize(static_cast<size_t>(n_block));
-    for (int64_t i = 0; i < n_block; ++i) {
-        const float* row = out.logits.data() + static_cast<size_t>(i) * v;
-        out.tokens[static_cast<size_t>(i)] = static_cast<int32_t>(std::max_element(row, row + v) - row);
+    out.candidates.resize(static_cast<size_t>(n_block) * k);
+    out.candidate_logits.resize(static_cast<size_t>(n_block) * k);
+    out.candidate_probs.resize(static_cast<size_t>(n_block) * k);
+    for (size_t i = 0; i < static_cast<size_t>(n_block); ++i) {
+        const size_t j = static_cast<size_t>(seq * n_block) + i;
+        backend_->read(g[bg.chain_sampled[j]], &out.tokens[i], sizeof(int32_t));
+        backend_->read(g[bg.chain_candidates[j]], out.candidates.data() + i * k, k * sizeof(int32_t));
+        backend_->read(g[bg.chain_logits[j]], out.candidate_logits.data() + i * k, k * sizeof(float));
+        backend_->read(g[bg.chain_probs[j]], out.candidate_probs.data() + i * k, k * sizeof(float));
     }
     if (!hp.is_dspark) return out;
 
-    out.base_logits = out.logits;
-    std::vector<float> conf_h;
+    // Backbone logits over the target vocabulary (scattered through d2t on the host).
+    std::vector<float> base_d(static_cast<size_t>(n_block) * vd);
+    backend_->read(g[bg.logits], base_d.data(), base_d.size() * sizeof(float));
+    if (model_.d2t.empty()) {
+        out.base_logits = std::move(base_d);
+    } else {
+        out.base_logits.assign(static_cast<size_t>(n_block) * v, -std::numeric_limits<float>::infinity());
+        for (size_t r = 0; r < static_cast<size_t>(n_block); ++r) {
+            for (size_t d = 0; d < vd; ++d) out.base_logits[r * v + static_cast<size_t>(model_.d2t[d])] = base_d[r * vd + d];
+        }
+    }
     if (hp.has_confidence_head) {
         out.confidence.assign(static_cast<size_t>(n_block), std::numeric_limits<float>::quiet_NaN());
-        conf_h.resize(static_cast<size_t>(n_block));
+        std::vector<float> conf_h(static_cast<size_t>(n_block));
         backend_->read(g[bg.conf_h], conf_h.data(), conf_h.size() * sizeof(float));
-    }
-    for (size_t k = 0; k < bg.markov_logits.size(); ++k) {
-        const size_t i = static_cast<size_t>(hp.draft_offset()) + k;
-        backend_->read(g[bg.markov_logits[k]], out.logits.data() + i * v, v * sizeof(float));
-        backend_->read(g[bg.markov_ids[k]], &out.tokens[i], sizeof(int32_t));
-        if (hp.has_confidence_head) {
+        for (size_t kk = 0; kk < bg.conf_e.size(); ++kk) {
+            const size_t i = static_cast<size_t>(hp.draft_offset()) + kk;
             float ce = 0.0f;
-            backend_->read(g[bg.conf_e[k]], &ce, sizeof(float));
+            backend_->read(g[bg.conf_e[kk]], &ce, sizeof(float));
             const double z = static_cast<double>(conf_h[i]) + ce + model_.conf_bias;
             out.confidence[i] = static_cast<float>(1.0 / (1.0 + std::exp(-z)));
         }

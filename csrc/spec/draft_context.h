@@ -24,6 +24,7 @@ struct DraftContextParams {
     int n_threads = 1;
     DType kv_dtype = DType::F16;
     bool check_plans = false;  // verify allocation plans and poison the arena (tests)
+    int64_t n_candidates = 8;  // top-k of each sampling chain; 1 <= n_candidates <= n_vocab
 };
 
 struct DraftOutput {
@@ -32,8 +33,15 @@ struct DraftOutput {
     // [n_block, n_vocab] the logits each slot drafts from: backbone logits, plus the Markov bias
     // along the greedy chain for DSpark draft slots.
     std::vector<float> logits;
-    std::vector<float> base_logits;  // [n_block, n_vocab] backbone logits (DSpark only)
-    std::vector<int32_t> tokens;     // [n_block] argmax of each slot's logits (DSpark: the chain)
+    std::vector<float> base_logits;  // [n_block, n_vocab] backbone logits (DSpark only; with d2t
+                                     // scattered like logits, -inf outside the draft vocabulary)
+    std::vector<int32_t> tokens;     // [n_block] each slot's drawn token (its chain's ARGMAX;
+                                     // DSpark: the Markov chain's greedy ids)
+    // The sampling chains' outputs for this sequence, per block slot (design.md invariant 1):
+    int64_t n_candidates = 0;
+    std::vector<int32_t> candidates;        // [n_block, n_candidates] top-k ids, descending
+    std::vector<float> candidate_logits;    // [n_block, n_candidates] logits at those ids
+    std::vector<float> candidate_probs;     // [n_block, n_candidates] softmax of those logits
     std::vector<float> confidence;   // [n_block] DSpark confidence of draft slots, NaN elsewhere;
                                      // empty without a confidence head
 };
@@ -50,6 +58,9 @@ public:
 
     // Decodes the block [id_last, MASK, ...] (n_block tokens) at absolute positions pos0.. over the
     // sequence's context (rows < pos0). The block's rows are not kept in the cache afterwards.
+    // The graph carries n_seq_max x n_block sampling chains, every sequence's, bound to this
+    // sequence's rows (others to row 0) through an input, so drafting any sequence with a given
+    // n_block uses one allocation plan.
     DraftOutput draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block);
 
     // Removes absolute positions [p0, p1) of a sequence (p1 < 0: to the end).

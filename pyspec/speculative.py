@@ -1,0 +1,258 @@
+"""Speculative generation for one sequence with a block drafter (DFlash or DSpark).
+
+The loop (docs/reference/dflash-dspark.md §4, verification.md §0-§1):
+
+    prefill the target with prompt[:-1], collecting the layer inputs the drafter reads;
+    inject those feature rows into the drafter; id_last = prompt[-1] at pos0 = len(prompt) - 1
+    each round:
+        draft d_1..d_γ from the block [id_last, MASK, ...] at pos0        (one drafter pass)
+        decode [id_last, d_1..d_γ] at pos0..pos0+γ in the target           (one target pass)
+        verify: keep τ drafts and emit τ + 1 tokens                         (greedy / rejection / block)
+        roll back the target rows after pos0 + τ; inject the committed rows' features
+        id_last = the last emitted token; pos0 += τ + 1
+
+The last prompt token is decoded by the first round, so even the first generated token goes
+through verification.
+
+Randomness (T > 0) is keyed, never stateful: drafts are drawn by Gumbel-max from
+(seed, offset = pos0, position = the drafted token's position, stream = draft), and the verifier
+keys its acceptance, correction and bonus draws by (seed, offset = pos0, slot) on streams of its
+own (csrc/spec/verify.h). pos0 grows every round, so no round reuses noise.
+
+Proposals (the contract of verification.md §1.3: q_k is exactly the law d_k was drawn from):
+- T = 0: drafts are the drafter's greedy chain and verification is the argmax match.
+- T > 0, DFlash: d_k ~ softmax(logits_k / T) of its slot, drawn independently per slot; q_k is
+  that softmax.
+- T > 0, DSpark: the Markov bias of each slot is computed in the graph along the drafter's greedy
+  chain, so d_k ~ softmax((base_k + bias(a_{k-1})) / T) with a_{k-1} the chain's argmax, not the
+  sampled d_{k-1}. The chain depends only on the context, so q_k is still exactly the law d_k was
+  drawn from and verification stays lossless (verification.md §6); acceptance is lower than true
+  ancestral drafting once a sampled draft leaves the chain.
+
+p rows are what the request would sample from without a drafter: softmax(logits / T) over the
+whole vocabulary for temperature-only sampling, else the top-k/top-p/min-p filtered law of
+`pyspec.sampling.Sampler` (zeros outside the kept candidates).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from .model import Context, Model
+from .sampling import Sampler, SamplingParams
+
+_spec = _core.spec
+
+SPEC_TYPES = ("draft-dflash", "draft-dspark")
+VERIFY_METHODS = ("greedy", "rejection", "block")
+
+
+@dataclass
+class SpecStats:
+    """Drafting and acceptance counts of one generation."""
+
+    n_rounds: int = 0            # verify passes (each emits accepted + 1 tokens)
+    draft_n: int = 0             # tokens drafted
+    draft_n_accepted: int = 0    # drafted tokens kept
+    drafted_at: List[int] = field(default_factory=list)   # rounds that drafted position i
+    accepted_at: List[int] = field(default_factory=list)  # rounds that accepted position i
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    zero_q: int = 0              # verifier events that consistent inputs never produce
+    empty_residual: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def acceptance_per_position(self) -> List[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify pass: 1 + accepted drafts per round (llama.cpp's mean len)."""
+        return 1.0 + self.draft_n_accepted / self.n_rounds if self.n_rounds else 0.0
+
+    def add_round(self, n_draft: int, n_accepted: int) -> None:
+        self.n_rounds += 1
+        self.draft_n += n_draft
+        self.draft_n_accepted += n_accepted
+        while len(self.drafted_at) < n_draft:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(n_draft):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < n_accepted)
+
+
+def detect_spec_type(draft: "_core.DraftModel") -> str:
+    return "draft-dspark" if draft.is_dspark else "draft-dflash"
+
+
+class Drafter:
+    """A block drafter loaded against a target, with its one-sequence draft context."""
+
+    def __init__(self, path: str, target: Model, spec_type: Optional[str] = None,
+                 n_batch: int = 2048, kv_dtype: str = "f16"):
+        try:
+            self.model = _core.DraftModel(str(path), target._model)
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"cannot use draft model '{path}' with target '{target.path}': "
+                             f"{exc}") from None
+        kind = detect_spec_type(self.model)
+        if spec_type is not None:
+            if spec_type not in SPEC_TYPES:
+                raise ValueError(f"unknown spec_type {spec_type!r} (one of {', '.join(SPEC_TYPES)})")
+            if spec_type != kind:
+                raise ValueError(f"spec_type {spec_type!r} does not match the draft model "
+                                 f"'{path}', which is a {kind} drafter")
+        self.spec_type = kind
+        self.path = str(path)
+        window = min(int(self.model.n_ctx_train), int(n_batch))
+        self.context = _core.DraftContext(self.model, 1, window, target.n_threads, kv_dtype)
+
+    @property
+    def n_draft_max(self) -> int:
+        return int(self.model.n_draft_max)
+
+
+class SpeculativeGenerator:
+    """Speculative generation on sequence 0 of `ctx` with `drafter`.
+
+    draft_n_max: drafts per round (clamped to the drafter's block, reference §4.4).
+    verify: "greedy" (T = 0 only), "rejection", "block", or None (greedy at T = 0, rejection
+    at T > 0). At T = 0 every rule reduces to the argmax match (verification.md §1.2).
+    """
+
+    def __init__(self, ctx: Context, drafter: Drafter, draft_n_max: Optional[int] = None,
+                 verify: Optional[str] = None):
+        if ctx.n_seq_max != 1:
+            raise ValueError("speculative generation runs one sequence: use a context with "
+                             "n_seq_max = 1")
+        if verify is not None and verify not in VERIFY_METHODS:
+            raise ValueError(f"unknown verify method {verify!r} (one of "
+                             f"{', '.join(VERIFY_METHODS)})")
+        n_max = drafter.n_draft_max if draft_n_max is None else int(draft_n_max)
+        if n_max < 0:
+            raise ValueError(f"draft_n_max must be >= 0, got {n_max}")
+        self.ctx = ctx
+        self.drafter = drafter
+        self.draft_n_max = min(n_max, drafter.n_draft_max, ctx.n_batch - 1)
+        self.verify = verify
+        self.layers = [int(x) for x in drafter.model.target_layers]
+        self.offset = int(drafter.model.draft_offset)
+
+    def method(self, params: SamplingParams) -> str:
+        if params.greedy:
+            return "greedy"
+        if self.verify == "greedy":
+            raise ValueError("verify='greedy' needs temperature 0 (greedy matching keeps the "
+                             "target's law only for the argmax): use 'rejection' or 'block'")
+        return self.verify or "rejection"
+
+    def tokens(self, prompt: Sequence[int], params: SamplingParams,
+               max_tokens: Optional[int] = None, stats: Optional[SpecStats] = None,
+               is_eog: Callable[[int], bool] = lambda t: False,
+               seed: Optional[int] = None) -> Iterator[int]:
+        """Yields generated tokens until `max_tokens`, an end-of-generation token (not yielded)
+        or a full context. Starts from empty caches. `seed` overrides the params' seed."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty (no tokens)")
+        n_ctx = self.ctx.n_ctx_seq
+        if len(prompt) > n_ctx:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}")
+        stats = stats if stats is not None else SpecStats()
+        method = self.method(params)
+        sampler = Sampler(params if seed is None else
+                          SamplingParams(params.temperature, params.top_k, params.top_p,
+                                         params.min_p, seed))
+        temperature = float(params.temperature)
+        ctx, dctx = self.ctx, self.drafter.context
+        ctx.kv_clear()
+        dctx.clear(0)
+
+        if len(prompt) > 1:
+            t = time.perf_counter()
+            self._commit(prompt[:-1], 0, len(prompt) - 1)
+            stats.verify_seconds += time.perf_counter() - t
+        id_last, pos0, n_out = prompt[-1], len(prompt) - 1, 0
+        while max_tokens is None or n_out < max_tokens:
+            if pos0 >= n_ctx:
+                return
+            # Room: the verify rows pos0..pos0+γ must fit the context, and drafts past the
+            # tokens still wanted would be thrown away.
+            n_draft = min(self.draft_n_max, n_ctx - 1 - pos0)
+            if max_tokens is not None:
+                n_draft = min(n_draft, max_tokens - n_out - 1)
+
+            t = time.perf_counter()
+            drafts, q_rows = self._draft(id_last, pos0, n_draft, temperature, sampler.seed)
+            stats.draft_seconds += time.perf_counter() - t
+
+            t = time.perf_counter()
+            batch = [id_last] + drafts.tolist()
+            res = ctx.decode(batch, positions=np.arange(pos0, pos0 + len(batch)),
+                             output=np.ones(len(batch), np.bool_), layer_inputs=self.layers)
+            if method == "greedy":
+                n_acc, out, events = _spec.verify_greedy(res.logits, drafts)
+            else:
+                p_rows = self._target_rows(sampler, res.logits)
+                verify = _spec.verify_rejection if method == "rejection" else _spec.verify_block
+                n_acc, out, events = verify(p_rows, q_rows, drafts, sampler.seed, pos0)
+            stats.zero_q += int(events["zero_q"])
+            stats.empty_residual += int(events["empty_residual"])
+            # Keep id_last and the accepted drafts in both caches; the rest never happened.
+            ctx.kv_remove(0, pos0 + n_acc + 1, -1)
+            feats = np.concatenate([res.layer_inputs[lid][:n_acc + 1] for lid in self.layers],
+                                   axis=1)
+            dctx.inject(0, np.arange(pos0, pos0 + n_acc + 1, dtype=np.int32), feats)
+            stats.verify_seconds += time.perf_counter() - t
+            stats.add_round(len(drafts), int(n_acc))
+
+            for tok in out.tolist():
+                if is_eog(tok):
+                    return
+                n_out += 1
+                yield tok
+            id_last, pos0 = int(out[-1]), pos0 + n_acc + 1
+
+    def _commit(self, tokens: List[int], pos: int, n: int) -> None:
+        """Decodes committed tokens into the target and injects their features."""
+        res = self.ctx.decode(tokens, positions=np.arange(pos, pos + n),
+                              layer_inputs=self.layers)
+        feats = np.concatenate([res.layer_inputs[lid] for lid in self.layers], axis=1)
+        self.drafter.context.inject(0, np.arange(pos, pos + n, dtype=np.int32), feats)
+
+    def _draft(self, id_last: int, pos0: int, n_draft: int, temperature: float, seed: int):
+        """(drafts [γ] int32, q rows [γ, V] float32 or None at T = 0)."""
+        if n_draft == 0:
+            return np.zeros(0, np.int32), np.zeros((0, 0), np.float32)
+        # The whole configured block is drafted and then cut, so a slot's logits do not depend
+        # on how much room this round has (the block attends to itself).
+        n_block = self.draft_n_max + self.offset
+        out = self.drafter.context.draft_logits(0, id_last, pos0, n_block)
+        slots = slice(self.offset, self.offset + n_draft)
+        if temperature <= 0.0:
+            return np.ascontiguousarray(out["tokens"][slots], np.int32), None
+        logits = out["logits"][slots]
+        drafts = np.array([_spec.gumbel_max(logits[k], temperature, seed, pos0, pos0 + k + 1,
+                                            _spec.STREAM_DRAFT)
+                           for k in range(n_draft)], np.int32)
+        q_rows = np.stack([_spec.proposal(logits[k], temperature) for k in range(n_draft)])
+        return drafts, q_rows
+
+    @staticmethod
+    def _target_rows(sampler: Sampler, logits: np.ndarray) -> np.ndarray:
+        """The law the non-speculative sampler draws each row from, as full-vocabulary rows."""
+        rows = np.zeros(logits.shape, np.float32)
+        for i in range(logits.shape[0]):
+            ids, probs = sampler.candidates(logits[i])
+            rows[i, ids] = probs
+        return rows

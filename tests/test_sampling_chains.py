@@ -1,0 +1,104 @@
+"""Backend sampling chains in the drafter graph (design.md invariant 1).
+
+Every drafter pass carries n_seq_max x n_block chains (TOP_K candidates, their logits by GET_ROWS,
+SOFTMAX probabilities, ARGMAX draw), each bound to a batch row by an input row index, and every
+chain's outputs are pinned whether or not its sequence is in the batch. So the graph key, and the
+allocation plan, do not depend on which sequence is drafted: drafting two sequences in separate
+batches reuses one plan, and each still gets its own, correct candidates at every block position.
+(Pinning only the drafted sequence's chains makes the key depend on the sequence: a second plan
+is built and the plan-reuse assertions below fail; checked by hand.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_dflash import features, make_drafter, target
+from pyspec import _core
+
+
+def numpy_topk(row, k):
+    """Indices of the k largest, descending; equal values keep the lower index first."""
+    return np.argsort(-row, kind="stable")[:k]
+
+
+def check_chains(out, k):
+    logits = out["logits"]
+    n_block = logits.shape[0]
+    assert out["candidates"].shape == (n_block, k)
+    for i in range(n_block):
+        row = logits[i]
+        cand = out["candidates"][i]
+        np.testing.assert_array_equal(cand, numpy_topk(row, k), err_msg=f"slot {i}")
+        np.testing.assert_array_equal(out["candidate_logits"][i], row[cand])
+        z = row[cand].astype(np.float64)
+        p = np.exp(z - z.max())
+        np.testing.assert_allclose(out["probs"][i], p / p.sum(), rtol=1e-5, atol=1e-7)
+        assert out["tokens"][i] == cand[0] == np.argmax(row)
+    # Distinct block positions keep distinct candidates (the allocator bug gives every position
+    # of a sequence the same bytes).
+    assert len({tuple(c) for c in out["candidates"]}) > 1
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("chains")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "speculators"])
+def test_two_sequences_in_separate_batches_share_one_plan(root, kind):
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, f"chain-{kind}", tm, kind=kind, seed=71, draft_vocab=40)
+    dm = _core.DraftModel(str(path), tmodel)
+    k = 6
+    n_block = dm.block_size
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, tm.n_vocab, 24)
+    feats = features(tmodel, tokens, dm.target_layers)
+    dc = _core.DraftContext(dm, n_seq_max=3, n_batch=64, n_threads=2, check_plans=True, n_candidates=k)
+    assert dc.n_candidates == k
+    # Different contexts, so the sequences draft different logits.
+    dc.inject(0, np.arange(20, dtype=np.int32), feats[:20])
+    dc.inject(1, np.arange(12, dtype=np.int32), feats[12:24])
+    dc.inject(2, np.arange(9, dtype=np.int32), feats[3:12])
+
+    out0 = dc.draft_logits(0, int(tokens[20]), 20, n_block)
+    built, hits = dc.plans_built, dc.cache_hits
+    out1 = dc.draft_logits(1, int(tokens[5]), 12, n_block)
+    assert dc.plans_built == built, "drafting another sequence built a new plan"
+    assert dc.cache_hits == hits + 1
+    out2 = dc.draft_logits(2, int(tokens[9]), 9, n_block)
+    again0 = dc.draft_logits(0, int(tokens[20]), 20, n_block)
+    assert dc.plans_built == built and dc.cache_hits == hits + 3
+
+    for out in (out0, out1, out2, again0):
+        check_chains(out, k)
+    assert not np.array_equal(out0["candidates"], out1["candidates"])
+    assert not np.array_equal(out1["candidates"], out2["candidates"])
+    for key in ("logits", "candidates", "candidate_logits", "probs", "tokens"):
+        np.testing.assert_array_equal(again0[key], out0[key])
+    if kind == "speculators":  # d2t: candidates are target ids of the draft vocabulary
+        assert set(out0["candidates"].ravel()) <= set(dm.d2t)
+
+    # A shorter block is another graph (its own plan), with the same per-slot chains.
+    short = dc.draft_logits(1, int(tokens[5]), 12, n_block - 2)
+    check_chains(short, k)
+    np.testing.assert_array_equal(dc.draft_logits(2, int(tokens[9]), 9, n_block - 2)["logits"].shape,
+                                  (n_block - 2, tm.n_vocab))
+    assert dc.plans_built == built + 1
+
+
+def test_candidate_count_is_checked(root):
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "chain-k", tm, kind="dflash", seed=72)
+    dm = _core.DraftModel(str(path), tmodel)
+    with pytest.raises(ValueError, match=r"n_candidates 0 must be in \[1, n_vocab"):
+        _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=1, n_candidates=0)
+    with pytest.raises(ValueError, match="must be in"):
+        _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=1, n_candidates=tm.n_vocab + 1)
+    # k = n_vocab: the candidates are the full sorted vocabulary.
+    dc = _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=1, n_candidates=tm.n_vocab)
+    feats = features(tmodel, np.arange(5, 10), dm.target_layers)
+    dc.inject(0, np.arange(5, dtype=np.int32), feats)
+    check_chains(dc.draft_logits(0, 3, 5, 4), tm.n_vocab)
