@@ -366,7 +366,8 @@ def test_kernel_paths_agree_across_instruction_sets(tmp_path):
     if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C++ compiler on x86-64")
     sources = [ROOT / "tests/cpp/kernel_paths.cpp"] + [ROOT / "csrc" / f for f in
-                                                        ("cpu/quants.cpp", "cpu/matmul.cpp", "core/thread_pool.cpp")]
+                                                        ("cpu/quant_rows.cpp", "cpu/dot_reference.cpp", "cpu/dot_float.cpp",
+                                                         "cpu/dot_quant.cpp", "cpu/matmul.cpp", "core/thread_pool.cpp")]
     builds = {}
     for name, flag in ISA_BUILDS.items():
         exe = tmp_path / name
