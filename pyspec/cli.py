@@ -79,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, metavar="N",
                    help="drafted tokens per round, clamped to the drafter's block "
                         "(default: the drafter's maximum)")
+    p.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float,
+                   default=0.0, metavar="P",
+                   help="stop a draft at the first position whose confidence (DSpark: the "
+                        "confidence head; DFlash: the top-1 probability) is below P (default: 0, "
+                        "off)")
+    p.add_argument("--draft-p-min-mode", "--spec-draft-p-min-mode", dest="draft_p_min_mode",
+                   choices=("first", "cumulative"), default="first",
+                   help="first: per-position threshold (llama.cpp); cumulative: stop when the "
+                        "product of confidences falls below P")
+    p.add_argument("--draft-min", "--spec-draft-n-min", "--draft-n-min", dest="draft_min",
+                   type=int, default=0, metavar="N",
+                   help="drop a draft shorter than N tokens (default: 0)")
     p.add_argument("--spec-verify", choices=("greedy", "rejection", "block"), default=None,
                    help="verification rule (default: greedy at temp 0, rejection otherwise)")
     p.add_argument("--version", action="version", version=f"pyspec {__version__}")
@@ -174,6 +186,13 @@ def _check_args(args) -> None:
     if args.model_draft is None and (args.spec_type or args.draft_max is not None
                                      or args.spec_verify):
         raise CliError("--spec-type, --draft-max and --spec-verify need a draft model (-md)")
+    if args.model_draft is None and (args.draft_p_min or args.draft_min
+                                     or args.draft_p_min_mode != "first"):
+        raise CliError("--draft-p-min, --draft-p-min-mode and --draft-min need a draft model (-md)")
+    if not 0.0 <= args.draft_p_min <= 1.0:
+        raise CliError(f"--draft-p-min must be in [0, 1], got {args.draft_p_min}")
+    if args.draft_min < 0:
+        raise CliError(f"--draft-min must be >= 0, got {args.draft_min}")
     if args.draft_max is not None and args.draft_max < 0:
         raise CliError(f"--draft-max must be >= 0, got {args.draft_max}")
     if args.spec_verify == "greedy" and args.temp > 0:
@@ -199,7 +218,8 @@ def _load(args):
                   n_threads=args.threads if args.threads > 0 else None,
                   n_batch=args.batch_size, draft_model=args.model_draft,
                   spec_type=args.spec_type, draft_n_max=args.draft_max,
-                  verify=args.spec_verify)
+                  verify=args.spec_verify, draft_p_min=args.draft_p_min,
+                  draft_n_min=args.draft_min, draft_p_min_mode=args.draft_p_min_mode)
     except (OSError, ValueError, RuntimeError) as exc:
         name = args.model if args.model is not None else "the default model"
         raise CliError(f"failed to load model '{name}': {exc}") from None

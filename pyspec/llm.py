@@ -68,6 +68,10 @@ class LLM:
         error). draft_n_max: drafts per round (None: the drafter's block allows, i.e. block_size
         or block_size - 1). verify: "greedy" (T = 0 only), "rejection" or "block"; None is greedy
         at T = 0 and rejection at T > 0. All are lossless.
+    draft_p_min, draft_p_min_mode, draft_n_min: confidence pruning (pyspec.speculative): stop
+        the draft at the first position whose confidence (DSpark's confidence head; DFlash: the
+        top-1 probability of its slot) is below draft_p_min ("first"), or whose running product
+        of confidences is ("cumulative"); drop drafts shorter than draft_n_min. 0 disables.
     """
 
     def __init__(self, model: Union[str, os.PathLike, Model, None] = None, n_ctx: int = 4096,
@@ -75,7 +79,8 @@ class LLM:
                  chat_template: Union[str, ChatTemplate, None] = None,
                  draft_model: Union[str, os.PathLike, None] = None,
                  spec_type: Optional[str] = None, draft_n_max: Optional[int] = None,
-                 verify: Optional[str] = None):
+                 verify: Optional[str] = None, draft_p_min: float = 0.0,
+                 draft_n_min: int = 0, draft_p_min_mode: str = "first"):
         if isinstance(model, Model):
             self.model = model
         else:
@@ -95,9 +100,14 @@ class LLM:
         if draft_model is not None:
             drafter = Drafter(os.fspath(draft_model), self.model, spec_type=spec_type)
             self.speculative = SpeculativeGenerator(self.context, drafter,
-                                                    draft_n_max=draft_n_max, verify=verify)
-        elif spec_type is not None or draft_n_max is not None or verify is not None:
-            raise ValueError("spec_type, draft_n_max and verify need a draft_model")
+                                                    draft_n_max=draft_n_max, verify=verify,
+                                                    draft_p_min=draft_p_min,
+                                                    draft_n_min=draft_n_min,
+                                                    draft_p_min_mode=draft_p_min_mode)
+        elif (spec_type is not None or draft_n_max is not None or verify is not None
+              or draft_p_min or draft_n_min or draft_p_min_mode != "first"):
+            raise ValueError("spec_type, draft_n_max, verify, draft_p_min, draft_n_min and "
+                             "draft_p_min_mode need a draft_model")
         self.last_stats: Optional[GenerationStats] = None
         self._running = False
         # A user's template is compiled now so that mistakes show at once; the model's own only

@@ -21,13 +21,20 @@ own (csrc/spec/verify.h). pos0 grows every round, so no round reuses noise.
 
 Proposals (the contract of verification.md §1.3: q_k is exactly the law d_k was drawn from):
 - T = 0: drafts are the drafter's greedy chain and verification is the argmax match.
-- T > 0, DFlash: d_k ~ softmax(logits_k / T) of its slot, drawn independently per slot; q_k is
-  that softmax.
-- T > 0, DSpark: the Markov bias of each slot is computed in the graph along the drafter's greedy
-  chain, so d_k ~ softmax((base_k + bias(a_{k-1})) / T) with a_{k-1} the chain's argmax, not the
-  sampled d_{k-1}. The chain depends only on the context, so q_k is still exactly the law d_k was
-  drawn from and verification stays lossless (verification.md §6); acceptance is lower than true
-  ancestral drafting once a sampled draft leaves the chain.
+- T > 0, DFlash: d_k ~ softmax(logits_k / T) of its slot, drawn independently per slot (a slot's
+  logits do not depend on earlier drafts); q_k is that softmax.
+- T > 0, DSpark: ancestral drafting (design.md invariant 5, verification.md §6), inside the
+  drafter graph: d_k = argmax((base_k + bias(d_{k-1})) / T + g_k), and the drawn d_k is the next
+  slot's Markov predecessor; q_k = softmax((base_k + bias(d_{k-1})) / T) of the exact float vector
+  the noise perturbed. Both draws come from DraftContext.draft_logits(temperature=, seed=,
+  offset=), keyed as above.
+
+Confidence pruning (reference/dflash-dspark.md §2.3, §4.3), decided from drafter-side information
+only, so verification stays lossless for the shorter draft: with p_min > 0 the draft stops at the
+first position whose confidence is below p_min (mode "first", llama.cpp's rule) or whose running
+product of confidences is (mode "cumulative"). DSpark uses its confidence head (a drafter without
+one is refused); DFlash uses the top-1 probability of its slot's sampling chain (softmax over the
+chain's candidates), as llama.cpp does. n_min: a draft shorter than n_min is dropped whole.
 
 p rows are what the request would sample from without a drafter: softmax(logits / T) over the
 whole vocabulary for temperature-only sampling, else the top-k/top-p/min-p filtered law of
@@ -50,6 +57,25 @@ _spec = _core.spec
 
 SPEC_TYPES = ("draft-dflash", "draft-dspark")
 VERIFY_METHODS = ("greedy", "rejection", "block")
+P_MIN_MODES = ("first", "cumulative")
+
+
+def prune_length(confidence: Sequence[float], p_min: float, mode: str = "first",
+                 n_min: int = 0) -> int:
+    """How many drafts to keep of len(confidence): stop at the first position k whose confidence
+    (mode "first") or product of confidences 0..k (mode "cumulative") is below p_min; a result
+    below n_min becomes 0. p_min <= 0 keeps everything (then only n_min applies)."""
+    if mode not in P_MIN_MODES:
+        raise ValueError(f"unknown p_min mode {mode!r} (one of {', '.join(P_MIN_MODES)})")
+    n = len(confidence)
+    if p_min > 0.0:
+        prod = 1.0
+        for k, c in enumerate(confidence):
+            prod *= float(c)
+            if (float(c) if mode == "first" else prod) < p_min:
+                n = k
+                break
+    return 0 if n < n_min else n
 
 
 @dataclass
@@ -131,7 +157,8 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, ctx: Context, drafter: Drafter, draft_n_max: Optional[int] = None,
-                 verify: Optional[str] = None):
+                 verify: Optional[str] = None, draft_p_min: float = 0.0, draft_n_min: int = 0,
+                 draft_p_min_mode: str = "first"):
         if ctx.n_seq_max != 1:
             raise ValueError("speculative generation runs one sequence: use a context with "
                              "n_seq_max = 1")
@@ -141,6 +168,20 @@ class SpeculativeGenerator:
         n_max = drafter.n_draft_max if draft_n_max is None else int(draft_n_max)
         if n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0, got {n_max}")
+        draft_p_min, draft_n_min = float(draft_p_min), int(draft_n_min)
+        if not 0.0 <= draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min must be in [0, 1], got {draft_p_min}")
+        if draft_n_min < 0:
+            raise ValueError(f"draft_n_min must be >= 0, got {draft_n_min}")
+        if draft_p_min_mode not in P_MIN_MODES:
+            raise ValueError(f"unknown draft_p_min_mode {draft_p_min_mode!r} (one of "
+                             f"{', '.join(P_MIN_MODES)})")
+        if draft_p_min > 0.0 and drafter.model.is_dspark and not drafter.model.has_confidence_head:
+            raise ValueError("DSpark draft has no confidence head: please set draft_p_min 0 "
+                             "(--spec-draft-p-min 0)")
+        self.draft_p_min = draft_p_min
+        self.draft_n_min = draft_n_min
+        self.draft_p_min_mode = draft_p_min_mode
         self.ctx = ctx
         self.drafter = drafter
         self.draft_n_max = min(n_max, drafter.n_draft_max, ctx.n_batch - 1)
@@ -237,16 +278,26 @@ class SpeculativeGenerator:
         # The whole configured block is drafted and then cut, so a slot's logits do not depend
         # on how much room this round has (the block attends to itself).
         n_block = self.draft_n_max + self.offset
-        out = self.drafter.context.draft_logits(0, id_last, pos0, n_block)
+        out = self.drafter.context.draft_logits(0, id_last, pos0, n_block,
+                                                temperature=max(temperature, 0.0), seed=seed,
+                                                offset=pos0)
+        n_draft = self._pruned(out, n_draft)
         slots = slice(self.offset, self.offset + n_draft)
+        drafts = np.ascontiguousarray(out["tokens"][slots], np.int32)
         if temperature <= 0.0:
-            return np.ascontiguousarray(out["tokens"][slots], np.int32), None
-        logits = out["logits"][slots]
-        drafts = np.array([_spec.gumbel_max(logits[k], temperature, seed, pos0, pos0 + k + 1,
-                                            _spec.STREAM_DRAFT)
-                           for k in range(n_draft)], np.int32)
-        q_rows = np.stack([_spec.proposal(logits[k], temperature) for k in range(n_draft)])
-        return drafts, q_rows
+            return drafts, None
+        return drafts, np.ascontiguousarray(out["q"][slots], np.float32)
+
+    def _pruned(self, out, n_draft: int) -> int:
+        """The draft length after confidence pruning and n_min (module docstring)."""
+        if self.draft_p_min <= 0.0:
+            return 0 if n_draft < self.draft_n_min else n_draft
+        slots = slice(self.offset, self.offset + n_draft)
+        if self.drafter.model.is_dspark:
+            conf = out["confidence"][slots]
+        else:
+            conf = out["probs"][slots, 0]
+        return prune_length(conf, self.draft_p_min, self.draft_p_min_mode, self.draft_n_min)
 
     @staticmethod
     def _target_rows(sampler: Sampler, logits: np.ndarray) -> np.ndarray:

@@ -11,6 +11,10 @@ invariant 6 end to end.
   prefix follow the target's softmax(logits / T), with rejection sampling and block verification,
   on a target cut to an 8-token vocabulary; a broken proposal (q at the wrong temperature) fails.
 - Stats: draft_n_accepted <= draft_n, emitted = accepted + rounds.
+- DSpark ancestral drafting (invariant 5): the drafter graph's draws at T > 0 follow
+  softmax((base_0 + bias(id_last))/T) and, given d_0, softmax((base_1 + bias(d_0))/T) (chi-square);
+  each draw is argmax(z + Philox Gumbel noise) under its key; q = softmax(z); same key, same draws.
+- Confidence pruning: first/cumulative p_min and n_min, with T = 0 output unchanged.
 """
 
 from __future__ import annotations
@@ -276,7 +280,7 @@ def sample_prefixes(gen, prompt, temperature, n):
 
 
 class _WrongTemperatureProposal:
-    """The C++ spec module with q computed at twice the temperature the drafts were drawn at."""
+    """A draft context whose q rows are softmax(logits / 2T): the wrong temperature."""
 
     def __init__(self, real):
         self._real = real
@@ -284,15 +288,20 @@ class _WrongTemperatureProposal:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def proposal(self, logits, temperature):
-        return self._real.proposal(logits, 2 * temperature)
+    def draft_logits(self, *args, **kwargs):
+        out = self._real.draft_logits(*args, **kwargs)
+        if "q" in out:
+            t = 2.0 * kwargs["temperature"]
+            out["q"] = np.stack([_core.spec.proposal(row, t) for row in out["logits"]])
+        return out
 
 
 N_T = 3000
 PROMPT_T = [3, 1, 4]
 
 
-@pytest.mark.parametrize("layout,verify", [("dflash", "rejection"), ("dspark-anchor", "block")])
+@pytest.mark.parametrize("layout,verify", [("dflash", "rejection"), ("dspark-anchor", "block"),
+                                           ("dspark-anchor", "rejection"), ("dspark-bonus", "block")])
 def test_sampling_follows_target_law(pairs, layout, verify):
     target, drafters = pairs.small_vocab()
     gen = generator(target, drafters[layout], draft_n_max=3, verify=verify)
@@ -310,7 +319,7 @@ def test_wrong_proposal_fails_the_law(pairs, monkeypatch):
     import pyspec.speculative as speculative
     target, drafters = pairs.small_vocab()
     gen = generator(target, drafters["dflash"], draft_n_max=3, verify="rejection")
-    monkeypatch.setattr(speculative, "_spec", _WrongTemperatureProposal(speculative._spec))
+    monkeypatch.setattr(gen.drafter, "context", _WrongTemperatureProposal(gen.drafter.context))
     p1, p12 = prefix_law(gen.ctx, PROMPT_T, 1.0, 8)
     got, _ = sample_prefixes(gen, PROMPT_T, 1.0, 1000)  # measured p ~ 1e-100 at 4000
     assert chi2_pvalue(np.bincount(got[:, 0] * 8 + got[:, 1], minlength=64), p12) < ALPHA
@@ -372,3 +381,247 @@ def test_cli_model_draft(pairs, capsys):
     assert "draft acceptance" in spec.err and "draft acceptance" not in plain.err
     assert cli.main(args + ["--draft-max", "3"]) == 1
     assert "need a draft model" in capsys.readouterr().err
+    assert cli.main(args + ["-md", pairs.drafters["dspark-anchor"], "--spec-draft-p-min", "0.3",
+                            "--spec-draft-n-min", "1", "--draft-p-min-mode", "cumulative"]) == 0
+    assert capsys.readouterr().out == plain.out
+    assert cli.main(args + ["--draft-p-min", "0.3"]) == 1
+    assert "need a draft model" in capsys.readouterr().err
+    assert cli.main(args + ["-md", pairs.drafters["dflash"], "--draft-p-min", "2"]) == 1
+    assert "--draft-p-min must be in [0, 1]" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# DSpark ancestral drafting (design.md invariant 5): the drafter graph's own draws
+
+
+def _softmax(z):
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _dspark_small(pairs, layout="dspark-anchor"):
+    """(drafter context, id_last, pos0, bias(t) = W2 W1[t], target path) over the 8-token target,
+    with PROMPT_T's context injected."""
+    target, drafters = pairs.small_vocab()
+    gen = generator(target, drafters[layout], draft_n_max=3)
+    gen.ctx.kv_clear()
+    dctx = gen.drafter.context
+    dctx.clear(0)
+    gen._commit(PROMPT_T[:-1], 0, len(PROMPT_T) - 1)
+    w = tensors_of(drafters[layout])
+    w1, w2 = w["markov_w1.weight"].astype(np.float64), w["markov_w2.weight"].astype(np.float64)
+    return dctx, PROMPT_T[-1], len(PROMPT_T) - 1, lambda t: w2 @ w1[t], gen
+
+
+@pytest.mark.parametrize("layout", ["dspark-anchor", "dspark-bonus"])
+def test_dspark_ancestral_draws(pairs, layout):
+    """Position 0 follows softmax((base_0 + bias(id_last)) / T); position 1 given d_0 follows
+    softmax((base_1 + bias(d_0)) / T) (chi-square at 1e-4 over draws keyed by distinct offsets);
+    every draw is argmax(z + g) with g the Philox draft noise of (seed, offset, pos0 + 1 + k);
+    q is softmax(z) of the returned biased logits; same key, same tokens."""
+    dctx, id_last, pos0, bias, gen = _dspark_small(pairs, layout)
+    off = gen.offset
+    n_block, T, seed, n = 3 + off, 1.3, 7, 3000
+    inv = np.float32(1.0 / T)
+    greedy = dctx.draft_logits(0, id_last, pos0, n_block)
+    base = greedy["base_logits"].astype(np.float64)
+    d = np.empty((n, 2), np.int64)
+    for o in range(n):
+        out = dctx.draft_logits(0, id_last, pos0, n_block, temperature=T, seed=seed, offset=1000 + o)
+        toks, logits = out["tokens"], out["logits"]
+        np.testing.assert_array_equal(out["base_logits"], greedy["base_logits"])
+        prev = id_last
+        for k in range(3):
+            i = off + k
+            # The slot's logits carry the bias of the token actually drawn before it.
+            np.testing.assert_allclose(logits[i], base[i] + bias(prev), rtol=0, atol=1e-4)
+            z = logits[i].astype(np.float32) * inv
+            g = _core.spec.gumbel(seed, 1000 + o, pos0 + 1 + k, 8)
+            assert toks[i] == int(np.argmax(z + g))
+            np.testing.assert_allclose(out["q"][i], _softmax(z), rtol=1e-5, atol=1e-7)
+            prev = int(toks[i])
+        if off:
+            assert not out["q"][0].any()
+        d[o] = toks[off:off + 2]
+    law0 = _softmax((base[off] + bias(id_last)) / T)
+    assert chi2_pvalue(np.bincount(d[:, 0], minlength=8), law0) > ALPHA
+    mode = int(np.argmax(np.bincount(d[:, 0], minlength=8)))
+    law1 = _softmax((base[off + 1] + bias(mode)) / T)
+    given = d[d[:, 0] == mode, 1]
+    assert len(given) > 300
+    assert chi2_pvalue(np.bincount(given, minlength=8), law1) > ALPHA
+    # Negative control: the argmax chain's bias at position 1 is a different law and is rejected
+    # whenever d_0 differs from the chain's argmax.
+    a0 = int(np.argmax(base[off] + bias(id_last)))
+    if mode != a0:
+        wrong = _softmax((base[off + 1] + bias(a0)) / T)
+        assert chi2_pvalue(np.bincount(given, minlength=8), wrong) < ALPHA
+    # Same key, same draws; new offsets draw anew (the draws above vary across offsets).
+    a = dctx.draft_logits(0, id_last, pos0, n_block, temperature=T, seed=seed, offset=1000)
+    b = dctx.draft_logits(0, id_last, pos0, n_block, temperature=T, seed=seed, offset=1000)
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_array_equal(a["q"], b["q"])
+    assert len({tuple(r) for r in d[:50].tolist()}) > 1
+    assert int(a["tokens"][off]) == int(d[0, 0]) and int(a["tokens"][off + 1]) == int(d[0, 1])
+    # The loop keys offset = pos0 by default.
+    c = dctx.draft_logits(0, id_last, pos0, n_block, temperature=T, seed=seed)
+    e = dctx.draft_logits(0, id_last, pos0, n_block, temperature=T, seed=seed, offset=pos0)
+    np.testing.assert_array_equal(c["tokens"], e["tokens"])
+    # T = 0: the argmax chain, no q.
+    assert "q" not in greedy
+    prev = id_last
+    for k in range(3):
+        assert greedy["tokens"][off + k] == int(np.argmax(greedy["logits"][off + k]))
+        np.testing.assert_allclose(greedy["logits"][off + k], base[off + k] + bias(prev), atol=1e-4)
+        prev = int(greedy["tokens"][off + k])
+
+
+def test_dflash_draws_match_gumbel_max(pairs):
+    """DFlash slots are independent of earlier drafts: each is spec.gumbel_max of its logits with
+    the draft key, and q is spec.proposal of the same row."""
+    target, drafters = pairs.small_vocab()
+    gen = generator(target, drafters["dflash"], draft_n_max=3)
+    gen.ctx.kv_clear()
+    gen.drafter.context.clear(0)
+    gen._commit(PROMPT_T[:-1], 0, len(PROMPT_T) - 1)
+    pos0 = len(PROMPT_T) - 1
+    for o in range(20):
+        out = gen.drafter.context.draft_logits(0, PROMPT_T[-1], pos0, 4, temperature=0.9, seed=3,
+                                               offset=o)
+        for k in range(3):
+            row = out["logits"][1 + k]
+            assert out["tokens"][1 + k] == _core.spec.gumbel_max(row, 0.9, 3, o, pos0 + 1 + k,
+                                                                 _core.spec.STREAM_DRAFT)
+            np.testing.assert_array_equal(out["q"][1 + k], _core.spec.proposal(row, 0.9))
+
+
+# ---------------------------------------------------------------------------------------------
+# Confidence pruning (reference/dflash-dspark.md §2.3)
+
+
+def test_prune_length_rules():
+    from pyspec.speculative import prune_length
+    c = [0.9, 0.8, 0.3, 0.95]
+    assert prune_length(c, 0.0) == 4
+    assert prune_length(c, 0.5) == 2                      # first position below 0.5
+    assert prune_length(c, 0.85) == 1
+    assert prune_length(c, 0.95) == 0
+    assert prune_length(c, 0.7, "cumulative") == 2        # 0.9, 0.72, 0.216: stops at 2
+    assert prune_length(c, 0.73, "cumulative") == 1       # 0.72 < 0.73 at position 1
+    assert prune_length(c, 0.2, "cumulative") == 4        # 0.216, 0.2052 >= 0.2: all kept
+    assert prune_length(c, 0.21, "cumulative") == 3       # 0.2052 < 0.21 at position 3
+    assert prune_length(c, 0.5, n_min=3) == 0             # 2 < n_min: dropped
+    assert prune_length(c, 0.5, n_min=2) == 2
+    assert prune_length(c, 0.0, n_min=5) == 0
+    with pytest.raises(ValueError, match="unknown p_min mode"):
+        prune_length(c, 0.5, "product")
+
+
+class _Recorder:
+    """A draft context that records each round's confidences."""
+
+    def __init__(self, real):
+        self._real, self.conf = real, []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def draft_logits(self, *args, **kwargs):
+        out = self._real.draft_logits(*args, **kwargs)
+        self.conf.append(np.array(out["confidence"]))
+        return out
+
+
+def _constant_confidence(pairs, c):
+    """The anchor-first DSpark drafter with conf_proj zeroed and its bias at logit(c)."""
+    src = pairs.drafters["dspark-anchor"]
+    d = tensors_of(src)
+    b = np.float32(np.log(c / (1 - c)))
+    return edit_gguf(src, pairs.root / f"conf-{c}.gguf",
+                     tensors={"conf_proj.weight": np.zeros_like(d["conf_proj.weight"]),
+                              "conf_proj.bias": np.array([b], np.float32)})
+
+
+@pytest.mark.parametrize("mode", ["first", "cumulative"])
+def test_pruning_drafts_up_to_the_first_low_confidence(pairs, monkeypatch, mode):
+    """Every round drafts exactly up to the first position whose confidence (or running product)
+    is below p_min, as recorded from the drafter; T = 0 output stays token-identical."""
+    gen = generator(pairs.target, pairs.drafters["dspark-anchor"], draft_n_max=5)
+    rec = _Recorder(gen.drafter.context)
+    monkeypatch.setattr(gen.drafter, "context", rec)
+    prompt = PROMPTS[2]
+    list(gen.tokens(prompt, GREEDY, max_tokens=40))
+    allc = np.concatenate([c[:5] for c in rec.conf])
+    p_min = float(np.median(allc)) if mode == "first" else float(np.median(allc) ** 2)
+    rec.conf.clear()
+    gen = SpeculativeGenerator(gen.ctx, gen.drafter, draft_n_max=5, draft_p_min=p_min,
+                               draft_p_min_mode=mode)
+    rounds = []  # (room, drafted) per round
+    real = gen._draft
+
+    def draft(id_last, pos0, n_draft, temperature, seed):
+        drafts, q = real(id_last, pos0, n_draft, temperature, seed)
+        rounds.append((n_draft, len(drafts)))
+        return drafts, q
+
+    gen._draft = draft
+    stats = SpecStats()
+    out = list(gen.tokens(prompt, GREEDY, max_tokens=40, stats=stats))
+    assert out == plain_greedy(gen, prompt, 40)
+    assert len(rounds) == stats.n_rounds
+    drafting = [r for r in rounds if r[0] > 0]  # a round with no room drafts nothing
+    assert len(drafting) == len(rec.conf)
+    pruned = 0
+    for (room, drafted), c in zip(drafting, rec.conf):
+        run = c[:room] if mode == "first" else np.cumprod(c[:room].astype(np.float64))
+        below = np.flatnonzero(run < p_min)
+        assert drafted == (int(below[0]) if len(below) else room)
+        pruned += drafted < room
+    assert pruned > 0 and sum(d for _, d in rounds) == stats.draft_n > 0
+
+
+def test_pruning_constant_confidence(pairs):
+    """conf = 0.8 everywhere: first mode with p_min 0.85 drafts nothing, with 0.75 everything;
+    cumulative with 0.6 stops where 0.8^(k+1) < 0.6, i.e. after 2 drafts; n_min 3 drops those.
+    Output stays token-identical to plain greedy in every case."""
+    drafter = _constant_confidence(pairs, 0.8)
+    prompt = PROMPTS[1]
+    for p_min, mode, n_min, per_round in [(0.85, "first", 0, 0), (0.75, "first", 0, 4),
+                                          (0.6, "cumulative", 0, 2), (0.6, "cumulative", 3, 0),
+                                          (0.0, "first", 5, 0)]:
+        base = generator(pairs.target, drafter, draft_n_max=4)
+        gen = SpeculativeGenerator(base.ctx, base.drafter, draft_n_max=4, draft_p_min=p_min,
+                                   draft_p_min_mode=mode, draft_n_min=n_min)
+        stats = SpecStats()
+        out = list(gen.tokens(prompt, GREEDY, max_tokens=30, stats=stats))
+        assert out == plain_greedy(gen, prompt, 30), (p_min, mode, n_min)
+        # Every round but those near the end (room < per_round) drafts exactly per_round.
+        full = [n for n in stats.drafted_at]
+        assert stats.draft_n <= per_round * stats.n_rounds
+        assert len(stats.drafted_at) == per_round
+        if per_round:
+            # (the last rounds have less room: 30 tokens, nothing accepted)
+            assert stats.drafted_at[per_round - 1] >= stats.n_rounds - per_round, (p_min, mode, full)
+
+
+def test_pruning_options_are_checked(pairs):
+    base = generator(pairs.target, pairs.drafters["dspark-anchor"])
+    with pytest.raises(ValueError, match="draft_p_min must be in"):
+        SpeculativeGenerator(base.ctx, base.drafter, draft_p_min=1.5)
+    with pytest.raises(ValueError, match="draft_n_min must be"):
+        SpeculativeGenerator(base.ctx, base.drafter, draft_n_min=-1)
+    with pytest.raises(ValueError, match="unknown draft_p_min_mode"):
+        SpeculativeGenerator(base.ctx, base.drafter, draft_p_min_mode="sum")
+    noconf = edit_gguf(pairs.drafters["dspark-anchor"], pairs.root / "noconf.gguf",
+                       keys={"dflash.has_confidence_head": False})
+    nc = generator(pairs.target, noconf)
+    assert not nc.drafter.model.has_confidence_head
+    with pytest.raises(ValueError, match="no confidence head"):
+        SpeculativeGenerator(nc.ctx, nc.drafter, draft_p_min=0.5)
+    with pytest.raises(ValueError, match="need a draft_model"):
+        pyspec.LLM(pairs.target, n_ctx=64, n_threads=1, draft_p_min=0.5)
+    llm = pyspec.LLM(pairs.target, n_ctx=128, n_threads=1, draft_model=pairs.drafters["dspark-anchor"],
+                     draft_p_min=0.6, draft_n_min=1, draft_p_min_mode="cumulative")
+    g = llm.speculative
+    assert (g.draft_p_min, g.draft_n_min, g.draft_p_min_mode) == (0.6, 1, "cumulative")

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <cstring>
 #include <memory>
 
@@ -31,11 +32,19 @@ void inject(DraftContext& ctx, int32_t seq, const I32Array& positions, const F32
     ctx.inject(seq, pos, features.data(), pos.size());
 }
 
-py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block) {
+py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
+                      float temperature, uint64_t seed, int64_t offset) {
+    DraftSampling sampling;
+    sampling.temperature = temperature;
+    sampling.seed = seed;
+    if (offset < -1 || offset > static_cast<int64_t>(UINT32_MAX)) {
+        throw std::invalid_argument("draft_logits: offset must be in [0, 2^32) (or -1 for pos0)");
+    }
+    sampling.offset = static_cast<uint32_t>(offset < 0 ? pos0 : offset);
     DraftOutput out;
     {
         py::gil_scoped_release release;
-        out = ctx.draft(seq, id_last, pos0, n_block);
+        out = ctx.draft(seq, id_last, pos0, n_block, sampling);
     }
     auto matrix = [&](const std::vector<float>& v) {
         py::array_t<float> a({static_cast<py::ssize_t>(out.n_block), static_cast<py::ssize_t>(out.n_vocab)});
@@ -48,6 +57,7 @@ py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t p
     std::memcpy(tokens.mutable_data(), out.tokens.data(), out.tokens.size() * sizeof(int32_t));
     d["tokens"] = tokens;
     if (!out.base_logits.empty()) d["base_logits"] = matrix(out.base_logits);
+    if (!out.q.empty()) d["q"] = matrix(out.q);
     // The sampling chains' outputs: [n_block, n_candidates] each.
     const std::vector<py::ssize_t> kshape{static_cast<py::ssize_t>(out.n_block), static_cast<py::ssize_t>(out.n_candidates)};
     py::array_t<int32_t> cand(kshape);
@@ -115,7 +125,13 @@ void bind_draft(py::module_& m) {
              py::arg("kv_dtype") = "f16", py::arg("check_plans") = false,
              py::arg("n_candidates") = 8, py::keep_alive<1, 2>())
         .def("inject", &inject, py::arg("seq"), py::arg("positions"), py::arg("features"))
-        .def("draft_logits", &draft_logits, py::arg("seq"), py::arg("id_last"), py::arg("pos0"), py::arg("n_block"))
+        .def("draft_logits", &draft_logits, py::arg("seq"), py::arg("id_last"), py::arg("pos0"), py::arg("n_block"),
+             py::arg("temperature") = 0.0f, py::arg("seed") = 0, py::arg("offset") = -1,
+             "Drafts the block [id_last, MASK, ...] at pos0. temperature > 0: draft slots are drawn by "
+             "Gumbel-max with Philox noise keyed (seed, offset (-1: pos0), pos0 + 1 + k, draft stream); "
+             "DSpark draws ancestrally in the graph (each slot's Markov bias follows the drawn token). "
+             "Returns logits, tokens, candidates, candidate_logits, probs, and when present base_logits, "
+             "confidence, q (T > 0: the exact law of each draft slot's token).")
         .def("remove", &DraftContext::remove, py::arg("seq"), py::arg("p0"), py::arg("p1") = -1)
         .def("clear", &DraftContext::clear, py::arg("seq") = -1)
         .def("pos_base", &DraftContext::pos_base)

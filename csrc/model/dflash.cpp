@@ -423,6 +423,11 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         const size_t stride = static_cast<size_t>(block) * col_bytes;
         final_d = g.cpy(bg.logits, DType::F32);
         g.set_name(final_d, "drafting_logits");
+        if (n_markov > 0) {
+            bg.inv_temp = g.input(DType::F32, {vd, 1, 1, 1}, "inp_inv_temp");
+            bg.gumbel = g.input(DType::F32, {vd, n_blocks, n_markov, 1}, "inp_draft_gumbel");
+        }
+        const size_t noise_slot_bytes = static_cast<size_t>(vd * n_blocks) * sizeof(float);
         int prev = bg.anchors;
         for (int64_t i = hp.draft_offset(); i < block; ++i) {
             const int64_t k = i - hp.draft_offset();
@@ -432,7 +437,18 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
             const int base = g.view(bg.logits, {vd, n_blocks, 1, 1}, {sizeof(float), stride, stride * n_blocks, stride * n_blocks},
                                     static_cast<size_t>(i) * col_bytes);
             const int biased = g.add(base, bias);
-            const int ids = g.argmax(biased);
+            // Ancestral draw: z = biased / T (as a multiplication by 1/T), d = argmax(z + g).
+            const int z = g.mul(biased, bg.inv_temp);
+            const int noise = g.view(bg.gumbel, {vd, n_blocks, 1, 1},
+                                     {sizeof(float), col_bytes, noise_slot_bytes, noise_slot_bytes},
+                                     static_cast<size_t>(k) * noise_slot_bytes);
+            const int ids = g.argmax(g.add(z, noise));
+            g.set_name(z, "markov_z_" + std::to_string(k));
+            g.set_name(ids, "markov_drawn_" + std::to_string(k));
+            g.set_output(z);
+            g.set_output(ids);
+            bg.markov_z.push_back(z);
+            bg.markov_tokens.push_back(ids);
             const size_t ids_bytes = static_cast<size_t>(n_blocks) * sizeof(int32_t);
             const int rows = g.view(bg.markov_rows, {n_blocks, 1, 1, 1}, {sizeof(int32_t), ids_bytes, ids_bytes, ids_bytes},
                                     static_cast<size_t>(k) * ids_bytes);

@@ -125,6 +125,17 @@ struct DraftBlockGraph {
     int scatter_ids = -1;  // d2t: I32 [n_vocab_draft * n_rows], r * n_vocab + d2t[d]
     // DSpark, per Markov slot k: the confidence head's Markov-feature term F32 [1, n_blocks].
     std::vector<int> conf_e;
+    // DSpark ancestral drafting (design.md invariant 5, verification.md §6). Markov slot k draws
+    // d_k = argmax(z_k + g_k) with z_k = (base_k + bias(d_{k-1})) * inv_temp, and d_k is the
+    // next slot's Markov predecessor, so each slot's bias follows the drawn chain. At T = 0 the
+    // host writes inv_temp = 1 and g = 0, which leaves the argmax chain bit for bit (x * 1 = x,
+    // x + 0 = x). One topology for every temperature, so one allocation plan.
+    int inv_temp = -1;  // F32 [n_vocab_draft, 1] input: 1/T in every entry (1 at T = 0)
+    int gumbel = -1;    // F32 [n_vocab_draft, n_blocks, n_markov_slots] input: Gumbel noise
+                        // of slot k over the draft vocabulary (0 at T = 0)
+    std::vector<int> markov_tokens;  // per Markov slot: I32 [n_blocks] drawn draft ids
+    std::vector<int> markov_z;       // per Markov slot: F32 [n_vocab_draft, n_blocks] z_k, the
+                                     // exact float vector the noise perturbed
     int conf_h = -1;      // F32 [1, n_rows] confidence head's hidden-state term
 
     // Sampling chains: chain_rows I32 [n_chain_slots] binds chain j to a row of final_logits.

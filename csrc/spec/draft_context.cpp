@@ -6,7 +6,33 @@
 #include <stdexcept>
 #include <string>
 
+#include "runtime/philox.h"
+#include "spec/verify.h"
+
 namespace pyspec {
+
+namespace {
+
+// q = softmax(z) in double over the draft vocabulary, scattered to target ids through d2t
+// (zeros elsewhere). z is the exact float vector the Gumbel noise perturbed.
+void softmax_scatter(const float* z, size_t vd, const std::vector<int32_t>& d2t, float* out) {
+    double m = -std::numeric_limits<double>::infinity();
+    for (size_t d = 0; d < vd; ++d) {
+        if (!std::isfinite(z[d])) {
+            throw std::invalid_argument("draft: logits / temperature is not finite at draft token " + std::to_string(d) +
+                                        " (temperature too small?)");
+        }
+        m = std::max(m, static_cast<double>(z[d]));
+    }
+    double sum = 0.0;
+    for (size_t d = 0; d < vd; ++d) sum += std::exp(static_cast<double>(z[d]) - m);
+    for (size_t d = 0; d < vd; ++d) {
+        const size_t t = d2t.empty() ? d : static_cast<size_t>(d2t[d]);
+        out[t] = static_cast<float>(std::exp(static_cast<double>(z[d]) - m) / sum);
+    }
+}
+
+}  // namespace
 
 DraftContext::DraftContext(const DraftModel& model, const DraftContextParams& params)
     : model_(model), params_(params) {
@@ -150,9 +176,14 @@ void DraftContext::inject(int32_t seq, const std::vector<int32_t>& positions, co
     }
 }
 
-DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block) {
+DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
+                                const DraftSampling& sampling) {
     check_seq(seq);
     const DraftHparams& hp = model_.hparams();
+    const float temp = sampling.temperature;
+    if (!std::isfinite(temp) || temp < 0.0f) {
+        throw std::invalid_argument("draft: temperature must be finite and >= 0, got " + std::to_string(temp));
+    }
     if (n_block < 1 || n_block > hp.block_size) {
         throw std::invalid_argument("draft: n_block " + std::to_string(n_block) + " must be in [1, block_size = " +
                                     std::to_string(hp.block_size) + "]");
@@ -205,6 +236,26 @@ DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int6
         backend_->write(g[bg.markov_rows], rows.data(), rows.size() * sizeof(int32_t));
     }
     const size_t v = static_cast<size_t>(hp.n_vocab), vd = static_cast<size_t>(hp.n_vocab_draft);
+    const auto draft_key = [&](int64_t k) {  // draft k = the token at absolute position pos0 + 1 + k
+        return NoiseKey{sampling.seed, sampling.offset, static_cast<uint32_t>(static_cast<int64_t>(pos0) + 1 + k),
+                        NoiseStream::Draft};
+    };
+    if (bg.gumbel >= 0) {  // DSpark: 1/T and the Gumbel noise of every Markov slot (0 at T = 0)
+        const size_t n_markov = static_cast<size_t>(n_block - hp.draft_offset());
+        const std::vector<float> inv(vd, temp > 0.0f ? 1.0f / temp : 1.0f);
+        backend_->write(g[bg.inv_temp], inv.data(), inv.size() * sizeof(float));
+        std::vector<float> noise(n_markov * vd, 0.0f);
+        if (temp > 0.0f) {
+            std::vector<float> full(v);
+            for (size_t k = 0; k < n_markov; ++k) {
+                fill_gumbel(draft_key(static_cast<int64_t>(k)), full.data(), v);
+                for (size_t d = 0; d < vd; ++d) {
+                    noise[k * vd + d] = model_.d2t.empty() ? full[d] : full[static_cast<size_t>(model_.d2t[d])];
+                }
+            }
+        }
+        backend_->write(g[bg.gumbel], noise.data(), noise.size() * sizeof(float));
+    }
     if (bg.fill >= 0) {
         const std::vector<float> fill(static_cast<size_t>(n_block) * v, -std::numeric_limits<float>::infinity());
         backend_->write(g[bg.fill], fill.data(), fill.size() * sizeof(float));
@@ -238,6 +289,31 @@ DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int6
         backend_->read(g[bg.chain_candidates[j]], out.candidates.data() + i * k, k * sizeof(int32_t));
         backend_->read(g[bg.chain_logits[j]], out.candidate_logits.data() + i * k, k * sizeof(float));
         backend_->read(g[bg.chain_probs[j]], out.candidate_probs.data() + i * k, k * sizeof(float));
+    }
+    out.temperature = temp;
+    if (temp > 0.0f) {
+        out.q.assign(static_cast<size_t>(n_block) * v, 0.0f);
+        if (hp.is_dspark) {
+            // The graph drew each Markov slot; its z is the exact vector the noise perturbed.
+            std::vector<float> z(vd);
+            for (size_t k = 0; k < bg.markov_tokens.size(); ++k) {
+                const size_t i = static_cast<size_t>(hp.draft_offset()) + k;
+                int32_t d = 0;
+                backend_->read(g[bg.markov_tokens[k]], &d, sizeof(int32_t));
+                out.tokens[i] = model_.d2t.empty() ? d : model_.d2t[static_cast<size_t>(d)];
+                backend_->read(g[bg.markov_z[k]], z.data(), vd * sizeof(float));
+                softmax_scatter(z.data(), vd, model_.d2t, out.q.data() + i * v);
+            }
+        } else {
+            // DFlash: each slot's logits do not depend on earlier drafts, so independent
+            // Gumbel-max draws per slot are already ancestral.
+            for (size_t i = static_cast<size_t>(hp.draft_offset()); i < static_cast<size_t>(n_block); ++i) {
+                const int64_t k = static_cast<int64_t>(i) - hp.draft_offset();
+                const float* row = out.logits.data() + i * v;
+                out.tokens[i] = gumbel_max(row, static_cast<int64_t>(v), temp, draft_key(k));
+                proposal_distribution(row, static_cast<int64_t>(v), temp, out.q.data() + i * v);
+            }
+        }
     }
     if (!hp.is_dspark) return out;
 

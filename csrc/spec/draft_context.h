@@ -27,6 +27,20 @@ struct DraftContextParams {
     int64_t n_candidates = 8;  // top-k of each sampling chain; 1 <= n_candidates <= n_vocab
 };
 
+// How the draft slots are drawn (design.md invariant 5, verification.md §4-§6). T = 0: the argmax
+// chain, no noise. T > 0, temperature only (no top-k/top-p filter): draft k (block slot
+// draft_offset + k, the token at absolute position pos0 + 1 + k) is drawn by Gumbel-max with the
+// Philox noise of NoiseKey{seed, offset, pos0 + 1 + k, NoiseStream::Draft}, element = target
+// token id -- exactly the keying of spec::gumbel_max as the Python loop used it. DFlash slots are
+// independent of earlier drafts and are drawn on the host with gumbel_max; DSpark slots are drawn
+// inside the graph (the noise is computed here on the host with the same Philox and fed in as an
+// input), so each slot's Markov bias follows the drawn predecessor: ancestral drafting.
+struct DraftSampling {
+    float temperature = 0.0f;
+    uint64_t seed = 0;
+    uint32_t offset = 0;  // the round's step offset (the loop passes pos0)
+};
+
 struct DraftOutput {
     int64_t n_vocab = 0;
     int64_t n_block = 0;
@@ -35,8 +49,17 @@ struct DraftOutput {
     std::vector<float> logits;
     std::vector<float> base_logits;  // [n_block, n_vocab] backbone logits (DSpark only; with d2t
                                      // scattered like logits, -inf outside the draft vocabulary)
-    std::vector<int32_t> tokens;     // [n_block] each slot's drawn token (its chain's ARGMAX;
-                                     // DSpark: the Markov chain's greedy ids)
+    std::vector<int32_t> tokens;     // [n_block] each slot's drawn token: its chain's ARGMAX at
+                                     // T = 0 (DSpark: the Markov chain's greedy ids); at T > 0 the
+                                     // draft slots hold the Gumbel-max draws (DSpark: the
+                                     // ancestral chain; logits then follow the drawn chain)
+    float temperature = 0.0f;
+    // T > 0: [n_block, n_vocab] q rows. Row of draft slot i is exactly the law tokens[i] was drawn
+    // from: softmax(z) of the very float vector z the noise perturbed (DSpark: the graph's
+    // (base + bias(d_prev)) * (1/T); DFlash: logits / T), normalised in double; zeros outside the
+    // draft vocabulary (d2t). Rows of non-draft slots (bonus-anchor slot 0) are zero. Empty at
+    // T = 0 (the proposal is the one-hot argmax).
+    std::vector<float> q;
     // The sampling chains' outputs for this sequence, per block slot (design.md invariant 1):
     int64_t n_candidates = 0;
     std::vector<int32_t> candidates;        // [n_block, n_candidates] top-k ids, descending
@@ -61,7 +84,8 @@ public:
     // The graph carries n_seq_max x n_block sampling chains, every sequence's, bound to this
     // sequence's rows (others to row 0) through an input, so drafting any sequence with a given
     // n_block uses one allocation plan.
-    DraftOutput draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block);
+    DraftOutput draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
+                      const DraftSampling& sampling = DraftSampling());
 
     // Removes absolute positions [p0, p1) of a sequence (p1 < 0: to the end).
     void remove(int32_t seq, int64_t p0, int64_t p1);
