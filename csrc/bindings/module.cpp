@@ -11,6 +11,7 @@ void bind_runtime(py::module_& m);
 void bind_compute(py::module_& m);
 void bind_draft(py::module_& m);
 void bind_spec(py::module_& m);
+void bind_registry(py::module_& m);
 }  // namespace pyspec
 
 PYBIND11_MODULE(_core, m) {
@@ -22,4 +23,5 @@ PYBIND11_MODULE(_core, m) {
     pyspec::bind_compute(m);
     pyspec::bind_draft(m);
     pyspec::bind_spec(m);
+    pyspec::bind_registry(m);
 }
