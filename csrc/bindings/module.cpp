@@ -12,6 +12,7 @@ void bind_compute(py::module_& m);
 void bind_draft(py::module_& m);
 void bind_spec(py::module_& m);
 void bind_registry(py::module_& m);
+void bind_spec_engine(py::module_& m);
 }  // namespace pyspec
 
 PYBIND11_MODULE(_core, m) {
@@ -24,4 +25,5 @@ PYBIND11_MODULE(_core, m) {
     pyspec::bind_draft(m);
     pyspec::bind_spec(m);
     pyspec::bind_registry(m);
+    pyspec::bind_spec_engine(m);
 }

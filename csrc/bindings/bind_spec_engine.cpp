@@ -1,0 +1,122 @@
+// pyspec._core.SpecEngine: the speculative step over many requests (csrc/spec/spec_engine.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "spec/spec_engine.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+
+namespace {
+
+VerifyMethod method_of(const std::string& name) {
+    if (name == "greedy") return VerifyMethod::Greedy;
+    if (name == "rejection") return VerifyMethod::Rejection;
+    if (name == "block") return VerifyMethod::Block;
+    throw std::invalid_argument("unknown verify method '" + name + "' (one of greedy, rejection, block)");
+}
+
+py::dict stats_dict(const RequestStats& s) {
+    py::dict d;
+    d["n_rounds"] = s.n_rounds;
+    d["draft_n"] = s.draft_n;
+    d["draft_n_accepted"] = s.draft_n_accepted;
+    d["drafted_at"] = s.drafted_at;
+    d["accepted_at"] = s.accepted_at;
+    d["mean_accepted_length"] = s.mean_accepted_length();
+    d["n_restaged"] = s.n_restaged;
+    return d;
+}
+
+}  // namespace
+
+void bind_spec_engine(py::module_& m) {
+    py::class_<SpecEngine>(m, "SpecEngine",
+                           "Speculative decoding over many requests: one target decode per step, request-keyed "
+                           "drafter slots (DraftStateRegistry), verification and rollback per request.")
+        .def(py::init([](std::shared_ptr<Model> target, std::shared_ptr<DraftModel> drafter, int64_t n_ctx,
+                         int64_t n_seq_max, int64_t n_draft_slots, int64_t n_batch, int64_t draft_n_batch,
+                         int n_threads, int64_t draft_n_max, int64_t prefill_chunk, const std::string& kv_dtype) {
+                 SpecEngineParams p;
+                 if (kv_dtype == "f16") {
+                     p.kv_dtype = DType::F16;
+                 } else if (kv_dtype == "f32") {
+                     p.kv_dtype = DType::F32;
+                 } else {
+                     throw std::invalid_argument("unsupported KV cache type '" + kv_dtype + "' (supported: f16, f32)");
+                 }
+                 p.n_ctx = n_ctx;
+                 p.n_seq_max = n_seq_max;
+                 p.n_draft_slots = n_draft_slots;
+                 p.n_batch = n_batch;
+                 p.draft_n_batch = draft_n_batch;
+                 p.n_threads = n_threads;
+                 p.draft_n_max = draft_n_max;
+                 p.prefill_chunk = prefill_chunk;
+                 return std::make_unique<SpecEngine>(*target, *drafter, p);
+             }),
+             py::arg("target_model"), py::arg("draft_model"), py::arg("n_ctx"), py::arg("n_seq_max"),
+             py::arg("n_draft_slots"), py::arg("n_batch") = 512, py::arg("draft_n_batch") = 512,
+             py::arg("n_threads") = 1, py::arg("draft_n_max") = -1, py::arg("prefill_chunk") = 256,
+             py::arg("kv_dtype") = "f16", py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+        .def(
+            "add_request",
+            [](SpecEngine& e, uint64_t id, const std::vector<int32_t>& prompt, int64_t max_tokens, float temperature,
+               uint64_t seed, const std::string& verify, const std::vector<int32_t>& stop_ids) {
+                RequestParams p;
+                p.max_tokens = max_tokens;
+                p.temperature = temperature;
+                p.seed = seed;
+                p.method = method_of(verify);
+                p.stop_ids = stop_ids;
+                e.add_request(id, prompt, p);
+            },
+            py::arg("request_id"), py::arg("prompt"), py::arg("max_tokens") = -1, py::arg("temperature") = 0.0f,
+            py::arg("seed") = 0, py::arg("verify") = "rejection", py::arg("stop_ids") = std::vector<int32_t>())
+        .def("cancel", &SpecEngine::cancel, py::arg("request_id"))
+        .def("pause", &SpecEngine::pause, py::arg("request_id"))
+        .def("resume", &SpecEngine::resume, py::arg("request_id"))
+        .def(
+            "step",
+            [](SpecEngine& e) {
+                std::vector<StepOutput> outs;
+                {
+                    py::gil_scoped_release release;
+                    outs = e.step();
+                }
+                py::list l;
+                for (const StepOutput& o : outs) {
+                    py::dict d;
+                    d["request_id"] = o.request_id;
+                    d["tokens"] = o.tokens;
+                    d["finished"] = o.finished;
+                    d["stop_reason"] = o.stop_reason;
+                    d["n_drafted"] = o.n_drafted;
+                    d["stats"] = stats_dict(o.stats);
+                    l.append(d);
+                }
+                return l;
+            },
+            "One step over the active requests: a list of {request_id, tokens, finished, stop_reason, n_drafted, "
+            "stats} for the requests that ran.")
+        .def("has_request", &SpecEngine::has_request, py::arg("request_id"))
+        .def_property_readonly("n_requests", &SpecEngine::n_requests)
+        .def("stats", [](const SpecEngine& e, uint64_t id) { return stats_dict(e.stats(id)); }, py::arg("request_id"))
+        .def("pending_drafts", &SpecEngine::pending_drafts, py::arg("request_id"))
+        .def("target_seq", &SpecEngine::target_seq, py::arg("request_id"))
+        .def("draft_slot", [](const SpecEngine& e, uint64_t id) { return e.registry().slot_of(id); }, py::arg("request_id"))
+        .def_property_readonly("registry_size", [](const SpecEngine& e) { return e.registry().size(); })
+        .def_property_readonly("registry_held", [](const SpecEngine& e) { return e.registry().n_held(); })
+        .def("target_pos_max", &SpecEngine::target_pos_max, py::arg("seq"))
+        .def("draft_n_rows", [](const SpecEngine& e, int32_t slot) { return e.draft_context().n_rows(slot); })
+        .def_property_readonly("draft_n_max", &SpecEngine::draft_n_max)
+        .def_property_readonly("window", [](const SpecEngine& e) { return e.draft_context().window(); })
+        .def_property_readonly("steps", &SpecEngine::steps);
+}
+
+}  // namespace pyspec

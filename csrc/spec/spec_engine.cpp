@@ -1,0 +1,362 @@
+#include "spec/spec_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace pyspec {
+
+namespace {
+
+ContextParams target_params(const SpecEngineParams& p) {
+    ContextParams c;
+    c.n_ctx = p.n_ctx;
+    c.n_seq_max = p.n_seq_max;
+    c.n_batch = p.n_batch;
+    c.n_threads = p.n_threads;
+    c.kv_dtype = p.kv_dtype;
+    return c;
+}
+
+DraftContextParams draft_params(const SpecEngineParams& p) {
+    if (p.n_draft_slots < 1) throw std::invalid_argument("n_draft_slots must be at least 1");
+    DraftContextParams d;
+    d.n_seq_max = p.n_draft_slots;
+    d.n_batch = p.draft_n_batch;
+    d.n_threads = p.n_threads;
+    d.kv_dtype = p.kv_dtype;
+    return d;
+}
+
+// softmax(logits / T) per row, normalised in double: the law plain temperature-only sampling
+// draws from (no filters, design invariant 5).
+std::vector<float> target_law(const float* logits, int64_t n_rows, int64_t n_vocab, float temperature) {
+    std::vector<float> p(static_cast<size_t>(n_rows * n_vocab));
+    std::vector<double> z(static_cast<size_t>(n_vocab));
+    for (int64_t i = 0; i < n_rows; ++i) {
+        const float* row = logits + i * n_vocab;
+        double mx = -INFINITY;
+        for (int64_t v = 0; v < n_vocab; ++v) {
+            z[static_cast<size_t>(v)] = static_cast<double>(row[v] / temperature);
+            mx = std::max(mx, z[static_cast<size_t>(v)]);
+        }
+        double sum = 0.0;
+        for (int64_t v = 0; v < n_vocab; ++v) sum += (z[static_cast<size_t>(v)] = std::exp(z[static_cast<size_t>(v)] - mx));
+        for (int64_t v = 0; v < n_vocab; ++v) p[static_cast<size_t>(i * n_vocab + v)] = static_cast<float>(z[static_cast<size_t>(v)] / sum);
+    }
+    return p;
+}
+
+}  // namespace
+
+SpecEngine::SpecEngine(const Model& target, const DraftModel& drafter, const SpecEngineParams& params)
+    : target_(target), drafter_(drafter), params_(params) {
+    if (&drafter.target() != &target) {
+        throw std::invalid_argument("the drafter was loaded for another target model");
+    }
+    if (params_.prefill_chunk < 1) throw std::invalid_argument("prefill_chunk must be at least 1");
+    ctx_ = std::make_unique<Context>(target_, target_params(params_));
+    dctx_ = std::make_unique<DraftContext>(drafter_, draft_params(params_));
+    registry_ = std::make_unique<DraftStateRegistry>(static_cast<int32_t>(params_.n_draft_slots));
+    seq_used_.assign(static_cast<size_t>(params_.n_seq_max), 0);
+    const DraftHparams& hp = drafter_.hparams();
+    layers_ = hp.target_layers;
+    n_embd_ = target_.hparams().n_embd;
+    n_vocab_ = target_.hparams().n_vocab;
+    offset_ = hp.draft_offset();
+    draft_n_max_ = std::min<int64_t>(hp.n_draft_max(), params_.n_batch - 1);
+    if (params_.draft_n_max >= 0) draft_n_max_ = std::min(draft_n_max_, params_.draft_n_max);
+    draft_n_max_ = std::max<int64_t>(draft_n_max_, 0);
+}
+
+SpecEngine::Request& SpecEngine::get(uint64_t id) {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) throw std::invalid_argument("unknown request id " + std::to_string(id));
+    return it->second;
+}
+
+const SpecEngine::Request& SpecEngine::get(uint64_t id) const {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) throw std::invalid_argument("unknown request id " + std::to_string(id));
+    return it->second;
+}
+
+void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, const RequestParams& params) {
+    if (requests_.count(id)) throw std::invalid_argument("request id " + std::to_string(id) + " is already active");
+    if (prompt.empty()) throw std::invalid_argument("the prompt is empty (no tokens)");
+    if (static_cast<int64_t>(prompt.size()) > ctx_->n_ctx_seq()) {
+        throw std::invalid_argument("the prompt has " + std::to_string(prompt.size()) + " tokens but a request's context holds " +
+                                    std::to_string(ctx_->n_ctx_seq()));
+    }
+    for (int32_t t : prompt) {
+        if (t < 0 || t >= n_vocab_) throw std::invalid_argument("prompt token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+    if (params.max_tokens == 0) throw std::invalid_argument("max_tokens must be positive, or negative for no limit");
+    if (!std::isfinite(params.temperature) || params.temperature < 0.0f) {
+        throw std::invalid_argument("temperature must be finite and >= 0");
+    }
+    if (params.temperature > 0.0f && params.method == VerifyMethod::Greedy) {
+        throw std::invalid_argument("greedy verification needs temperature 0: use rejection or block");
+    }
+    auto free_seq = std::find(seq_used_.begin(), seq_used_.end(), 0);
+    if (free_seq == seq_used_.end()) {
+        throw std::invalid_argument("every target sequence is taken (n_seq_max = " + std::to_string(params_.n_seq_max) + ")");
+    }
+    Request r;
+    r.id = id;
+    r.params = params;
+    r.prompt = prompt;
+    r.seq = static_cast<int32_t>(free_seq - seq_used_.begin());
+    if (prompt.size() == 1) {
+        r.generating = true;
+        r.needs_draft = true;
+        r.id_last = prompt[0];
+        r.pos0 = 0;
+    }
+    *free_seq = 1;
+    ctx_->kv().clear(r.seq);
+    requests_.emplace(id, std::move(r));
+}
+
+void SpecEngine::release(Request& r) {
+    ctx_->kv().clear(r.seq);
+    seq_used_[static_cast<size_t>(r.seq)] = 0;
+    const int32_t slot = registry_->release(r.id);
+    if (slot >= 0) dctx_->clear(slot);
+}
+
+bool SpecEngine::cancel(uint64_t id) {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return false;
+    release(it->second);
+    requests_.erase(it);
+    return true;
+}
+
+void SpecEngine::pause(uint64_t id) { get(id).paused = true; }
+void SpecEngine::resume(uint64_t id) { get(id).paused = false; }
+
+const RequestStats& SpecEngine::stats(uint64_t id) const { return get(id).stats; }
+const std::vector<int32_t>& SpecEngine::pending_drafts(uint64_t id) const { return get(id).drafts; }
+int32_t SpecEngine::target_seq(uint64_t id) const { return get(id).seq; }
+
+int64_t SpecEngine::target_pos_max(int32_t seq) {
+    if (seq < 0 || seq >= params_.n_seq_max) throw std::invalid_argument("target sequence " + std::to_string(seq) + " out of range");
+    return ctx_->kv().pos_max(seq);
+}
+
+void SpecEngine::commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n) {
+    const size_t width = layers_.size() * static_cast<size_t>(n_embd_);
+    for (size_t i = 0; i < n; ++i) {
+        std::vector<float> row(width);
+        for (size_t l = 0; l < layers_.size(); ++l) {
+            const std::vector<float>& src = out.layer_inputs[l].second;
+            std::copy_n(src.data() + (row0 + i) * static_cast<size_t>(n_embd_), static_cast<size_t>(n_embd_),
+                        row.data() + l * static_cast<size_t>(n_embd_));
+        }
+        r.win_pos.push_back(static_cast<int32_t>(pos + static_cast<int64_t>(i)));
+        r.win_rows.push_back(std::move(row));
+    }
+    r.n_unstaged += n;
+    // Rows older than the drafter window are never read again (DraftContext::inject skips them).
+    const size_t window = static_cast<size_t>(dctx_->window());
+    while (r.win_pos.size() > window) {
+        r.win_pos.pop_front();
+        r.win_rows.pop_front();
+    }
+    r.n_unstaged = std::min(r.n_unstaged, r.win_pos.size());
+}
+
+void SpecEngine::stage(Request& r, const SlotGrant& grant) {
+    // A fresh slot holds someone else's rows (or none): replay the whole host window into it.
+    if (grant.fresh) {
+        dctx_->clear(grant.slot);
+        r.n_unstaged = r.win_pos.size();
+        if (grant.restage) ++r.stats.n_restaged;
+    }
+    const size_t n = r.n_unstaged;
+    if (n == 0) return;
+    const size_t first = r.win_pos.size() - n;
+    const size_t width = layers_.size() * static_cast<size_t>(n_embd_);
+    std::vector<int32_t> pos(n);
+    std::vector<float> feats(n * width);
+    for (size_t i = 0; i < n; ++i) {
+        pos[i] = r.win_pos[first + i];
+        std::copy(r.win_rows[first + i].begin(), r.win_rows[first + i].end(), feats.begin() + static_cast<std::ptrdiff_t>(i * width));
+    }
+    dctx_->inject(grant.slot, pos, feats.data(), n);
+    r.n_unstaged = 0;
+}
+
+void SpecEngine::draft(Request& r, int32_t slot) {
+    r.drafts.clear();
+    r.q.clear();
+    int64_t n_draft = std::min<int64_t>(draft_n_max_, ctx_->n_ctx_seq() - 1 - r.pos0);
+    if (r.params.max_tokens > 0) n_draft = std::min<int64_t>(n_draft, r.params.max_tokens - r.n_out - 1);
+    if (n_draft <= 0) return;
+    DraftSampling s;
+    s.temperature = r.params.temperature;
+    s.seed = r.params.seed;
+    s.offset = static_cast<uint32_t>(r.pos0);
+    // The whole configured block is drafted and then cut, so a slot's logits do not depend on how
+    // much room this round has (the block attends to itself).
+    const DraftOutput o = dctx_->draft(slot, r.id_last, static_cast<int32_t>(r.pos0), draft_n_max_ + offset_, s);
+    r.drafts.assign(o.tokens.begin() + offset_, o.tokens.begin() + offset_ + n_draft);
+    if (r.params.temperature > 0.0f) {
+        r.q.assign(o.q.begin() + offset_ * o.n_vocab, o.q.begin() + (offset_ + n_draft) * o.n_vocab);
+    }
+}
+
+std::vector<StepOutput> SpecEngine::step() {
+    // Who runs: every active request up to one per drafter slot. Requests holding a slot go
+    // first, so a slot changes hands only when its holder sits out (paused) or leaves; the others
+    // follow least recently scheduled first.
+    std::vector<Request*> run;
+    for (auto& kv : requests_) {
+        if (!kv.second.paused) run.push_back(&kv.second);
+    }
+    const DraftStateRegistry& reg = *registry_;
+    std::sort(run.begin(), run.end(), [&reg](const Request* a, const Request* b) {
+        const bool ha = reg.slot_of(a->id).has_value(), hb = reg.slot_of(b->id).has_value();
+        if (ha != hb) return ha;
+        return a->last_step != b->last_step ? a->last_step < b->last_step : a->id < b->id;
+    });
+    if (run.size() > static_cast<size_t>(params_.n_draft_slots)) run.resize(static_cast<size_t>(params_.n_draft_slots));
+    if (run.empty()) return {};
+    ++step_;
+    std::vector<uint64_t> ids;
+    for (Request* r : run) ids.push_back(r->id);
+    const std::vector<SlotGrant> grants = registry_->schedule(step_, ids);
+    std::unordered_map<uint64_t, SlotGrant> grant_of;
+    for (const SlotGrant& g : grants) grant_of.emplace(g.request_id, g);
+
+    // One target batch; each request's rows are found through its id.
+    struct Span {
+        size_t row0 = 0, n = 0;
+    };
+    std::unordered_map<uint64_t, Span> span_of;
+    Batch batch;
+    for (Request* r : run) {
+        r->last_step = step_;
+        Span sp{batch.size(), 0};
+        if (!r->generating) {
+            const int64_t n_prompt = static_cast<int64_t>(r->prompt.size()) - 1;
+            const int64_t n = std::min(params_.prefill_chunk, n_prompt - r->n_prefilled);
+            for (int64_t i = 0; i < n; ++i) {
+                batch.tokens.push_back(r->prompt[static_cast<size_t>(r->n_prefilled + i)]);
+                batch.positions.push_back(static_cast<int32_t>(r->n_prefilled + i));
+                batch.seq_ids.push_back(r->seq);
+                batch.output.push_back(0);
+            }
+            sp.n = static_cast<size_t>(n);
+        } else {
+            // A one-token prompt has no prefill step to draft after: its first block is drafted
+            // here, over an empty context, as the one-sequence loop does.
+            if (r->needs_draft) {
+                const SlotGrant& g = grant_of.at(r->id);
+                stage(*r, g);
+                draft(*r, g.slot);
+                r->needs_draft = false;
+            }
+            batch.tokens.push_back(r->id_last);
+            batch.tokens.insert(batch.tokens.end(), r->drafts.begin(), r->drafts.end());
+            sp.n = 1 + r->drafts.size();
+            for (size_t i = 0; i < sp.n; ++i) {
+                batch.positions.push_back(static_cast<int32_t>(r->pos0 + static_cast<int64_t>(i)));
+                batch.seq_ids.push_back(r->seq);
+                batch.output.push_back(1);
+            }
+        }
+        span_of.emplace(r->id, sp);
+    }
+    const DecodeOutput out = ctx_->decode(batch, layers_);
+    std::vector<int64_t> logits_row(batch.size(), -1);
+    for (size_t i = 0; i < out.output_rows.size(); ++i) logits_row[static_cast<size_t>(out.output_rows[i])] = static_cast<int64_t>(i);
+
+    std::vector<StepOutput> result;
+    for (Request* r : run) {
+        const Span sp = span_of.at(r->id);
+        StepOutput so;
+        so.request_id = r->id;
+        if (!r->generating) {
+            commit_rows(*r, out, sp.row0, r->n_prefilled, sp.n);
+            r->n_prefilled += static_cast<int64_t>(sp.n);
+            if (r->n_prefilled == static_cast<int64_t>(r->prompt.size()) - 1) {
+                r->generating = true;
+                r->id_last = r->prompt.back();
+                r->pos0 = r->n_prefilled;
+            }
+        } else {
+            const int gamma = static_cast<int>(r->drafts.size());
+            const float* logits = out.logits.data() + logits_row[sp.row0] * n_vocab_;
+            VerifyResult vr;
+            if (r->params.temperature <= 0.0f) {
+                vr = verify_greedy(ProbRows{logits, gamma + 1, n_vocab_}, r->drafts.data(), gamma);
+            } else {
+                const std::vector<float> p = target_law(logits, gamma + 1, n_vocab_, r->params.temperature);
+                vr = verify(r->params.method, ProbRows{p.data(), gamma + 1, n_vocab_}, ProbRows{r->q.data(), gamma, n_vocab_},
+                            r->drafts.data(), gamma, r->params.seed, static_cast<uint32_t>(r->pos0));
+            }
+            const int tau = vr.accepted;
+            RequestStats& st = r->stats;
+            ++st.n_rounds;
+            st.draft_n += gamma;
+            st.draft_n_accepted += tau;
+            if (st.drafted_at.size() < static_cast<size_t>(gamma)) {
+                st.drafted_at.resize(static_cast<size_t>(gamma), 0);
+                st.accepted_at.resize(static_cast<size_t>(gamma), 0);
+            }
+            for (int i = 0; i < gamma; ++i) {
+                ++st.drafted_at[static_cast<size_t>(i)];
+                if (i < tau) ++st.accepted_at[static_cast<size_t>(i)];
+            }
+            // Keep id_last and the accepted drafts in the target; the rest never happened. The
+            // drafter keeps no block rows, so only committed rows ever reach it.
+            ctx_->kv().remove(r->seq, r->pos0 + tau + 1, -1);
+            commit_rows(*r, out, sp.row0, r->pos0, static_cast<size_t>(tau) + 1);
+            r->drafts.clear();
+            r->q.clear();
+            for (int32_t tok : vr.tokens) {
+                if (std::find(r->params.stop_ids.begin(), r->params.stop_ids.end(), tok) != r->params.stop_ids.end()) {
+                    so.finished = true;
+                    so.stop_reason = "stop";
+                    break;
+                }
+                so.tokens.push_back(tok);
+                ++r->n_out;
+                if (r->params.max_tokens > 0 && r->n_out >= r->params.max_tokens) {
+                    so.finished = true;
+                    so.stop_reason = "length";
+                    break;
+                }
+            }
+            r->id_last = vr.tokens.back();
+            r->pos0 += tau + 1;
+            if (!so.finished && r->pos0 >= ctx_->n_ctx_seq()) {
+                so.finished = true;
+                so.stop_reason = "context";
+            }
+        }
+        if (!so.finished) {
+            const SlotGrant& g = grant_of.at(r->id);
+            stage(*r, g);
+            if (r->generating) {
+                draft(*r, g.slot);
+                so.n_drafted = static_cast<int64_t>(r->drafts.size());
+            }
+        }
+        so.stats = r->stats;
+        result.push_back(std::move(so));
+    }
+    for (const StepOutput& so : result) {
+        if (so.finished) {
+            auto it = requests_.find(so.request_id);
+            release(it->second);
+            requests_.erase(it);
+        }
+    }
+    return result;
+}
+
+}  // namespace pyspec

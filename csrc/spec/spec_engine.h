@@ -1,0 +1,160 @@
+// The speculative step over many requests (design.md data flow; invariants 3, 4 and 7). One
+// step() runs ONE target decode over every scheduled request -- prompt chunks of prefilling
+// requests and verify rows [id_last, drafts...] of generating ones, each tagged with the request's
+// own target sequence -- then per request: stages its committed rows' layer inputs into its
+// drafter slot, verifies, accepts, rolls back the rejected target rows, and finally drafts the
+// next block of every drafting request (one DraftContext::draft call per request).
+//
+// Requests are known by id only. A request's rows in the target batch are located through a table
+// keyed by request id built with the batch, and its drafter slot comes from the
+// DraftStateRegistry, so neither depends on which rows or slots its neighbours take.
+//
+// Each request keeps its committed feature rows (the target layer inputs the drafter reads) on
+// the host, bounded by the drafter window. The drafter slot is a cache of that window: a request
+// whose slot was reclaimed is restaged from it when it is next scheduled. Restaging reproduces
+// the drafter state bit for bit while the request has never been rebased (its context fits the
+// window); after a rebase the restaged keys are rotated once instead of in steps, so later drafts
+// may differ from an uninterrupted run (verification keeps the output lossless either way).
+//
+// Scheduling: a step takes at most n_draft_slots requests (every scheduled request stages into
+// its slot): the requests holding a slot first, then the others least recently scheduled first,
+// ties by smaller id; the rest sit the step out unchanged. A slot thus changes hands only when its
+// holder is paused or leaves, and a request's sequence of rounds is the same whoever shares its
+// steps.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/context.h"
+#include "spec/draft_context.h"
+#include "spec/draft_state_registry.h"
+#include "spec/verify.h"
+
+namespace pyspec {
+
+struct SpecEngineParams {
+    int64_t n_ctx = 4096;        // target cells in all; each request slot holds n_ctx / n_seq_max
+    int64_t n_seq_max = 1;       // target sequences = concurrent requests
+    int64_t n_draft_slots = 1;   // drafter sequences (DraftStateRegistry slots)
+    int64_t n_batch = 512;       // target rows per graph (larger batches are split)
+    int64_t draft_n_batch = 512; // drafter rows per graph; caps the drafter window (invariant 2)
+    int n_threads = 1;
+    int64_t draft_n_max = -1;    // drafts per round; < 0: the drafter's block allows
+    int64_t prefill_chunk = 256; // prompt rows a request adds to one step
+    DType kv_dtype = DType::F16;
+};
+
+struct RequestParams {
+    int64_t max_tokens = -1;     // < 0: until a stop id or a full context
+    float temperature = 0.0f;    // temperature-only sampling (no top-k/top-p), design invariant 5
+    uint64_t seed = 0;
+    VerifyMethod method = VerifyMethod::Greedy;  // Greedy needs temperature 0
+    std::vector<int32_t> stop_ids;               // ending tokens; not emitted
+};
+
+struct RequestStats {
+    int64_t n_rounds = 0;          // verify passes
+    int64_t draft_n = 0;           // tokens drafted (and verified)
+    int64_t draft_n_accepted = 0;  // drafted tokens kept
+    std::vector<int64_t> drafted_at;   // rounds that drafted block position i
+    std::vector<int64_t> accepted_at;  // rounds that accepted block position i
+    int64_t n_restaged = 0;        // times the drafter context was rebuilt after a reclaim
+    double mean_accepted_length() const {  // tokens per verify pass
+        return n_rounds ? 1.0 + static_cast<double>(draft_n_accepted) / static_cast<double>(n_rounds) : 0.0;
+    }
+};
+
+struct StepOutput {
+    uint64_t request_id = 0;
+    std::vector<int32_t> tokens;  // emitted in this step
+    bool finished = false;
+    std::string stop_reason;      // "length", "stop", "context" when finished
+    int64_t n_drafted = 0;        // drafts proposed for this request at the end of this step
+    RequestStats stats;           // the request's totals after this step
+};
+
+class SpecEngine {
+public:
+    // Throws std::invalid_argument for inconsistent parameters (as Context / DraftContext do).
+    SpecEngine(const Model& target, const DraftModel& drafter, const SpecEngineParams& params);
+
+    // Throws std::invalid_argument on a duplicate id, an empty or too long prompt, a bad token,
+    // bad sampling parameters, or when every target sequence is taken.
+    void add_request(uint64_t id, const std::vector<int32_t>& prompt, const RequestParams& params);
+    // Drops a request and frees its target sequence and drafter slot; unknown ids: false.
+    bool cancel(uint64_t id);
+    // A paused request sits out steps but keeps its target sequence and (until reclaimed) its
+    // drafter slot. Unknown ids throw std::invalid_argument.
+    void pause(uint64_t id);
+    void resume(uint64_t id);
+
+    // One step over the active requests. Finished requests are reported once and removed.
+    std::vector<StepOutput> step();
+
+    bool has_request(uint64_t id) const { return requests_.count(id) != 0; }
+    size_t n_requests() const { return requests_.size(); }
+    const RequestStats& stats(uint64_t id) const;
+    // The drafts the request will verify next (empty when none), for tests of invariant 7.
+    const std::vector<int32_t>& pending_drafts(uint64_t id) const;
+    int32_t target_seq(uint64_t id) const;
+    int64_t target_pos_max(int32_t seq);  // -1: the target sequence is empty
+    int64_t draft_n_max() const { return draft_n_max_; }
+    int64_t steps() const { return step_; }
+
+    const Context& target_context() const { return *ctx_; }
+    const DraftContext& draft_context() const { return *dctx_; }
+    const DraftStateRegistry& registry() const { return *registry_; }
+
+private:
+    struct Request {
+        uint64_t id = 0;
+        RequestParams params;
+        std::vector<int32_t> prompt;
+        int32_t seq = -1;
+        int64_t n_prefilled = 0;  // prompt[:-1] rows decoded so far
+        bool generating = false;  // prefill done: rounds of draft / verify
+        bool paused = false;
+        bool needs_draft = false; // generating without a drafted block yet (one-token prompt)
+        int32_t id_last = 0;
+        int64_t pos0 = 0;
+        int64_t n_out = 0;
+        std::vector<int32_t> drafts;  // the block to verify next
+        std::vector<float> q;         // [drafts, n_vocab] proposals (T > 0)
+        // Committed feature rows not yet in the drafter slot, and the host window of all retained
+        // ones (positions and rows), which a restage replays.
+        std::deque<int32_t> win_pos;
+        std::deque<std::vector<float>> win_rows;
+        size_t n_unstaged = 0;    // the last n_unstaged window rows are not in the slot yet
+        int64_t last_step = -1;
+        RequestStats stats;
+    };
+
+    Request& get(uint64_t id);
+    const Request& get(uint64_t id) const;
+    void commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n);
+    void stage(Request& r, const SlotGrant& grant);
+    void draft(Request& r, int32_t slot);
+    void release(Request& r);
+
+    const Model& target_;
+    const DraftModel& drafter_;
+    SpecEngineParams params_;
+    std::unique_ptr<Context> ctx_;
+    std::unique_ptr<DraftContext> dctx_;
+    std::unique_ptr<DraftStateRegistry> registry_;
+    std::map<uint64_t, Request> requests_;
+    std::vector<uint8_t> seq_used_;
+    std::vector<int> layers_;
+    int64_t n_embd_ = 0;
+    int64_t n_vocab_ = 0;
+    int64_t draft_n_max_ = 0;
+    int64_t offset_ = 0;
+    int64_t step_ = 0;
+};
+
+}  // namespace pyspec

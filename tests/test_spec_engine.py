@@ -1,0 +1,334 @@
+"""The speculative step over many requests (csrc/spec/spec_engine.h): design invariants 3, 4, 6
+and 7 with the tiny pairs of test_speculative.py.
+
+- T = 0 with drafters: 8 concurrent requests give plain greedy output token for token.
+- Invariant 7: 8 requests drafted at once give, per request, the same draft blocks, accepted
+  counts and tokens as the same requests one at a time, whatever order (hence target sequence and
+  drafter slot) they are added in; at T > 0 too (keyed noise).
+- Registry (invariants 3, 4): with fewer drafter slots than requests, waiting requests reclaim
+  the slot of a paused holder (least recently scheduled), which resumes with the same drafts and
+  tokens as an uninterrupted run; past a drafter rebase the resumed output stays plain greedy; requests finishing out of order leave the others drafting at every step;
+  after all requests end, or are cancelled, the registry, target and drafter caches are empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import pyspec
+from pyspec import _core
+
+from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
+
+PROMPTS = [[5], [17, 3], [40, 41, 42, 43, 44, 45, 46], list(range(100, 160)), [9, 9, 9],
+           [1, 2, 3, 4], list(range(200, 230)), [77, 78]]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return Pairs(tmp_path_factory.mktemp("engine"))
+
+
+_models = {}
+
+
+def models(target, drafter):
+    if (target, drafter) not in _models:
+        model = _core.Model(target)
+        _models[(target, drafter)] = (model, _core.DraftModel(drafter, model))
+    return _models[(target, drafter)]
+
+
+def make_engine(target, drafter, n_seq_max=8, n_slots=8, draft_n_max=-1, n_ctx_seq=256):
+    model, dm = models(target, drafter)
+    return _core.SpecEngine(model, dm, n_ctx=n_ctx_seq * n_seq_max, n_seq_max=n_seq_max,
+                            n_draft_slots=n_slots, n_batch=64, draft_n_batch=128, n_threads=2,
+                            draft_n_max=draft_n_max, prefill_chunk=16)
+
+
+def run(engine, requests, order=None, hook=None):
+    """Adds `requests` ({id: (prompt, max_tokens, kwargs)}) in `order` and steps until all end.
+    Per id: emitted tokens, the draft block proposed after each of its rounds, final stats."""
+    order = list(requests) if order is None else order
+    for rid in order:
+        prompt, n, kw = requests[rid]
+        engine.add_request(rid, prompt, max_tokens=n, **kw)
+    tokens = {rid: [] for rid in order}
+    blocks = {rid: [] for rid in order}
+    stats = {}
+    while engine.n_requests:
+        outs = engine.step()
+        assert outs, "a step with active requests ran none"
+        for o in outs:
+            rid = o["request_id"]
+            tokens[rid] += o["tokens"]
+            if o["finished"]:
+                stats[rid] = o["stats"]
+            elif engine.pending_drafts(rid) or o["n_drafted"]:
+                blocks[rid].append(list(engine.pending_drafts(rid)))
+        if hook:
+            hook(engine, outs)
+    return {rid: (tokens[rid], blocks[rid], stats[rid]) for rid in order}
+
+
+def one_at_a_time(engine, requests):
+    out = {}
+    for rid in requests:
+        out.update(run(engine, {rid: requests[rid]}))
+    return out
+
+
+def assert_empty(engine, n_seq=8, n_slots=8):
+    assert engine.n_requests == 0 and engine.registry_size == 0 and engine.registry_held == 0
+    assert all(engine.target_pos_max(s) == -1 for s in range(n_seq))
+    assert all(engine.draft_n_rows(s) == 0 for s in range(n_slots))
+
+
+@pytest.mark.parametrize("layout", ["dflash", "dspark-anchor", "dspark-bonus"])
+def test_greedy_equals_plain_greedy_concurrent(pairs, layout):
+    target, drafters = pairs.small_vocab()
+    prompts = [[p % 8 for p in q] for q in PROMPTS]
+    model = pyspec.Model(target, n_threads=2)
+    ctx = pyspec.Context(model, n_ctx=256, n_seq_max=1, n_batch=64)
+    want = []
+    for p in prompts:
+        ctx.kv_clear()
+        want.append(pyspec.generate(ctx, p, 30))
+    engine = make_engine(target, drafters[layout])
+    got = run(engine, {i: (p, 30, {}) for i, p in enumerate(prompts)})
+    for i in range(len(prompts)):
+        assert got[i][0] == want[i], (layout, i)
+    # With 8 tokens random drafts do get accepted: the commit path is exercised.
+    assert sum(st["draft_n_accepted"] for _, _, st in got.values()) > 0
+    assert_empty(engine)
+
+
+def known_requests(pairs, n=80):
+    target, drafter, f, h, agree = pairs.known_acceptance(0.7, True, seed=3)
+    reqs = {100 + i: ([7 + 5 * i, 9 + i, 11], n - 7 * i, {}) for i in range(8)}
+    return target, drafter, reqs, f
+
+
+def random_requests(pairs, layout="dflash"):
+    """A random drafter on the 8-token target: its drafts depend on the staged context."""
+    target, drafters = pairs.small_vocab()
+    reqs = {200 + i: ([p % 8 for p in PROMPTS[i]], 24 + 3 * i, {}) for i in range(8)}
+    return target, drafters[layout], reqs
+
+
+@pytest.mark.parametrize("pair", ["known", "dflash", "dspark-bonus"])
+def test_invariant7_concurrent_equals_one_at_a_time(pairs, pair):
+    if pair == "known":
+        target, drafter, reqs, f = known_requests(pairs)
+    else:
+        target, drafter, reqs = random_requests(pairs, pair)
+    alone = one_at_a_time(make_engine(target, drafter, n_seq_max=1, n_slots=1, draft_n_max=5), reqs)
+    if pair == "known":
+        for rid, (prompt, n, _) in reqs.items():
+            expect = [prompt[-1]]
+            for _ in range(n):
+                expect.append(int(f[expect[-1]]))
+            assert alone[rid][0] == expect[1:]
+    rate = (sum(a[2]["draft_n_accepted"] for a in alone.values())
+            / sum(a[2]["draft_n"] for a in alone.values()))
+    assert 0.2 < rate < 0.95 if pair == "known" else rate > 0
+    ids = list(reqs)
+    placements = set()
+    # Orders move requests between target sequences; renaming them (the registry hands out slots
+    # by ascending id) moves them between drafter slots.
+    for order, rename in ((ids, 0), (ids[::-1], 0), ([ids[i] for i in (3, 0, 7, 5, 1, 6, 2, 4)], 0),
+                          (ids, 1000)):
+        name = {rid: (rename - rid if rename else rid) for rid in ids}
+        engine = make_engine(target, drafter, draft_n_max=5)
+        where = {}
+        got = run(engine, {name[rid]: reqs[rid] for rid in ids}, [name[rid] for rid in order],
+                  hook=lambda e, outs: where.update({o["request_id"]: (e.target_seq(o["request_id"]),
+                                                                       e.draft_slot(o["request_id"]))
+                                                     for o in outs if not o["finished"]}))
+        for rid in ids:
+            assert got[name[rid]] == alone[rid], (order, rid)
+        placements.add(tuple(where[name[rid]] for rid in ids))
+        assert_empty(engine)
+    seqs = {tuple(s for s, _ in p) for p in placements}
+    slots = {tuple(d for _, d in p) for p in placements}
+    assert len(seqs) >= 3 and len(slots) == 2
+
+
+@pytest.mark.parametrize("verify", ["rejection", "block"])
+def test_invariant7_sampling(pairs, verify):
+    target, drafters = pairs.small_vocab()
+    kw = dict(temperature=0.8, verify=verify)
+    reqs = {i: ([p % 8 for p in PROMPTS[i]], 25, dict(kw, seed=1000 + i)) for i in range(8)}
+    alone = one_at_a_time(make_engine(target, drafters["dspark-anchor"], 1, 1), reqs)
+    got = run(make_engine(target, drafters["dspark-anchor"]), reqs, list(reqs)[::-1])
+    assert got == alone
+    assert all(len(t) == 25 for t, _, _ in got.values())
+    # Different seeds draw different continuations: the comparison is not between constants.
+    assert len({tuple(t) for t, _, _ in got.values()}) > 1
+
+
+@pytest.mark.parametrize("layout", ["dflash", "dspark-anchor"])
+def test_reclaim_and_pause_keep_results(pairs, layout):
+    target, drafter, reqs = random_requests(pairs, layout)
+    alone = one_at_a_time(make_engine(target, drafter, n_seq_max=1, n_slots=1, draft_n_max=5), reqs)
+    engine = make_engine(target, drafter, n_seq_max=8, n_slots=3, draft_n_max=5)
+    seen = []
+
+    def hook(e, outs):
+        seen.append(len(outs))
+        assert e.registry_held <= 3
+        if e.steps == 4 and e.has_request(201):
+            e.pause(201)
+        if e.steps == 12 and e.has_request(201):
+            assert e.draft_slot(201) is None  # reclaimed while it sat out
+            e.resume(201)
+
+    got = run(engine, reqs, hook=hook)
+    assert max(seen) == 3
+    for rid in reqs:
+        assert got[rid][:2] == alone[rid][:2], rid
+        st, ref = dict(got[rid][2]), dict(alone[rid][2])
+        # Only the paused request lost its slot (to a waiting one) and was restaged.
+        assert st.pop("n_restaged") == (1 if rid == 201 else 0), rid
+        ref.pop("n_restaged")
+        assert st == ref
+    assert_empty(engine, 8, 3)
+
+
+def test_out_of_order_finish_keeps_drafting(pairs):
+    target, drafter, reqs, _ = known_requests(pairs)
+    lengths = {rid: n for rid, (_, n, _) in reqs.items()}
+    engine = make_engine(target, drafter, draft_n_max=5)
+    done = {rid: 0 for rid in reqs}
+    per_step = []
+
+    def hook(e, outs):
+        proposals = 0
+        for o in outs:
+            rid = o["request_id"]
+            done[rid] += len(o["tokens"])
+            if o["finished"]:
+                continue
+            # Every request still generating drafts a block sized by the tokens it still wants.
+            assert o["n_drafted"] == min(5, lengths[rid] - done[rid] - 1), (e.steps, rid)
+            proposals += o["n_drafted"] > 0
+        per_step.append(proposals)
+
+    got = run(engine, reqs, list(reqs)[::-1], hook=hook)
+    ends = sorted(len(t) for t, _, _ in got.values())
+    assert ends == sorted(lengths.values()) and len(set(ends)) == 8
+    assert per_step[0] == 8 and 0 < min(per_step[:-1])
+    assert_empty(engine)
+
+
+def test_cancel_frees_everything(pairs):
+    target, drafter, reqs = random_requests(pairs)
+    alone = one_at_a_time(make_engine(target, drafter, n_seq_max=1, n_slots=1, draft_n_max=5), reqs)
+    engine = make_engine(target, drafter, n_seq_max=4, n_slots=4, draft_n_max=5)
+    ids = list(reqs)[:4]
+    for rid in ids:
+        engine.add_request(rid, reqs[rid][0], max_tokens=reqs[rid][1])
+    tokens = {rid: [] for rid in ids}
+    for _ in range(3):
+        for o in engine.step():
+            tokens[o["request_id"]] += o["tokens"]
+    seq, slot = engine.target_seq(ids[1]), engine.draft_slot(ids[1])
+    assert engine.target_pos_max(seq) > 0 and engine.draft_n_rows(slot) > 0
+    assert engine.cancel(ids[1]) and not engine.cancel(ids[1])
+    assert engine.registry_size == 3 and engine.target_pos_max(seq) == -1
+    assert engine.draft_n_rows(slot) == 0
+    # The freed sequence and slot serve a new request with the same result as alone.
+    late = list(reqs)[5]
+    engine.add_request(late, reqs[late][0], max_tokens=reqs[late][1])
+    tokens[late] = []
+    while engine.n_requests:
+        for o in engine.step():
+            tokens[o["request_id"]] += o["tokens"]
+    for rid in ids[:1] + ids[2:] + [late]:
+        assert tokens[rid] == alone[rid][0], rid
+    assert_empty(engine, 4, 4)
+
+
+def test_bad_requests(pairs):
+    target, drafters = pairs.small_vocab()
+    engine = make_engine(target, drafters["dflash"], n_seq_max=2, n_slots=1)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(1, [], max_tokens=4)
+    with pytest.raises(ValueError, match="greedy"):
+        engine.add_request(1, [1, 2], max_tokens=4, temperature=0.5, verify="greedy")
+    engine.add_request(1, [1, 2], max_tokens=4)
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request(1, [1, 2], max_tokens=4)
+    engine.add_request(2, [1, 2], max_tokens=4)
+    with pytest.raises(ValueError, match="sequence"):
+        engine.add_request(3, [1, 2], max_tokens=4)
+    with pytest.raises(ValueError, match="unknown"):
+        engine.pause(99)
+
+
+def test_llm_generate_many(pairs):
+    plain = pyspec.LLM(pairs.target, n_ctx=256, n_threads=2)
+    spec = pyspec.LLM(pairs.target, n_ctx=256, n_threads=2,
+                      draft_model=pairs.drafters["dspark-bonus"], draft_n_max=4)
+    prompts = ["The quick brown fox", "Hello, world!", "a", "One two three four five six"]
+    want = [plain.generate(p, max_tokens=30, temperature=0, ignore_eos=True) for p in prompts]
+    alone = []
+    for p in prompts:
+        spec.generate(p, max_tokens=30, temperature=0, ignore_eos=True)
+        alone.append(spec.last_stats)
+    for kw in ({}, dict(draft_slots=2), dict(n_parallel=3, draft_n_batch=64)):
+        res = spec.generate_many(prompts, max_tokens=30, temperature=0, ignore_eos=True, **kw)
+        assert [r.text for r in res] == want, kw
+        for r, st in zip(res, alone):
+            assert r.stop_reason == "length" and len(r.tokens) == 30
+            assert r.draft_n_accepted <= r.draft_n <= 4 * r.n_rounds
+            assert len(r.tokens) == r.draft_n_accepted + r.n_rounds
+            # The C++ step drafts and accepts exactly as the one-sequence Python loop.
+            assert (r.draft_n, r.draft_n_accepted) == (st.draft_n, st.draft_n_accepted)
+            assert r.accepted_at == st.spec.accepted_at
+    # T > 0: reproducible per prompt whatever runs alongside.
+    many = spec.generate_many(prompts, max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    solo = spec.generate_many(prompts[2:3], max_tokens=20, temperature=0.8, seed=7,
+                              ignore_eos=True)
+    assert many[2].tokens == solo[0].tokens and len(solo[0].tokens) == 20
+    assert spec.generate_many(prompts[:1], max_tokens=0)[0].text == ""
+    with pytest.raises(ValueError, match="draft_model"):
+        plain.generate_many(prompts)
+
+
+def test_long_prompts_past_the_drafter_window(pairs):
+    """Prompts several times the drafter window (rebased drafter rows, chunked prefill) with
+    fewer slots than requests: still plain greedy output, and the drafter never holds more rows
+    than its window."""
+    target, drafters = pairs.small_vocab()
+    model, dm = models(target, drafters["dflash"])
+    engine = _core.SpecEngine(model, dm, n_ctx=4 * 512, n_seq_max=4, n_draft_slots=2, n_batch=64,
+                              draft_n_batch=48, n_threads=2, prefill_chunk=40)
+    assert engine.window == 48
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 8, n).tolist() for n in (300, 170, 5, 420)]
+    ref = pyspec.Context(pyspec.Model(target, n_threads=2), n_ctx=512, n_seq_max=1, n_batch=64)
+    want = []
+    for p in prompts:
+        ref.kv_clear()
+        want.append(pyspec.generate(ref, p, 40))
+    rows = []
+
+    def hook(e, outs):
+        rows.extend(e.draft_n_rows(s) for s in range(2))
+        # Request 0 sits out a while past its first rebase; a waiting request takes its slot.
+        if e.steps == 9:
+            e.pause(0)
+        if e.steps == 14:
+            assert e.draft_slot(0) is None
+            e.resume(0)
+
+    got = run(engine, {i: (p, 40, {}) for i, p in enumerate(prompts)}, hook=hook)
+    for i in range(len(prompts)):
+        assert got[i][0] == want[i], i
+    assert 0 < max(rows) <= 48
+    assert got[0][2]["n_restaged"] == 1
+    assert_empty(engine, 4, 2)
