@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 
+#include "bindings/kv_cache_type.h"
 #include "model/dflash.h"
 #include "spec/draft_context.h"
 
@@ -107,13 +108,7 @@ void bind_draft(py::module_& m) {
         .def(py::init([](std::shared_ptr<DraftModel> model, int64_t n_seq_max, int64_t n_batch, int n_threads,
                          const std::string& kv_dtype, bool check_plans, int64_t n_candidates) {
                  DraftContextParams p;
-                 if (kv_dtype == "f16") {
-                     p.kv_dtype = DType::F16;
-                 } else if (kv_dtype == "f32") {
-                     p.kv_dtype = DType::F32;
-                 } else {
-                     throw std::invalid_argument("unsupported KV cache type '" + kv_dtype + "' (supported: f16, f32)");
-                 }
+                 p.kv_dtype = parse_kv_cache_type(kv_dtype);
                  p.n_seq_max = n_seq_max;
                  p.n_batch = n_batch;
                  p.n_threads = n_threads;

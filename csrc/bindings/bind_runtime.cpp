@@ -6,6 +6,7 @@
 #include <cstring>
 #include <memory>
 
+#include "bindings/kv_cache_type.h"
 #include "model/model.h"
 #include "runtime/context.h"
 
@@ -70,13 +71,7 @@ void bind_runtime(py::module_& m) {
         .def(py::init([](std::shared_ptr<Model> model, int64_t n_ctx, int64_t n_seq_max, int64_t n_batch,
                          bool check_plans, int n_threads, const std::string& kv_dtype) {
                  ContextParams p;
-                 if (kv_dtype == "f16") {
-                     p.kv_dtype = DType::F16;
-                 } else if (kv_dtype == "f32") {
-                     p.kv_dtype = DType::F32;
-                 } else {
-                     throw std::invalid_argument("unsupported KV cache type '" + kv_dtype + "' (supported: f16, f32)");
-                 }
+                 p.kv_dtype = parse_kv_cache_type(kv_dtype);
                  p.n_ctx = n_ctx;
                  p.n_seq_max = n_seq_max;
                  p.n_batch = n_batch;

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "bindings/kv_cache_type.h"
 #include "spec/spec_engine.h"
 
 namespace py = pybind11;
@@ -43,13 +44,7 @@ void bind_spec_engine(py::module_& m) {
                          int64_t n_seq_max, int64_t n_draft_slots, int64_t n_batch, int64_t draft_n_batch,
                          int n_threads, int64_t draft_n_max, int64_t prefill_chunk, const std::string& kv_dtype) {
                  SpecEngineParams p;
-                 if (kv_dtype == "f16") {
-                     p.kv_dtype = DType::F16;
-                 } else if (kv_dtype == "f32") {
-                     p.kv_dtype = DType::F32;
-                 } else {
-                     throw std::invalid_argument("unsupported KV cache type '" + kv_dtype + "' (supported: f16, f32)");
-                 }
+                 p.kv_dtype = parse_kv_cache_type(kv_dtype);
                  p.n_ctx = n_ctx;
                  p.n_seq_max = n_seq_max;
                  p.n_draft_slots = n_draft_slots;
