@@ -111,15 +111,7 @@ void DraftModel::load_hparams() {
             if (s[i] != 0) throw std::invalid_argument("drafter M-RoPE sections other than [n_rot/2, 0, 0, 0] are not supported");
         }
     }
-    hp_.rope_freq_base = static_cast<float>(f.get_float_or(k + "rope.freq_base", 10000.0));
-    const std::string scaling = f.get_string_or(k + "rope.scaling.type", "none");
-    if (scaling == "linear") {
-        const double factor = f.get_float_or(k + "rope.scaling.factor", 1.0);
-        if (!(factor > 0)) throw std::invalid_argument("drafter rope.scaling.factor must be positive");
-        hp_.rope_freq_scale = static_cast<float>(1.0 / factor);
-    } else if (scaling != "none") {
-        throw std::invalid_argument("drafter rope scaling '" + scaling + "' is not supported (none, linear)");
-    }
+    read_rope_frequencies(f, k, hp_.rope_freq_base, hp_.rope_freq_scale);
     hp_.rms_eps = static_cast<float>(f.get_float_or(k + "attention.layer_norm_rms_epsilon", 1e-6));
     if (!(hp_.rms_eps > 0) || !std::isfinite(hp_.rms_eps)) throw std::invalid_argument("drafter has an invalid layer_norm_rms_epsilon");
     hp_.attn_scale = static_cast<float>(f.get_float_or(k + "attention.scale", 1.0 / std::sqrt(static_cast<double>(hp_.head_dim))));

@@ -18,6 +18,20 @@ int add_weight(Graph& g, const Weight& w) {
     return g.external(w.dtype, w.ne, const_cast<void*>(w.data), w.name);
 }
 
+void read_rope_frequencies(const GgufFile& f, const std::string& prefix, float& freq_base, float& freq_scale) {
+    freq_base = static_cast<float>(f.get_float_or(prefix + "rope.freq_base", 10000.0));
+    if (!(freq_base > 0) || !std::isfinite(freq_base)) throw std::invalid_argument(prefix + "rope.freq_base must be positive");
+    freq_scale = 1.0f;
+    const std::string scaling = f.get_string_or(prefix + "rope.scaling.type", "none");
+    if (scaling == "linear") {
+        const double factor = f.get_float_or(prefix + "rope.scaling.factor", 1.0);
+        if (!(factor > 0)) throw std::invalid_argument(prefix + "rope.scaling.factor must be positive");
+        freq_scale = static_cast<float>(1.0 / factor);
+    } else if (scaling != "none") {
+        throw std::invalid_argument("unsupported rope scaling '" + scaling + "' (supported: none, linear)");
+    }
+}
+
 Model::Model(const std::string& path) : file_(std::make_unique<GgufFile>(path)) {
     load_hparams();
     load_weights();
@@ -60,15 +74,7 @@ void Model::load_hparams() {
         throw std::invalid_argument("invalid rope.dimension_count " + std::to_string(hp_.n_rot) +
                                     " for head size " + std::to_string(hp_.head_dim));
     }
-    hp_.rope_freq_base = static_cast<float>(f.get_float_or(k + "rope.freq_base", 10000.0));
-    const std::string scaling = f.get_string_or(k + "rope.scaling.type", "none");
-    if (scaling == "linear") {
-        const double factor = f.get_float_or(k + "rope.scaling.factor", 1.0);
-        if (!(factor > 0)) throw std::invalid_argument("rope.scaling.factor must be positive");
-        hp_.rope_freq_scale = static_cast<float>(1.0 / factor);
-    } else if (scaling != "none") {
-        throw std::invalid_argument("unsupported rope scaling '" + scaling + "' (supported: none, linear)");
-    }
+    read_rope_frequencies(f, k, hp_.rope_freq_base, hp_.rope_freq_scale);
     hp_.rms_eps = static_cast<float>(f.get_float_or(k + "attention.layer_norm_rms_epsilon", 1e-5));
     if (!(hp_.rms_eps > 0) || !std::isfinite(hp_.rms_eps)) throw std::invalid_argument("invalid layer_norm_rms_epsilon");
 }

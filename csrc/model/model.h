@@ -72,4 +72,8 @@ private:
 // Adds a weight to a graph as an external tensor.
 int add_weight(Graph& g, const Weight& w);
 
+// RoPE frequency base and scale from `{prefix}rope.freq_base` and `{prefix}rope.scaling.*`
+// (none or linear; anything else is refused with a message). Shared by targets and drafters.
+void read_rope_frequencies(const GgufFile& f, const std::string& prefix, float& freq_base, float& freq_scale);
+
 }  // namespace pyspec
