@@ -176,15 +176,19 @@ class LLM:
         they decode (never splitting a UTF-8 character).
         """
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        return self._run(self.prompt_ids(prompt), params, max_tokens, stop, stream, ignore_eos)
+
+    def prompt_ids(self, prompt: Union[str, Sequence[int]]) -> List[int]:
+        """A prompt as token ids: text is tokenized as llama.cpp does (BOS per the model,
+        special tokens parsed); ids are checked against the vocabulary."""
         if isinstance(prompt, str):
-            ids = self.tokenize(prompt, add_special=True, parse_special=True)
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.tokenizer.n_vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {self.tokenizer.n_vocab})")
-        return self._run(ids, params, max_tokens, stop, stream, ignore_eos)
+            return self.tokenize(prompt, add_special=True, parse_special=True)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.tokenizer.n_vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.tokenizer.n_vocab})")
+        return ids
 
     def generate_many(self, prompts: Sequence[Union[str, Sequence[int]]],
                       max_tokens: Optional[int] = 128, temperature: float = 0.0,

@@ -79,14 +79,7 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
 
     ids_of = []
     for p in prompts:
-        if isinstance(p, str):
-            ids = llm.tokenize(p, add_special=True, parse_special=True)
-        else:
-            ids = [int(t) for t in p]
-            bad = [t for t in ids if not 0 <= t < llm.tokenizer.n_vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {llm.tokenizer.n_vocab})")
+        ids = llm.prompt_ids(p)
         if not ids:
             raise ValueError("a prompt is empty (no tokens): give some text")
         if len(ids) >= llm.n_ctx:
