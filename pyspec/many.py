@@ -34,7 +34,7 @@ class ManyResult:
     draft_n_accepted: int = 0    # drafted tokens kept
     drafted_at: List[int] = field(default_factory=list)   # rounds that drafted position i
     accepted_at: List[int] = field(default_factory=list)  # rounds that accepted position i
-    n_restaged: int = 0          # times its drafter context was rebuilt after a slot reclaim
+    n_restaged: int = 0          # times its drafter context was restored after a slot reclaim
 
     @property
     def acceptance_rate(self) -> float:

@@ -7,7 +7,9 @@ and 7 with the tiny pairs of test_speculative.py.
   drafter slot) they are added in; at T > 0 too (keyed noise).
 - Registry (invariants 3, 4): with fewer drafter slots than requests, waiting requests reclaim
   the slot of a paused holder (least recently scheduled), which resumes with the same drafts and
-  tokens as an uninterrupted run; past a drafter rebase the resumed output stays plain greedy; requests finishing out of order leave the others drafting at every step;
+  tokens as an uninterrupted run, also when it was reclaimed after its drafter context rebased
+  (the slot is parked and restored cell for cell); past a drafter rebase the output stays plain
+  greedy; requests finishing out of order leave the others drafting at every step;
   after all requests end, or are cancelled, the registry, target and drafter caches are empty.
 """
 
@@ -332,3 +334,40 @@ def test_long_prompts_past_the_drafter_window(pairs):
     assert 0 < max(rows) <= 48
     assert got[0][2]["n_restaged"] == 1
     assert_empty(engine, 4, 2)
+
+
+def test_reclaim_after_rebase_resumes_identical(pairs):
+    """Invariant 4 past a rebase: a request whose drafter context was rebased (K re-rotated in
+    steps) is reclaimed while paused and resumes with the same drafts, accepted counts and tokens
+    as an uninterrupted run: its slot is parked cell for cell and restored, not rebuilt."""
+    model, dm = models(pairs.target, pairs.drafters["dflash"])
+    n_vocab = 256
+
+    def engine(n_seq, n_slots):
+        return _core.SpecEngine(model, dm, n_ctx=n_seq * 512, n_seq_max=n_seq,
+                                n_draft_slots=n_slots, n_batch=64, draft_n_batch=48, n_threads=2,
+                                draft_n_max=5, prefill_chunk=40)
+
+    rng = np.random.default_rng(1)
+    reqs = {i: (rng.integers(0, n_vocab, n).tolist(), 40, {}) for i, n in enumerate((300, 170, 5, 420))}
+    alone = one_at_a_time(engine(1, 1), reqs)
+    e = engine(4, 2)
+    based = []
+
+    def hook(e, outs):
+        if e.steps == 9:
+            based.append(e.draft_pos_base(e.draft_slot(0)))
+            e.pause(0)
+        if e.steps == 14:
+            assert e.draft_slot(0) is None
+            e.resume(0)
+
+    got = run(e, reqs, hook=hook)
+    assert based and based[0] > 0  # parked after its drafter context was rebased
+    assert got[0][2]["n_restaged"] == 1
+    for rid in reqs:
+        assert got[rid][:2] == alone[rid][:2], rid
+        st, ref = dict(got[rid][2]), dict(alone[rid][2])
+        st.pop("n_restaged"), ref.pop("n_restaged")
+        assert st == ref, rid
+    assert_empty(e, 4, 2)

@@ -104,6 +104,11 @@ void bind_draft(py::module_& m) {
         .def_property_readonly("owns_tok_embd", [](const DraftModel& d) { return d.owns_tok_embd; })
         .def_property_readonly("owns_output", [](const DraftModel& d) { return d.owns_output; });
 
+    py::class_<ParkedDraftState>(m, "ParkedDraftState", "One drafter sequence's cells, pos_base and occupancy, parked.")
+        .def_readonly("pos_base", &ParkedDraftState::pos_base)
+        .def_readonly("positions", &ParkedDraftState::positions)
+        .def_property_readonly("n_bytes", [](const ParkedDraftState& s) { return s.cells.size(); });
+
     py::class_<DraftContext>(m, "DraftContext")
         .def(py::init([](std::shared_ptr<DraftModel> model, int64_t n_seq_max, int64_t n_batch, int n_threads,
                          const std::string& kv_dtype, bool check_plans, int64_t n_candidates) {
@@ -129,6 +134,9 @@ void bind_draft(py::module_& m) {
              "confidence, q (T > 0: the exact law of each draft slot's token).")
         .def("remove", &DraftContext::remove, py::arg("seq"), py::arg("p0"), py::arg("p1") = -1)
         .def("clear", &DraftContext::clear, py::arg("seq") = -1)
+        .def("park", &DraftContext::park, py::arg("seq"))
+        .def("restore", &DraftContext::restore, py::arg("seq"), py::arg("state"))
+        .def_property_readonly("max_pos_written", &DraftContext::max_pos_written)
         .def("pos_base", &DraftContext::pos_base)
         .def("seq_pos_min", &DraftContext::pos_min)
         .def("seq_pos_max", &DraftContext::pos_max)

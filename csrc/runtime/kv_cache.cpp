@@ -9,7 +9,8 @@ KvCache::KvCache(Backend& backend, const Hparams& hp, int64_t n_seq_max, int64_t
     : n_seq_max_(n_seq_max), n_ctx_seq_(n_ctx_seq) {
     view_.dtype = dtype;
     view_.n_cells = n_seq_max * n_ctx_seq;
-    const size_t matrix_bytes = dtype_row_bytes(dtype, hp.head_dim * hp.n_head_kv) * static_cast<size_t>(view_.n_cells);
+    row_bytes_ = dtype_row_bytes(dtype, hp.head_dim * hp.n_head_kv);
+    const size_t matrix_bytes = row_bytes_ * static_cast<size_t>(view_.n_cells);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         view_.k.push_back(backend.alloc_persistent(matrix_bytes));
         view_.v.push_back(backend.alloc_persistent(matrix_bytes));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -172,6 +173,7 @@ void DraftContext::inject(int32_t seq, const std::vector<int32_t>& positions, co
         backend_->write(ig.graph[ig.kv_cells], cells.data(), cells.size() * sizeof(int32_t));
         backend_->compute(ig.graph);
         for (int32_t p : pos) kv_->occupy(seq, p);
+        max_pos_written_ = std::max<int64_t>(max_pos_written_, pos.back());
         i = j;
     }
 }
@@ -199,6 +201,7 @@ DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int6
     }
     make_room(seq, pos0, static_cast<int64_t>(pos0) + n_block);
     const int32_t p0 = static_cast<int32_t>(pos0 - pos_base_[static_cast<size_t>(seq)]);
+    max_pos_written_ = std::max<int64_t>(max_pos_written_, p0 + n_block - 1);
 
     // Every block row sees the context below the block and (non-causal) the whole block, or
     // (causal) the block up to itself. The noise rows are written to their cells by the graph but
@@ -357,6 +360,56 @@ void DraftContext::clear(int32_t seq) {
     for (int64_t s = 0; s < params_.n_seq_max; ++s) {
         if (seq < 0 || s == seq) pos_base_[static_cast<size_t>(s)] = 0;
     }
+}
+
+ParkedDraftState DraftContext::park(int32_t seq) const {
+    check_seq(seq);
+    ParkedDraftState st;
+    st.pos_base = pos_base_[static_cast<size_t>(seq)];
+    for (int64_t p = 0; p < window_; ++p) {
+        if (kv_->occupied(seq, static_cast<int32_t>(p))) st.positions.push_back(static_cast<int32_t>(p));
+    }
+    // The draft context always runs on the CPU backend: the cache matrices are host memory.
+    const size_t rb = kv_->row_bytes(), n = st.positions.size();
+    const KvCacheView& v = kv_->view();
+    st.cells.resize(v.k.size() * 2 * n * rb);
+    uint8_t* out = st.cells.data();
+    for (size_t il = 0; il < v.k.size(); ++il) {
+        for (const void* m : {static_cast<const void*>(v.k[il]), static_cast<const void*>(v.v[il])}) {
+            for (int32_t p : st.positions) {
+                std::memcpy(out, static_cast<const uint8_t*>(m) + static_cast<size_t>(kv_->cell(seq, p)) * rb, rb);
+                out += rb;
+            }
+        }
+    }
+    return st;
+}
+
+void DraftContext::restore(int32_t seq, const ParkedDraftState& st) {
+    check_seq(seq);
+    const size_t rb = kv_->row_bytes(), n = st.positions.size();
+    const KvCacheView& v = kv_->view();
+    if (st.cells.size() != v.k.size() * 2 * n * rb || st.pos_base < 0) {
+        throw std::invalid_argument("restore: the parked drafter state does not fit this draft context");
+    }
+    for (size_t i = 0; i < n; ++i) {
+        if (st.positions[i] < 0 || st.positions[i] >= window_ || (i > 0 && st.positions[i] <= st.positions[i - 1])) {
+            throw std::invalid_argument("restore: parked positions must be ascending and inside the window");
+        }
+    }
+    kv_->clear(seq);
+    const uint8_t* in = st.cells.data();
+    for (size_t il = 0; il < v.k.size(); ++il) {
+        for (void* m : {v.k[il], v.v[il]}) {
+            for (int32_t p : st.positions) {
+                std::memcpy(static_cast<uint8_t*>(m) + static_cast<size_t>(kv_->cell(seq, p)) * rb, in, rb);
+                in += rb;
+            }
+        }
+    }
+    for (int32_t p : st.positions) kv_->occupy(seq, p);
+    if (n > 0) max_pos_written_ = std::max<int64_t>(max_pos_written_, st.positions.back());
+    pos_base_[static_cast<size_t>(seq)] = st.pos_base;
 }
 
 }  // namespace pyspec

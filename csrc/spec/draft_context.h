@@ -69,6 +69,16 @@ struct DraftOutput {
                                      // empty without a confidence head
 };
 
+// One sequence's drafter state taken out of the cache (design.md invariant 4): its pos_base, the
+// drafter positions it occupies and, per layer, the K then V cells at those positions, as stored
+// (already rebased and rotated). Restoring it into any slot gives that slot exactly this state, so
+// a reclaimed request resumes bit for bit as if it had never left.
+struct ParkedDraftState {
+    int64_t pos_base = 0;
+    std::vector<int32_t> positions;  // drafter positions, ascending
+    std::vector<uint8_t> cells;      // [n_layer][K, V][positions.size()] rows of row_bytes
+};
+
 class DraftContext {
 public:
     // Throws std::invalid_argument when the window is <= 2 x block_size.
@@ -91,11 +101,20 @@ public:
     void remove(int32_t seq, int64_t p0, int64_t p1);
     void clear(int32_t seq);  // seq < 0: every sequence
 
+    // Copies a sequence's state out (the sequence is left as it is) and back into any sequence,
+    // replacing what that one held. restore throws std::invalid_argument on a state that does not
+    // fit this context (another drafter, dtype or window).
+    ParkedDraftState park(int32_t seq) const;
+    void restore(int32_t seq, const ParkedDraftState& state);
+
     int64_t window() const { return window_; }
     int64_t pos_base(int32_t seq) const;
     int64_t pos_min(int32_t seq) const;  // absolute; -1 when empty
     int64_t pos_max(int32_t seq) const;  // absolute; -1 when empty
     int64_t n_rows(int32_t seq) const;   // context rows held
+    // The largest drafter position any row (context or block) was ever written at, -1 before the
+    // first write: a debug counter for invariant 2 (it must stay below window()).
+    int64_t max_pos_written() const { return max_pos_written_; }
     const DraftModel& model() const { return model_; }
     const DraftContextParams& params() const { return params_; }
     size_t kv_bytes() const { return kv_->bytes(); }
@@ -117,6 +136,7 @@ private:
     std::unique_ptr<KvCache> kv_;
     AllocationPlanner planner_;
     std::vector<int64_t> pos_base_;
+    int64_t max_pos_written_ = -1;
 };
 
 }  // namespace pyspec

@@ -155,38 +155,41 @@ void SpecEngine::commit_rows(Request& r, const DecodeOutput& out, size_t row0, i
             std::copy_n(src.data() + (row0 + i) * static_cast<size_t>(n_embd_), static_cast<size_t>(n_embd_),
                         row.data() + l * static_cast<size_t>(n_embd_));
         }
-        r.win_pos.push_back(static_cast<int32_t>(pos + static_cast<int64_t>(i)));
-        r.win_rows.push_back(std::move(row));
+        r.pending_pos.push_back(static_cast<int32_t>(pos + static_cast<int64_t>(i)));
+        r.pending_rows.push_back(std::move(row));
     }
-    r.n_unstaged += n;
     // Rows older than the drafter window are never read again (DraftContext::inject skips them).
     const size_t window = static_cast<size_t>(dctx_->window());
-    while (r.win_pos.size() > window) {
-        r.win_pos.pop_front();
-        r.win_rows.pop_front();
+    while (r.pending_pos.size() > window) {
+        r.pending_pos.pop_front();
+        r.pending_rows.pop_front();
     }
-    r.n_unstaged = std::min(r.n_unstaged, r.win_pos.size());
 }
 
-void SpecEngine::stage(Request& r, const SlotGrant& grant) {
-    // A fresh slot holds someone else's rows (or none): replay the whole host window into it.
+void SpecEngine::stage(Request& r, SlotGrant& grant) {
+    // A fresh slot holds someone else's rows (or none); a request coming back from a reclaim gets
+    // its parked state restored into it. Either way this happens once per grant.
     if (grant.fresh) {
         dctx_->clear(grant.slot);
-        r.n_unstaged = r.win_pos.size();
-        if (grant.restage) ++r.stats.n_restaged;
+        if (grant.restage) {
+            if (!r.parked) throw std::runtime_error("request " + std::to_string(r.id) + " returns without a parked drafter state");
+            dctx_->restore(grant.slot, *r.parked);
+            r.parked.reset();
+            ++r.stats.n_restaged;
+        }
+        grant.fresh = grant.restage = false;
     }
-    const size_t n = r.n_unstaged;
+    const size_t n = r.pending_pos.size();
     if (n == 0) return;
-    const size_t first = r.win_pos.size() - n;
     const size_t width = layers_.size() * static_cast<size_t>(n_embd_);
-    std::vector<int32_t> pos(n);
+    std::vector<int32_t> pos(r.pending_pos.begin(), r.pending_pos.end());
     std::vector<float> feats(n * width);
     for (size_t i = 0; i < n; ++i) {
-        pos[i] = r.win_pos[first + i];
-        std::copy(r.win_rows[first + i].begin(), r.win_rows[first + i].end(), feats.begin() + static_cast<std::ptrdiff_t>(i * width));
+        std::copy(r.pending_rows[i].begin(), r.pending_rows[i].end(), feats.begin() + static_cast<std::ptrdiff_t>(i * width));
     }
     dctx_->inject(grant.slot, pos, feats.data(), n);
-    r.n_unstaged = 0;
+    r.pending_pos.clear();
+    r.pending_rows.clear();
 }
 
 void SpecEngine::draft(Request& r, int32_t slot) {
@@ -229,7 +232,12 @@ std::vector<StepOutput> SpecEngine::step() {
     for (Request* r : run) ids.push_back(r->id);
     const std::vector<SlotGrant> grants = registry_->schedule(step_, ids);
     std::unordered_map<uint64_t, SlotGrant> grant_of;
-    for (const SlotGrant& g : grants) grant_of.emplace(g.request_id, g);
+    for (const SlotGrant& g : grants) {
+        // The reclaimed holder sits this step out; its cells are parked before anyone stages
+        // into the slot.
+        if (g.evicted) get(*g.evicted).parked = dctx_->park(g.slot);
+        grant_of.emplace(g.request_id, g);
+    }
 
     // One target batch; each request's rows are found through its id.
     struct Span {
@@ -254,7 +262,7 @@ std::vector<StepOutput> SpecEngine::step() {
             // A one-token prompt has no prefill step to draft after: its first block is drafted
             // here, over an empty context, as the one-sequence loop does.
             if (r->needs_draft) {
-                const SlotGrant& g = grant_of.at(r->id);
+                SlotGrant& g = grant_of.at(r->id);
                 stage(*r, g);
                 draft(*r, g.slot);
                 r->needs_draft = false;
@@ -339,7 +347,7 @@ std::vector<StepOutput> SpecEngine::step() {
             }
         }
         if (!so.finished) {
-            const SlotGrant& g = grant_of.at(r->id);
+            SlotGrant& g = grant_of.at(r->id);
             stage(*r, g);
             if (r->generating) {
                 draft(*r, g.slot);

@@ -9,12 +9,11 @@
 // keyed by request id built with the batch, and its drafter slot comes from the
 // DraftStateRegistry, so neither depends on which rows or slots its neighbours take.
 //
-// Each request keeps its committed feature rows (the target layer inputs the drafter reads) on
-// the host, bounded by the drafter window. The drafter slot is a cache of that window: a request
-// whose slot was reclaimed is restaged from it when it is next scheduled. Restaging reproduces
-// the drafter state bit for bit while the request has never been rebased (its context fits the
-// window); after a rebase the restaged keys are rotated once instead of in steps, so later drafts
-// may differ from an uninterrupted run (verification keeps the output lossless either way).
+// A request's committed feature rows (the target layer inputs the drafter reads) wait on the
+// host until they are staged into its drafter slot, which happens in the same step. When the
+// registry reclaims a request's slot, the slot's cells are parked (DraftContext::park: K/V as
+// stored, pos_base, occupancy) and restored into whichever slot the request gets when it returns,
+// so it resumes with exactly the drafter state of an uninterrupted run, rebased or not.
 //
 // Scheduling: a step takes at most n_draft_slots requests (every scheduled request stages into
 // its slot): the requests holding a slot first, then the others least recently scheduled first,
@@ -27,6 +26,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,7 +63,7 @@ struct RequestStats {
     int64_t draft_n_accepted = 0;  // drafted tokens kept
     std::vector<int64_t> drafted_at;   // rounds that drafted block position i
     std::vector<int64_t> accepted_at;  // rounds that accepted block position i
-    int64_t n_restaged = 0;        // times the drafter context was rebuilt after a reclaim
+    int64_t n_restaged = 0;        // times the drafter context was restored after a reclaim
     double mean_accepted_length() const {  // tokens per verify pass
         return n_rounds ? 1.0 + static_cast<double>(draft_n_accepted) / static_cast<double>(n_rounds) : 0.0;
     }
@@ -125,11 +125,11 @@ private:
         int64_t n_out = 0;
         std::vector<int32_t> drafts;  // the block to verify next
         std::vector<float> q;         // [drafts, n_vocab] proposals (T > 0)
-        // Committed feature rows not yet in the drafter slot, and the host window of all retained
-        // ones (positions and rows), which a restage replays.
-        std::deque<int32_t> win_pos;
-        std::deque<std::vector<float>> win_rows;
-        size_t n_unstaged = 0;    // the last n_unstaged window rows are not in the slot yet
+        // Committed feature rows not yet staged into the drafter slot (positions and rows).
+        std::deque<int32_t> pending_pos;
+        std::deque<std::vector<float>> pending_rows;
+        // The drafter state while the request's slot is reclaimed.
+        std::optional<ParkedDraftState> parked;
         int64_t last_step = -1;
         RequestStats stats;
     };
@@ -137,7 +137,7 @@ private:
     Request& get(uint64_t id);
     const Request& get(uint64_t id) const;
     void commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n);
-    void stage(Request& r, const SlotGrant& grant);
+    void stage(Request& r, SlotGrant& grant);
     void draft(Request& r, int32_t slot);
     void release(Request& r);
 
