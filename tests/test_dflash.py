@@ -484,3 +484,84 @@ def test_bad_d2t_is_refused(root):
         with pytest.raises(ValueError, match=message):
             _core.DraftModel(bad, tmodel)
     assert _core.DraftModel(with_d2t("d0.gguf", good), tmodel).d2t == good.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# batched drafting (design.md data flow and invariant 7)
+
+BATCH_VARIANTS = dict(VARIANTS, speculators=("qwen3", dict(kind="speculators", seed=63, draft_vocab=40), None))
+DRAFT_KEYS = ("logits", "tokens", "candidates", "candidate_logits", "probs", "base_logits", "confidence", "q")
+
+
+@pytest.mark.parametrize("variant", list(BATCH_VARIANTS))
+def test_batched_draft_equals_each_sequence_drafted_alone(root, variant):
+    """One drafter pass over 3-8 sequences' blocks gives each sequence, bit for bit, what drafting
+    it alone gives: tokens, q rows, logits, chain outputs, confidences. The sequences have their
+    own contexts (some empty, some past the window, so the draft rebases them), anchors,
+    temperatures (0 and > 0 mixed) and seeds, and come in shuffled slot orders."""
+    arch, kwargs, _ = BATCH_VARIANTS[variant]
+    tm, _, tmodel = target(root, arch)
+    _, path = make_drafter(root, variant + "-batch", tm, **kwargs)
+    dm = _core.DraftModel(str(path), tmodel)
+    block = dm.block_size
+    rng = np.random.default_rng(kwargs["seed"] + 100)
+    n_seq, n_batch = 8, 48
+    lens = [0, 3, 9, 17, 25, 31, 40, 44]
+    rng.shuffle(lens)
+    feats = [features(tmodel, rng.integers(0, tm.n_vocab, max(n, 1)), dm.target_layers)[:n] for n in lens]
+
+    def filled():
+        dc = _core.DraftContext(dm, n_seq_max=n_seq, n_batch=n_batch, n_threads=2, check_plans=True)
+        for s, n in enumerate(lens):
+            if n:
+                dc.inject(s, np.arange(n, dtype=np.int32), feats[s])
+        return dc
+
+    batched, alone = filled(), filled()
+    temps = [0.0, 0.0, 0.7, 1.3, 0.0, 0.9, 0.5, 0.0]
+    n_rebased = 0
+    for n_seqs in (3, 5, 8):
+        for n_block in sorted({block, block - 2}):
+            seqs = rng.permutation(n_seq)[:n_seqs]
+            reqs = [dict(seq=int(s), id_last=int(rng.integers(0, tm.n_vocab)), pos0=lens[s],
+                         temperature=temps[s], seed=int(rng.integers(0, 2**32)), offset=int(rng.integers(0, 100)))
+                    for s in seqs]
+            got = batched.draft_logits_many(reqs, n_block)
+            assert len(got) == n_seqs
+            for r, g in zip(reqs, got):
+                want = alone.draft_logits(r["seq"], r["id_last"], r["pos0"], n_block, r["temperature"], r["seed"],
+                                          r["offset"])
+                assert set(g) == set(want), (r, set(g) ^ set(want))
+                assert ("q" in g) == (r["temperature"] > 0)
+                for key in DRAFT_KEYS:
+                    if key in want:
+                        assert g[key].dtype == want[key].dtype and g[key].shape == want[key].shape, key
+                        np.testing.assert_array_equal(g[key], want[key], err_msg=f"{variant} {key} {r}")
+                assert batched.pos_base(r["seq"]) == alone.pos_base(r["seq"])
+                n_rebased += batched.pos_base(r["seq"]) > 0
+            # The blocks are not all alike: a mix-up of sequences would not go unnoticed.
+            assert len({g["logits"].tobytes() for g in got}) == n_seqs
+            # The blocks' rows are gone again; the contexts match cell for cell in what they hold.
+            for s in range(n_seq):
+                assert batched.n_rows(s) == alone.n_rows(s) and batched.seq_pos_max(s) == alone.seq_pos_max(s) == lens[s] - 1
+    assert n_rebased > 0
+    assert batched.max_pos_written == alone.max_pos_written < batched.window
+
+
+def test_batched_draft_refuses_bad_batches(root):
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "dspark-batch-calls", tm, kind="dspark", seed=34)
+    dm = _core.DraftModel(str(path), tmodel)
+    dc = _core.DraftContext(dm, 3, 64, 1)
+    feats = features(tmodel, np.arange(5), dm.target_layers)
+    dc.inject(1, np.arange(5, dtype=np.int32), feats)
+    ok = dict(seq=0, id_last=1, pos0=70)  # would rebase sequence 0 if the batch ran
+    with pytest.raises(ValueError, match="sequence 1 appears twice"):
+        dc.draft_logits_many([dict(seq=1, id_last=1, pos0=5), ok, dict(seq=1, id_last=2, pos0=5)], 7)
+    with pytest.raises(ValueError, match="holds context at position 4 >= pos0 3"):
+        dc.draft_logits_many([ok, dict(seq=1, id_last=1, pos0=3)], 7)
+    with pytest.raises(ValueError, match="seq_id 3 out of range"):
+        dc.draft_logits_many([ok, dict(seq=3, id_last=1, pos0=3)], 7)
+    # Nothing changed: every request is checked before any sequence is touched.
+    assert dc.pos_base(0) == 0 and dc.max_pos_written == 4
+    assert dc.draft_logits_many([], 7) == []

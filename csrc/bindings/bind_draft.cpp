@@ -33,8 +33,7 @@ void inject(DraftContext& ctx, int32_t seq, const I32Array& positions, const F32
     ctx.inject(seq, pos, features.data(), pos.size());
 }
 
-py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
-                      float temperature, uint64_t seed, int64_t offset) {
+DraftSampling sampling_of(int32_t pos0, float temperature, uint64_t seed, int64_t offset) {
     DraftSampling sampling;
     sampling.temperature = temperature;
     sampling.seed = seed;
@@ -42,11 +41,10 @@ py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t p
         throw std::invalid_argument("draft_logits: offset must be in [0, 2^32) (or -1 for pos0)");
     }
     sampling.offset = static_cast<uint32_t>(offset < 0 ? pos0 : offset);
-    DraftOutput out;
-    {
-        py::gil_scoped_release release;
-        out = ctx.draft(seq, id_last, pos0, n_block, sampling);
-    }
+    return sampling;
+}
+
+py::dict to_dict(const DraftOutput& out) {
     auto matrix = [&](const std::vector<float>& v) {
         py::array_t<float> a({static_cast<py::ssize_t>(out.n_block), static_cast<py::ssize_t>(out.n_vocab)});
         std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(float));
@@ -75,6 +73,41 @@ py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t p
         d["confidence"] = c;
     }
     return d;
+}
+
+py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
+                      float temperature, uint64_t seed, int64_t offset) {
+    const DraftSampling sampling = sampling_of(pos0, temperature, seed, offset);
+    DraftOutput out;
+    {
+        py::gil_scoped_release release;
+        out = ctx.draft(seq, id_last, pos0, n_block, sampling);
+    }
+    return to_dict(out);
+}
+
+// requests: a list of dicts {seq, id_last, pos0[, temperature, seed, offset]}.
+py::list draft_logits_many(DraftContext& ctx, const py::list& requests, int64_t n_block) {
+    std::vector<DraftRequest> reqs;
+    for (const py::handle& h : requests) {
+        const py::dict r = py::reinterpret_borrow<py::dict>(h);
+        DraftRequest d;
+        d.seq = r["seq"].cast<int32_t>();
+        d.id_last = r["id_last"].cast<int32_t>();
+        d.pos0 = r["pos0"].cast<int32_t>();
+        d.sampling = sampling_of(d.pos0, r.contains("temperature") ? r["temperature"].cast<float>() : 0.0f,
+                                 r.contains("seed") ? r["seed"].cast<uint64_t>() : 0,
+                                 r.contains("offset") ? r["offset"].cast<int64_t>() : -1);
+        reqs.push_back(d);
+    }
+    std::vector<DraftOutput> outs;
+    {
+        py::gil_scoped_release release;
+        outs = ctx.draft_many(reqs, n_block);
+    }
+    py::list l;
+    for (const DraftOutput& o : outs) l.append(to_dict(o));
+    return l;
 }
 
 }  // namespace
@@ -132,6 +165,10 @@ void bind_draft(py::module_& m) {
              "DSpark draws ancestrally in the graph (each slot's Markov bias follows the drawn token). "
              "Returns logits, tokens, candidates, candidate_logits, probs, and when present base_logits, "
              "confidence, q (T > 0: the exact law of each draft slot's token).")
+        .def("draft_logits_many", &draft_logits_many, py::arg("requests"), py::arg("n_block"),
+             "One drafter pass over the blocks of several distinct sequences: requests is a list of dicts "
+             "{seq, id_last, pos0[, temperature, seed, offset]}; returns one draft_logits dict per request, "
+             "in order, each exactly what draft_logits returns for that sequence alone.")
         .def("remove", &DraftContext::remove, py::arg("seq"), py::arg("p0"), py::arg("p1") = -1)
         .def("clear", &DraftContext::clear, py::arg("seq") = -1)
         .def("park", &DraftContext::park, py::arg("seq"))

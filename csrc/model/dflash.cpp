@@ -416,7 +416,7 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         final_d = g.cpy(bg.logits, DType::F32);
         g.set_name(final_d, "drafting_logits");
         if (n_markov > 0) {
-            bg.inv_temp = g.input(DType::F32, {vd, 1, 1, 1}, "inp_inv_temp");
+            bg.inv_temp = g.input(DType::F32, {vd, n_blocks, 1, 1}, "inp_inv_temp");
             bg.gumbel = g.input(DType::F32, {vd, n_blocks, n_markov, 1}, "inp_draft_gumbel");
         }
         const size_t noise_slot_bytes = static_cast<size_t>(vd * n_blocks) * sizeof(float);

@@ -130,7 +130,8 @@ struct DraftBlockGraph {
     // next slot's Markov predecessor, so each slot's bias follows the drawn chain. At T = 0 the
     // host writes inv_temp = 1 and g = 0, which leaves the argmax chain bit for bit (x * 1 = x,
     // x + 0 = x). One topology for every temperature, so one allocation plan.
-    int inv_temp = -1;  // F32 [n_vocab_draft, 1] input: 1/T in every entry (1 at T = 0)
+    int inv_temp = -1;  // F32 [n_vocab_draft, n_blocks] input: column b = 1/T of block b
+                        // in every entry (1 at T = 0)
     int gumbel = -1;    // F32 [n_vocab_draft, n_blocks, n_markov_slots] input: Gumbel noise
                         // of slot k over the draft vocabulary (0 at T = 0)
     std::vector<int> markov_tokens;  // per Markov slot: I32 [n_blocks] drawn draft ids

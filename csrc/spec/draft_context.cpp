@@ -180,170 +180,214 @@ void DraftContext::inject(int32_t seq, const std::vector<int32_t>& positions, co
 
 DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
                                 const DraftSampling& sampling) {
-    check_seq(seq);
+    return std::move(draft_many({DraftRequest{seq, id_last, pos0, sampling}}, n_block).front());
+}
+
+std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest>& requests, int64_t n_block) {
     const DraftHparams& hp = model_.hparams();
-    const float temp = sampling.temperature;
-    if (!std::isfinite(temp) || temp < 0.0f) {
-        throw std::invalid_argument("draft: temperature must be finite and >= 0, got " + std::to_string(temp));
-    }
+    if (requests.empty()) return {};
     if (n_block < 1 || n_block > hp.block_size) {
         throw std::invalid_argument("draft: n_block " + std::to_string(n_block) + " must be in [1, block_size = " +
                                     std::to_string(hp.block_size) + "]");
     }
-    if (id_last < 0 || id_last >= hp.n_vocab) {
-        throw std::invalid_argument("draft: id_last " + std::to_string(id_last) + " out of range [0, " + std::to_string(hp.n_vocab) + ")");
-    }
-    if (pos0 < 0) throw std::invalid_argument("draft: negative pos0");
-    if (pos_max(seq) >= pos0) {
-        throw std::invalid_argument("draft: sequence " + std::to_string(seq) + " holds context at position " +
-                                    std::to_string(pos_max(seq)) + " >= pos0 " + std::to_string(pos0) +
-                                    "; remove it first");
-    }
-    make_room(seq, pos0, static_cast<int64_t>(pos0) + n_block);
-    const int32_t p0 = static_cast<int32_t>(pos0 - pos_base_[static_cast<size_t>(seq)]);
-    max_pos_written_ = std::max<int64_t>(max_pos_written_, p0 + n_block - 1);
-
-    // Every block row sees the context below the block and (non-causal) the whole block, or
-    // (causal) the block up to itself. The noise rows are written to their cells by the graph but
-    // never marked occupied, so they are gone from the sequence when this returns.
-    const int64_t span = window_;
-    std::vector<int32_t> tokens(static_cast<size_t>(n_block), hp.mask_token_id), pos, cells, base;
-    tokens[0] = id_last;
-    std::vector<float> mask(static_cast<size_t>(n_block * span), -std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < n_block; ++i) {
-        pos.push_back(p0 + static_cast<int32_t>(i));
-        cells.push_back(static_cast<int32_t>(kv_->cell(seq, p0 + static_cast<int32_t>(i))));
-        base.push_back(static_cast<int32_t>(kv_->cell(seq, 0)));
-        float* m = mask.data() + i * span;
-        for (int32_t j = 0; j < p0; ++j) {
-            if (kv_->occupied(seq, j)) m[j] = 0.0f;
+    // Check every request before anything changes.
+    std::vector<char> seen(static_cast<size_t>(params_.n_seq_max), 0);
+    for (const DraftRequest& r : requests) {
+        check_seq(r.seq);
+        if (seen[static_cast<size_t>(r.seq)]) {
+            throw std::invalid_argument("draft: sequence " + std::to_string(r.seq) + " appears twice in one batch");
         }
-        const int64_t last = hp.causal ? i : n_block - 1;
-        for (int64_t j = 0; j <= last; ++j) m[p0 + j] = 0.0f;
+        seen[static_cast<size_t>(r.seq)] = 1;
+        const float temp = r.sampling.temperature;
+        if (!std::isfinite(temp) || temp < 0.0f) {
+            throw std::invalid_argument("draft: temperature must be finite and >= 0, got " + std::to_string(temp));
+        }
+        if (r.id_last < 0 || r.id_last >= hp.n_vocab) {
+            throw std::invalid_argument("draft: id_last " + std::to_string(r.id_last) + " out of range [0, " +
+                                        std::to_string(hp.n_vocab) + ")");
+        }
+        if (r.pos0 < 0) throw std::invalid_argument("draft: negative pos0");
+        if (pos_max(r.seq) >= r.pos0) {
+            throw std::invalid_argument("draft: sequence " + std::to_string(r.seq) + " holds context at position " +
+                                        std::to_string(pos_max(r.seq)) + " >= pos0 " + std::to_string(r.pos0) +
+                                        "; remove it first");
+        }
+    }
+    const int64_t n_blocks = static_cast<int64_t>(requests.size());
+    const size_t nb = requests.size(), blk = static_cast<size_t>(n_block);
+    const size_t n_rows = nb * blk;
+
+    // Every block row sees its own sequence's context below the block and (non-causal) its whole
+    // block, or (causal) the block up to itself. The noise rows are written to their cells by the
+    // graph but never marked occupied, so they are gone from the sequence when this returns.
+    const int64_t span = window_;
+    std::vector<int32_t> tokens(n_rows, hp.mask_token_id), pos, cells, base, anchors;
+    std::vector<float> mask(n_rows * static_cast<size_t>(span), -std::numeric_limits<float>::infinity());
+    for (size_t b = 0; b < nb; ++b) {
+        const DraftRequest& r = requests[b];
+        make_room(r.seq, r.pos0, static_cast<int64_t>(r.pos0) + n_block);
+        const int32_t p0 = static_cast<int32_t>(r.pos0 - pos_base_[static_cast<size_t>(r.seq)]);
+        max_pos_written_ = std::max<int64_t>(max_pos_written_, p0 + n_block - 1);
+        tokens[b * blk] = r.id_last;
+        anchors.push_back(r.id_last);
+        for (int64_t i = 0; i < n_block; ++i) {
+            pos.push_back(p0 + static_cast<int32_t>(i));
+            cells.push_back(static_cast<int32_t>(kv_->cell(r.seq, p0 + static_cast<int32_t>(i))));
+            base.push_back(static_cast<int32_t>(kv_->cell(r.seq, 0)));
+            float* m = mask.data() + (b * blk + static_cast<size_t>(i)) * static_cast<size_t>(span);
+            for (int32_t j = 0; j < p0; ++j) {
+                if (kv_->occupied(r.seq, j)) m[j] = 0.0f;
+            }
+            const int64_t last = hp.causal ? i : n_block - 1;
+            for (int64_t j = 0; j <= last; ++j) m[p0 + j] = 0.0f;
+        }
     }
 
     const int64_t n_chain = params_.n_seq_max * n_block;
-    DraftBlockGraph bg = build_dflash_block_graph(model_, kv_->view(), 1, n_block, span, n_chain, params_.n_candidates);
+    DraftBlockGraph bg = build_dflash_block_graph(model_, kv_->view(), n_blocks, n_block, span, n_chain, params_.n_candidates);
     Graph& g = bg.graph;
     run(g);
-    const size_t row_bytes = static_cast<size_t>(n_block) * sizeof(int32_t);
+    const size_t row_bytes = n_rows * sizeof(int32_t);
     backend_->write(g[bg.tokens], tokens.data(), row_bytes);
     backend_->write(g[bg.positions], pos.data(), row_bytes);
     backend_->write(g[bg.kv_cells], cells.data(), row_bytes);
     backend_->write(g[bg.kv_base], base.data(), row_bytes);
     backend_->write(g[bg.mask], mask.data(), mask.size() * sizeof(float));
-    if (bg.anchors >= 0) backend_->write(g[bg.anchors], &id_last, sizeof(int32_t));
-    if (bg.markov_rows >= 0) {  // one block: Markov slot k's row is draft_offset + k
+    if (bg.anchors >= 0) backend_->write(g[bg.anchors], anchors.data(), anchors.size() * sizeof(int32_t));
+    if (bg.markov_rows >= 0) {  // column k (Markov slot draft_offset + k): row b * n_block + slot of each block b
         std::vector<int32_t> rows;
-        for (int64_t i = hp.draft_offset(); i < n_block; ++i) rows.push_back(static_cast<int32_t>(i));
+        for (int64_t i = hp.draft_offset(); i < n_block; ++i) {
+            for (int64_t b = 0; b < n_blocks; ++b) rows.push_back(static_cast<int32_t>(b * n_block + i));
+        }
         backend_->write(g[bg.markov_rows], rows.data(), rows.size() * sizeof(int32_t));
     }
     const size_t v = static_cast<size_t>(hp.n_vocab), vd = static_cast<size_t>(hp.n_vocab_draft);
-    const auto draft_key = [&](int64_t k) {  // draft k = the token at absolute position pos0 + 1 + k
-        return NoiseKey{sampling.seed, sampling.offset, static_cast<uint32_t>(static_cast<int64_t>(pos0) + 1 + k),
+    // Draft k of a request = the token at absolute position pos0 + 1 + k.
+    const auto draft_key = [](const DraftRequest& r, int64_t k) {
+        return NoiseKey{r.sampling.seed, r.sampling.offset, static_cast<uint32_t>(static_cast<int64_t>(r.pos0) + 1 + k),
                         NoiseStream::Draft};
     };
-    if (bg.gumbel >= 0) {  // DSpark: 1/T and the Gumbel noise of every Markov slot (0 at T = 0)
+    if (bg.gumbel >= 0) {  // DSpark: each block's 1/T and the Gumbel noise of its Markov slots (0 at T = 0)
         const size_t n_markov = static_cast<size_t>(n_block - hp.draft_offset());
-        const std::vector<float> inv(vd, temp > 0.0f ? 1.0f / temp : 1.0f);
-        backend_->write(g[bg.inv_temp], inv.data(), inv.size() * sizeof(float));
-        std::vector<float> noise(n_markov * vd, 0.0f);
-        if (temp > 0.0f) {
-            std::vector<float> full(v);
+        std::vector<float> inv(nb * vd), noise(n_markov * nb * vd, 0.0f), full(v);
+        for (size_t b = 0; b < nb; ++b) {
+            const float temp = requests[b].sampling.temperature;
+            std::fill(inv.begin() + static_cast<std::ptrdiff_t>(b * vd), inv.begin() + static_cast<std::ptrdiff_t>((b + 1) * vd),
+                      temp > 0.0f ? 1.0f / temp : 1.0f);
+            if (temp <= 0.0f) continue;
             for (size_t k = 0; k < n_markov; ++k) {
-                fill_gumbel(draft_key(static_cast<int64_t>(k)), full.data(), v);
-                for (size_t d = 0; d < vd; ++d) {
-                    noise[k * vd + d] = model_.d2t.empty() ? full[d] : full[static_cast<size_t>(model_.d2t[d])];
-                }
+                fill_gumbel(draft_key(requests[b], static_cast<int64_t>(k)), full.data(), v);
+                float* dst = noise.data() + (k * nb + b) * vd;
+                for (size_t d = 0; d < vd; ++d) dst[d] = model_.d2t.empty() ? full[d] : full[static_cast<size_t>(model_.d2t[d])];
             }
         }
+        backend_->write(g[bg.inv_temp], inv.data(), inv.size() * sizeof(float));
         backend_->write(g[bg.gumbel], noise.data(), noise.size() * sizeof(float));
     }
     if (bg.fill >= 0) {
-        const std::vector<float> fill(static_cast<size_t>(n_block) * v, -std::numeric_limits<float>::infinity());
+        const std::vector<float> fill(n_rows * v, -std::numeric_limits<float>::infinity());
         backend_->write(g[bg.fill], fill.data(), fill.size() * sizeof(float));
-        std::vector<int32_t> ids(static_cast<size_t>(n_block) * vd);
-        for (size_t r = 0; r < static_cast<size_t>(n_block); ++r) {
+        std::vector<int32_t> ids(n_rows * vd);
+        for (size_t r = 0; r < n_rows; ++r) {
             for (size_t d = 0; d < vd; ++d) ids[r * vd + d] = static_cast<int32_t>(r * v) + model_.d2t[d];
         }
         backend_->write(g[bg.scatter_ids], ids.data(), ids.size() * sizeof(int32_t));
     }
-    // Chain s * n_block + i samples row i for this sequence; other sequences' chains are bound
-    // to row 0 (their outputs are computed and ignored; the topology stays the same).
+    // Chain s * n_block + i samples row i of sequence s's block; the chains of sequences not in
+    // the batch are bound to row 0 (their outputs are computed and ignored; the topology stays
+    // the same).
     std::vector<int32_t> chain_rows(static_cast<size_t>(n_chain), 0);
-    for (int64_t i = 0; i < n_block; ++i) chain_rows[static_cast<size_t>(seq * n_block + i)] = static_cast<int32_t>(i);
+    for (size_t b = 0; b < nb; ++b) {
+        for (size_t i = 0; i < blk; ++i) {
+            chain_rows[static_cast<size_t>(requests[b].seq) * blk + i] = static_cast<int32_t>(b * blk + i);
+        }
+    }
     backend_->write(g[bg.chain_rows], chain_rows.data(), chain_rows.size() * sizeof(int32_t));
     backend_->compute(g);
 
-    DraftOutput out;
-    out.n_vocab = hp.n_vocab;
-    out.n_block = n_block;
-    out.logits.resize(static_cast<size_t>(n_block) * v);
-    backend_->read(g[bg.final_logits], out.logits.data(), out.logits.size() * sizeof(float));
-    const size_t k = static_cast<size_t>(bg.n_candidates);
-    out.n_candidates = bg.n_candidates;
-    out.tokens.resize(static_cast<size_t>(n_block));
-    out.candidates.resize(static_cast<size_t>(n_block) * k);
-    out.candidate_logits.resize(static_cast<size_t>(n_block) * k);
-    out.candidate_probs.resize(static_cast<size_t>(n_block) * k);
-    for (size_t i = 0; i < static_cast<size_t>(n_block); ++i) {
-        const size_t j = static_cast<size_t>(seq * n_block) + i;
-        backend_->read(g[bg.chain_sampled[j]], &out.tokens[i], sizeof(int32_t));
-        backend_->read(g[bg.chain_candidates[j]], out.candidates.data() + i * k, k * sizeof(int32_t));
-        backend_->read(g[bg.chain_logits[j]], out.candidate_logits.data() + i * k, k * sizeof(float));
-        backend_->read(g[bg.chain_probs[j]], out.candidate_probs.data() + i * k, k * sizeof(float));
+    std::vector<float> all_logits(n_rows * v);
+    backend_->read(g[bg.final_logits], all_logits.data(), all_logits.size() * sizeof(float));
+    std::vector<float> base_d, conf_h;
+    if (hp.is_dspark) {
+        base_d.resize(n_rows * vd);
+        backend_->read(g[bg.logits], base_d.data(), base_d.size() * sizeof(float));
+        if (hp.has_confidence_head) {
+            conf_h.resize(n_rows);
+            backend_->read(g[bg.conf_h], conf_h.data(), conf_h.size() * sizeof(float));
+        }
     }
-    out.temperature = temp;
-    if (temp > 0.0f) {
-        out.q.assign(static_cast<size_t>(n_block) * v, 0.0f);
-        if (hp.is_dspark) {
-            // The graph drew each Markov slot; its z is the exact vector the noise perturbed.
-            std::vector<float> z(vd);
-            for (size_t k = 0; k < bg.markov_tokens.size(); ++k) {
-                const size_t i = static_cast<size_t>(hp.draft_offset()) + k;
-                int32_t d = 0;
-                backend_->read(g[bg.markov_tokens[k]], &d, sizeof(int32_t));
-                out.tokens[i] = model_.d2t.empty() ? d : model_.d2t[static_cast<size_t>(d)];
-                backend_->read(g[bg.markov_z[k]], z.data(), vd * sizeof(float));
-                softmax_scatter(z.data(), vd, model_.d2t, out.q.data() + i * v);
-            }
-        } else {
+    std::vector<int32_t> markov_ids(nb);
+    std::vector<float> markov_z(nb * vd), conf_e(nb);
+
+    std::vector<DraftOutput> outs(nb);
+    const size_t k = static_cast<size_t>(bg.n_candidates);
+    for (size_t b = 0; b < nb; ++b) {
+        DraftOutput& out = outs[b];
+        out.n_vocab = hp.n_vocab;
+        out.n_block = n_block;
+        out.logits.assign(all_logits.begin() + static_cast<std::ptrdiff_t>(b * blk * v),
+                          all_logits.begin() + static_cast<std::ptrdiff_t>((b + 1) * blk * v));
+        out.n_candidates = bg.n_candidates;
+        out.tokens.resize(blk);
+        out.candidates.resize(blk * k);
+        out.candidate_logits.resize(blk * k);
+        out.candidate_probs.resize(blk * k);
+        for (size_t i = 0; i < blk; ++i) {
+            const size_t j = static_cast<size_t>(requests[b].seq) * blk + i;
+            backend_->read(g[bg.chain_sampled[j]], &out.tokens[i], sizeof(int32_t));
+            backend_->read(g[bg.chain_candidates[j]], out.candidates.data() + i * k, k * sizeof(int32_t));
+            backend_->read(g[bg.chain_logits[j]], out.candidate_logits.data() + i * k, k * sizeof(float));
+            backend_->read(g[bg.chain_probs[j]], out.candidate_probs.data() + i * k, k * sizeof(float));
+        }
+        out.temperature = requests[b].sampling.temperature;
+        if (out.temperature > 0.0f && !hp.is_dspark) {
             // DFlash: each slot's logits do not depend on earlier drafts, so independent
             // Gumbel-max draws per slot are already ancestral.
-            for (size_t i = static_cast<size_t>(hp.draft_offset()); i < static_cast<size_t>(n_block); ++i) {
-                const int64_t k = static_cast<int64_t>(i) - hp.draft_offset();
+            out.q.assign(blk * v, 0.0f);
+            for (size_t i = static_cast<size_t>(hp.draft_offset()); i < blk; ++i) {
+                const int64_t kk = static_cast<int64_t>(i) - hp.draft_offset();
                 const float* row = out.logits.data() + i * v;
-                out.tokens[i] = gumbel_max(row, static_cast<int64_t>(v), temp, draft_key(k));
-                proposal_distribution(row, static_cast<int64_t>(v), temp, out.q.data() + i * v);
+                out.tokens[i] = gumbel_max(row, static_cast<int64_t>(v), out.temperature, draft_key(requests[b], kk));
+                proposal_distribution(row, static_cast<int64_t>(v), out.temperature, out.q.data() + i * v);
+            }
+        }
+        if (!hp.is_dspark) continue;
+        // Backbone logits over the target vocabulary (scattered through d2t on the host).
+        const float* bd = base_d.data() + b * blk * vd;
+        if (model_.d2t.empty()) {
+            out.base_logits.assign(bd, bd + blk * vd);
+        } else {
+            out.base_logits.assign(blk * v, -std::numeric_limits<float>::infinity());
+            for (size_t r = 0; r < blk; ++r) {
+                for (size_t d = 0; d < vd; ++d) out.base_logits[r * v + static_cast<size_t>(model_.d2t[d])] = bd[r * vd + d];
+            }
+        }
+        if (out.temperature > 0.0f) out.q.assign(blk * v, 0.0f);
+        if (hp.has_confidence_head) out.confidence.assign(blk, std::numeric_limits<float>::quiet_NaN());
+    }
+    if (!hp.is_dspark) return outs;
+
+    // DSpark, per Markov slot: the graph drew each block's slot (T > 0: its z is the exact vector
+    // the noise perturbed) and computed its confidence term.
+    for (size_t kk = 0; kk < bg.markov_tokens.size(); ++kk) {
+        const size_t i = static_cast<size_t>(hp.draft_offset()) + kk;
+        backend_->read(g[bg.markov_tokens[kk]], markov_ids.data(), nb * sizeof(int32_t));
+        backend_->read(g[bg.markov_z[kk]], markov_z.data(), markov_z.size() * sizeof(float));
+        if (hp.has_confidence_head) backend_->read(g[bg.conf_e[kk]], conf_e.data(), nb * sizeof(float));
+        for (size_t b = 0; b < nb; ++b) {
+            DraftOutput& out = outs[b];
+            if (out.temperature > 0.0f) {
+                const int32_t d = markov_ids[b];
+                out.tokens[i] = model_.d2t.empty() ? d : model_.d2t[static_cast<size_t>(d)];
+                softmax_scatter(markov_z.data() + b * vd, vd, model_.d2t, out.q.data() + i * v);
+            }
+            if (hp.has_confidence_head) {
+                const double z = static_cast<double>(conf_h[b * blk + i]) + conf_e[b] + model_.conf_bias;
+                out.confidence[i] = static_cast<float>(1.0 / (1.0 + std::exp(-z)));
             }
         }
     }
-    if (!hp.is_dspark) return out;
-
-    // Backbone logits over the target vocabulary (scattered through d2t on the host).
-    std::vector<float> base_d(static_cast<size_t>(n_block) * vd);
-    backend_->read(g[bg.logits], base_d.data(), base_d.size() * sizeof(float));
-    if (model_.d2t.empty()) {
-        out.base_logits = std::move(base_d);
-    } else {
-        out.base_logits.assign(static_cast<size_t>(n_block) * v, -std::numeric_limits<float>::infinity());
-        for (size_t r = 0; r < static_cast<size_t>(n_block); ++r) {
-            for (size_t d = 0; d < vd; ++d) out.base_logits[r * v + static_cast<size_t>(model_.d2t[d])] = base_d[r * vd + d];
-        }
-    }
-    if (hp.has_confidence_head) {
-        out.confidence.assign(static_cast<size_t>(n_block), std::numeric_limits<float>::quiet_NaN());
-        std::vector<float> conf_h(static_cast<size_t>(n_block));
-        backend_->read(g[bg.conf_h], conf_h.data(), conf_h.size() * sizeof(float));
-        for (size_t kk = 0; kk < bg.conf_e.size(); ++kk) {
-            const size_t i = static_cast<size_t>(hp.draft_offset()) + kk;
-            float ce = 0.0f;
-            backend_->read(g[bg.conf_e[kk]], &ce, sizeof(float));
-            const double z = static_cast<double>(conf_h[i]) + ce + model_.conf_bias;
-            out.confidence[i] = static_cast<float>(1.0 / (1.0 + std::exp(-z)));
-        }
-    }
-    return out;
+    return outs;
 }
 
 void DraftContext::remove(int32_t seq, int64_t p0, int64_t p1) {

@@ -79,6 +79,14 @@ struct ParkedDraftState {
     std::vector<uint8_t> cells;      // [n_layer][K, V][positions.size()] rows of row_bytes
 };
 
+// One sequence's block in a batched draft (DraftContext::draft_many).
+struct DraftRequest {
+    int32_t seq = 0;
+    int32_t id_last = 0;
+    int32_t pos0 = 0;
+    DraftSampling sampling;
+};
+
 class DraftContext {
 public:
     // Throws std::invalid_argument when the window is <= 2 x block_size.
@@ -94,8 +102,17 @@ public:
     // The graph carries n_seq_max x n_block sampling chains, every sequence's, bound to this
     // sequence's rows (others to row 0) through an input, so drafting any sequence with a given
     // n_block uses one allocation plan.
+    // The one-sequence case of draft_many.
     DraftOutput draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
                       const DraftSampling& sampling = DraftSampling());
+
+    // One drafter pass over the blocks of several distinct sequences (design.md data flow: one
+    // drafter pass for every drafting request): block b is requests[b]'s, with its own cells,
+    // mask, positions, id_last, temperature and noise, and the sampling chains of
+    // requests[b].seq bound to block b's rows. Returns, in request order, exactly what drafting
+    // each sequence alone returns (invariant 7: the kernels are batch invariant). All requests
+    // are checked before anything changes; throws std::invalid_argument on a bad or repeated seq.
+    std::vector<DraftOutput> draft_many(const std::vector<DraftRequest>& requests, int64_t n_block);
 
     // Removes absolute positions [p0, p1) of a sequence (p1 < 0: to the end).
     void remove(int32_t seq, int64_t p0, int64_t p1);

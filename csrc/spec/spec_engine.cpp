@@ -192,22 +192,38 @@ void SpecEngine::stage(Request& r, SlotGrant& grant) {
     r.pending_rows.clear();
 }
 
-void SpecEngine::draft(Request& r, int32_t slot) {
-    r.drafts.clear();
-    r.q.clear();
-    int64_t n_draft = std::min<int64_t>(draft_n_max_, ctx_->n_ctx_seq() - 1 - r.pos0);
-    if (r.params.max_tokens > 0) n_draft = std::min<int64_t>(n_draft, r.params.max_tokens - r.n_out - 1);
-    if (n_draft <= 0) return;
-    DraftSampling s;
-    s.temperature = r.params.temperature;
-    s.seed = r.params.seed;
-    s.offset = static_cast<uint32_t>(r.pos0);
+void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
+    std::vector<DraftRequest> reqs;
+    std::vector<std::pair<Request*, int64_t>> who;  // request, drafts it keeps
+    for (const auto& [r, slot] : todo) {
+        r->drafts.clear();
+        r->q.clear();
+        int64_t n_draft = std::min<int64_t>(draft_n_max_, ctx_->n_ctx_seq() - 1 - r->pos0);
+        if (r->params.max_tokens > 0) n_draft = std::min<int64_t>(n_draft, r->params.max_tokens - r->n_out - 1);
+        if (n_draft <= 0) continue;
+        DraftRequest d;
+        d.seq = slot;
+        d.id_last = r->id_last;
+        d.pos0 = static_cast<int32_t>(r->pos0);
+        d.sampling.temperature = r->params.temperature;
+        d.sampling.seed = r->params.seed;
+        d.sampling.offset = static_cast<uint32_t>(r->pos0);
+        reqs.push_back(d);
+        who.emplace_back(r, n_draft);
+    }
+    if (reqs.empty()) return;
     // The whole configured block is drafted and then cut, so a slot's logits do not depend on how
-    // much room this round has (the block attends to itself).
-    const DraftOutput o = dctx_->draft(slot, r.id_last, static_cast<int32_t>(r.pos0), draft_n_max_ + offset_, s);
-    r.drafts.assign(o.tokens.begin() + offset_, o.tokens.begin() + offset_ + n_draft);
-    if (r.params.temperature > 0.0f) {
-        r.q.assign(o.q.begin() + offset_ * o.n_vocab, o.q.begin() + (offset_ + n_draft) * o.n_vocab);
+    // much room this round has (the block attends to itself); one pass drafts every request, and
+    // batch invariance (invariant 7) makes each block what drafting it alone would give.
+    const std::vector<DraftOutput> outs = dctx_->draft_many(reqs, draft_n_max_ + offset_);
+    for (size_t i = 0; i < outs.size(); ++i) {
+        Request& r = *who[i].first;
+        const int64_t n_draft = who[i].second;
+        const DraftOutput& o = outs[i];
+        r.drafts.assign(o.tokens.begin() + offset_, o.tokens.begin() + offset_ + n_draft);
+        if (r.params.temperature > 0.0f) {
+            r.q.assign(o.q.begin() + offset_ * o.n_vocab, o.q.begin() + (offset_ + n_draft) * o.n_vocab);
+        }
     }
 }
 
@@ -244,6 +260,18 @@ std::vector<StepOutput> SpecEngine::step() {
         size_t row0 = 0, n = 0;
     };
     std::unordered_map<uint64_t, Span> span_of;
+    // A one-token prompt has no prefill step to draft after: its first block is drafted here,
+    // over an empty context, as the one-sequence loop does (all such requests in one pass).
+    std::vector<std::pair<Request*, int32_t>> first_blocks;
+    for (Request* r : run) {
+        if (r->generating && r->needs_draft) {
+            SlotGrant& g = grant_of.at(r->id);
+            stage(*r, g);
+            first_blocks.emplace_back(r, g.slot);
+            r->needs_draft = false;
+        }
+    }
+    draft(first_blocks);
     Batch batch;
     for (Request* r : run) {
         r->last_step = step_;
@@ -259,14 +287,6 @@ std::vector<StepOutput> SpecEngine::step() {
             }
             sp.n = static_cast<size_t>(n);
         } else {
-            // A one-token prompt has no prefill step to draft after: its first block is drafted
-            // here, over an empty context, as the one-sequence loop does.
-            if (r->needs_draft) {
-                SlotGrant& g = grant_of.at(r->id);
-                stage(*r, g);
-                draft(*r, g.slot);
-                r->needs_draft = false;
-            }
             batch.tokens.push_back(r->id_last);
             batch.tokens.insert(batch.tokens.end(), r->drafts.begin(), r->drafts.end());
             sp.n = 1 + r->drafts.size();
@@ -283,6 +303,7 @@ std::vector<StepOutput> SpecEngine::step() {
     for (size_t i = 0; i < out.output_rows.size(); ++i) logits_row[static_cast<size_t>(out.output_rows[i])] = static_cast<int64_t>(i);
 
     std::vector<StepOutput> result;
+    std::vector<std::pair<Request*, int32_t>> next_blocks;  // drafted together after verification
     for (Request* r : run) {
         const Span sp = span_of.at(r->id);
         StepOutput so;
@@ -349,13 +370,14 @@ std::vector<StepOutput> SpecEngine::step() {
         if (!so.finished) {
             SlotGrant& g = grant_of.at(r->id);
             stage(*r, g);
-            if (r->generating) {
-                draft(*r, g.slot);
-                so.n_drafted = static_cast<int64_t>(r->drafts.size());
-            }
+            if (r->generating) next_blocks.emplace_back(r, g.slot);
         }
         so.stats = r->stats;
         result.push_back(std::move(so));
+    }
+    draft(next_blocks);
+    for (StepOutput& so : result) {
+        if (!so.finished) so.n_drafted = static_cast<int64_t>(requests_.at(so.request_id).drafts.size());
     }
     for (const StepOutput& so : result) {
         if (so.finished) {

@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/context.h"
@@ -138,7 +139,8 @@ private:
     const Request& get(uint64_t id) const;
     void commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n);
     void stage(Request& r, SlotGrant& grant);
-    void draft(Request& r, int32_t slot);
+    // Drafts the next block of every (request, drafter slot) pair in one drafter pass.
+    void draft(const std::vector<std::pair<Request*, int32_t>>& todo);
     void release(Request& r);
 
     const Model& target_;
