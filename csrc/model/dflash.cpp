@@ -17,12 +17,6 @@
 namespace pyspec {
 namespace {
 
-std::string fmt_shape(const int64_t* v, size_t n) {
-    std::string s = "[";
-    for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-    return s + "]";
-}
-
 // Features llama.cpp's dflash graph has that this engine does not run; refused by name.
 const char* const kUnsupportedKeys[][2] = {
     {"dflash.attention.sliding_window", "sliding-window attention"},
@@ -148,28 +142,7 @@ void DraftModel::load_hparams() {
 }
 
 Weight DraftModel::require(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32) const {
-    const GgufTensorInfo* t = file_->find_tensor(name);
-    if (!t) throw std::invalid_argument("missing tensor " + name + " in drafter " + file_->path());
-    std::vector<int64_t> want(ne);
-    for (size_t d = 0; d < 4; ++d) {
-        if (t->ne[d] != (d < want.size() ? want[d] : 1)) {
-            throw std::invalid_argument("drafter tensor " + name + " has shape " +
-                                        fmt_shape(t->ne, static_cast<size_t>(t->n_dims)) + ", expected " +
-                                        fmt_shape(want.data(), want.size()));
-        }
-    }
-    if (vector_f32 && t->dtype != DType::F32) {
-        throw std::invalid_argument("drafter tensor " + name + " has type " + dtype_name(t->dtype) + ", expected F32");
-    }
-    if (dtype_is_integer(t->dtype)) {
-        throw std::invalid_argument("drafter tensor " + name + " has integer type " + dtype_name(t->dtype));
-    }
-    Weight w;
-    w.name = name;
-    w.dtype = t->dtype;
-    w.ne = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
-    w.data = t->data;
-    return w;
+    return load_weight(*file_, name, ne, vector_f32, "drafter ");
 }
 
 Weight DraftModel::optional(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32) const {
@@ -185,7 +158,7 @@ void DraftModel::load_d2t() {
         throw std::invalid_argument(std::string("drafter tensor d2t has type ") + dtype_name(t->dtype) + ", expected I64");
     }
     if (t->n_dims != 1 || t->ne[0] < 1 || t->ne[0] > v) {
-        throw std::invalid_argument("drafter tensor d2t has shape " + fmt_shape(t->ne, static_cast<size_t>(t->n_dims)) +
+        throw std::invalid_argument("drafter tensor d2t has shape " + format_shape(t->ne, static_cast<size_t>(t->n_dims)) +
                                     ", expected [Vd] with 1 <= Vd <= " + std::to_string(v) + " (the target vocabulary)");
     }
     if (!file_->find_tensor("output.weight")) {

@@ -79,34 +79,40 @@ void Model::load_hparams() {
     if (!(hp_.rms_eps > 0) || !std::isfinite(hp_.rms_eps)) throw std::invalid_argument("invalid layer_norm_rms_epsilon");
 }
 
-Weight Model::require(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32) const {
-    const GgufTensorInfo* t = file_->find_tensor(name);
-    if (!t) throw std::invalid_argument("missing tensor " + name + " in " + file_->path());
-    std::vector<int64_t> want(ne);
-    bool ok = true;
+std::string format_shape(const int64_t* ne, size_t n) {
+    std::string s = "[";
+    for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
+    return s + "]";
+}
+
+Weight load_weight(const GgufFile& f, const std::string& name, std::initializer_list<int64_t> ne,
+                   bool vector_f32, const std::string& owner) {
+    const GgufTensorInfo* t = f.find_tensor(name);
+    if (!t) throw std::invalid_argument("missing tensor " + name + " in " + owner + f.path());
+    const std::vector<int64_t> want(ne);
     for (size_t d = 0; d < 4; ++d) {
-        const int64_t w = d < want.size() ? want[d] : 1;
-        if (t->ne[d] != w) ok = false;
-    }
-    if (!ok) {
-        auto fmt = [](const int64_t* v, size_t n) {
-            std::string s = "[";
-            for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-            return s + "]";
-        };
-        throw std::invalid_argument("tensor " + name + " has shape " + fmt(t->ne, static_cast<size_t>(t->n_dims)) +
-                                    ", expected " + fmt(want.data(), want.size()));
+        if (t->ne[d] != (d < want.size() ? want[d] : 1)) {
+            throw std::invalid_argument(owner + "tensor " + name + " has shape " +
+                                        format_shape(t->ne, static_cast<size_t>(t->n_dims)) + ", expected " +
+                                        format_shape(want.data(), want.size()));
+        }
     }
     if (vector_f32 && t->dtype != DType::F32) {
-        throw std::invalid_argument("tensor " + name + " has type " + dtype_name(t->dtype) + ", expected F32");
+        throw std::invalid_argument(owner + "tensor " + name + " has type " + dtype_name(t->dtype) + ", expected F32");
     }
-    if (dtype_is_integer(t->dtype)) throw std::invalid_argument("tensor " + name + " has integer type " + dtype_name(t->dtype));
+    if (dtype_is_integer(t->dtype)) {
+        throw std::invalid_argument(owner + "tensor " + name + " has integer type " + dtype_name(t->dtype));
+    }
     Weight w;
     w.name = name;
     w.dtype = t->dtype;
     w.ne = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
     w.data = t->data;
     return w;
+}
+
+Weight Model::require(const std::string& name, std::initializer_list<int64_t> ne, bool vector_f32) const {
+    return load_weight(*file_, name, ne, vector_f32, "");
 }
 
 void Model::load_weights() {

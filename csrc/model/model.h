@@ -72,6 +72,14 @@ private:
 // Adds a weight to a graph as an external tensor.
 int add_weight(Graph& g, const Weight& w);
 
+// "[a, b, c]" for error messages.
+std::string format_shape(const int64_t* ne, size_t n);
+
+// A weight of a mapped file, checked: present, of shape `ne` (innermost first), F32 when
+// `vector_f32`, not an integer type. `owner` prefixes messages ("" for targets, "drafter ").
+Weight load_weight(const GgufFile& f, const std::string& name, std::initializer_list<int64_t> ne,
+                   bool vector_f32, const std::string& owner);
+
 // RoPE frequency base and scale from `{prefix}rope.freq_base` and `{prefix}rope.scaling.*`
 // (none or linear; anything else is refused with a message). Shared by targets and drafters.
 void read_rope_frequencies(const GgufFile& f, const std::string& prefix, float& freq_base, float& freq_scale);
