@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 from . import _core
 from .sampling import Sampler, SamplingParams
+from .speculative import P_MIN_MODES
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -49,7 +50,9 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
                   max_tokens: Optional[int] = 128, temperature: float = 0.0,
                   seed: Optional[int] = None, ignore_eos: bool = False,
                   n_parallel: Optional[int] = None, draft_slots: Optional[int] = None,
-                  draft_n_batch: int = 2048) -> List[ManyResult]:
+                  draft_n_batch: int = 2048, draft_p_min: Optional[float] = None,
+                  draft_n_min: Optional[int] = None,
+                  draft_p_min_mode: Optional[str] = None) -> List[ManyResult]:
     spec = llm.speculative
     if spec is None:
         raise ValueError("generate_many needs a draft_model (LLM(..., draft_model=...))")
@@ -74,6 +77,18 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
         raise ValueError(f"draft_slots must be at least 1, got {draft_slots}")
     if int(draft_n_batch) < 1:
         raise ValueError(f"draft_n_batch must be at least 1, got {draft_n_batch}")
+    # Confidence pruning: the LLM's settings unless given; the same rule as the Python loop
+    # (csrc/spec/prune.h), checked again by the engine.
+    draft_p_min = spec.draft_p_min if draft_p_min is None else float(draft_p_min)
+    draft_n_min = spec.draft_n_min if draft_n_min is None else int(draft_n_min)
+    draft_p_min_mode = spec.draft_p_min_mode if draft_p_min_mode is None else draft_p_min_mode
+    if not 0.0 <= draft_p_min <= 1.0:
+        raise ValueError(f"draft_p_min must be in [0, 1], got {draft_p_min}")
+    if draft_n_min < 0:
+        raise ValueError(f"draft_n_min must be >= 0, got {draft_n_min}")
+    if draft_p_min_mode not in P_MIN_MODES:
+        raise ValueError(f"unknown draft_p_min_mode {draft_p_min_mode!r} (one of "
+                         f"{', '.join(P_MIN_MODES)})")
     method = spec.method(SamplingParams(temperature=temperature))
     base_seed = Sampler(SamplingParams(temperature=temperature, seed=seed)).seed
 
@@ -118,7 +133,9 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
                 finish(i, "length" if max_tokens == 0 else "context", None)
                 continue
             engine.add_request(i, ids_of[i], max_tokens=limit, temperature=temperature,
-                               seed=seeds[i], verify=method, stop_ids=stop_ids)
+                               seed=seeds[i], verify=method, stop_ids=stop_ids,
+                               draft_p_min=draft_p_min, draft_n_min=draft_n_min,
+                               draft_p_min_mode=draft_p_min_mode)
         if not engine.n_requests:
             break
         for out in engine.step():

@@ -64,18 +64,13 @@ def prune_length(confidence: Sequence[float], p_min: float, mode: str = "first",
                  n_min: int = 0) -> int:
     """How many drafts to keep of len(confidence): stop at the first position k whose confidence
     (mode "first") or product of confidences 0..k (mode "cumulative") is below p_min; a result
-    below n_min becomes 0. p_min <= 0 keeps everything (then only n_min applies)."""
+    below n_min becomes 0. p_min <= 0 keeps everything (then only n_min applies). Comparisons are in
+    double (float32 confidences are widened exactly)."""
     if mode not in P_MIN_MODES:
         raise ValueError(f"unknown p_min mode {mode!r} (one of {', '.join(P_MIN_MODES)})")
-    n = len(confidence)
-    if p_min > 0.0:
-        prod = 1.0
-        for k, c in enumerate(confidence):
-            prod *= float(c)
-            if (float(c) if mode == "first" else prod) < p_min:
-                n = k
-                break
-    return 0 if n < n_min else n
+    # The rule lives once, in C++ (csrc/spec/prune.h), shared with the multi-request SpecEngine.
+    return int(_spec.prune_length(np.asarray(confidence, np.float64).ravel().tolist(), float(p_min),
+                                  mode, int(n_min)))
 
 
 @dataclass

@@ -11,6 +11,8 @@ and 7 with the tiny pairs of test_speculative.py.
   (the slot is parked and restored cell for cell); past a drafter rebase the output stays plain
   greedy; requests finishing out of order leave the others drafting at every step;
   after all requests end, or are cancelled, the registry, target and drafter caches are empty.
+- Confidence pruning (draft_p_min / draft_n_min / mode) in generate_many drafts and accepts
+  exactly as the Python loop with the same options; T = 0 output stays plain greedy.
 """
 
 from __future__ import annotations
@@ -371,3 +373,63 @@ def test_reclaim_after_rebase_resumes_identical(pairs):
         st.pop("n_restaged"), ref.pop("n_restaged")
         assert st == ref, rid
     assert_empty(e, 4, 2)
+
+
+PRUNING = [dict(draft_p_min=0.5), dict(draft_p_min=0.3, draft_p_min_mode="cumulative"),
+           dict(draft_p_min=0.3, draft_n_min=2)]
+
+
+@pytest.mark.parametrize("layout", ["known", "dflash", "dspark-bonus"])
+def test_generate_many_pruning_matches_the_python_loop(pairs, layout):
+    """Confidence pruning in the C++ step (per-request draft_p_min / draft_n_min / mode, the rule
+    of csrc/spec/prune.h that the Python loop's prune_length also calls): per prompt,
+    generate_many drafts and accepts exactly as the one-sequence Python loop with the same
+    options (draft_n, draft_n_accepted, drafted_at, accepted_at), the pruning really cuts drafts,
+    and T = 0 output stays plain greedy."""
+    if layout == "known":
+        target, drafter, f, _, _ = pairs.known_acceptance(0.7, True, seed=3)
+        prompts = [[7], [11, 12], [100, 101, 102], [5, 6, 7, 8]]
+    else:
+        target, drafter = pairs.target, pairs.drafters[layout]
+        prompts = ["The quick brown fox", "Hello, world!", "a", "One two three four five six"]
+    plain = pyspec.LLM(target, n_ctx=256, n_threads=2)
+    want = [plain.generate(p, max_tokens=30, temperature=0, ignore_eos=True) for p in prompts]
+    spec = pyspec.LLM(target, n_ctx=256, n_threads=2, draft_model=drafter, draft_n_max=4)
+    unpruned = spec.generate_many(prompts, max_tokens=30, temperature=0, ignore_eos=True)
+    if layout == "known":
+        # Acceptance is far from 0 here, so accepted_at is a real check.
+        assert sum(r.draft_n_accepted for r in unpruned) > 0.2 * sum(r.draft_n for r in unpruned)
+        for p, r in zip(prompts, unpruned):
+            chain = [p[-1]]
+            for _ in range(30):
+                chain.append(int(f[chain[-1]]))
+            assert r.tokens == chain[1:]
+    for opts in PRUNING:
+        loop = pyspec.LLM(target, n_ctx=256, n_threads=2, draft_model=drafter, draft_n_max=4,
+                          **opts)
+        alone = []
+        for p in prompts:
+            assert loop.generate(p, max_tokens=30, temperature=0, ignore_eos=True) == \
+                want[len(alone)]
+            alone.append(loop.last_stats.spec)
+        # The options given to generate_many, and the LLM's own settings as the default.
+        for res in (spec.generate_many(prompts, max_tokens=30, temperature=0, ignore_eos=True,
+                                       draft_slots=2, **opts),
+                    loop.generate_many(prompts, max_tokens=30, temperature=0, ignore_eos=True)):
+            assert [r.text for r in res] == want, opts
+            for r, st in zip(res, alone):
+                assert (r.draft_n, r.draft_n_accepted) == (st.draft_n, st.draft_n_accepted), opts
+                assert r.drafted_at == st.drafted_at and r.accepted_at == st.accepted_at, opts
+                assert len(r.tokens) == 30 == r.draft_n_accepted + r.n_rounds
+        pruned, full = sum(r.draft_n for r in res), sum(r.draft_n for r in unpruned)
+        assert 0 < pruned < full, (opts, pruned, full)
+    with pytest.raises(ValueError, match="draft_p_min"):
+        spec.generate_many(prompts, draft_p_min=1.5)
+    e = make_engine(target, drafter, n_seq_max=1, n_slots=1)
+    for bad in (dict(draft_p_min=-0.1), dict(draft_p_min=1.5), dict(draft_n_min=-1),
+                dict(draft_p_min_mode="product")):
+        with pytest.raises(ValueError, match="p_min mode" if "mode" in str(bad) else "draft_"):
+            e.add_request(1, [5, 6], max_tokens=4, verify="greedy", **bad)
+    assert e.n_requests == 0
+    with pytest.raises(ValueError, match="draft_p_min_mode"):
+        spec.generate_many(prompts, draft_p_min=0.5, draft_p_min_mode="product")

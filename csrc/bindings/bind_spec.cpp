@@ -7,8 +7,10 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "runtime/philox.h"
+#include "spec/prune.h"
 #include "spec/verify.h"
 
 namespace py = pybind11;
@@ -89,6 +91,15 @@ void bind_spec(py::module_& parent) {
     m.attr("STREAM_ACCEPT") = static_cast<int>(NoiseStream::Accept);
     m.attr("STREAM_CORRECTION") = static_cast<int>(NoiseStream::Correction);
 
+    m.def(
+        "prune_length",
+        [](const std::vector<double>& confidence, double p_min, const std::string& mode, int64_t n_min) {
+            return prune_length(confidence.data(), confidence.size(), p_min, p_min_mode_of(mode), n_min);
+        },
+        py::arg("confidence"), py::arg("p_min"), py::arg("mode") = "first", py::arg("n_min") = 0,
+        "Drafts kept of len(confidence) after confidence pruning (csrc/spec/prune.h): stop at the first position "
+        "whose confidence (mode 'first') or running product of confidences ('cumulative') is below p_min; a "
+        "result below n_min becomes 0.");
     m.def(
         "philox4x32",
         [](const PhiloxCounter& counter, const PhiloxKey& key, int rounds) {

@@ -62,8 +62,12 @@ void bind_spec_engine(py::module_& m) {
         .def(
             "add_request",
             [](SpecEngine& e, uint64_t id, const std::vector<int32_t>& prompt, int64_t max_tokens, float temperature,
-               uint64_t seed, const std::string& verify, const std::vector<int32_t>& stop_ids) {
+               uint64_t seed, const std::string& verify, const std::vector<int32_t>& stop_ids, double draft_p_min,
+               int64_t draft_n_min, const std::string& draft_p_min_mode) {
                 RequestParams p;
+                p.draft_p_min = draft_p_min;
+                p.draft_n_min = draft_n_min;
+                p.draft_p_min_mode = p_min_mode_of(draft_p_min_mode);
                 p.max_tokens = max_tokens;
                 p.temperature = temperature;
                 p.seed = seed;
@@ -72,7 +76,8 @@ void bind_spec_engine(py::module_& m) {
                 e.add_request(id, prompt, p);
             },
             py::arg("request_id"), py::arg("prompt"), py::arg("max_tokens") = -1, py::arg("temperature") = 0.0f,
-            py::arg("seed") = 0, py::arg("verify") = "rejection", py::arg("stop_ids") = std::vector<int32_t>())
+            py::arg("seed") = 0, py::arg("verify") = "rejection", py::arg("stop_ids") = std::vector<int32_t>(),
+            py::arg("draft_p_min") = 0.0, py::arg("draft_n_min") = 0, py::arg("draft_p_min_mode") = "first")
         .def("cancel", &SpecEngine::cancel, py::arg("request_id"))
         .def("pause", &SpecEngine::pause, py::arg("request_id"))
         .def("resume", &SpecEngine::resume, py::arg("request_id"))

@@ -99,6 +99,13 @@ void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, co
     if (params.temperature > 0.0f && params.method == VerifyMethod::Greedy) {
         throw std::invalid_argument("greedy verification needs temperature 0: use rejection or block");
     }
+    if (!(params.draft_p_min >= 0.0 && params.draft_p_min <= 1.0)) {
+        throw std::invalid_argument("draft_p_min must be in [0, 1]");
+    }
+    if (params.draft_n_min < 0) throw std::invalid_argument("draft_n_min must be >= 0");
+    if (params.draft_p_min > 0.0 && drafter_.hparams().is_dspark && !drafter_.hparams().has_confidence_head) {
+        throw std::invalid_argument("DSpark draft has no confidence head: please set draft_p_min 0");
+    }
     auto free_seq = std::find(seq_used_.begin(), seq_used_.end(), 0);
     if (free_seq == seq_used_.end()) {
         throw std::invalid_argument("every target sequence is taken (n_seq_max = " + std::to_string(params_.n_seq_max) + ")");
@@ -218,8 +225,17 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
     const std::vector<DraftOutput> outs = dctx_->draft_many(reqs, draft_n_max_ + offset_);
     for (size_t i = 0; i < outs.size(); ++i) {
         Request& r = *who[i].first;
-        const int64_t n_draft = who[i].second;
         const DraftOutput& o = outs[i];
+        // Confidence pruning of the slots this round has room for (spec/prune.h).
+        std::vector<float> conf(static_cast<size_t>(who[i].second));
+        for (int64_t k = 0; k < who[i].second && r.params.draft_p_min > 0.0; ++k) {
+            const int64_t slot = offset_ + k;
+            conf[static_cast<size_t>(k)] = drafter_.hparams().is_dspark
+                                                ? o.confidence[static_cast<size_t>(slot)]
+                                                : o.candidate_probs[static_cast<size_t>(slot * o.n_candidates)];
+        }
+        const int64_t n_draft = prune_length(conf.data(), conf.size(), r.params.draft_p_min,
+                                             r.params.draft_p_min_mode, r.params.draft_n_min);
         r.drafts.assign(o.tokens.begin() + offset_, o.tokens.begin() + offset_ + n_draft);
         if (r.params.temperature > 0.0f) {
             r.q.assign(o.q.begin() + offset_ * o.n_vocab, o.q.begin() + (offset_ + n_draft) * o.n_vocab);

@@ -34,6 +34,7 @@
 #include "runtime/context.h"
 #include "spec/draft_context.h"
 #include "spec/draft_state_registry.h"
+#include "spec/prune.h"
 #include "spec/verify.h"
 
 namespace pyspec {
@@ -56,6 +57,12 @@ struct RequestParams {
     uint64_t seed = 0;
     VerifyMethod method = VerifyMethod::Greedy;  // Greedy needs temperature 0
     std::vector<int32_t> stop_ids;               // ending tokens; not emitted
+    // Confidence pruning of each drafted block (spec/prune.h, the rule the Python loop uses):
+    // confidences are DSpark's confidence head, or for DFlash each slot's top-1 candidate
+    // probability. p_min in [0, 1], 0: off (then only n_min applies); n_min >= 0.
+    double draft_p_min = 0.0;
+    PMinMode draft_p_min_mode = PMinMode::First;
+    int64_t draft_n_min = 0;
 };
 
 struct RequestStats {
