@@ -192,6 +192,7 @@ class LLM:
 
     def generate_many(self, prompts: Sequence[Union[str, Sequence[int]]],
                       max_tokens: Optional[int] = 128, temperature: float = 0.0,
+                      top_k: int = _D.top_k, top_p: float = _D.top_p, min_p: float = _D.min_p,
                       seed: Optional[int] = None, ignore_eos: bool = False,
                       n_parallel: Optional[int] = None, draft_slots: Optional[int] = None,
                       draft_n_batch: int = 2048, draft_p_min: Optional[float] = None,
@@ -202,11 +203,13 @@ class LLM:
         slot of `draft_slots` (default: n_parallel; fewer makes prompts share slots, reclaimed
         least recently scheduled first); `draft_n_batch` is the drafter's batch size, which caps
         its window. draft_p_min / draft_n_min / draft_p_min_mode: confidence pruning per request,
-        the rule of the single-request loop (default: this LLM's settings). Temperature-only sampling; prompt i is seeded seed + i. Returns per prompt
+        the rule of the single-request loop (default: this LLM's settings). Sampling as `generate`
+        (temperature after top_k / top_p / min_p, same defaults; verification keeps that law);
+        prompt i is seeded seed + i. Returns per prompt
         a `pyspec.many.ManyResult` (text, tokens, stop_reason, draft_n, draft_n_accepted, ...),
         in prompt order; the output of each prompt does not depend on the others."""
         return generate_many(self, prompts, max_tokens=max_tokens, temperature=temperature,
-                             seed=seed, ignore_eos=ignore_eos, n_parallel=n_parallel,
+                             top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos, n_parallel=n_parallel,
                              draft_slots=draft_slots, draft_n_batch=draft_n_batch,
                              draft_p_min=draft_p_min, draft_n_min=draft_n_min,
                              draft_p_min_mode=draft_p_min_mode)

@@ -3,9 +3,12 @@ csrc/spec/spec_engine.h): one target decode per step over every running request,
 per request (reclaimed least recently scheduled first when there are fewer slots than requests),
 per-request verification and rollback. `LLM.generate_many` is the user-facing entry.
 
-Sampling is temperature-only (no top-k/top-p/min-p filter, design.md invariant 5); at T = 0 the
-output equals plain greedy decoding, and whatever the temperature a prompt's output does not
-depend on which other prompts share its steps (invariant 7): prompt i is seeded seed + i.
+Sampling follows `LLM.generate`: temperature after llama.cpp's top-k -> top-p -> min-p filters
+(pyspec/sampling.py; disabled filters do not run, so with all off it is softmax(logits / T)), and
+verification keeps that processed law (invariant 6): the p rows are built in C++ by the same
+function `Sampler.candidates` calls. At T = 0 the output equals plain greedy decoding, and whatever
+the temperature a prompt's output does not depend on which other prompts share its steps
+(invariant 7): prompt i is seeded seed + i, the seed `LLM.generate` would be given for it.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class ManyResult:
 
 def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
                   max_tokens: Optional[int] = 128, temperature: float = 0.0,
-                  seed: Optional[int] = None, ignore_eos: bool = False,
+                  top_k: int = SamplingParams.top_k, top_p: float = SamplingParams.top_p,
+                  min_p: float = SamplingParams.min_p, seed: Optional[int] = None,
+                  ignore_eos: bool = False,
                   n_parallel: Optional[int] = None, draft_slots: Optional[int] = None,
                   draft_n_batch: int = 2048, draft_p_min: Optional[float] = None,
                   draft_n_min: Optional[int] = None,
@@ -89,8 +94,10 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
     if draft_p_min_mode not in P_MIN_MODES:
         raise ValueError(f"unknown draft_p_min_mode {draft_p_min_mode!r} (one of "
                          f"{', '.join(P_MIN_MODES)})")
-    method = spec.method(SamplingParams(temperature=temperature))
-    base_seed = Sampler(SamplingParams(temperature=temperature, seed=seed)).seed
+    # Validated as LLM.generate validates them.
+    params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+    method = spec.method(params)
+    base_seed = Sampler(params).seed
 
     ids_of = []
     for p in prompts:
@@ -133,6 +140,7 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
                 finish(i, "length" if max_tokens == 0 else "context", None)
                 continue
             engine.add_request(i, ids_of[i], max_tokens=limit, temperature=temperature,
+                               top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
                                seed=seeds[i], verify=method, stop_ids=stop_ids,
                                draft_p_min=draft_p_min, draft_n_min=draft_n_min,
                                draft_p_min_mode=draft_p_min_mode)

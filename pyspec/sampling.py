@@ -18,6 +18,9 @@ over the candidates sorted by logit, each stage seeing what the previous one kep
 A stage that is off does not run at all, so temperature-only sampling draws from exactly
 softmax(logits / T) over the whole vocabulary (design invariant 5). Ties between equal logits are
 ordered by token id, so the kept sets never depend on the sort's whims.
+
+The candidate law is computed in C++ (csrc/spec/verify.h processed_candidates), the one function
+the multi-request SpecEngine also builds its verification rows from, so the rule exists once.
 """
 
 from __future__ import annotations
@@ -29,9 +32,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-# Beyond this many candidates top-p first tries the best few (as llama.cpp does): when they
-# already hold p of the mass, sorting the whole vocabulary is unnecessary.
-_TOP_P_FIRST_TRY = 256
+from . import _core
 
 
 @dataclass(frozen=True)
@@ -92,15 +93,17 @@ class Sampler:
         """The ids the draw chooses from and their probabilities (sum 1).
 
         Filtered candidates come sorted by logit (highest first, ties by id); with no filter the
-        whole vocabulary is returned in id order.
+        whole vocabulary is returned in id order. The rule is written once, in C++
+        (csrc/spec/verify.h processed_candidates), which the multi-request SpecEngine verifies
+        against too; logits are widened to float64 first.
         """
         z = np.asarray(logits, dtype=np.float64).reshape(-1)
         if z.shape[0] == 0:
             raise ValueError("cannot sample from empty logits")
-        if self.params.greedy:
-            return np.array([int(np.argmax(z))]), np.ones(1)
-        ids, kept = self._filter(z)
-        return ids, _softmax(kept / self.params.temperature)
+        p = self.params
+        ids, probs = _core.spec.processed_candidates(z, float(p.temperature), int(p.top_k),
+                                                     float(p.top_p), float(p.min_p))
+        return ids.astype(np.int64), probs
 
     def sample(self, logits: np.ndarray) -> int:
         z = np.asarray(logits, dtype=np.float64).reshape(-1)
@@ -112,71 +115,3 @@ class Sampler:
         cdf = np.cumsum(probs)
         i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
         return int(ids[min(i, ids.shape[0] - 1)])
-
-    def _filter(self, z: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        p = self.params
-        n = z.shape[0]
-        if p.top_k > 0:
-            ids = _top_sorted(z, min(int(p.top_k), n))
-            kept = z[ids]
-            if p.top_p < 1.0:
-                kept = kept[:_top_p_cut(kept, p.top_p)]
-            if p.min_p > 0.0:
-                kept = kept[:_min_p_cut(kept, p.min_p)]
-            return ids[:kept.shape[0]], kept
-        if p.top_p >= 1.0 and p.min_p <= 0.0:
-            return np.arange(n), z
-        # Without top-k every stage cuts a prefix of the whole vocabulary's sorted order, and
-        # min-p's length needs no sort (a count against the best logit): only sort what can
-        # survive it.
-        limit = n
-        if p.min_p > 0.0:
-            limit = max(1, int(np.count_nonzero(z >= z.max() + math.log(p.min_p))))
-        if p.top_p < 1.0:
-            ids = _top_p_prefix_of_vocab(z, p.top_p, limit)
-        else:
-            ids = _top_sorted(z, limit)
-        return ids, z[ids]
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max())
-    return e / e.sum()
-
-
-def _top_sorted(z: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the k highest logits, sorted descending, ties broken by lower id."""
-    n = z.shape[0]
-    if k >= n:
-        return np.lexsort((np.arange(n), -z))
-    threshold = np.partition(z, n - k)[n - k]
-    above = np.flatnonzero(z > threshold)
-    tied = np.flatnonzero(z == threshold)[:k - above.shape[0]]
-    ids = np.concatenate([above, tied])
-    return ids[np.lexsort((ids, -z[ids]))]
-
-
-def _top_p_cut(sorted_logits: np.ndarray, top_p: float) -> int:
-    """Length of the shortest prefix of sorted candidates whose renormalised mass reaches top_p."""
-    cdf = np.cumsum(_softmax(sorted_logits))
-    return min(int(np.searchsorted(cdf, top_p, side="left")) + 1, sorted_logits.shape[0])
-
-
-def _top_p_prefix_of_vocab(z: np.ndarray, top_p: float, limit: int) -> np.ndarray:
-    """Sorted ids of the top-p prefix of the whole vocabulary, at most `limit` long. The best few
-    are tried first: when they already hold top_p of the mass (or reach the limit), sorting the
-    rest is unnecessary, and the prefix of the full order is the same either way."""
-    zmax = z.max()
-    total = np.exp(z - zmax).sum()
-    ids = _top_sorted(z, min(limit, _TOP_P_FIRST_TRY))
-    cdf = np.cumsum(np.exp(z[ids] - zmax)) / total
-    if cdf[-1] < top_p and ids.shape[0] < limit:
-        ids = _top_sorted(z, limit)
-        cdf = np.cumsum(np.exp(z[ids] - zmax)) / total
-    return ids[:int(np.searchsorted(cdf, top_p, side="left")) + 1]
-
-
-def _min_p_cut(sorted_logits: np.ndarray, min_p: float) -> int:
-    """Number of sorted candidates with probability >= min_p * the best one's."""
-    floor = sorted_logits[0] + math.log(min_p)
-    return max(1, int(np.count_nonzero(sorted_logits >= floor)))

@@ -13,6 +13,9 @@ and 7 with the tiny pairs of test_speculative.py.
   after all requests end, or are cancelled, the registry, target and drafter caches are empty.
 - Confidence pruning (draft_p_min / draft_n_min / mode) in generate_many drafts and accepts
   exactly as the Python loop with the same options; T = 0 output stays plain greedy.
+- Filters: the C++ target law (top-k -> top-p -> min-p -> temperature) equals a plain reference
+  of llama.cpp's chain; generate_many with top_k / top_p / min_p at T > 0 gives per prompt the
+  same tokens and draft stats as the Python loop (same seed and options).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import pytest
 
 import pyspec
 from pyspec import _core
+from pyspec.sampling import Sampler, SamplingParams
+from pyspec.speculative import SpecStats
 
 from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -433,3 +438,95 @@ def test_generate_many_pruning_matches_the_python_loop(pairs, layout):
     assert e.n_requests == 0
     with pytest.raises(ValueError, match="draft_p_min_mode"):
         spec.generate_many(prompts, draft_p_min=0.5, draft_p_min_mode="product")
+
+
+def test_processed_law_matches_the_reference():
+    """The C++ target law (verify.h processed_candidates / processed_law, what SpecEngine builds
+    its p rows from and Sampler.candidates calls) against test_sampling's plain reference of
+    llama.cpp's chain, on random rows with ties: same kept ids in the same order, probabilities
+    softmax(kept / T), zeros elsewhere; T = 0 is the one-hot first argmax."""
+    from test_sampling import reference_candidates, softmax
+
+    rng = np.random.default_rng(11)
+    n_filtered = 0
+    for case in range(400):
+        n = int(rng.choice([3, 8, 300, 3000]))
+        logits = (rng.normal(size=n) * [0.3, 1.0, 3.0, 8.0][case % 4]).astype(np.float32)
+        if case % 3 == 0:
+            logits[rng.integers(n, size=max(2, n // 3))] = logits.max()           # ties at the top
+        if case % 3 == 1:
+            logits[rng.integers(n, size=max(2, n // 2))] = np.float32(rng.normal()) # ties inside
+        top_k = int(rng.choice([0, -1, 1, 2, 5, 40, n + 3]))
+        top_p = float(rng.choice([1.0, 0.95, 0.5, 0.99, 0.0]))
+        min_p = float(rng.choice([0.0, 0.05, 0.2, 1.0]))
+        T = float(rng.choice([0.0, 0.6, 1.0, 1.7]))
+        ids, probs = _core.spec.processed_candidates(logits.astype(np.float64), T, top_k, top_p, min_p)
+        row = _core.spec.processed_law(logits, T, top_k, top_p, min_p)
+        if T <= 0.0:
+            ref = [int(np.argmax(logits))]
+        elif top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:
+            ref = list(range(n))
+        else:
+            ref = reference_candidates(logits, top_k, top_p, min_p)
+            n_filtered += len(ref) < n
+        assert ids.tolist() == ref, (case, n, top_k, top_p, min_p, T)
+        want = np.ones(1) if T <= 0.0 else softmax(logits.astype(np.float64)[ref] / T)
+        np.testing.assert_allclose(probs, want, rtol=1e-10)
+        full = np.zeros(n, np.float32)
+        full[ref] = want.astype(np.float32)
+        np.testing.assert_allclose(row, full, rtol=1e-6, atol=0)
+        assert np.count_nonzero(row[np.setdiff1d(np.arange(n), ref)]) == 0
+        # The Python sampler draws from the same law.
+        s_ids, s_probs = Sampler(SamplingParams(T, top_k, top_p, min_p, seed=0)).candidates(logits)
+        assert s_ids.tolist() == ref and np.array_equal(s_probs, probs)
+    assert n_filtered > 100
+    with pytest.raises(ValueError, match="top_p"):
+        _core.spec.processed_law(np.zeros(4, np.float32), 1.0, 0, 1.5, 0.0)
+
+
+FILTERS = [dict(top_k=5, top_p=0.9, min_p=0.05), dict(top_k=0, top_p=0.7, min_p=0.0),
+           dict(top_k=0, top_p=1.0, min_p=0.2), dict(top_k=3, top_p=1.0, min_p=0.0), {}]
+
+
+@pytest.mark.parametrize("layout", ["dflash", "dspark-bonus"])
+@pytest.mark.parametrize("verify", ["rejection", "block"])
+def test_generate_many_filters_match_the_python_loop(pairs, layout, verify):
+    """top_k / top_p / min_p in the C++ step: both loops key every draw by (seed, offset = pos0,
+    slot, stream), so per prompt generate_many (prompt i seeded seed + i) gives the same tokens,
+    draft counts and per-position acceptance as LLM.generate's Python loop with seed + i and the
+    same options ({}: the LLM's defaults, llama.cpp's). top_k = 1 at T > 0 is greedy output, and
+    the filters change what is sampled (the test can tell filtered from unfiltered)."""
+    spec = pyspec.LLM(pairs.target, n_ctx=256, n_threads=2, draft_model=pairs.drafters[layout],
+                      draft_n_max=4, verify=verify)
+    prompts = ["The quick brown fox", "Hello, world!", "a", "One two three four five six"]
+    T, seed, n = 1.1, 40, 24
+    unfiltered = spec.generate_many(prompts, max_tokens=n, temperature=T, seed=seed,
+                                    ignore_eos=True, top_k=0, top_p=1.0, min_p=0.0)
+    n_differ = 0
+    for opts in FILTERS:
+        res = spec.generate_many(prompts, max_tokens=n, temperature=T, seed=seed, ignore_eos=True,
+                                 draft_slots=2, **opts)
+        for i, (p, r) in enumerate(zip(prompts, res)):
+            assert r.seed == seed + i
+            ids = spec.prompt_ids(p)
+            st = SpecStats()
+            want = list(spec.speculative.tokens(ids, SamplingParams(temperature=T, **opts), n,
+                                                stats=st, seed=seed + i))
+            assert r.tokens == want, (opts, i)
+            assert (r.draft_n, r.draft_n_accepted) == (st.draft_n, st.draft_n_accepted), (opts, i)
+            assert r.drafted_at == st.drafted_at and r.accepted_at == st.accepted_at, (opts, i)
+            text = spec.generate(p, max_tokens=n, temperature=T, seed=seed + i, ignore_eos=True,
+                                 **opts)
+            assert r.text == text, (opts, i)
+            n_differ += r.tokens != unfiltered[i].tokens
+    assert n_differ > 0
+    plain = pyspec.LLM(pairs.target, n_ctx=256, n_threads=2)
+    greedy = [plain.generate(p, max_tokens=n, temperature=0, ignore_eos=True) for p in prompts]
+    assert [r.text for r in spec.generate_many(prompts, max_tokens=n, temperature=T, seed=seed,
+                                               ignore_eos=True, top_k=1)] == greedy
+    # T = 0 ignores the filters.
+    assert [r.text for r in spec.generate_many(prompts, max_tokens=n, temperature=0,
+                                               ignore_eos=True, top_k=2, top_p=0.5)] == greedy
+    with pytest.raises(ValueError, match="top_p"):
+        spec.generate_many(prompts, temperature=T, top_p=1.5)
+

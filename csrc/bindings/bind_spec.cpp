@@ -145,6 +145,35 @@ void bind_spec(py::module_& parent) {
         py::arg("logits"), py::arg("temperature"),
         "The law gumbel_max draws from: softmax(logits / T), one-hot argmax at T = 0 (float32).");
     m.def(
+        "processed_candidates",
+        [](const py::array_t<double, py::array::c_style | py::array::forcecast>& logits, double temperature,
+           int64_t top_k, double top_p, double min_p) {
+            if (logits.ndim() != 1) throw std::invalid_argument("logits must be one row");
+            const double* l = logits.data();
+            std::vector<int32_t> ids;
+            std::vector<double> probs;
+            processed_candidates(l, static_cast<int64_t>(logits.size()), temperature, top_k, top_p, min_p, &ids, &probs);
+            py::array_t<int32_t> ids_out(static_cast<py::ssize_t>(ids.size()));
+            py::array_t<double> probs_out(static_cast<py::ssize_t>(probs.size()));
+            std::copy(ids.begin(), ids.end(), ids_out.mutable_data());
+            std::copy(probs.begin(), probs.end(), probs_out.mutable_data());
+            return py::make_tuple(ids_out, probs_out);
+        },
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k") = 0, py::arg("top_p") = 1.0,
+        py::arg("min_p") = 0.0,
+        "The target law of a logit row (float64): (kept ids int32, probabilities float64) after llama.cpp's "
+        "top-k -> top-p -> min-p -> temperature (pyspec/sampling.py); the law SpecEngine verifies against.");
+    m.def(
+        "processed_law",
+        [](const FloatArray& logits, double temperature, int64_t top_k, double top_p, double min_p) {
+            const float* l = row_of(logits, "logits");
+            py::array_t<float> out(logits.size());
+            processed_law(l, static_cast<int64_t>(logits.size()), temperature, top_k, top_p, min_p, out.mutable_data());
+            return out;
+        },
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k") = 0, py::arg("top_p") = 1.0,
+        py::arg("min_p") = 0.0, "processed_candidates as a full float32 row (zeros outside the kept ids).");
+    m.def(
         "verify_greedy",
         [](const FloatArray& p_rows, const IntArray& drafts) {
             const ProbRows p = rows_of(p_rows, "p_rows", 0);

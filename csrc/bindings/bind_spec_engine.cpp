@@ -61,8 +61,8 @@ void bind_spec_engine(py::module_& m) {
              py::arg("kv_dtype") = "f16", py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def(
             "add_request",
-            [](SpecEngine& e, uint64_t id, const std::vector<int32_t>& prompt, int64_t max_tokens, float temperature,
-               uint64_t seed, const std::string& verify, const std::vector<int32_t>& stop_ids, double draft_p_min,
+            [](SpecEngine& e, uint64_t id, const std::vector<int32_t>& prompt, int64_t max_tokens, double temperature,
+               int64_t top_k, double top_p, double min_p, uint64_t seed, const std::string& verify, const std::vector<int32_t>& stop_ids, double draft_p_min,
                int64_t draft_n_min, const std::string& draft_p_min_mode) {
                 RequestParams p;
                 p.draft_p_min = draft_p_min;
@@ -70,13 +70,16 @@ void bind_spec_engine(py::module_& m) {
                 p.draft_p_min_mode = p_min_mode_of(draft_p_min_mode);
                 p.max_tokens = max_tokens;
                 p.temperature = temperature;
+                p.top_k = top_k;
+                p.top_p = top_p;
+                p.min_p = min_p;
                 p.seed = seed;
                 p.method = method_of(verify);
                 p.stop_ids = stop_ids;
                 e.add_request(id, prompt, p);
             },
-            py::arg("request_id"), py::arg("prompt"), py::arg("max_tokens") = -1, py::arg("temperature") = 0.0f,
-            py::arg("seed") = 0, py::arg("verify") = "rejection", py::arg("stop_ids") = std::vector<int32_t>(),
+            py::arg("request_id"), py::arg("prompt"), py::arg("max_tokens") = -1, py::arg("temperature") = 0.0,
+            py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("min_p") = 0.0, py::arg("seed") = 0, py::arg("verify") = "rejection", py::arg("stop_ids") = std::vector<int32_t>(),
             py::arg("draft_p_min") = 0.0, py::arg("draft_n_min") = 0, py::arg("draft_p_min_mode") = "first")
         .def("cancel", &SpecEngine::cancel, py::arg("request_id"))
         .def("pause", &SpecEngine::pause, py::arg("request_id"))

@@ -29,21 +29,13 @@ DraftContextParams draft_params(const SpecEngineParams& p) {
     return d;
 }
 
-// softmax(logits / T) per row, normalised in double: the law plain temperature-only sampling
-// draws from (no filters, design invariant 5).
-std::vector<float> target_law(const float* logits, int64_t n_rows, int64_t n_vocab, float temperature) {
+// The processed law of each row (verify.h processed_law): what the request would sample from
+// without a drafter, so verification keeps it (design invariant 6).
+std::vector<float> target_law(const float* logits, int64_t n_rows, int64_t n_vocab, const RequestParams& r) {
     std::vector<float> p(static_cast<size_t>(n_rows * n_vocab));
-    std::vector<double> z(static_cast<size_t>(n_vocab));
     for (int64_t i = 0; i < n_rows; ++i) {
-        const float* row = logits + i * n_vocab;
-        double mx = -INFINITY;
-        for (int64_t v = 0; v < n_vocab; ++v) {
-            z[static_cast<size_t>(v)] = static_cast<double>(row[v] / temperature);
-            mx = std::max(mx, z[static_cast<size_t>(v)]);
-        }
-        double sum = 0.0;
-        for (int64_t v = 0; v < n_vocab; ++v) sum += (z[static_cast<size_t>(v)] = std::exp(z[static_cast<size_t>(v)] - mx));
-        for (int64_t v = 0; v < n_vocab; ++v) p[static_cast<size_t>(i * n_vocab + v)] = static_cast<float>(z[static_cast<size_t>(v)] / sum);
+        processed_law(logits + i * n_vocab, n_vocab, r.temperature, r.top_k, r.top_p, r.min_p,
+                      p.data() + i * n_vocab);
     }
     return p;
 }
@@ -93,10 +85,12 @@ void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, co
         if (t < 0 || t >= n_vocab_) throw std::invalid_argument("prompt token id " + std::to_string(t) + " is outside the vocabulary");
     }
     if (params.max_tokens == 0) throw std::invalid_argument("max_tokens must be positive, or negative for no limit");
-    if (!std::isfinite(params.temperature) || params.temperature < 0.0f) {
+    if (!std::isfinite(params.temperature) || params.temperature < 0.0) {
         throw std::invalid_argument("temperature must be finite and >= 0");
     }
-    if (params.temperature > 0.0f && params.method == VerifyMethod::Greedy) {
+    if (!(params.top_p >= 0.0 && params.top_p <= 1.0)) throw std::invalid_argument("top_p must be in [0, 1]");
+    if (!(params.min_p >= 0.0 && params.min_p <= 1.0)) throw std::invalid_argument("min_p must be in [0, 1]");
+    if (params.temperature > 0.0 && params.method == VerifyMethod::Greedy) {
         throw std::invalid_argument("greedy verification needs temperature 0: use rejection or block");
     }
     if (!(params.draft_p_min >= 0.0 && params.draft_p_min <= 1.0)) {
@@ -212,7 +206,7 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
         d.seq = slot;
         d.id_last = r->id_last;
         d.pos0 = static_cast<int32_t>(r->pos0);
-        d.sampling.temperature = r->params.temperature;
+        d.sampling.temperature = static_cast<float>(r->params.temperature);
         d.sampling.seed = r->params.seed;
         d.sampling.offset = static_cast<uint32_t>(r->pos0);
         reqs.push_back(d);
@@ -237,7 +231,7 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
         const int64_t n_draft = prune_length(conf.data(), conf.size(), r.params.draft_p_min,
                                              r.params.draft_p_min_mode, r.params.draft_n_min);
         r.drafts.assign(o.tokens.begin() + offset_, o.tokens.begin() + offset_ + n_draft);
-        if (r.params.temperature > 0.0f) {
+        if (r.params.temperature > 0.0) {
             r.q.assign(o.q.begin() + offset_ * o.n_vocab, o.q.begin() + (offset_ + n_draft) * o.n_vocab);
         }
     }
@@ -336,10 +330,10 @@ std::vector<StepOutput> SpecEngine::step() {
             const int gamma = static_cast<int>(r->drafts.size());
             const float* logits = out.logits.data() + logits_row[sp.row0] * n_vocab_;
             VerifyResult vr;
-            if (r->params.temperature <= 0.0f) {
+            if (r->params.temperature <= 0.0) {
                 vr = verify_greedy(ProbRows{logits, gamma + 1, n_vocab_}, r->drafts.data(), gamma);
             } else {
-                const std::vector<float> p = target_law(logits, gamma + 1, n_vocab_, r->params.temperature);
+                const std::vector<float> p = target_law(logits, gamma + 1, n_vocab_, r->params);
                 vr = verify(r->params.method, ProbRows{p.data(), gamma + 1, n_vocab_}, ProbRows{r->q.data(), gamma, n_vocab_},
                             r->drafts.data(), gamma, r->params.seed, static_cast<uint32_t>(r->pos0));
             }

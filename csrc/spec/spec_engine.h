@@ -53,7 +53,13 @@ struct SpecEngineParams {
 
 struct RequestParams {
     int64_t max_tokens = -1;     // < 0: until a stop id or a full context
-    float temperature = 0.0f;    // temperature-only sampling (no top-k/top-p), design invariant 5
+    // The target law (verify.h processed_candidates, pyspec/sampling.py's chain): temperature
+    // after top-k -> top-p -> min-p; a filter that is off (top_k <= 0, top_p >= 1, min_p <= 0)
+    // does not run, so with all three off it is softmax(logits / T) (design invariant 5).
+    double temperature = 0.0;
+    int64_t top_k = 0;
+    double top_p = 1.0;
+    double min_p = 0.0;
     uint64_t seed = 0;
     VerifyMethod method = VerifyMethod::Greedy;  // Greedy needs temperature 0
     std::vector<int32_t> stop_ids;               // ending tokens; not emitted

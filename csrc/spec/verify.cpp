@@ -142,6 +142,97 @@ BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* 
 
 }  // namespace
 
+void processed_candidates(const double* z, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                          std::vector<int32_t>* ids, std::vector<double>* probs) {
+    if (n < 1) throw std::invalid_argument("cannot sample from empty logits");
+    if (!(top_p >= 0.0 && top_p <= 1.0)) throw std::invalid_argument("top_p must be in [0, 1]");
+    if (!(min_p >= 0.0 && min_p <= 1.0)) throw std::invalid_argument("min_p must be in [0, 1]");
+    ids->clear();
+    probs->clear();
+    int64_t best = 0;
+    for (int64_t v = 0; v < n; ++v) {
+        if (std::isnan(z[v])) throw std::invalid_argument("NaN logit");
+        if (z[v] > z[best]) best = v;
+    }
+    if (temperature <= 0.0) {
+        ids->push_back(static_cast<int32_t>(best));
+        probs->push_back(1.0);
+        return;
+    }
+    const bool use_k = top_k > 0, use_p = top_p < 1.0, use_min = min_p > 0.0;
+    if (!use_k && !use_p && !use_min) {
+        ids->resize(static_cast<size_t>(n));
+        for (int64_t v = 0; v < n; ++v) (*ids)[static_cast<size_t>(v)] = static_cast<int32_t>(v);
+    } else {
+        auto before = [z](int32_t a, int32_t b) { return z[a] != z[b] ? z[a] > z[b] : a < b; };
+        std::vector<int32_t> order(static_cast<size_t>(n));
+        for (int64_t v = 0; v < n; ++v) order[static_cast<size_t>(v)] = static_cast<int32_t>(v);
+        const double zmax = z[best];
+        // Only what can survive is sorted: top-k's k best; min-p's survivors are a prefix of the
+        // sorted order (logit >= the best + log(min_p)) whose length needs no sort.
+        const int64_t n_k = use_k ? std::min(top_k, n) : n;  // what top-k keeps
+        int64_t limit = n_k;
+        if (use_min) {
+            const double floor = zmax + std::log(min_p);
+            int64_t count = 0;
+            for (int64_t v = 0; v < n; ++v) count += z[v] >= floor;
+            limit = std::min(limit, std::max<int64_t>(count, 1));
+        }
+        int64_t kept = limit;
+        if (use_p) {
+            // top-p renormalises top-k's survivors at temperature 1. The best few are sorted first:
+            // when they already reach top_p, sorting the rest is unnecessary (same prefix).
+            double total = 0.0;
+            if (use_k) {
+                std::partial_sort(order.begin(), order.begin() + n_k, order.end(), before);
+                for (int64_t i = 0; i < n_k; ++i) total += std::exp(z[order[static_cast<size_t>(i)]] - zmax);
+            } else {
+                for (int64_t v = 0; v < n; ++v) total += std::exp(z[v] - zmax);
+            }
+            int64_t sorted = use_k ? n_k : std::min<int64_t>(limit, 256);
+            if (!use_k) std::partial_sort(order.begin(), order.begin() + sorted, order.end(), before);
+            double cum = 0.0;
+            for (int64_t i = 0; i < limit; ++i) {
+                if (i == sorted) {
+                    std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
+                    sorted = limit;
+                }
+                cum += std::exp(z[order[static_cast<size_t>(i)]] - zmax) / total;
+                if (cum >= top_p) {
+                    kept = i + 1;
+                    break;
+                }
+            }
+            // Not reached within min-p's survivors: min-p keeps them all (kept = limit); the
+            // whole sorted prefix up to limit is in place either way.
+            if (kept == limit && sorted < limit) std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
+        } else {
+            std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
+        }
+        ids->assign(order.begin(), order.begin() + kept);
+    }
+    // Temperature and the softmax of what is left, in double.
+    double mx = -INFINITY;
+    probs->resize(ids->size());
+    for (size_t i = 0; i < ids->size(); ++i) {
+        (*probs)[i] = z[(*ids)[i]] / temperature;
+        mx = std::max(mx, (*probs)[i]);
+    }
+    double sum = 0.0;
+    for (double& x : *probs) sum += (x = std::exp(x - mx));
+    for (double& x : *probs) x /= sum;
+}
+
+void processed_law(const float* logits, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                   float* out) {
+    std::vector<double> z(logits, logits + n);
+    std::vector<int32_t> ids;
+    std::vector<double> probs;
+    processed_candidates(z.data(), n, temperature, top_k, top_p, min_p, &ids, &probs);
+    std::fill(out, out + n, 0.0f);
+    for (size_t i = 0; i < ids.size(); ++i) out[ids[i]] = static_cast<float>(probs[i]);
+}
+
 int32_t argmax_first(const float* x, int64_t n) {
     if (n < 1) throw std::invalid_argument("argmax of an empty row");
     int32_t best = 0;

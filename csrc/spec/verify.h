@@ -43,6 +43,24 @@ struct VerifyResult {
 
 enum class VerifyMethod { Greedy, Rejection, Block };
 
+// The law the target samples a row from (pyspec/sampling.py, llama.cpp's chain and order):
+// top-k -> top-p -> min-p -> temperature over the candidates sorted by (logit desc, id asc).
+// top_k <= 0, top_p >= 1 and min_p <= 0 turn a stage off, and a stage that is off does not run, so
+// with every filter off the law is softmax(logits / T) over the whole vocabulary (invariant 5).
+// top-p keeps the shortest sorted prefix whose mass (softmax at temperature 1 over what top-k
+// kept) reaches top_p; min-p keeps the candidates with logit >= best + log(min_p) (at least one).
+// The kept logits are divided by T and softmaxed in double. T <= 0: the
+// first-index argmax with probability 1. Outputs: the kept ids (sorted by logit when a filter ran,
+// else id order) and their probabilities. Throws std::invalid_argument for n < 1, NaN logits or
+// top_p / min_p outside [0, 1].
+void processed_candidates(const double* logits, int64_t n, double temperature, int64_t top_k, double top_p,
+                          double min_p, std::vector<int32_t>* ids, std::vector<double>* probs);
+
+// processed_candidates of a float row (widened exactly to double) as a full row of n floats
+// (zeros outside the kept candidates): the p row verification uses.
+void processed_law(const float* logits, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                   float* out);
+
 // Drafts may end in padding (-1) for a ragged γ: the round then verifies only the drafts before
 // the first -1, and p still carries γ + 1 rows, q γ rows. Token ids must lie in [0, n_vocab).
 // Bad shapes, ids or rows (negative or non-finite probabilities, an all-zero p row) throw
