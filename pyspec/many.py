@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 from . import _core
 from .sampling import Sampler, SamplingParams
-from .speculative import P_MIN_MODES
+from .speculative import check_pruning_options
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -84,16 +84,10 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
         raise ValueError(f"draft_n_batch must be at least 1, got {draft_n_batch}")
     # Confidence pruning: the LLM's settings unless given; the same rule as the Python loop
     # (csrc/spec/prune.h), checked again by the engine.
-    draft_p_min = spec.draft_p_min if draft_p_min is None else float(draft_p_min)
-    draft_n_min = spec.draft_n_min if draft_n_min is None else int(draft_n_min)
     draft_p_min_mode = spec.draft_p_min_mode if draft_p_min_mode is None else draft_p_min_mode
-    if not 0.0 <= draft_p_min <= 1.0:
-        raise ValueError(f"draft_p_min must be in [0, 1], got {draft_p_min}")
-    if draft_n_min < 0:
-        raise ValueError(f"draft_n_min must be >= 0, got {draft_n_min}")
-    if draft_p_min_mode not in P_MIN_MODES:
-        raise ValueError(f"unknown draft_p_min_mode {draft_p_min_mode!r} (one of "
-                         f"{', '.join(P_MIN_MODES)})")
+    draft_p_min, draft_n_min = check_pruning_options(
+        spec.draft_p_min if draft_p_min is None else draft_p_min,
+        spec.draft_n_min if draft_n_min is None else draft_n_min, draft_p_min_mode)
     # Validated as LLM.generate validates them.
     params = SamplingParams(temperature, top_k, top_p, min_p, seed)
     method = spec.method(params)

@@ -60,6 +60,18 @@ VERIFY_METHODS = ("greedy", "rejection", "block")
 P_MIN_MODES = ("first", "cumulative")
 
 
+def check_pruning_options(p_min, n_min, mode):
+    """Validated confidence-pruning options (p_min in [0, 1], n_min >= 0, a known mode)."""
+    p_min, n_min = float(p_min), int(n_min)
+    if not 0.0 <= p_min <= 1.0:
+        raise ValueError(f"draft_p_min must be in [0, 1], got {p_min}")
+    if n_min < 0:
+        raise ValueError(f"draft_n_min must be >= 0, got {n_min}")
+    if mode not in P_MIN_MODES:
+        raise ValueError(f"unknown draft_p_min_mode {mode!r} (one of {', '.join(P_MIN_MODES)})")
+    return p_min, n_min
+
+
 def prune_length(confidence: Sequence[float], p_min: float, mode: str = "first",
                  n_min: int = 0) -> int:
     """How many drafts to keep of len(confidence): stop at the first position k whose confidence
@@ -163,14 +175,7 @@ class SpeculativeGenerator:
         n_max = drafter.n_draft_max if draft_n_max is None else int(draft_n_max)
         if n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0, got {n_max}")
-        draft_p_min, draft_n_min = float(draft_p_min), int(draft_n_min)
-        if not 0.0 <= draft_p_min <= 1.0:
-            raise ValueError(f"draft_p_min must be in [0, 1], got {draft_p_min}")
-        if draft_n_min < 0:
-            raise ValueError(f"draft_n_min must be >= 0, got {draft_n_min}")
-        if draft_p_min_mode not in P_MIN_MODES:
-            raise ValueError(f"unknown draft_p_min_mode {draft_p_min_mode!r} (one of "
-                             f"{', '.join(P_MIN_MODES)})")
+        draft_p_min, draft_n_min = check_pruning_options(draft_p_min, draft_n_min, draft_p_min_mode)
         if draft_p_min > 0.0 and drafter.model.is_dspark and not drafter.model.has_confidence_head:
             raise ValueError("DSpark draft has no confidence head: please set draft_p_min 0 "
                              "(--spec-draft-p-min 0)")
