@@ -60,7 +60,7 @@ def make_engine(target, drafter, n_seq_max=8, n_slots=8, draft_n_max=-1, n_ctx_s
 
 def run(engine, requests, order=None, hook=None):
     """Adds `requests` ({id: (prompt, max_tokens, kwargs)}) in `order` and steps until all end.
-    Per id: emitted tokens, the draft block proposed after each of its rounds, final stats."""
+    Per id: emitted tokens, the drafted block each of its rounds verified, final stats."""
     order = list(requests) if order is None else order
     for rid in order:
         prompt, n, kw = requests[rid]
@@ -74,10 +74,12 @@ def run(engine, requests, order=None, hook=None):
         for o in outs:
             rid = o["request_id"]
             tokens[rid] += o["tokens"]
+            if o["verified"]:
+                blocks[rid].append(list(o["verified"]))
             if o["finished"]:
                 stats[rid] = o["stats"]
-            elif engine.pending_drafts(rid) or o["n_drafted"]:
-                blocks[rid].append(list(engine.pending_drafts(rid)))
+            else:
+                assert o["n_drafted"] == len(engine.pending_drafts(rid))
         if hook:
             hook(engine, outs)
     return {rid: (tokens[rid], blocks[rid], stats[rid]) for rid in order}

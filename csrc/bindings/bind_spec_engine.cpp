@@ -31,6 +31,8 @@ py::dict stats_dict(const RequestStats& s) {
     d["accepted_at"] = s.accepted_at;
     d["mean_accepted_length"] = s.mean_accepted_length();
     d["n_restaged"] = s.n_restaged;
+    d["draft_stopped"] = s.draft_stopped;
+    d["draft_stop_reason"] = s.draft_stop_reason;
     return d;
 }
 
@@ -53,18 +55,28 @@ void bind_spec_engine(py::module_& m) {
                  p.n_threads = n_threads;
                  p.draft_n_max = draft_n_max;
                  p.prefill_chunk = prefill_chunk;
-                 return std::make_unique<SpecEngine>(*target, *drafter, p);
+                 return std::make_unique<SpecEngine>(*target, drafter.get(), p);
              }),
              py::arg("target_model"), py::arg("draft_model"), py::arg("n_ctx"), py::arg("n_seq_max"),
-             py::arg("n_draft_slots"), py::arg("n_batch") = 512, py::arg("draft_n_batch") = 512,
+             py::arg("n_draft_slots") = 1, py::arg("n_batch") = 512, py::arg("draft_n_batch") = 512,
              py::arg("n_threads") = 1, py::arg("draft_n_max") = -1, py::arg("prefill_chunk") = 256,
              py::arg("kv_dtype") = "f16", py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def(
             "add_request",
             [](SpecEngine& e, uint64_t id, const std::vector<int32_t>& prompt, int64_t max_tokens, double temperature,
                int64_t top_k, double top_p, double min_p, uint64_t seed, const std::string& verify, const std::vector<int32_t>& stop_ids, double draft_p_min,
-               int64_t draft_n_min, const std::string& draft_p_min_mode) {
+               int64_t draft_n_min, const std::string& draft_p_min_mode, const std::vector<std::pair<int32_t, float>>& logit_bias,
+               int64_t repeat_last_n, float repeat_penalty, float presence_penalty, float frequency_penalty, int64_t n_probs,
+               int32_t seq, bool draft) {
                 RequestParams p;
+                p.processing.logit_bias = logit_bias;
+                p.processing.repeat_last_n = repeat_last_n;
+                p.processing.repeat_penalty = repeat_penalty;
+                p.processing.presence_penalty = presence_penalty;
+                p.processing.frequency_penalty = frequency_penalty;
+                p.n_probs = n_probs;
+                p.seq = seq;
+                p.draft = draft;
                 p.draft_p_min = draft_p_min;
                 p.draft_n_min = draft_n_min;
                 p.draft_p_min_mode = p_min_mode_of(draft_p_min_mode);
@@ -80,7 +92,13 @@ void bind_spec_engine(py::module_& m) {
             },
             py::arg("request_id"), py::arg("prompt"), py::arg("max_tokens") = -1, py::arg("temperature") = 0.0,
             py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("min_p") = 0.0, py::arg("seed") = 0, py::arg("verify") = "rejection", py::arg("stop_ids") = std::vector<int32_t>(),
-            py::arg("draft_p_min") = 0.0, py::arg("draft_n_min") = 0, py::arg("draft_p_min_mode") = "first")
+            py::arg("draft_p_min") = 0.0, py::arg("draft_n_min") = 0, py::arg("draft_p_min_mode") = "first",
+            py::arg("logit_bias") = std::vector<std::pair<int32_t, float>>(), py::arg("repeat_last_n") = 64,
+            py::arg("repeat_penalty") = 1.0f, py::arg("presence_penalty") = 0.0f, py::arg("frequency_penalty") = 0.0f,
+            py::arg("n_probs") = 0, py::arg("seq") = -1, py::arg("draft") = true,
+            "Adds a request. logit_bias: [(token id, bias)] (-inf bans); penalties as llama.cpp's (over the "
+            "prompt and the output); n_probs > 0: step() reports top-n log-probabilities of each token; seq: the "
+            "target sequence (server slot) to use, -1 any; draft=False: never draft.")
         .def("cancel", &SpecEngine::cancel, py::arg("request_id"))
         .def("pause", &SpecEngine::pause, py::arg("request_id"))
         .def("resume", &SpecEngine::resume, py::arg("request_id"))
@@ -100,13 +118,24 @@ void bind_spec_engine(py::module_& m) {
                     d["finished"] = o.finished;
                     d["stop_reason"] = o.stop_reason;
                     d["n_drafted"] = o.n_drafted;
+                    d["n_prompt_processed"] = o.n_prompt_processed;
+                    d["verified"] = o.verified;
+                    if (!o.probs.empty()) {
+                        py::list probs;
+                        for (const TokenLogprobs& t : o.probs) probs.append(py::make_tuple(t.id, t.logprob, t.top));
+                        d["probs"] = probs;
+                    }
                     d["stats"] = stats_dict(o.stats);
                     l.append(d);
                 }
                 return l;
             },
             "One step over the active requests: a list of {request_id, tokens, finished, stop_reason, n_drafted, "
-            "stats} for the requests that ran.")
+            "n_prompt_processed, verified (the block verified), stats[, probs: [(id, logprob, [(id, logprob)...])]]} for the requests that ran.")
+        .def_property_readonly("has_drafter", &SpecEngine::has_drafter)
+        .def("inject_draft_failure", &SpecEngine::inject_draft_failure, py::arg("request_id"),
+             "Test hook: the next drafter pass including this request fails as a broken drafter would.")
+        .def_property_readonly("n_ctx_seq", [](const SpecEngine& e) { return e.target_context().n_ctx_seq(); })
         .def("has_request", &SpecEngine::has_request, py::arg("request_id"))
         .def_property_readonly("n_requests", &SpecEngine::n_requests)
         .def("stats", [](const SpecEngine& e, uint64_t id) { return stats_dict(e.stats(id)); }, py::arg("request_id"))

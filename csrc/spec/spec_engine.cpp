@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -42,24 +43,35 @@ std::vector<float> target_law(const float* logits, int64_t n_rows, int64_t n_voc
 
 }  // namespace
 
-SpecEngine::SpecEngine(const Model& target, const DraftModel& drafter, const SpecEngineParams& params)
+SpecEngine::SpecEngine(const Model& target, const DraftModel* drafter, const SpecEngineParams& params)
     : target_(target), drafter_(drafter), params_(params) {
-    if (&drafter.target() != &target) {
+    if (drafter_ && &drafter_->target() != &target) {
         throw std::invalid_argument("the drafter was loaded for another target model");
     }
     if (params_.prefill_chunk < 1) throw std::invalid_argument("prefill_chunk must be at least 1");
     ctx_ = std::make_unique<Context>(target_, target_params(params_));
-    dctx_ = std::make_unique<DraftContext>(drafter_, draft_params(params_));
-    registry_ = std::make_unique<DraftStateRegistry>(static_cast<int32_t>(params_.n_draft_slots));
     seq_used_.assign(static_cast<size_t>(params_.n_seq_max), 0);
-    const DraftHparams& hp = drafter_.hparams();
-    layers_ = hp.target_layers;
     n_embd_ = target_.hparams().n_embd;
     n_vocab_ = target_.hparams().n_vocab;
+    if (!drafter_) return;
+    dctx_ = std::make_unique<DraftContext>(*drafter_, draft_params(params_));
+    registry_ = std::make_unique<DraftStateRegistry>(static_cast<int32_t>(params_.n_draft_slots));
+    const DraftHparams& hp = drafter_->hparams();
+    layers_ = hp.target_layers;
     offset_ = hp.draft_offset();
     draft_n_max_ = std::min<int64_t>(hp.n_draft_max(), params_.n_batch - 1);
     if (params_.draft_n_max >= 0) draft_n_max_ = std::min(draft_n_max_, params_.draft_n_max);
     draft_n_max_ = std::max<int64_t>(draft_n_max_, 0);
+}
+
+const DraftContext& SpecEngine::draft_context() const {
+    if (!dctx_) throw std::logic_error("this engine has no drafter");
+    return *dctx_;
+}
+
+const DraftStateRegistry& SpecEngine::registry() const {
+    if (!registry_) throw std::logic_error("this engine has no drafter");
+    return *registry_;
 }
 
 SpecEngine::Request& SpecEngine::get(uint64_t id) {
@@ -97,10 +109,20 @@ void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, co
         throw std::invalid_argument("draft_p_min must be in [0, 1]");
     }
     if (params.draft_n_min < 0) throw std::invalid_argument("draft_n_min must be >= 0");
-    if (params.draft_p_min > 0.0 && drafter_.hparams().is_dspark && !drafter_.hparams().has_confidence_head) {
+    if (params.draft_p_min > 0.0 && drafter_ && drafter_->hparams().is_dspark && !drafter_->hparams().has_confidence_head) {
         throw std::invalid_argument("DSpark draft has no confidence head: please set draft_p_min 0");
     }
+    check_logit_processing(params.processing, n_vocab_);
+    if (params.n_probs < 0) throw std::invalid_argument("n_probs must be >= 0");
     auto free_seq = std::find(seq_used_.begin(), seq_used_.end(), 0);
+    if (params.seq >= 0) {
+        if (params.seq >= params_.n_seq_max) {
+            throw std::invalid_argument("target sequence " + std::to_string(params.seq) + " is out of range (n_seq_max = " +
+                                        std::to_string(params_.n_seq_max) + ")");
+        }
+        free_seq = seq_used_.begin() + params.seq;
+        if (*free_seq) throw std::invalid_argument("target sequence " + std::to_string(params.seq) + " is busy");
+    }
     if (free_seq == seq_used_.end()) {
         throw std::invalid_argument("every target sequence is taken (n_seq_max = " + std::to_string(params_.n_seq_max) + ")");
     }
@@ -109,9 +131,11 @@ void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, co
     r.params = params;
     r.prompt = prompt;
     r.seq = static_cast<int32_t>(free_seq - seq_used_.begin());
+    r.drafting = drafter_ != nullptr && params.draft;
+    r.history = prompt;
     if (prompt.size() == 1) {
         r.generating = true;
-        r.needs_draft = true;
+        r.needs_draft = r.drafting;
         r.id_last = prompt[0];
         r.pos0 = 0;
     }
@@ -123,8 +147,26 @@ void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, co
 void SpecEngine::release(Request& r) {
     ctx_->kv().clear(r.seq);
     seq_used_[static_cast<size_t>(r.seq)] = 0;
+    if (!registry_) return;
     const int32_t slot = registry_->release(r.id);
     if (slot >= 0) dctx_->clear(slot);
+}
+
+void SpecEngine::stop_drafting(Request& r, const std::string& why) {
+    if (!r.drafting) return;
+    r.drafting = false;
+    r.needs_draft = false;
+    r.stats.draft_stopped = true;
+    r.stats.draft_stop_reason = why;
+    std::fprintf(stderr, "pyspec: request %llu: drafting stopped (%s); it continues without drafts\n",
+                 static_cast<unsigned long long>(r.id), why.c_str());
+    const int32_t slot = registry_->release(r.id);
+    if (slot >= 0) dctx_->clear(slot);
+    r.drafts.clear();
+    r.q.clear();
+    r.pending_pos.clear();
+    r.pending_rows.clear();
+    r.parked.reset();
 }
 
 bool SpecEngine::cancel(uint64_t id) {
@@ -168,6 +210,16 @@ void SpecEngine::commit_rows(Request& r, const DecodeOutput& out, size_t row0, i
 }
 
 void SpecEngine::stage(Request& r, SlotGrant& grant) {
+    if (!r.drafting) return;
+    try {
+        stage_rows(r, grant);
+    } catch (const std::exception& e) {
+        // A failed inject (or the rebase inside it) leaves the slot in no known state.
+        stop_drafting(r, std::string("staging into the drafter failed: ") + e.what());
+    }
+}
+
+void SpecEngine::stage_rows(Request& r, SlotGrant& grant) {
     // A fresh slot holds someone else's rows (or none); a request coming back from a reclaim gets
     // its parked state restored into it. Either way this happens once per grant.
     if (grant.fresh) {
@@ -215,16 +267,44 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
     if (reqs.empty()) return;
     // The whole configured block is drafted and then cut, so a slot's logits do not depend on how
     // much room this round has (the block attends to itself); one pass drafts every request, and
-    // batch invariance (invariant 7) makes each block what drafting it alone would give.
-    const std::vector<DraftOutput> outs = dctx_->draft_many(reqs, draft_n_max_ + offset_);
+    // batch invariance (invariant 7) makes each block what drafting it alone would give -- which
+    // is also why, when the pass fails, drafting each request alone finds the one that failed
+    // without changing anyone else's drafts.
+    const int64_t block = draft_n_max_ + offset_;
+    auto pass = [&](const std::vector<DraftRequest>& rs, const std::vector<Request*>& owners) {
+        for (Request* r : owners) {
+            if (r->inject_failure) {  // stays set: the request's drafting is broken for good
+                throw std::runtime_error("injected drafter failure");
+            }
+        }
+        return dctx_->draft_many(rs, block);
+    };
+    std::vector<Request*> owners;
+    for (const auto& w : who) owners.push_back(w.first);
+    std::vector<DraftOutput> outs;
+    std::vector<bool> ok(reqs.size(), true);
+    try {
+        outs = pass(reqs, owners);
+    } catch (const std::exception& e) {
+        outs.assign(reqs.size(), DraftOutput{});
+        for (size_t i = 0; i < reqs.size(); ++i) {
+            try {
+                outs[i] = pass({reqs[i]}, {owners[i]}).at(0);
+            } catch (const std::exception& e1) {
+                ok[i] = false;
+                stop_drafting(*owners[i], std::string("drafter pass failed: ") + e1.what());
+            }
+        }
+    }
     for (size_t i = 0; i < outs.size(); ++i) {
+        if (!ok[i]) continue;
         Request& r = *who[i].first;
         const DraftOutput& o = outs[i];
         // Confidence pruning of the slots this round has room for (spec/prune.h).
         std::vector<float> conf(static_cast<size_t>(who[i].second));
         for (int64_t k = 0; k < who[i].second && r.params.draft_p_min > 0.0; ++k) {
             const int64_t slot = offset_ + k;
-            conf[static_cast<size_t>(k)] = drafter_.hparams().is_dspark
+            conf[static_cast<size_t>(k)] = drafter_->hparams().is_dspark
                                                 ? o.confidence[static_cast<size_t>(slot)]
                                                 : o.candidate_probs[static_cast<size_t>(slot * o.n_candidates)];
         }
@@ -238,53 +318,65 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
 }
 
 std::vector<StepOutput> SpecEngine::step() {
-    // Who runs: every active request up to one per drafter slot. Requests holding a slot go
-    // first, so a slot changes hands only when its holder sits out (paused) or leaves; the others
-    // follow least recently scheduled first.
-    std::vector<Request*> run;
+    // Who runs (see the header): drafting requests up to one per drafter slot, holders first, then
+    // least recently scheduled; the requests that do not draft always run.
+    std::vector<Request*> cands, run;
     for (auto& kv : requests_) {
-        if (!kv.second.paused) run.push_back(&kv.second);
+        Request& r = kv.second;
+        if (r.paused) continue;
+        (r.drafting ? cands : run).push_back(&r);
     }
-    const DraftStateRegistry& reg = *registry_;
-    std::sort(run.begin(), run.end(), [&reg](const Request* a, const Request* b) {
-        const bool ha = reg.slot_of(a->id).has_value(), hb = reg.slot_of(b->id).has_value();
-        if (ha != hb) return ha;
-        return a->last_step != b->last_step ? a->last_step < b->last_step : a->id < b->id;
-    });
-    if (run.size() > static_cast<size_t>(params_.n_draft_slots)) run.resize(static_cast<size_t>(params_.n_draft_slots));
+    std::vector<uint64_t> granted_ids;
+    if (!cands.empty()) {
+        const DraftStateRegistry& reg = *registry_;
+        std::sort(cands.begin(), cands.end(), [&reg](const Request* a, const Request* b) {
+            const bool ha = reg.slot_of(a->id).has_value(), hb = reg.slot_of(b->id).has_value();
+            if (ha != hb) return ha;
+            return a->last_step != b->last_step ? a->last_step < b->last_step : a->id < b->id;
+        });
+        if (cands.size() > static_cast<size_t>(params_.n_draft_slots)) cands.resize(static_cast<size_t>(params_.n_draft_slots));
+        for (Request* r : cands) {
+            granted_ids.push_back(r->id);
+            run.push_back(r);
+        }
+    }
     if (run.empty()) return {};
     ++step_;
-    std::vector<uint64_t> ids;
-    for (Request* r : run) ids.push_back(r->id);
-    const std::vector<SlotGrant> grants = registry_->schedule(step_, ids);
     std::unordered_map<uint64_t, SlotGrant> grant_of;
-    for (const SlotGrant& g : grants) {
-        // The reclaimed holder sits this step out; its cells are parked before anyone stages
-        // into the slot.
-        if (g.evicted) get(*g.evicted).parked = dctx_->park(g.slot);
-        grant_of.emplace(g.request_id, g);
+    if (!granted_ids.empty()) {
+        for (const SlotGrant& g : registry_->schedule(step_, granted_ids)) {
+            // The reclaimed holder sits this step out; its cells are parked before anyone stages
+            // into the slot.
+            if (g.evicted) get(*g.evicted).parked = dctx_->park(g.slot);
+            grant_of.emplace(g.request_id, g);
+        }
     }
+    auto grant = [&grant_of](const Request* r) -> SlotGrant* {
+        auto it = grant_of.find(r->id);
+        return it == grant_of.end() ? nullptr : &it->second;
+    };
 
     // One target batch; each request's rows are found through its id.
     struct Span {
         size_t row0 = 0, n = 0;
     };
     std::unordered_map<uint64_t, Span> span_of;
-    // A one-token prompt has no prefill step to draft after: its first block is drafted here,
-    // over an empty context, as the one-sequence loop does (all such requests in one pass).
+    // A request generating without a drafted block (a one-token prompt, or a prompt prefilled
+    // while it had no slot) gets its first block drafted here, from the rows staged so far, as
+    // the one-sequence loop does (all such requests in one pass).
     std::vector<std::pair<Request*, int32_t>> first_blocks;
     for (Request* r : run) {
-        if (r->generating && r->needs_draft) {
-            SlotGrant& g = grant_of.at(r->id);
-            stage(*r, g);
-            first_blocks.emplace_back(r, g.slot);
+        SlotGrant* g = grant(r);
+        if (r->generating && r->needs_draft && g) {
+            stage(*r, *g);
             r->needs_draft = false;
+            if (r->drafting) first_blocks.emplace_back(r, g->slot);
         }
     }
     draft(first_blocks);
     Batch batch;
     for (Request* r : run) {
-        r->last_step = step_;
+        if (grant(r)) r->last_step = step_;
         Span sp{batch.size(), 0};
         if (!r->generating) {
             const int64_t n_prompt = static_cast<int64_t>(r->prompt.size()) - 1;
@@ -314,26 +406,41 @@ std::vector<StepOutput> SpecEngine::step() {
 
     std::vector<StepOutput> result;
     std::vector<std::pair<Request*, int32_t>> next_blocks;  // drafted together after verification
+    std::vector<float> processed;
     for (Request* r : run) {
         const Span sp = span_of.at(r->id);
         StepOutput so;
         so.request_id = r->id;
         if (!r->generating) {
-            commit_rows(*r, out, sp.row0, r->n_prefilled, sp.n);
+            if (r->drafting) commit_rows(*r, out, sp.row0, r->n_prefilled, sp.n);
             r->n_prefilled += static_cast<int64_t>(sp.n);
+            so.n_prompt_processed = static_cast<int64_t>(sp.n);
             if (r->n_prefilled == static_cast<int64_t>(r->prompt.size()) - 1) {
                 r->generating = true;
                 r->id_last = r->prompt.back();
                 r->pos0 = r->n_prefilled;
+                // Without a slot there is no block to verify next: draft one once a slot comes.
+                if (r->drafting && !grant(r)) r->needs_draft = true;
             }
         } else {
             const int gamma = static_cast<int>(r->drafts.size());
+            so.verified = r->drafts;
             const float* logits = out.logits.data() + logits_row[sp.row0] * n_vocab_;
+            // Row j is what the request would sample from after committing drafts[0..j).
+            const float* rows = logits;
+            const LogitProcessing& lp = r->params.processing;
+            if (lp.active()) {
+                processed.assign(logits, logits + static_cast<int64_t>(gamma + 1) * n_vocab_);
+                for (int j = 0; j <= gamma; ++j) {
+                    apply_logit_processing(lp, r->history, r->drafts.data(), j, processed.data() + j * n_vocab_, n_vocab_);
+                }
+                rows = processed.data();
+            }
             VerifyResult vr;
             if (r->params.temperature <= 0.0) {
-                vr = verify_greedy(ProbRows{logits, gamma + 1, n_vocab_}, r->drafts.data(), gamma);
+                vr = verify_greedy(ProbRows{rows, gamma + 1, n_vocab_}, r->drafts.data(), gamma);
             } else {
-                const std::vector<float> p = target_law(logits, gamma + 1, n_vocab_, r->params);
+                const std::vector<float> p = target_law(rows, gamma + 1, n_vocab_, r->params);
                 vr = verify(r->params.method, ProbRows{p.data(), gamma + 1, n_vocab_}, ProbRows{r->q.data(), gamma, n_vocab_},
                             r->drafts.data(), gamma, r->params.seed, static_cast<uint32_t>(r->pos0));
             }
@@ -353,16 +460,21 @@ std::vector<StepOutput> SpecEngine::step() {
             // Keep id_last and the accepted drafts in the target; the rest never happened. The
             // drafter keeps no block rows, so only committed rows ever reach it.
             ctx_->kv().remove(r->seq, r->pos0 + tau + 1, -1);
-            commit_rows(*r, out, sp.row0, r->pos0, static_cast<size_t>(tau) + 1);
+            if (r->drafting) commit_rows(*r, out, sp.row0, r->pos0, static_cast<size_t>(tau) + 1);
             r->drafts.clear();
             r->q.clear();
-            for (int32_t tok : vr.tokens) {
+            for (size_t k = 0; k < vr.tokens.size(); ++k) {
+                const int32_t tok = vr.tokens[k];
+                r->history.push_back(tok);
                 if (std::find(r->params.stop_ids.begin(), r->params.stop_ids.end(), tok) != r->params.stop_ids.end()) {
                     so.finished = true;
                     so.stop_reason = "stop";
                     break;
                 }
                 so.tokens.push_back(tok);
+                if (r->params.n_probs > 0) {
+                    so.probs.push_back(token_logprobs(logits + static_cast<int64_t>(k) * n_vocab_, n_vocab_, tok, r->params.n_probs));
+                }
                 ++r->n_out;
                 if (r->params.max_tokens > 0 && r->n_out >= r->params.max_tokens) {
                     so.finished = true;
@@ -378,16 +490,18 @@ std::vector<StepOutput> SpecEngine::step() {
             }
         }
         if (!so.finished) {
-            SlotGrant& g = grant_of.at(r->id);
-            stage(*r, g);
-            if (r->generating) next_blocks.emplace_back(r, g.slot);
+            if (SlotGrant* g = grant(r)) {
+                stage(*r, *g);
+                if (r->generating && r->drafting) next_blocks.emplace_back(r, g->slot);
+            }
         }
-        so.stats = r->stats;
         result.push_back(std::move(so));
     }
     draft(next_blocks);
     for (StepOutput& so : result) {
-        if (!so.finished) so.n_drafted = static_cast<int64_t>(requests_.at(so.request_id).drafts.size());
+        const Request& r = requests_.at(so.request_id);
+        if (!so.finished) so.n_drafted = static_cast<int64_t>(r.drafts.size());
+        so.stats = r.stats;
     }
     for (const StepOutput& so : result) {
         if (so.finished) {

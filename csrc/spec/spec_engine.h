@@ -15,11 +15,20 @@
 // stored, pos_base, occupancy) and restored into whichever slot the request gets when it returns,
 // so it resumes with exactly the drafter state of an uninterrupted run, rebased or not.
 //
-// Scheduling: a step takes at most n_draft_slots requests (every scheduled request stages into
-// its slot): the requests holding a slot first, then the others least recently scheduled first,
-// ties by smaller id; the rest sit the step out unchanged. A slot thus changes hands only when its
-// holder is paused or leaves, and a request's sequence of rounds is the same whoever shares its
-// steps.
+// Scheduling: every scheduled request that drafts stages into its drafter slot, so at most
+// n_draft_slots drafting requests take part in a step: the requests holding a slot first, then
+// the others least recently scheduled first, ties by smaller id; the rest sit the step out
+// unchanged, prompt included. (Prefilling without a slot and staging the rows later would change
+// the drafter's rebase history -- rows staged in one go instead of step by step -- and with it the
+// drafts, breaking invariant 7; a server gives each of its slots a drafter slot, so its requests
+// never wait for one.) Requests that do not draft (no drafter, drafting switched off or stopped)
+// run every step. A slot thus changes hands only when its holder is
+// paused or leaves, and a request's sequence of rounds is the same whoever shares its steps.
+//
+// Drafter failures (a drafter pass or a rebase that throws) stop drafting for the request that
+// failed -- found by drafting the others again one by one -- with one log line and a flag in its
+// stats; its slot is cleared (a rebase rotates K in place, so a half-done one leaves nothing worth
+// keeping) and it goes on decoding plainly. No error reaches the other requests.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +43,7 @@
 #include "runtime/context.h"
 #include "spec/draft_context.h"
 #include "spec/draft_state_registry.h"
+#include "spec/logit_processing.h"
 #include "spec/prune.h"
 #include "spec/verify.h"
 
@@ -69,6 +79,12 @@ struct RequestParams {
     double draft_p_min = 0.0;
     PMinMode draft_p_min_mode = PMinMode::First;
     int64_t draft_n_min = 0;
+    // Logit bias and repetition penalties, applied before the filters (spec/logit_processing.h)
+    // to every verify row with the history that row would have seen.
+    LogitProcessing processing;
+    int64_t n_probs = 0;   // > 0: StepOutput::probs carries the top-n log-probabilities per token
+    int32_t seq = -1;      // the target sequence to run in (a server slot); < 0: any free one
+    bool draft = true;     // false: this request never drafts (plain decoding in the same step)
 };
 
 struct RequestStats {
@@ -78,6 +94,8 @@ struct RequestStats {
     std::vector<int64_t> drafted_at;   // rounds that drafted block position i
     std::vector<int64_t> accepted_at;  // rounds that accepted block position i
     int64_t n_restaged = 0;        // times the drafter context was restored after a reclaim
+    bool draft_stopped = false;    // drafting failed once and stopped; the request goes on plainly
+    std::string draft_stop_reason;
     double mean_accepted_length() const {  // tokens per verify pass
         return n_rounds ? 1.0 + static_cast<double>(draft_n_accepted) / static_cast<double>(n_rounds) : 0.0;
     }
@@ -89,13 +107,18 @@ struct StepOutput {
     bool finished = false;
     std::string stop_reason;      // "length", "stop", "context" when finished
     int64_t n_drafted = 0;        // drafts proposed for this request at the end of this step
+    int64_t n_prompt_processed = 0;  // prompt rows this step decoded for the request
+    std::vector<int32_t> verified;   // the drafted block this step verified (empty: none)
+    std::vector<TokenLogprobs> probs;  // one per emitted token when n_probs > 0 (raw logits)
     RequestStats stats;           // the request's totals after this step
 };
 
 class SpecEngine {
 public:
     // Throws std::invalid_argument for inconsistent parameters (as Context / DraftContext do).
-    SpecEngine(const Model& target, const DraftModel& drafter, const SpecEngineParams& params);
+    // drafter may be null: every request then decodes plainly (one verify row, no drafts), which
+    // is how a server without a drafter runs its slots through the same step.
+    SpecEngine(const Model& target, const DraftModel* drafter, const SpecEngineParams& params);
 
     // Throws std::invalid_argument on a duplicate id, an empty or too long prompt, a bad token,
     // bad sampling parameters, or when every target sequence is taken.
@@ -120,9 +143,15 @@ public:
     int64_t draft_n_max() const { return draft_n_max_; }
     int64_t steps() const { return step_; }
 
+    bool has_drafter() const { return drafter_ != nullptr; }
     const Context& target_context() const { return *ctx_; }
-    const DraftContext& draft_context() const { return *dctx_; }
-    const DraftStateRegistry& registry() const { return *registry_; }
+    // Both throw std::logic_error without a drafter.
+    const DraftContext& draft_context() const;
+    const DraftStateRegistry& registry() const;
+
+    // Fault injection for tests of the graceful stop: the next drafter pass that includes this
+    // request throws as a failing drafter would (the failure path is the real one).
+    void inject_draft_failure(uint64_t id) { get(id).inject_failure = true; }
 
 private:
     struct Request {
@@ -133,7 +162,11 @@ private:
         int64_t n_prefilled = 0;  // prompt[:-1] rows decoded so far
         bool generating = false;  // prefill done: rounds of draft / verify
         bool paused = false;
-        bool needs_draft = false; // generating without a drafted block yet (one-token prompt)
+        bool needs_draft = false; // generating without a drafted block yet (one-token prompt, or
+                                  // a prompt prefilled while no drafter slot was free)
+        bool drafting = false;    // drafts (a drafter is loaded, the request wants it, not stopped)
+        bool inject_failure = false;
+        std::vector<int32_t> history;  // prompt + emitted tokens (the penalties' window)
         int32_t id_last = 0;
         int64_t pos0 = 0;
         int64_t n_out = 0;
@@ -151,13 +184,19 @@ private:
     Request& get(uint64_t id);
     const Request& get(uint64_t id) const;
     void commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n);
+    // Stages r's waiting feature rows into its slot (restoring a parked state first); a failure
+    // stops r's drafting instead of escaping.
     void stage(Request& r, SlotGrant& grant);
+    void stage_rows(Request& r, SlotGrant& grant);
     // Drafts the next block of every (request, drafter slot) pair in one drafter pass.
     void draft(const std::vector<std::pair<Request*, int32_t>>& todo);
     void release(Request& r);
+    // Ends drafting for r after a drafter failure: one log line, the flag in its stats, its slot
+    // cleared and given back; r goes on decoding without drafts.
+    void stop_drafting(Request& r, const std::string& why);
 
     const Model& target_;
-    const DraftModel& drafter_;
+    const DraftModel* drafter_;
     SpecEngineParams params_;
     std::unique_ptr<Context> ctx_;
     std::unique_ptr<DraftContext> dctx_;

@@ -1,0 +1,195 @@
+"""Per-request options of the serving step (csrc/spec/spec_engine.h, csrc/spec/logit_processing.h),
+each against an independent reference:
+
+- Without a drafter the engine decodes plainly: 4 concurrent greedy requests give what a
+  one-sequence Context loop gives.
+- logit_bias and llama.cpp's repetition penalties (over prompt + output, window repeat_last_n)
+  shape the law: greedy output equals a numpy loop applying them to the raw logits, with and
+  without a drafter (verification checks each draft against the processed row it would have been
+  sampled from, the drafts before it counted in the history).
+- n_probs: each emitted token's log-probability and top-n alternatives equal numpy's
+  log_softmax of the raw logits at its position.
+- A drafter failure stops drafting for that request only: one flag, its slot given back, and its
+  output unchanged (plain greedy); the others keep drafting with the drafts of an untroubled run.
+- A request can be placed in a chosen target sequence (a server slot); a busy one is refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyspec
+from pyspec import _core
+
+from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
+
+PROMPTS = [[3, 17, 29, 3, 3], [100, 101, 102], [7], list(range(40, 70))]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return Pairs(tmp_path_factory.mktemp("engine-req"))
+
+
+@pytest.fixture(scope="module")
+def loaded(pairs):
+    model = _core.Model(pairs.target)
+    return model, _core.DraftModel(pairs.drafters["dflash"], model)
+
+
+def engine(loaded, drafter=True, n_seq=4, n_slots=4):
+    model, dm = loaded
+    return _core.SpecEngine(model, dm if drafter else None, n_ctx=256 * n_seq, n_seq_max=n_seq,
+                            n_draft_slots=n_slots, n_batch=64, draft_n_batch=128, n_threads=2,
+                            draft_n_max=4, prefill_chunk=16)
+
+
+def run(e, reqs, hook=None):
+    out = {rid: {"tokens": [], "probs": []} for rid in reqs}
+    for rid, (prompt, n, kw) in reqs.items():
+        e.add_request(rid, prompt, max_tokens=n, **kw)
+    while e.n_requests:
+        outs = e.step()
+        for o in outs:
+            r = out[o["request_id"]]
+            r["tokens"] += o["tokens"]
+            r["probs"] += o.get("probs", [])
+            r["stats"] = o["stats"]
+        if hook:
+            hook(e, outs)
+    return out
+
+
+def penalize(logits, history, bias, last_n, repeat, freq, presence):
+    """llama.cpp's logit_bias then penalties sampler, written from its description."""
+    x = logits.astype(np.float32).copy()
+    for t, b in bias:
+        x[t] += np.float32(b)
+    if last_n != 0 and (repeat != 1.0 or freq != 0.0 or presence != 0.0):
+        window = history if last_n < 0 else history[-last_n:]
+        ids, counts = np.unique(np.asarray(window, np.int64), return_counts=True)
+        for t, c in zip(ids, counts):
+            x[t] = x[t] * np.float32(repeat) if x[t] <= 0 else x[t] / np.float32(repeat)
+            x[t] -= np.float32(c * freq + presence)
+    return x
+
+
+def reference(model_path, prompt, n, bias=(), last_n=64, repeat=1.0, freq=0.0, presence=0.0):
+    """Greedy decoding one token at a time; returns tokens and the raw logits of each step."""
+    ctx = pyspec.Context(pyspec.Model(model_path, n_threads=2), n_ctx=256)
+    logits = ctx.decode(prompt).logits[-1]
+    history, toks, raw = list(prompt), [], []
+    for _ in range(n):
+        raw.append(logits.copy())
+        t = int(np.argmax(penalize(logits, history, bias, last_n, repeat, freq, presence)))
+        toks.append(t)
+        history.append(t)
+        logits = ctx.decode([t]).logits[-1]
+    return toks, raw
+
+
+def test_plain_engine_equals_one_sequence_loop(pairs, loaded):
+    e = engine(loaded, drafter=False)
+    assert not e.has_drafter
+    got = run(e, {i: (p, 12, {}) for i, p in enumerate(PROMPTS)})
+    for i, p in enumerate(PROMPTS):
+        assert got[i]["tokens"] == reference(pairs.target, p, 12)[0], i
+        assert got[i]["stats"]["draft_n"] == 0
+    assert e.n_requests == 0
+    with pytest.raises(RuntimeError, match="no drafter"):
+        e.registry_size
+
+
+PENALTIES = [
+    dict(bias=[(5, 4.0), (9, -np.inf)], last_n=64, repeat=1.0, freq=0.0, presence=0.0),
+    dict(bias=[], last_n=64, repeat=1.3, freq=0.0, presence=0.0),
+    dict(bias=[(11, 1.5)], last_n=8, repeat=1.1, freq=0.4, presence=0.6),
+    dict(bias=[], last_n=-1, repeat=1.0, freq=0.8, presence=0.0),
+]
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+@pytest.mark.parametrize("opts", range(len(PENALTIES)))
+def test_bias_and_penalties_equal_numpy_loop(pairs, loaded, drafter, opts):
+    o = PENALTIES[opts]
+    kw = dict(logit_bias=o["bias"], repeat_last_n=o["last_n"], repeat_penalty=o["repeat"],
+              frequency_penalty=o["freq"], presence_penalty=o["presence"])
+    e = engine(loaded, drafter=drafter)
+    got = run(e, {i: (p, 20, dict(kw, verify="greedy")) for i, p in enumerate(PROMPTS)})
+    plain = [reference(pairs.target, p, 20)[0] for p in PROMPTS]
+    want = [reference(pairs.target, p, 20, o["bias"], o["last_n"], o["repeat"], o["freq"],
+                      o["presence"])[0] for p in PROMPTS]
+    for i in range(len(PROMPTS)):
+        assert got[i]["tokens"] == want[i], i
+        assert 9 not in got[i]["tokens"] or opts != 0
+    # The options change the output: the comparison is not with plain greedy decoding.
+    assert want != plain
+    if drafter:
+        assert sum(got[i]["stats"]["draft_n"] for i in got) > 0
+
+
+def test_n_probs_equal_log_softmax_of_raw_logits(pairs, loaded):
+    e = engine(loaded, drafter=True)
+    got = run(e, {0: (PROMPTS[0], 10, dict(n_probs=5)), 1: (PROMPTS[3], 10, {})})
+    toks, raw = reference(pairs.target, PROMPTS[0], 10)
+    assert got[0]["tokens"] == toks and got[1]["probs"] == []
+    assert len(got[0]["probs"]) == 10
+    for (tid, lp, top), t, row in zip(got[0]["probs"], toks, raw):
+        ls = row.astype(np.float64) - np.logaddexp.reduce(row.astype(np.float64))
+        assert tid == t and lp == pytest.approx(ls[t], abs=1e-4)
+        order = sorted(range(len(row)), key=lambda k: (-row[k], k))[:5]
+        assert [k for k, _ in top] == order
+        assert [v for _, v in top] == pytest.approx([ls[k] for k in order], abs=1e-4)
+
+
+def test_drafter_failure_stops_drafting_for_that_request_only(pairs, loaded, capfd):
+    reqs = {i: (p, 24, {}) for i, p in enumerate(PROMPTS)}
+    calm = run(engine(loaded), reqs)
+    e = engine(loaded)
+    drafted = {i: [] for i in reqs}
+
+    def hook(e, outs):
+        if e.steps == 3:
+            e.inject_draft_failure(1)
+        for o in outs:
+            drafted[o["request_id"]].append(o["stats"]["draft_n"])
+
+    got = run(e, reqs, hook=hook)
+    plain = [reference(pairs.target, p, 24)[0] for p in PROMPTS]
+    for i in reqs:
+        assert got[i]["tokens"] == plain[i], i
+    st = got[1]["stats"]
+    assert st["draft_stopped"] and "injected drafter failure" in st["draft_stop_reason"]
+    # Request 1 drafts no more after the failure (the block drafted before it is still verified
+    # in step 4); the others draft as if nothing happened.
+    assert len(set(drafted[1][3:])) == 1 and len(drafted[1]) > 6
+    for i in (0, 2, 3):
+        assert not got[i]["stats"]["draft_stopped"]
+        assert got[i]["stats"] == calm[i]["stats"], i
+    err = capfd.readouterr().err
+    assert err.count("drafting stopped") == 1
+    assert e.registry_size == 0
+
+
+def test_chosen_target_sequence(loaded):
+    e = engine(loaded, drafter=False)
+    e.add_request(1, [1, 2, 3], max_tokens=4, seq=2)
+    assert e.target_seq(1) == 2
+    with pytest.raises(ValueError, match="busy"):
+        e.add_request(2, [1, 2], max_tokens=4, seq=2)
+    with pytest.raises(ValueError, match="out of range"):
+        e.add_request(3, [1, 2], max_tokens=4, seq=9)
+    e.add_request(4, [1, 2], max_tokens=4)
+    assert e.target_seq(4) == 0
+
+
+def test_bad_processing_options_are_refused(loaded):
+    e = engine(loaded, drafter=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.add_request(1, [1], logit_bias=[(10**6, 1.0)])
+    with pytest.raises(ValueError, match="repeat_penalty"):
+        e.add_request(1, [1], repeat_penalty=0.0)
+    with pytest.raises(ValueError, match="n_probs"):
+        e.add_request(1, [1], n_probs=-1)
+    assert e.n_requests == 0
