@@ -19,6 +19,7 @@ from .chat import ChatTemplate
 from .many import ManyResult, generate_many
 from .model import Context, Model
 from .sampling import Sampler, SamplingParams
+from .stops import StopMatcher, stop_list
 from .speculative import Drafter, SpeculativeGenerator, SpecStats
 from .tokenizer import Tokenizer
 
@@ -240,7 +241,7 @@ class LLM:
                                  f"got {max_tokens}")
             if max_tokens == -1:
                 max_tokens = None
-        stops = _stop_list(stop)
+        stops = stop_list(stop)
         pieces = self._text_pieces(ids, params, max_tokens, stops, ignore_eos)
         if stream:
             return pieces
@@ -250,7 +251,7 @@ class LLM:
         # Generated text as llama.cpp shows it: each token's piece appended as is (no clean-up of
         # spaces against the prompt), control tokens hidden.
         decoder = self.tokenizer.stream_decoder(skip_special=True, continuation=True)
-        matcher = _StopMatcher(stops)
+        matcher = StopMatcher(stops)
         with contextlib.closing(self._tokens(ids, params, max_tokens, ignore_eos)) as tokens:
             for tok in tokens:
                 text, hit = matcher.feed(decoder.push(tok))
@@ -342,49 +343,3 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM({self.model.path!r}, n_ctx={self.n_ctx})"
-
-
-def _stop_list(stop) -> List[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    out = []
-    for s in stop:
-        if not isinstance(s, str):
-            raise ValueError(f"stop strings must be strings, got {type(s).__name__}")
-        if s:
-            out.append(s)
-    return out
-
-
-class _StopMatcher:
-    """Finds stop strings in streamed text. Text that might be the start of a stop string is held
-    back until the next piece shows whether it is."""
-
-    def __init__(self, stops: List[str]):
-        self.stops = stops
-        self.held = ""
-
-    def feed(self, text: str):
-        """Returns (text safe to emit, whether a stop string was found)."""
-        buf = self.held + text
-        if not self.stops:
-            self.held = ""
-            return buf, False
-        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.held = ""
-            return buf[:min(found)], True
-        keep = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:n]):
-                    keep = n
-                    break
-        self.held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
-
-    def finish(self) -> str:
-        out, self.held = self.held, ""
-        return out

@@ -150,6 +150,9 @@ void bind_spec_engine(py::module_& m) {
         .def_property_readonly("window", [](const SpecEngine& e) { return e.draft_context().window(); })
         .def("draft_pos_base", [](const SpecEngine& e, int32_t slot) { return e.draft_context().pos_base(slot); })
         .def_property_readonly("draft_max_pos_written", [](const SpecEngine& e) { return e.draft_context().max_pos_written(); })
+        .def_property_readonly("kv_cache_bytes",
+                               [](const SpecEngine& e) { return e.target_context().kv().bytes(); },
+                               "Bytes the target KV cache reserves (committed only as cells are written).")
         .def_property_readonly("draft_kv_cache_bytes", [](const SpecEngine& e) { return e.draft_context().kv_bytes(); })
         .def_property_readonly("draft_compute_buffer_bytes",
                                [](const SpecEngine& e) { return e.draft_context().compute_buffer_bytes(); })

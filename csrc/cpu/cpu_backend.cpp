@@ -7,6 +7,8 @@
 #include <new>
 #include <stdexcept>
 
+#include <sys/mman.h>
+
 #include "cpu/matmul.h"
 
 namespace pyspec {
@@ -43,9 +45,21 @@ CpuBackend::CpuBackend(int n_threads) : pool_(n_threads), scratch_(static_cast<s
 
 CpuBackend::~CpuBackend() = default;
 
+CpuBackend::Mapping::Mapping(size_t n) : bytes(n == 0 ? 1 : n) {
+    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        p = nullptr;
+        throw std::bad_alloc();
+    }
+}
+
+CpuBackend::Mapping::~Mapping() {
+    if (p) munmap(p, bytes);
+}
+
 void* CpuBackend::alloc_persistent(size_t bytes) {
-    persistent_.emplace_back(static_cast<uint8_t*>(aligned_zeroed(bytes)));
-    return persistent_.back().get();
+    persistent_.push_back(std::make_unique<Mapping>(bytes));  // page-aligned and zeroed
+    return persistent_.back()->p;
 }
 
 void CpuBackend::apply_plan(Graph& graph, const AllocationPlan& plan) {

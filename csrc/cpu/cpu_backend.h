@@ -44,7 +44,18 @@ private:
     ThreadPool pool_;
     std::unique_ptr<uint8_t, FreeDeleter> arena_;
     size_t arena_size_ = 0;
-    std::vector<std::unique_ptr<uint8_t, FreeDeleter>> persistent_;
+    // Persistent buffers (KV caches) are anonymous mappings: zero pages that the kernel commits
+    // only when written, so a cache sized for a slot's whole context costs memory only for the
+    // cells in use (how a server's slots can each be allowed the full context).
+    struct Mapping {
+        void* p = nullptr;
+        size_t bytes = 0;
+        Mapping(size_t n);
+        ~Mapping();
+        Mapping(const Mapping&) = delete;
+        Mapping& operator=(const Mapping&) = delete;
+    };
+    std::vector<std::unique_ptr<Mapping>> persistent_;
     std::vector<KernelScratch> scratch_;       // one per thread
     std::vector<uint8_t> matmul_scratch_;      // prepared activations, shared by all threads
     bool poison_ = false;

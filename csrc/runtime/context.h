@@ -53,6 +53,7 @@ public:
     DecodeOutput decode(const Batch& batch, const std::vector<int>& layer_ids);
 
     KvCache& kv() { return *kv_; }
+    const KvCache& kv() const { return *kv_; }
     const ContextParams& params() const { return params_; }
     int64_t n_ctx_seq() const { return kv_->n_ctx_seq(); }
     size_t compute_buffer_bytes() const { return backend_->arena_bytes(); }

@@ -1,0 +1,181 @@
+"""`pyspec-server`: parse llama-server's flags, start listening at once (every route answers 503
+"Loading model" until the model is ready, as llama-server does), load the model (and drafter) on
+a thread, then serve through the engine thread (scheduler.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import List, Optional, Sequence
+
+from .args import ArgError, ServerConfig, parse_args
+
+log = logging.getLogger("pyspec.server")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def resolve_paths(cfg: ServerConfig):
+    """(target path, draft path or None): -m / -hf / the embedded default; -md / -hfd."""
+    from ..hub import download_gguf
+    from ..model import default_model_path
+
+    if cfg.model:
+        model = cfg.model
+    elif cfg.hf_repo:
+        model = download_gguf(cfg.hf_repo, cfg.hf_file, cfg.hf_token, cfg.offline)
+    else:
+        model = default_model_path()
+    draft = cfg.model_draft
+    if draft is None and cfg.hf_repo_draft:
+        draft = download_gguf(cfg.hf_repo_draft, None, cfg.hf_token, cfg.offline)
+    if cfg.spec_type == "none":
+        draft = None
+    return model, draft
+
+
+class Loaded:
+    """Everything the model load produced."""
+
+    def __init__(self, cfg: ServerConfig):
+        from .. import _core
+        from ..chat import ChatTemplate
+        from ..model import Model
+        from ..speculative import detect_spec_type
+        from ..tokenizer import Tokenizer
+        from .scheduler import Scheduler, SchedulerConfig
+
+        self.model_path, draft_path = resolve_paths(cfg)
+        n_threads = cfg.threads if cfg.threads > 0 else None
+        self.model = Model(self.model_path, n_threads=n_threads)
+        m = self.model
+        self.tokenizer = Tokenizer.from_gguf(self.model_path)
+        n_slots, n_ctx_slot, unified = cfg.slot_layout(m.n_ctx_train)
+        self.n_slots, self.n_ctx_slot, self.unified = n_slots, n_ctx_slot, unified
+        self.drafter = None
+        self.spec_type = None
+        if draft_path is not None:
+            try:
+                self.drafter = _core.DraftModel(str(draft_path), m._model)
+            except (ValueError, RuntimeError) as exc:
+                raise ValueError(f"cannot use draft model '{draft_path}' with target "
+                                 f"'{self.model_path}': {exc}") from None
+            self.spec_type = detect_spec_type(self.drafter)
+            if cfg.spec_type not in (None, self.spec_type):
+                raise ValueError(f"--spec-type {cfg.spec_type} does not match the draft model "
+                                 f"'{draft_path}', which is a {self.spec_type} drafter")
+        self.draft_path = draft_path
+        source = cfg.chat_template_file and open(cfg.chat_template_file, encoding="utf-8").read()
+        self.chat_template = ChatTemplate.from_tokenizer(
+            self.tokenizer, override=source or cfg.chat_template or None)
+        sc = SchedulerConfig(
+            n_slots=n_slots, n_ctx_slot=n_ctx_slot, n_batch=min(cfg.batch_size, cfg.ubatch_size),
+            n_threads=m.n_threads, kv_type=cfg.cache_type_k,
+            draft_n_max=cfg.spec_draft_n_max, draft_n_min=cfg.spec_draft_n_min,
+            draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify)
+        self.scheduler = Scheduler(m._model, self.tokenizer, self.drafter, sc)
+        self.file_bytes = os.path.getsize(self.model_path)
+        self.draft_file_bytes = os.path.getsize(draft_path) if draft_path else 0
+
+    def log_summary(self) -> None:
+        m, eng = self.model, self.scheduler.engine
+        log.info("model: %s (%s, %d layers, n_embd %d, n_vocab %d, n_ctx_train %d), %d threads",
+                 self.model_path, m.arch, m.n_layer, m.n_embd, m.n_vocab, m.n_ctx_train,
+                 m.n_threads)
+        if self.drafter is not None:
+            log.info("drafter: %s (%s, block %d, up to %d drafts per round)", self.draft_path,
+                     self.spec_type, int(self.drafter.block_size), self.scheduler.draft_n_max)
+        else:
+            log.info("speculative decoding: off (no drafter; -md FILE turns it on)")
+        kv = eng.kv_cache_bytes
+        log.info("slots: %d x %d tokens%s", self.n_slots, self.n_ctx_slot,
+                 " (unified: each slot may use the whole context; KV pages are committed as "
+                 "they are written)" if self.unified else "")
+        parts = [f"weights {_mib(self.file_bytes)} (memory-mapped)",
+                 f"target KV cache {_mib(kv)} reserved"]
+        if self.drafter is not None:
+            parts.append(f"drafter weights {_mib(self.draft_file_bytes)}")
+            parts.append(f"drafter KV cache {_mib(eng.draft_kv_cache_bytes)}")
+        log.info("memory: %s", ", ".join(parts))
+
+    def model_meta(self) -> dict:
+        m = self.model
+        return {"vocab_type": 2 if self.tokenizer.model == "gpt2" else 1, "n_vocab": m.n_vocab,
+                "n_ctx": self.n_ctx_slot, "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd,
+                "n_params": 0, "size": self.file_bytes, "ftype": ""}
+
+
+def run(cfg: ServerConfig) -> int:
+    import uvicorn
+
+    from .app import AppSettings, create_app
+    from .params import RequestDefaults
+
+    for w in cfg.warnings:
+        log.warning("%s", w)
+    settings = AppSettings(
+        model_name=cfg.model_name(), model_path=cfg.model or "",
+        defaults=RequestDefaults(
+            n_predict=cfg.n_predict, temperature=cfg.temp, top_k=cfg.top_k, top_p=cfg.top_p,
+            min_p=cfg.min_p, seed=cfg.seed, repeat_last_n=cfg.repeat_last_n,
+            repeat_penalty=cfg.repeat_penalty, presence_penalty=cfg.presence_penalty,
+            frequency_penalty=cfg.frequency_penalty, cache_prompt=cfg.cache_prompt),
+        api_keys=list(cfg.api_keys), cors_origins=cfg.cors_origins,
+        enable_metrics=cfg.metrics, enable_slots=cfg.slots, enable_props=cfg.props,
+        jinja=cfg.jinja, aliases=list(cfg.alias), tags=list(cfg.tags))
+    state = {"scheduler": None}
+    app = create_app(settings, lambda: state["scheduler"])
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           timeout_keep_alive=min(cfg.timeout, 3600)))
+    failed: List[str] = []
+
+    def load() -> None:
+        try:
+            loaded = Loaded(cfg)
+        except Exception as exc:  # a bad file or flag: say so and stop serving
+            failed.append(str(exc))
+            log.error("failed to load the model: %s", exc)
+            server.should_exit = True
+            return
+        settings.model_path = loaded.model_path
+        settings.tokenizer = loaded.tokenizer
+        settings.chat_template = loaded.chat_template
+        settings.model_meta = loaded.model_meta()
+        if not cfg.model and not cfg.alias and not cfg.hf_repo:
+            settings.model_name = os.path.basename(loaded.model_path)
+        loaded.log_summary()
+        loaded.scheduler.start()
+        state["loaded"] = loaded
+        state["scheduler"] = loaded.scheduler
+        log.info("server is listening on http://%s:%d - all slots are idle", cfg.host,
+                 server.config.port)
+
+    log.info("starting the HTTP server on %s:%d; loading the model", cfg.host, cfg.port)
+    threading.Thread(target=load, name="pyspec-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        sched = state.get("scheduler")
+        if sched is not None:
+            sched.stop()
+    return 1 if failed else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        cfg = parse_args(argv)
+    except ArgError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=logging.DEBUG if cfg.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
