@@ -48,6 +48,7 @@ class Loaded:
         from ..model import Model
         from ..speculative import detect_spec_type
         from ..tokenizer import Tokenizer
+        from .params import generation_settings
         from .scheduler import Scheduler, SchedulerConfig
 
         self.model_path, draft_path = resolve_paths(cfg)
@@ -78,7 +79,11 @@ class Loaded:
             n_threads=m.n_threads, kv_type=cfg.cache_type_k,
             draft_n_max=cfg.spec_draft_n_max, draft_n_min=cfg.spec_draft_n_min,
             draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify)
-        self.scheduler = Scheduler(m._model, self.tokenizer, self.drafter, sc)
+        eog = sorted(self.tokenizer.eog_ids)
+        types = [self.spec_type] if self.spec_type else []
+        self.scheduler = Scheduler(
+            m._model, self.tokenizer, self.drafter, sc,
+            settings_json=lambda req: generation_settings(req, eog, speculative_types=types))
         self.file_bytes = os.path.getsize(self.model_path)
         self.draft_file_bytes = os.path.getsize(draft_path) if draft_path else 0
 
@@ -131,6 +136,7 @@ def run(cfg: ServerConfig) -> int:
     state = {"scheduler": None}
     app = create_app(settings, lambda: state["scheduler"])
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           server_header=False,
                                            timeout_keep_alive=min(cfg.timeout, 3600)))
     failed: List[str] = []
 

@@ -142,6 +142,7 @@ class Scheduler:
         self._m = collections.Counter()
         self._accepted_per_pos: Dict[int, int] = collections.Counter()
         self._busy_sum = 0
+        self._registry_size = 0  # drafter states held, read by the engine thread after each step
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -193,6 +194,7 @@ class Scheduler:
         with self._lock:
             m = dict(self._m)
             busy = sum(1 for s in self._slots if s.task is not None)
+            registry = self._registry_size
             deferred = len(self._queue)
             per_pos = dict(self._accepted_per_pos)
         n_dec = m.get("n_decode_total", 0)
@@ -211,6 +213,8 @@ class Scheduler:
             "requests_processing": busy,
             "requests_deferred": deferred,
             "n_busy_slots_per_decode": self._busy_sum / n_dec if n_dec else 0.0,
+            # pyspec's own: requests holding drafter state (0 once every request has ended).
+            "draft_registry_size": registry,
         }
 
     @property
@@ -247,6 +251,7 @@ class Scheduler:
                     task = self._tasks.get(int(o["request_id"]))
                     if task is not None:
                         self._on_output(task, o)
+                self._registry_size = self.registry_size
         # Shutdown: whoever still waits gets an error, not a hang.
         with self._lock:
             for task in list(self._tasks.values()):
@@ -263,6 +268,7 @@ class Scheduler:
                 self._release(task)
                 log.info("slot %d: task %d cancelled (client gone), slot released",
                          task.slot.id, tid)
+        self._registry_size = self.registry_size
         if any(h.cancelled for h in self._queue):
             self._queue = collections.deque(h for h in self._queue if not h.cancelled)
 
