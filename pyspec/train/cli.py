@@ -1,0 +1,105 @@
+"""pyspec-train-drafter: train a DSpark drafter for a GGUF target (see pyspec.train)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+
+def _smoke_target(out: Path) -> str:
+    """A tiny random llama target with a tokenizer (tools/make_tiny_models.py, source checkouts)."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import make_tiny_models as tiny
+    except ImportError:
+        raise SystemExit("--smoke without --target needs a source checkout (tools/make_tiny_models.py)")
+    from ..convert import convert
+    hf = tiny.make_target(out / "smoke-target-hf", "llama", seed=3)
+    path = out / "smoke-target.gguf"
+    convert(hf.path, path, "f32", progress=False)
+    return str(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pyspec-train-drafter",
+        description="Train a DSpark drafter (block 7, anchor-first, Markov + confidence heads) for "
+                    "a frozen GGUF target on sequences the target generates itself; writes a "
+                    "Hugging Face checkpoint and its GGUF.")
+    p.add_argument("--target", help="the target GGUF (llama or qwen3)")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--block-size", type=int, default=7)
+    p.add_argument("--layers", type=int, default=3, help="drafter layers")
+    p.add_argument("--target-layers", default="auto",
+                   help="'auto' or comma-separated GGUF layer-input ids (0 = embeddings)")
+    p.add_argument("--markov-rank", type=int, default=128)
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="default: a rare control token of the vocabulary")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--anchors", type=int, default=64, help="blocks per sequence per step")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--data-prompts", type=int, default=4000, help="sequences to generate")
+    p.add_argument("--gen-batch", type=int, default=256, help="sequences generated at once")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", choices=["auto", "bf16", "f32"], default="auto",
+                   help="auto: bf16 autocast on cuda, f32 on cpu")
+    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--outtype", default="f16", help="GGUF weight type (f32, f16, q8_0, ...)")
+    p.add_argument("--max-shard-mib", type=int, default=0,
+                   help="shard the safetensors checkpoint into files of at most this size")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few steps on a tiny random target on the CPU (CI)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("error: pyspec-train-drafter needs PyTorch: pip install 'pyspec[train]' "
+              "(or pip install torch)", file=sys.stderr)
+        return 1
+    from .loop import TrainOptions, convert_checkpoint, train
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        if args.target is None:
+            args.target = _smoke_target(args.out)
+        args.device = "cpu"
+        args.steps = min(args.steps, 30)
+        args.layers, args.seq_len, args.batch, args.anchors = 1, 64, 4, 8
+        args.data_prompts, args.gen_batch, args.save_every = 16, 16, 10
+        args.markov_rank = 32
+        args.outtype = "f32"
+    if args.target is None:
+        print("error: --target is required (or --smoke)", file=sys.stderr)
+        return 2
+    opts = TrainOptions(
+        target=args.target, out=str(args.out), steps=args.steps, block_size=args.block_size,
+        layers=args.layers, target_layers=args.target_layers, markov_rank=args.markov_rank,
+        mask_token_id=args.mask_token_id, lr=args.lr, batch=args.batch, anchors=args.anchors,
+        seq_len=args.seq_len, data_prompts=args.data_prompts, gen_batch=args.gen_batch,
+        device=args.device, dtype=args.dtype, resume=args.resume, seed=args.seed,
+        save_every=args.save_every, outtype=args.outtype, max_shard_mib=args.max_shard_mib,
+        progress=not args.no_progress, threads=args.threads)
+    t0 = time.time()
+    hf = train(opts)
+    gguf_path = args.out / f"drafter-{args.outtype}.gguf"
+    convert_checkpoint(hf, args.target, gguf_path, args.outtype)
+    print(f"wrote {hf} and {gguf_path} in {time.time() - t0:.0f}s")
+    print(f"use it: pyspec-cli -m {args.target} -md {gguf_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The DSpark loss (reference §8): 0.1·CE + 0.9·L1(p_draft − p_target) + 1.0·BCE(conf, 1 − TV),
+each slot k weighted by exp(−k/γ) (γ = 4), averaged over the valid slots.
+
+Slot k of the block at anchor a predicts the token at a + k + 1: its label is tokens[a + k + 1] and
+its target distribution is softmax(target logits at position a + k)."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+
+W_CE, W_L1, W_CONF = 0.1, 0.9, 1.0
+
+
+def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, tokens: torch.Tensor,
+                lengths: torch.Tensor, anchors: torch.Tensor, gamma: float = 4.0
+                ) -> Dict[str, torch.Tensor]:
+    """out: DSparkDrafter.forward's dict; target_logits [B, L, V]; tokens [B, L]; lengths [B];
+    anchors [B, A]. Returns loss and its parts (detached) plus per-slot acceptance proxies."""
+    logits = out["logits"]                                     # [B, A, K, V] float32
+    B, A, K, V = logits.shape
+    L = tokens.shape[1]
+    dev = tokens.device
+    offs = torch.arange(K, device=dev)
+    pos = anchors[:, :, None] + offs                           # position of the slot's input
+    valid = (pos + 1) < lengths[:, None, None]                 # label inside the sequence
+    pos_c = pos.clamp(max=L - 2)
+    labels = torch.gather(tokens, 1, (pos_c + 1).reshape(B, -1)).view(B, A, K)
+    t_logits = torch.gather(target_logits, 1, pos_c.reshape(B, -1, 1).expand(-1, -1, V))
+    p_t = torch.softmax(t_logits.float().view(B, A, K, V), -1)
+    logp_d = torch.log_softmax(logits, -1)
+    p_d = logp_d.exp()
+    w = torch.exp(-offs.float() / gamma)[None, None, :] * valid.float()
+    denom = w.sum().clamp(min=1e-6)
+    ce = -torch.gather(logp_d, -1, labels[..., None]).squeeze(-1)
+    l1 = (p_d - p_t).abs().sum(-1)
+    tv = 0.5 * l1
+    loss = W_CE * (ce * w).sum() / denom + W_L1 * (l1 * w).sum() / denom
+    parts = dict(ce=(ce * w).sum() / denom, l1=(l1 * w).sum() / denom)
+    if out.get("conf") is not None:
+        bce = F.binary_cross_entropy_with_logits(out["conf"].float(), (1 - tv).detach(),
+                                                 reduction="none")
+        parts["bce"] = (bce * w).sum() / denom
+        loss = loss + W_CONF * parts["bce"]
+    with torch.no_grad():
+        # Greedy acceptance proxy: slot k's argmax equals the target argmax, along the block.
+        hit = (logits.argmax(-1) == t_logits.view(B, A, K, V).argmax(-1)) & valid
+        run = torch.cumprod(hit.float(), -1)
+        vb = valid.all(-1)
+        acc_len = (run.sum(-1)[vb].mean() + 1) if bool(vb.any()) else torch.tensor(math.nan)
+        per_slot = (hit.float() * valid).sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)
+    return dict(loss=loss, **{k: v.detach() for k, v in parts.items()},
+                accept_len=acc_len.detach(), slot_acc=per_slot.detach())

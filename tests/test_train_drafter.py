@@ -1,0 +1,185 @@
+"""pyspec-train-drafter (pyspec/train): the torch target equals pyspec's engine, the torch DSpark
+drafter equals pyspec's C++ drafter (csrc/model/dflash.cpp) once its checkpoint is converted with
+pyspec-convert --target-model-dir, and --smoke trains, converts and serves a drafter whose greedy
+speculative output equals plain greedy output (lossless verification)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import tiny_models  # noqa: E402
+from pyspec import _core  # noqa: E402
+from pyspec.convert import convert  # noqa: E402
+from pyspec.train import cli  # noqa: E402
+from pyspec.train.drafter import DSparkDrafter  # noqa: E402
+from pyspec.train.loop import auto_target_layers  # noqa: E402
+from pyspec.train.target import TargetModel  # noqa: E402
+
+
+def rel_err(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(got - ref)) / np.std(ref))
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    t0 = time.time()
+    assert cli.main(["--smoke", "--out", str(out), "--no-progress"]) == 0
+    elapsed = time.time() - t0
+    assert elapsed < 60, f"--smoke took {elapsed:.0f}s"
+    return out
+
+
+def engine_forward(path, tokens, layers, kv="f32"):
+    model = _core.Model(str(path))
+    n = len(tokens)
+    ctx = _core.Context(model, 256, 1, 256, False, 2, kv)
+    logits, _, inputs = ctx.decode(np.asarray(tokens, np.int32), np.arange(n, dtype=np.int32),
+                                   np.zeros(n, np.int32), np.ones(n, np.uint8), list(layers))
+    return model, np.asarray(logits), {k: np.asarray(v) for k, v in dict(inputs).items()}
+
+
+@pytest.mark.parametrize("arch,wtype", [("llama", "F32"), ("qwen3", "F32"), ("llama", "Q8_0"),
+                                        ("qwen3", "Q4_0")])
+def test_target_forward_matches_engine(tmp_path, arch, wtype):
+    tm = tiny_models.write_tiny_model(tmp_path / f"{arch}.gguf", arch, wtype, seed=4)
+    n_layer = tm.hparams["n_layer"]
+    layers = list(range(n_layer + 1))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, tm.hparams["n_vocab"], 37)
+    _, ref_logits, ref_inputs = engine_forward(tm.path, tokens, layers)
+    target = TargetModel.from_gguf(str(tm.path))
+    logits, inputs = target(torch.tensor(tokens)[None], layers=layers)
+    # Against quantized weights the engine also quantizes activations to 8 bits in its dot
+    # products (as llama.cpp), which tests/test_model_reference.py bounds by 0.2 end to end.
+    tol = 1e-4 if wtype == "F32" else 0.2
+    assert rel_err(logits[0].numpy(), ref_logits) < tol
+    for lid in layers:
+        assert rel_err(inputs[lid][0].numpy(), ref_inputs[lid]) < tol, lid
+    ref_logits = logits[0].numpy()   # the torch paths below must agree with themselves exactly
+    # padded batches and the KV-cached path give the same logits
+    pad = torch.zeros(2, 40, dtype=torch.long)
+    pad[0, :37] = torch.tensor(tokens)
+    valid = torch.arange(40)[None] < torch.tensor([[37], [40]])
+    lg2, _ = target(pad, valid=valid)
+    assert rel_err(lg2[0, :37].numpy(), ref_logits) < 1e-4
+    from pyspec.train.target import KVCache
+    cache = KVCache(target.hp, 1, 64, "cpu", torch.float32)
+    t = torch.tensor(tokens)[None]
+    target(t[:, :30], cache=cache)
+    lg3, _ = target(t[:, 30:], torch.arange(30, 37)[None], cache=cache)
+    assert rel_err(lg3[0].numpy(), ref_logits[30:]) < 1e-4
+
+
+def test_auto_target_layers():
+    assert auto_target_layers(30) == [2, 9, 15, 22, 29]
+    assert auto_target_layers(2) == [0, 1]
+    assert all(0 <= l <= 8 for l in auto_target_layers(8))
+
+
+def randomize(drafter: DSparkDrafter, seed: int) -> DSparkDrafter:
+    """Large random weights everywhere (a trained-for-30-steps drafter is still near its
+    initialisation, where e.g. the Markov head is ~0 and would hide a wrong head)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.ndim == 1 and "bias" not in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if "markov" in name else 0.15))
+    return drafter
+
+
+@pytest.mark.parametrize("which", ["trained", "random"])
+def test_torch_drafter_equals_engine_drafter(smoke, tmp_path, which):
+    target_path = smoke / "smoke-target.gguf"
+    drafter = DSparkDrafter.load_hf(smoke / "hf")
+    gguf_path = smoke / "drafter-f32.gguf"
+    if which == "random":
+        randomize(drafter, 7)
+        hf = drafter.save_hf(tmp_path / "hf")
+        gguf_path = tmp_path / "drafter.gguf"
+        convert(hf, gguf_path, "f32", target_model_dir=target_path, progress=False)
+    c = drafter.c
+    rng = np.random.default_rng(1)
+    target = TargetModel.from_gguf(str(target_path))
+    tokens = rng.integers(0, target.hp.n_vocab, 30)
+    model, _, inputs = engine_forward(target_path, tokens, c.target_layers, kv="f16")
+    dm = _core.DraftModel(str(gguf_path), model)
+    assert (dm.is_dspark, dm.draft_offset, dm.has_confidence_head) == (True, 0, True)
+    assert dm.block_size == c.block_size == 7 and dm.target_layers == c.target_layers
+    n_ctx = 24
+    feats = np.concatenate([inputs[l] for l in c.target_layers], axis=1)[:n_ctx]
+    # the torch target gives the engine's features too (up to the engine's F16 KV cache)
+    _, t_inputs = target(torch.tensor(tokens[:n_ctx])[None], layers=c.target_layers, logits=False)
+    t_feats = torch.cat([t_inputs[l][0] for l in c.target_layers], -1).numpy()
+    assert rel_err(t_feats, feats) < 5e-3
+    dc = _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=2, check_plans=True)
+    dc.inject(0, np.arange(n_ctx, dtype=np.int32), np.ascontiguousarray(feats, np.float32))
+    id_last, pos0 = int(tokens[n_ctx]), n_ctx
+    out = dc.draft_logits(0, id_last, pos0, c.block_size)
+    ref = drafter.draft_block(torch.tensor(feats), id_last, pos0, c.block_size,
+                              target.embedding, target.head)
+    # The engine keeps K/V in an F16 cache; everything else is F32.
+    tol = 2e-3
+    assert rel_err(out["base_logits"], ref["base_logits"].numpy()) < tol
+    # Along the engine's own greedy chain the Markov-biased logits and confidences match.
+    e_w1 = drafter.markov_w1.detach()
+    logits = ref["base_logits"].clone()
+    conf = []
+    prev = id_last
+    for i in range(c.block_size):
+        e = e_w1[prev]
+        logits[i] = ref["base_logits"][i] + drafter.markov_w2.detach() @ e
+        conf.append(float(torch.sigmoid(drafter.conf_proj(torch.cat([ref["hidden"][i], e]))).detach()))
+        top2 = torch.sort(logits[i]).values[-2:]
+        if float(top2[1] - top2[0]) > 1e-2:
+            assert int(out["tokens"][i]) == int(logits[i].argmax()), i
+        prev = int(out["tokens"][i])
+    assert rel_err(out["logits"], logits.detach().numpy()) < tol
+    np.testing.assert_allclose(out["confidence"], conf, atol=tol)
+    if which == "random":
+        np.testing.assert_array_equal(out["tokens"], ref["tokens"].numpy())
+
+
+def test_training_reduces_the_loss(smoke):
+    import json
+    log = json.loads((smoke / "train_log.json").read_text())
+    assert log["step"] == 30 and np.isfinite(log["ema"]["loss"])
+    assert (smoke / "train_state.pt").exists() and (smoke / "data.pt").exists()
+
+
+def test_resume_continues_from_the_checkpoint(smoke):
+    st = torch.load(smoke / "train_state.pt", weights_only=False)
+    assert st["step"] == 30
+    # --resume with more steps picks up at 30 (data.pt reused, nothing regenerated)
+    t0 = time.time()
+    assert cli.main(["--smoke", "--out", str(smoke), "--no-progress", "--resume",
+                     "--target", str(smoke / "smoke-target.gguf"), "--steps", "30"]) == 0
+    assert torch.load(smoke / "train_state.pt", weights_only=False)["step"] == 30
+    assert time.time() - t0 < 30
+
+
+def test_smoke_drafter_serves_losslessly(smoke):
+    import pyspec
+    target, draft = smoke / "smoke-target.gguf", smoke / "drafter-f32.gguf"
+    prompt = [1, 17, 42, 99, 5, 230, 64]
+    plain = pyspec.LLM(str(target), n_ctx=256)
+    spec = pyspec.LLM(str(target), n_ctx=256, draft_model=str(draft))
+    for ids in (prompt, prompt[:3]):
+        a = plain.generate(ids, max_tokens=40, temperature=0.0, ignore_eos=True)
+        b = spec.generate(ids, max_tokens=40, temperature=0.0, ignore_eos=True)
+        assert a == b
+        assert spec.last_stats.spec is not None and spec.last_stats.draft_n > 0
