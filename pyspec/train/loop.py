@@ -191,7 +191,7 @@ def train(opt: TrainOptions, log=print) -> Path:
         drafter.load_state_dict(st["drafter"])
         optim.load_state_dict(st["optim"])
         step = st["step"]
-        gen.set_state(st["gen"])
+        gen.set_state(st["gen"].cpu())
         rng.setstate(st["rng"])
         log(f"resumed at step {step} from {state_path}")
 
