@@ -158,7 +158,8 @@ def test_training_reduces_the_loss(smoke):
     import json
     log = json.loads((smoke / "train_log.json").read_text())
     assert log["step"] == 30 and np.isfinite(log["ema"]["loss"])
-    assert (smoke / "train_state.pt").exists() and (smoke / "data.pt").exists()
+    assert (smoke / "train_state.pt").exists() and (smoke / "data" / "data-00000.npz").exists()
+    assert log["best"]["step"] in (10, 20, 30) and "accept_len" in log["best"]["val"]
 
 
 def test_resume_continues_from_the_checkpoint(smoke):
@@ -183,3 +184,93 @@ def test_smoke_drafter_serves_losslessly(smoke):
         b = spec.generate(ids, max_tokens=40, temperature=0.0, ignore_eos=True)
         assert a == b
         assert spec.last_stats.spec is not None and spec.last_stats.draft_n > 0
+
+
+def test_shards_round_trip_and_drop_duplicates(tmp_path):
+    from pyspec.train.shards import load_shards, save_shards
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 50000, rng.integers(3, 400)).tolist() for _ in range(300)]
+    pls = [int(rng.integers(1, 3)) for _ in seqs]
+    files = save_shards(seqs, pls, tmp_path / "a", dict(n_vocab=50000), max_mib=0.05)
+    assert len(files) > 1 and all(f.stat().st_size <= 0.05 * 2 ** 20 for f in files)
+    save_shards(seqs[:10] + [[1, 2, 3]], pls[:10] + [1], tmp_path / "b", dict(n_vocab=50000))
+    got, got_pls, info = load_shards([tmp_path / "a", tmp_path / "b"], n_vocab=50000)
+    assert got == seqs + [[1, 2, 3]] and got_pls == pls + [1] and info["duplicates"] == 10
+    with pytest.raises(ValueError):
+        load_shards(tmp_path / "a", n_vocab=301)
+
+
+def test_seeds_give_different_prompts():
+    import itertools
+    from pyspec.train.data import prompt_requests
+    a, b = (set(r[:2] for r in itertools.islice(prompt_requests(seed), 3000)) for seed in (0, 1))
+    assert len(a) == len(b) == 3000 and len(a & b) < 60
+
+
+def test_generate_only_then_data_trains_on_the_same_sequences(smoke, tmp_path, monkeypatch):
+    """--generate-only writes the smoke run's sequences (same seed); --data trains on them, and
+    no validation sequence is ever in a training batch."""
+    from pyspec.train import loop
+    from pyspec.train.shards import load_shards
+    from pyspec.train.validation import split
+    target = str(smoke / "smoke-target.gguf")
+    gen_out = tmp_path / "gen"
+    assert cli.main(["--smoke", "--target", target, "--out", str(gen_out), "--no-progress",
+                     "--generate-only"]) == 0
+    assert not (gen_out / "hf").exists()
+    seqs, pls, _ = load_shards(gen_out / "data")
+    ref, ref_pls, _ = load_shards(smoke / "data")
+    assert seqs == ref and pls == ref_pls and len(seqs) == 16
+    _, val_idx = split(seqs, pls, 0.25)
+    val = {tuple(seqs[i]) for i in val_idx}
+    assert val
+    seen = []
+    real_batch = loop._batch
+
+    def spy(batch_seqs, idx, device):
+        if batch_seqs is not None and len(batch_seqs) == len(seqs):   # the training data
+            seen.extend(tuple(batch_seqs[i]) for i in idx)
+        return real_batch(batch_seqs, idx, device)
+    monkeypatch.setattr(loop, "_batch", spy)
+    out = tmp_path / "train"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(gen_out / "data"), "--steps", "12"]) == 0
+    assert len(seen) == 12 * 4 and not (set(seen) & val)
+    assert not (out / "data").exists()         # --data is read, not copied
+
+
+def test_init_from_reproduces_the_checkpoint(smoke, tmp_path):
+    """--init-from starts from the checkpoint's weights: with no steps the validation proxies
+    equal the source run's at its chosen step, and hf/ gives the same logits."""
+    import json
+    target = str(smoke / "smoke-target.gguf")
+    out = tmp_path / "init"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "hf"),
+                     "--steps", "0"]) == 0
+    src = json.loads((smoke / "train_log.json").read_text())["best"]
+    first = json.loads((out / "eval_log.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0
+    assert first["val"]["loss"] == pytest.approx(src["val"]["loss"], rel=1e-5)
+    a, b = DSparkDrafter.load_hf(smoke / "hf"), DSparkDrafter.load_hf(out / "hf")
+    tm = TargetModel.from_gguf(target)
+    tokens = torch.randint(0, tm.hp.n_vocab, (1, 40), generator=torch.Generator().manual_seed(0))
+    _, inp = tm(tokens, layers=a.c.target_layers, logits=False)
+    feats = torch.cat([inp[l] for l in a.c.target_layers], -1)
+    anchors = torch.tensor([[3, 10, 20]])
+    la = a(feats, tokens, anchors, tm.embedding, tm.head)["logits"]
+    lb = b(feats, tokens, anchors, tm.embedding, tm.head)["logits"]
+    torch.testing.assert_close(la, lb)
+
+
+def test_bf16_checkpoint_is_half_the_size_and_loads(smoke, tmp_path):
+    d = DSparkDrafter.load_hf(smoke / "hf")
+    d.save_hf(tmp_path / "f32")
+    d.save_hf(tmp_path / "bf16", max_shard_mib=0, dtype="bf16")
+    size = lambda p: sum(f.stat().st_size for f in p.glob("*.safetensors"))  # noqa: E731
+    assert size(tmp_path / "bf16") < 0.55 * size(tmp_path / "f32")
+    e = DSparkDrafter.load_hf(tmp_path / "bf16")
+    for (n, p), q in zip(d.named_parameters(), e.parameters()):
+        torch.testing.assert_close(q, p.to(torch.bfloat16).float(), msg=n)
+    convert(tmp_path / "bf16", tmp_path / "d.gguf", "f16",
+            target_model_dir=smoke / "smoke-target.gguf", progress=False)

@@ -12,8 +12,9 @@ into torch (`target.py`), run as pyspec's engine runs it.
 Modules: target (GGUF -> torch target, its forward with layer inputs, KV-cached generation),
 data (prompts from Python's own documentation and sources, continued by the target), drafter
 (the torch drafter, identical to csrc/model/dflash.cpp, and its Hugging Face checkpoint), loss
-(0.1·CE + 0.9·L1 + BCE on the confidence head, weights exp(-k/4)), loop (training, resumable
-checkpoints, conversion), cli (the command line).
+(0.1·CE + 0.9·L1 + BCE on the confidence head, weights exp(-k/4)), shards (generated data as
+carryable data-*.npz files), validation (the held-out split and its proxies), loop (training,
+resumable checkpoints, best-by-validation hf/, conversion), cli (the command line).
 
 Mask token. Every vocabulary row of SmolLM2 is a real token, so there is no free row for the
 mask. We reuse a rarely used id rather than a trained mask embedding: with a trained embedding

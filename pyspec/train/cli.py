@@ -44,7 +44,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--anchors", type=int, default=64, help="blocks per sequence per step")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--data-prompts", type=int, default=4000, help="sequences to generate")
+    p.add_argument("--data-prompts", type=int, default=4000,
+                   help="sequences to generate (when --data is not given)")
+    p.add_argument("--data", nargs="+", default=None, metavar="DIR_OR_FILE",
+                   help="train on these shard sets (directories of data-*.npz, files or globs, "
+                        "e.g. from several --generate-only sessions) instead of generating")
+    p.add_argument("--generate-only", action="store_true",
+                   help="generate --data-prompts sequences into OUT/data/data-*.npz and exit")
+    p.add_argument("--data-shard-mib", type=float, default=15.0,
+                   help="largest data shard file (MiB)")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="share of the sequences (by prompt) held out from training")
+    p.add_argument("--val-seqs", type=int, default=256,
+                   help="validation sequences the proxies are measured on")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="steps between validations (default: --save-every)")
+    p.add_argument("--patience", type=int, default=0,
+                   help="stop after this many validations without improvement (0: never)")
+    p.add_argument("--init-from", default=None, metavar="HF_DIR",
+                   help="start from this hf/ checkpoint (weights only, fresh optimizer)")
+    p.add_argument("--hf-dtype", choices=["f32", "bf16", "f16"], default="f32",
+                   help="weight type of the hf/ checkpoint (bf16: half the size, to carry)")
+    p.add_argument("--time-limit", type=float, default=0,
+                   help="seconds for generation + training; then stop, keep the best, convert")
     p.add_argument("--gen-batch", type=int, default=256, help="sequences generated at once")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=["auto", "bf16", "f32"], default="auto",
@@ -79,6 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.steps = min(args.steps, 30)
         args.layers, args.seq_len, args.batch, args.anchors = 1, 64, 4, 8
         args.data_prompts, args.gen_batch, args.save_every = 16, 16, 10
+        args.val_fraction, args.val_seqs = max(args.val_fraction, 0.25), 4
         args.markov_rank = 32
         args.outtype = "f32"
     if args.target is None:
@@ -91,9 +114,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         seq_len=args.seq_len, data_prompts=args.data_prompts, gen_batch=args.gen_batch,
         device=args.device, dtype=args.dtype, resume=args.resume, seed=args.seed,
         save_every=args.save_every, outtype=args.outtype, max_shard_mib=args.max_shard_mib,
-        progress=not args.no_progress, threads=args.threads)
+        progress=not args.no_progress, threads=args.threads,
+        data=args.data, generate_only=args.generate_only, data_shard_mib=args.data_shard_mib,
+        val_fraction=args.val_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
+        patience=args.patience, init_from=args.init_from, hf_dtype=args.hf_dtype,
+        time_limit=args.time_limit)
     t0 = time.time()
     hf = train(opts)
+    if hf is None:
+        print(f"wrote {args.out / 'data'} in {time.time() - t0:.0f}s")
+        return 0
     gguf_path = args.out / f"drafter-{args.outtype}.gguf"
     convert_checkpoint(hf, args.target, gguf_path, args.outtype)
     print(f"wrote {hf} and {gguf_path} in {time.time() - t0:.0f}s")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .target import apply_rope, rms_norm, rope_angles
 
 HF_ARCH = "DSparkDraftModel"
+HF_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
 @dataclass
@@ -290,26 +291,29 @@ class DSparkDrafter(torch.nn.Module):
             ps += [self.conf_proj.weight, self.conf_proj.bias]
         return ps
 
-    def save_hf(self, out_dir: Path, max_shard_mib: int = 0) -> Path:
+    def save_hf(self, out_dir: Path, max_shard_mib: int = 0, dtype: str = "f32") -> Path:
         """config.json + model.safetensors (or shards of at most max_shard_mib MiB with
-        model.safetensors.index.json)."""
+        model.safetensors.index.json), weights in dtype (f32, or bf16/f16 for a checkpoint half
+        the size that is carried to a later session and continued with --init-from)."""
         from safetensors.torch import save_file
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        sd = self.hf_state_dict()
+        tdt = HF_DTYPES[dtype]
+        sd = {k: v.to(tdt).contiguous() for k, v in self.hf_state_dict().items()}
+        nbytes = lambda v: v.numel() * v.element_size()   # noqa: E731
         for old in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob("model.safetensors.index.json")):
             old.unlink()
-        if max_shard_mib <= 0 or sum(v.numel() * 4 for v in sd.values()) <= max_shard_mib << 20:
+        if max_shard_mib <= 0 or sum(nbytes(v) for v in sd.values()) <= max_shard_mib << 20:
             save_file(sd, str(out_dir / "model.safetensors"))
         else:
             shards: List[Dict[str, torch.Tensor]] = [{}]
             size = 0
             for k, v in sd.items():
-                if shards[-1] and size + v.numel() * 4 > max_shard_mib << 20:
+                if shards[-1] and size + nbytes(v) > max_shard_mib << 20:
                     shards.append({})
                     size = 0
                 shards[-1][k] = v
-                size += v.numel() * 4
+                size += nbytes(v)
             weight_map = {}
             for i, s in enumerate(shards):
                 name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -317,7 +321,9 @@ class DSparkDrafter(torch.nn.Module):
                 weight_map.update({k: name for k in s})
             (out_dir / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {}, "weight_map": weight_map}, indent=1))
-        (out_dir / "config.json").write_text(json.dumps(self.c.hf_config(), indent=2))
+        cfg = self.c.hf_config()
+        cfg["torch_dtype"] = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[dtype]
+        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
         return out_dir
 
     @classmethod

@@ -1,10 +1,20 @@
 """The training loop and its checkpoints.
 
 Files in --out:
-    data.pt            the generated training sequences (token ids), reused on --resume
-    train_state.pt     drafter weights, optimizer and scheduler state, step, RNG state (--resume)
-    hf/                the Hugging Face checkpoint (config.json + model.safetensors)
+    data/data-*.npz    the generated sequences (shards.py), reused on --resume; with
+                       --generate-only the only output (carry it, train later with --data)
+    train_state.pt     the latest drafter weights, optimizer, step, RNG state, best-so-far (--resume)
+    hf/                the Hugging Face checkpoint (config.json + safetensors) of the drafter that
+                       did best on the validation sequences so far (the latest one without them)
+    eval_log.jsonl     one line per evaluation: step, training and validation proxies
+    train_log.json     the last step's numbers and the chosen (best) step
     drafter-<type>.gguf  hf/ converted with pyspec-convert --target-model-dir TARGET
+
+Validation (validation.py): --val-fraction of the sequences, chosen by prompt hash, are never
+trained on; every --eval-every steps the loss proxies are measured on up to --val-seqs of them,
+hf/ is rewritten whenever the validation greedy accepted length improves, and --patience stops a
+run that stopped improving. Training on the data's own batches overstates how far the drafter
+drafts on new prompts once it starts to memorise them; the held-out numbers do not.
 """
 
 from __future__ import annotations
@@ -53,6 +63,16 @@ class TrainOptions:
     max_shard_mib: int = 0
     progress: bool = True
     threads: int = 0
+    data: Optional[List[str]] = None     # shard sets to train on instead of generating
+    generate_only: bool = False
+    val_fraction: float = 0.05
+    val_seqs: int = 256
+    eval_every: int = 0                  # 0: save_every
+    patience: int = 0                    # evaluations without improvement before stopping
+    init_from: Optional[str] = None      # an hf/ checkpoint to start from (weights only)
+    hf_dtype: str = "f32"
+    data_shard_mib: float = 15.0
+    time_limit: float = 0.0              # seconds for the whole run (0: none)
 
 
 def auto_target_layers(n_layer: int, k: int = 5) -> List[int]:
@@ -133,43 +153,64 @@ def lr_at(step: int, total: int, peak: float, warmup: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def train(opt: TrainOptions, log=print) -> Path:
+def _load_target(opt: TrainOptions, device, amp, log):
     from ..tokenizer import Tokenizer
-    from .data import generate_dataset
-    out = Path(opt.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if opt.threads:
-        torch.set_num_threads(opt.threads)
-    device = torch.device(opt.device)
-    torch.manual_seed(opt.seed)
-    cuda = device.type == "cuda"
-    amp = torch.bfloat16 if (opt.dtype == "bf16" or (opt.dtype == "auto" and cuda)) else None
-
     t0 = time.time()
     target = TargetModel.from_gguf(opt.target).to(device)
     if amp is not None:
         target = target.to(amp)
-    hp = target.hp
     tok = Tokenizer.from_gguf(opt.target)
-    layers = parse_target_layers(opt.target_layers, hp.n_layer)
-    mask_id = opt.mask_token_id if opt.mask_token_id is not None else choose_mask_token(tok)
-    log(f"target {opt.target}: {hp.arch}, {hp.n_layer} layers, hidden {hp.n_embd}, vocab "
-        f"{hp.n_vocab}; drafter reads layer inputs {layers}; mask token {mask_id} "
-        f"({tok.token_text(mask_id)!r}); loaded in {time.time() - t0:.1f}s")
+    log(f"target {opt.target}: {target.hp.arch}, {target.hp.n_layer} layers, hidden "
+        f"{target.hp.n_embd}, vocab {target.hp.n_vocab}; loaded in {time.time() - t0:.1f}s")
+    return target, tok
 
-    data_path = out / "data.pt"
-    if data_path.exists() and opt.resume:
-        seqs = torch.load(data_path)["seqs"]
-        log(f"{len(seqs)} training sequences from {data_path}")
-    else:
-        t0 = time.time()
-        seqs = generate_dataset(target, tok, opt.data_prompts, opt.seq_len, device,
-                                opt.gen_batch, opt.seed, progress=opt.progress)
-        torch.save({"seqs": seqs, "target": str(opt.target)}, data_path)
-        n_tok = sum(len(s) for s in seqs)
-        log(f"generated {len(seqs)} sequences ({n_tok} tokens) in {time.time() - t0:.1f}s")
-    seqs = [s for s in seqs if len(s) >= 3]
 
+def _training_data(opt: TrainOptions, target, tok, device, deadline, log):
+    """(sequences, prompt lengths): --data shard sets, or the data/ of a resumed run, or freshly
+    generated (and saved to out/data/)."""
+    from .data import generate_dataset
+    from .shards import load_shards, save_shards
+    out = Path(opt.out)
+    if opt.data and not opt.generate_only:
+        seqs, pls, info = load_shards(opt.data, target.hp.n_vocab)
+        log(f"{len(seqs)} sequences from {info['files']} shard files "
+            f"({info['duplicates']} exact duplicates dropped)")
+        return seqs, pls
+    if opt.resume and not opt.generate_only:
+        if list((out / "data").glob("data-*.npz")):
+            seqs, pls, _ = load_shards(out / "data", target.hp.n_vocab)
+            log(f"{len(seqs)} sequences from {out / 'data'}")
+            return seqs, pls
+        if (out / "data.pt").exists():      # runs from before shard files
+            seqs = torch.load(out / "data.pt")["seqs"]
+            log(f"{len(seqs)} sequences from {out / 'data.pt'}")
+            return seqs, None
+    t0 = time.time()
+    seqs, pls = generate_dataset(target, tok, opt.data_prompts, opt.seq_len, device,
+                                 opt.gen_batch, opt.seed, progress=opt.progress,
+                                 deadline=deadline)
+    meta = dict(target=Path(opt.target).name, n_vocab=target.hp.n_vocab, seq_len=opt.seq_len,
+                seed=opt.seed)
+    files = save_shards(seqs, pls, out / "data", meta, opt.data_shard_mib)
+    n_tok = sum(len(s) for s in seqs)
+    log(f"generated {len(seqs)} sequences ({n_tok} tokens) in {time.time() - t0:.1f}s -> "
+        f"{len(files)} shard files in {out / 'data'}")
+    return seqs, pls
+
+
+def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=print):
+    """A fresh drafter for the target, or (--init-from) the checkpoint's, whose architecture,
+    target layers and mask token then replace the options'."""
+    if opt.init_from:
+        drafter = DSparkDrafter.load_hf(Path(opt.init_from))
+        c = drafter.c
+        if (c.hidden_size, c.vocab_size) != (hp.n_embd, hp.n_vocab) or \
+                max(c.target_layers) > hp.n_layer:
+            raise ValueError(f"{opt.init_from} was not trained for this target (hidden "
+                             f"{c.hidden_size}, vocab {c.vocab_size}, layers {c.target_layers})")
+        log(f"initialised from {opt.init_from}: {c.num_hidden_layers} layers, target layers "
+            f"{c.target_layers}, mask token {c.mask_token_id} (fresh optimizer)")
+        return drafter
     cfg = DrafterConfig(hidden_size=hp.n_embd, intermediate_size=hp.n_ff,
                         num_hidden_layers=opt.layers, num_attention_heads=hp.n_head,
                         num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim,
@@ -179,10 +220,56 @@ def train(opt: TrainOptions, log=print) -> Path:
                         max_position_embeddings=hp.n_ctx_train,
                         extra=dict(target=Path(opt.target).name, seq_len=opt.seq_len,
                                    mask_choice="rare control token (see pyspec.train)"))
-    drafter = DSparkDrafter(cfg).to(device)
+    return DSparkDrafter(cfg)
+
+
+def _fmt(m: dict) -> str:
+    slots = " ".join(f"{x:.2f}" for x in m.get("slot_acc", []))
+    return (f"loss {m['loss']:.4f} greedy accepted length ~{m['accept_len']:.2f} "
+            f"per-slot top-1 agreement [{slots}]")
+
+
+def train(opt: TrainOptions, log=print) -> Optional[Path]:
+    """Trains and returns the hf/ directory (None with generate_only)."""
+    from .validation import Validator, split
+    t_start = time.time()
+    deadline = t_start + opt.time_limit if opt.time_limit > 0 else None
+    out = Path(opt.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if opt.threads:
+        torch.set_num_threads(opt.threads)
+    device = torch.device(opt.device)
+    torch.manual_seed(opt.seed)
+    cuda = device.type == "cuda"
+    amp = torch.bfloat16 if (opt.dtype == "bf16" or (opt.dtype == "auto" and cuda)) else None
+
+    target, tok = _load_target(opt, device, amp, log)
+    hp = target.hp
+    seqs, prompt_lens = _training_data(opt, target, tok, device, deadline, log)
+    if opt.generate_only:
+        return None
+    keep = [i for i, s in enumerate(seqs) if len(s) >= 3]
+    seqs = [seqs[i] for i in keep]
+    prompt_lens = [prompt_lens[i] for i in keep] if prompt_lens is not None else None
+    train_idx, val_idx = split(seqs, prompt_lens, opt.val_fraction)
+    if not train_idx:
+        raise RuntimeError("no training sequences left after the validation split")
+    validator = Validator(seqs, val_idx, opt.val_seqs, opt.batch, opt.anchors, device) \
+        if val_idx and opt.val_seqs > 0 else None
+    log(f"{len(train_idx)} training sequences, {len(val_idx)} held out for validation"
+        + (f" (proxies on {len(validator)} of them)" if validator else ""))
+
+    layers = parse_target_layers(opt.target_layers, hp.n_layer)
+    mask_id = opt.mask_token_id if opt.mask_token_id is not None else choose_mask_token(tok)
+    drafter = build_drafter(opt, hp, layers, mask_id, log).to(device)
+    cfg = drafter.c
+    layers = cfg.target_layers
+    log(f"drafter reads layer inputs {layers}; mask token {cfg.mask_token_id} "
+        f"({tok.token_text(cfg.mask_token_id)!r})")
     optim = torch.optim.AdamW(drafter.parameters(), lr=opt.lr, weight_decay=0.0,
                               betas=(0.9, 0.95))
     step = 0
+    best: Optional[dict] = None           # {"step", "val"}: the weights in hf/
     state_path = out / "train_state.pt"
     gen = torch.Generator().manual_seed(opt.seed)
     rng = random.Random(opt.seed)
@@ -193,24 +280,66 @@ def train(opt: TrainOptions, log=print) -> Path:
         step = st["step"]
         gen.set_state(st["gen"].cpu())
         rng.setstate(st["rng"])
+        best = st.get("best")
         log(f"resumed at step {step} from {state_path}")
 
-    def save(final: bool = False):
+    def save_state():
         torch.save({"drafter": drafter.state_dict(), "optim": optim.state_dict(), "step": step,
-                    "gen": gen.get_state(), "rng": rng.getstate(),
+                    "gen": gen.get_state(), "rng": rng.getstate(), "best": best,
                     "config": cfg.hf_config()}, state_path)
-        drafter.save_hf(out / "hf", opt.max_shard_mib)
+
+    def save_hf():
+        drafter.save_hf(out / "hf", opt.max_shard_mib, opt.hf_dtype)
+
+    evals_since_best = 0
+    last_eval_step = -1
+
+    def evaluate(train_metrics: Optional[dict]) -> None:
+        """Validation proxies; hf/ follows the best of them (or the latest without them)."""
+        nonlocal best, evals_since_best, last_eval_step
+        last_eval_step = step
+        rec = {"step": step, "train": train_metrics}
+        if validator is None:
+            save_hf()
+        else:
+            t0 = time.time()
+            val = validator.evaluate(drafter, target, layers, amp, opt.gamma)
+            rec["val"] = val
+            better = best is None or val["accept_len"] > best["val"]["accept_len"] or (
+                val["accept_len"] == best["val"]["accept_len"] and val["loss"] < best["val"]["loss"])
+            if better:
+                best = {"step": step, "val": val}
+                evals_since_best = 0
+                save_hf()
+            else:
+                evals_since_best += 1
+            log(f"step {step} validation ({time.time() - t0:.1f}s): {_fmt(val)}"
+                + ("  * best so far, hf/ updated" if better else
+                   f"  (best: step {best['step']}, {best['val']['accept_len']:.2f})"))
+        with open(out / "eval_log.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
     embedding, head = target.embedding.detach(), target.head.detach()
+    if opt.init_from and step == 0 and validator is not None:
+        evaluate(None)       # the starting point competes too: training must beat it
     drafter.train()
     bar = tqdm(total=opt.steps, initial=step, desc="training", unit="step",
                disable=not opt.progress)
     ema = None
+    last = None
     order: List[int] = []
+    eval_every = opt.eval_every or opt.save_every
     t_train, step0 = time.time(), step
+    stopped = ""
     while step < opt.steps:
+        if deadline is not None and time.time() > deadline:
+            stopped = f"time limit ({opt.time_limit:.0f}s) reached"
+            break
+        if opt.patience and evals_since_best >= opt.patience:
+            stopped = f"no validation improvement in {opt.patience} evaluations"
+            break
         if len(order) < opt.batch:
-            order += rng.sample(range(len(seqs)), len(seqs))
+            order += rng.sample(train_idx, len(train_idx))
         idx, order = order[:opt.batch], order[opt.batch:]
         tokens, lengths = _batch(seqs, idx, device)
         anchors = _anchors(lengths.cpu(), opt.anchors, gen).to(device)
@@ -231,16 +360,27 @@ def train(opt: TrainOptions, log=print) -> Path:
         bar.set_postfix(loss=f"{ema['loss']:.3f}", ce=f"{ema['ce']:.2f}",
                         tv=f"{ema['l1'] / 2:.3f}", acc_len=f"{ema['accept_len']:.2f}")
         bar.update(1)
-        if step % opt.save_every == 0 or step == opt.steps:
-            save()
-            slots = " ".join(f"{x:.2f}" for x in losses["slot_acc"].tolist())
+        last = dict(ema, slot_acc=losses["slot_acc"].tolist())
+        if step % eval_every == 0 or step == opt.steps:
             rate = (step - step0) / max(1e-9, time.time() - t_train)
-            log(f"step {step} ({rate:.2f} steps/s): loss {ema['loss']:.4f} greedy accepted length ~{ema['accept_len']:.2f}"
-                f" per-slot top-1 agreement [{slots}]")
+            log(f"step {step} ({rate:.2f} steps/s) training batches: {_fmt(last)}")
+            evaluate(last)
+        if step % opt.save_every == 0 or step == opt.steps:
+            save_state()        # after evaluate: the state records the best including this step
     bar.close()
-    if not state_path.exists():
-        save()
-    (out / "train_log.json").write_text(json.dumps({"step": step, "ema": ema}, indent=1))
+    if stopped:
+        log(f"stopped at step {step}: {stopped}")
+    if last_eval_step != step and (stopped or best is None or not (out / "hf").exists()):
+        evaluate(last)       # the weights at the stop compete too (and hf/ must exist)
+    if not state_path.exists() or stopped:
+        save_state()
+    if best is not None:
+        log(f"final drafter (hf/): step {best['step']} of {step}, chosen by validation: "
+            f"{_fmt(best['val'])}")
+    else:
+        log(f"final drafter (hf/): step {step} (no validation sequences)")
+    (out / "train_log.json").write_text(json.dumps(
+        {"step": step, "ema": ema, "best": best, "stopped": stopped or None}, indent=1))
     return out / "hf"
 
 
