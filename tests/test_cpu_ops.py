@@ -28,12 +28,15 @@ QTYPE = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16, "Q8_0": QT.Q8_0, "Q4_0":
 # --------------------------------------------------------------------------------------------
 
 
-def run(g, feeds, fetch, n_threads=1):
-    """Runs g on the CPU backend. Fetched tensors are flagged output first: the planner may reuse
-    the bytes of anything else once its last consumer has run."""
+def run(g, feeds, fetch, n_threads=1, backend="cpu"):
+    """Runs g on the CPU backend (or the one named: tests/test_cuda_ops.py reuses these helpers).
+    Fetched tensors are flagged output first: the planner may reuse the bytes of anything else once
+    its last consumer has run."""
     for t in fetch:
         g.set_output(t)
-    return core.run_graph(g, feeds, list(fetch), n_threads)
+    if backend == "cpu":
+        return core.run_graph(g, feeds, list(fetch), n_threads)
+    return core.run_graph(g, feeds, list(fetch), n_threads, backend=backend)
 
 
 def node(g, op, dtype, shape, srcs, iparams=(), fparams=(), name=""):
@@ -91,7 +94,7 @@ def assert_softmax_close(got, z):
 # --------------------------------------------------------------------------------------------
 
 
-def attention_run(q, k, v, mask, base, n_kv, scale, cache_dtype, n_threads=1):
+def attention_run(q, k, v, mask, base, n_kv, scale, cache_dtype, n_threads=1, backend="cpu"):
     """q (n_rows, n_head, hd) F32; k, v (n_cells, n_kv * hd) caches stored as cache_dtype;
     mask (n_rows, span) F32; base (n_rows,) I32. Returns (n_rows, n_head, hd)."""
     n_rows, n_head, hd = q.shape
@@ -111,7 +114,7 @@ def attention_run(q, k, v, mask, base, n_kv, scale, cache_dtype, n_threads=1):
         tm: np.ascontiguousarray(mask, np.float32),
         tb: np.ascontiguousarray(base, np.int32),
     }
-    (y,) = run(g, feeds, [out], n_threads)
+    (y,) = run(g, feeds, [out], n_threads, backend)
     return y.reshape(n_rows, n_head, hd)
 
 
@@ -487,12 +490,12 @@ def silu64(x):
     return x / (1.0 + np.exp(-x))
 
 
-def elementwise(op, inputs, params=()):
+def elementwise(op, inputs, params=(), backend="cpu"):
     """Runs one element-wise op over F32 inputs of shapes given by the arrays (numpy order)."""
     g = core.Graph()
     ids = [g.input("F32", list(a.shape[::-1]), f"in{i}") for i, a in enumerate(inputs)]
     out = node(g, op, "F32", list(inputs[0].shape[::-1]), ids, fparams=list(params))
-    (got,) = run(g, dict(zip(ids, inputs)), [out])
+    (got,) = run(g, dict(zip(ids, inputs)), [out], backend=backend)
     return got.reshape(inputs[0].shape)
 
 
@@ -522,7 +525,7 @@ def test_scale_exact():
     assert np.array_equal(elementwise("SCALE", [x], [0.37]), x * np.float32(0.37))
 
 
-def reduce_run(op, x, k=None):
+def reduce_run(op, x, k=None, backend="cpu"):
     rows, n = x.shape
     g = core.Graph()
     tx = g.input("F32", [n, rows], "x")
@@ -530,7 +533,7 @@ def reduce_run(op, x, k=None):
         out = node(g, "TOP_K", "I32", [k, rows], [tx], [k])
     else:
         out = node(g, "ARGMAX", "I32", [1, rows], [tx])
-    (got,) = run(g, {tx: x}, [out])
+    (got,) = run(g, {tx: x}, [out], backend=backend)
     return got.reshape(rows, -1)
 
 
@@ -669,13 +672,13 @@ def test_set_rows_writes_external_matrix_in_place(dtype):
 # --------------------------------------------------------------------------------------------
 
 
-def matmul_run(w_stored, dtype, x, n_rows, n_threads=1):
+def matmul_run(w_stored, dtype, x, n_rows, n_threads=1, backend="cpu"):
     m, k = x.shape
     g = core.Graph()
     tw = g.external(dtype, [k, n_rows], "w")
     tx = g.input("F32", [k, m], "x")
     out = node(g, "MUL_MAT", "F32", [n_rows, m], [tw, tx])
-    (got,) = run(g, {tw: w_stored, tx: x}, [out], n_threads)
+    (got,) = run(g, {tw: w_stored, tx: x}, [out], n_threads, backend)
     return got.reshape(m, n_rows)
 
 

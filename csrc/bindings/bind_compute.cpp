@@ -1,17 +1,20 @@
-// Running a hand-built graph on the CPU backend from Python, so tests can check each op against
-// numpy and check that planned graphs compute the same values as freshly planned ones.
+// Running a hand-built graph on the CPU or the CUDA backend from Python, so tests can check each op
+// against numpy (and the GPU against the CPU) and check that planned graphs compute the same
+// values as freshly planned ones.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstring>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "core/planner.h"
 #include "cpu/cpu_backend.h"
+#include "cuda/cuda_backend.h"
 
 namespace py = pybind11;
 
@@ -38,8 +41,28 @@ py::array fetch_tensor(Backend& backend, const Tensor& t) {
     return out;
 }
 
+// The backend named `name`: "cpu" (n_threads workers, arena poisoned with NaN so reads of
+// unwritten memory show) or "cuda" (device 0; a RuntimeError with the reason when CUDA was not
+// built in or no GPU is visible).
+std::unique_ptr<Backend> make_backend(const std::string& name, int n_threads) {
+    if (name == "cpu") {
+        auto cpu = std::make_unique<CpuBackend>(n_threads);
+        cpu->set_poison(true);
+        return cpu;
+    }
+    if (name == "cuda") {
+        std::string reason;
+        if (!cuda_available(&reason)) throw std::runtime_error("the CUDA backend cannot be used: " + reason);
+        return make_cuda_backend(0);
+    }
+    throw std::invalid_argument("unknown backend '" + name + "' (expected \"cpu\" or \"cuda\")");
+}
+
 std::vector<py::array> run_graph(Graph& g, const std::map<int, py::array>& feeds, const std::vector<int>& fetch,
-                                 int n_threads) {
+                                 int n_threads, const std::string& backend_name) {
+    // First, so an unknown or unavailable backend fails before the graph is touched.
+    std::unique_ptr<Backend> owned = make_backend(backend_name, n_threads);
+    Backend& backend = *owned;
     std::vector<py::buffer_info> keep;  // external feeds stay borrowed during the call
     for (const auto& kv : feeds) {
         check_id(g, kv.first);
@@ -61,8 +84,6 @@ std::vector<py::array> run_graph(Graph& g, const std::map<int, py::array>& feeds
     }
     const AllocationPlan plan = make_plan(g, 64);
     check_plan(g, plan);
-    CpuBackend backend(n_threads);
-    backend.set_poison(true);
     backend.apply_plan(g, plan);
     for (const auto& kv : feeds) {
         const Tensor& t = g[kv.first];
@@ -94,8 +115,21 @@ void bind_compute(py::module_& m) {
         py::arg("graph"), py::arg("id"), py::arg("iparams") = std::vector<int32_t>(),
         py::arg("fparams") = std::vector<float>(), "Sets an op's integer and float parameters.");
     m.def("run_graph", &run_graph, py::arg("graph"), py::arg("feeds"), py::arg("fetch"), py::arg("n_threads") = 1,
-          "Plans (checked), poisons the arena, runs the graph on the CPU backend and returns the fetched tensors "
-          "(numpy shape = reversed ne). feeds: id -> array for inputs and external tensors.");
+          py::arg("backend") = "cpu",
+          "Plans (checked), runs the graph on a fresh backend and returns the fetched tensors (numpy shape = "
+          "reversed ne). feeds: id -> array for inputs and external tensors. backend: \"cpu\" (n_threads "
+          "workers, arena poisoned with NaN first) or \"cuda\" (device 0: external tensors are uploaded, so "
+          "writes into them, e.g. SET_ROWS, show in fetched tensors but not in the host arrays; RuntimeError "
+          "with the reason when CUDA is not available).");
+    m.def(
+        "cuda_available",
+        []() {
+            std::string reason;
+            const bool ok = cuda_available(&reason);
+            return py::make_tuple(ok, reason);
+        },
+        "(available, reason): whether the CUDA backend was built in and a GPU is visible; reason says why "
+        "not (empty when available).");
 }
 
 }  // namespace pyspec

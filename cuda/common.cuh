@@ -1,0 +1,154 @@
+// Shared pieces of the CUDA backend's kernels: a tensor descriptor passed by value to kernels,
+// error checking, element conversions (bit-compatible with core/dtype.h) and the block formats.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#include "core/dtype.h"
+
+namespace pyspec {
+namespace cuda {
+
+// What a kernel needs of a tensor: its device address, type, shape and byte strides.
+struct TDesc {
+    char* data;
+    DType dtype;
+    int64_t ne[4];
+    int64_t nb[4];
+    __host__ __device__ int64_t nrows() const { return ne[1] * ne[2] * ne[3]; }
+    // Flattened row r over ne[1] * ne[2] * ne[3], any row strides (the CPU's row_ptr).
+    __host__ __device__ char* row(int64_t r) const {
+        const int64_t i1 = r % ne[1];
+        const int64_t rest = r / ne[1];
+        const int64_t i2 = rest % ne[2];
+        const int64_t i3 = rest / ne[2];
+        return data + i1 * nb[1] + i2 * nb[2] + i3 * nb[3];
+    }
+};
+
+// Bits a kernel sets in the backend's device error word (checked at the next synchronising call).
+enum ErrorBits : unsigned {
+    kErrGetRowsId = 1u,
+    kErrSetRowsId = 2u,
+    kErrAttentionSpan = 4u,
+    kErrBadType = 8u,
+};
+
+[[noreturn]] inline void throw_cuda(const char* what, cudaError_t e) {
+    throw std::runtime_error(std::string("cuda backend: ") + what + ": " + cudaGetErrorString(e));
+}
+
+inline void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw_cuda(what, e);
+}
+
+// Launch-error check after a kernel launch.
+inline void check_launch(const char* what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) throw_cuda(what, e);
+}
+
+inline unsigned grid_for(int64_t n, int threads) {
+    const int64_t g = (n + threads - 1) / threads;
+    return static_cast<unsigned>(g < 1 ? 1 : (g > 0x7fffffff ? 0x7fffffff : g));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element conversions on the device.
+
+__device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ uint16_t f2h(float f) { return __half_as_ushort(__float2half_rn(f)); }
+__device__ __forceinline__ float bf2f(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+// Round to nearest even, NaN kept quiet: the same bits as core/dtype.h's fp32_to_bf16.
+__device__ __forceinline__ uint16_t f2bf(float f) {
+    const uint32_t x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 64);
+    return static_cast<uint16_t>((x + (0x7fffu + ((x >> 16) & 1u))) >> 16);
+}
+
+// dtype_unit_bytes for device code.
+__host__ __device__ __forceinline__ size_t unit_bytes(DType t) {
+    switch (t) {
+        case DType::F32: return 4;
+        case DType::F16:
+        case DType::BF16: return 2;
+        case DType::Q8_0: return sizeof(BlockQ8_0);
+        case DType::Q4_0: return sizeof(BlockQ4_0);
+        case DType::Q4_1: return sizeof(BlockQ4_1);
+        case DType::I32: return 4;
+        case DType::I64: return 8;
+        default: return 0;
+    }
+}
+
+// Unaligned-safe 16-bit load (blocks are 2-byte aligned only).
+__device__ __forceinline__ uint16_t ld16(const char* p) { return *reinterpret_cast<const uint16_t*>(p); }
+
+// Element i of a row of type t (quantized types: i indexes the row's values).
+__device__ __forceinline__ float load_elem(DType t, const char* row, int64_t i) {
+    switch (t) {
+        case DType::F32: return reinterpret_cast<const float*>(row)[i];
+        case DType::F16: return h2f(reinterpret_cast<const uint16_t*>(row)[i]);
+        case DType::BF16: return bf2f(reinterpret_cast<const uint16_t*>(row)[i]);
+        case DType::Q8_0: {
+            const char* b = row + (i / QK) * sizeof(BlockQ8_0);
+            const int j = static_cast<int>(i % QK);
+            return static_cast<float>(static_cast<int8_t>(b[2 + j])) * h2f(ld16(b));
+        }
+        case DType::Q4_0: {
+            const char* b = row + (i / QK) * sizeof(BlockQ4_0);
+            const int j = static_cast<int>(i % QK);
+            const uint8_t q = static_cast<uint8_t>(b[2 + (j & 15)]);
+            const int v = (j < 16 ? (q & 15) : (q >> 4)) - 8;
+            return h2f(ld16(b)) * static_cast<float>(v);
+        }
+        case DType::Q4_1: {
+            const char* b = row + (i / QK) * sizeof(BlockQ4_1);
+            const int j = static_cast<int>(i % QK);
+            const uint8_t q = static_cast<uint8_t>(b[4 + (j & 15)]);
+            const int v = j < 16 ? (q & 15) : (q >> 4);
+            return __fmul_rn(h2f(ld16(b)), static_cast<float>(v)) + h2f(ld16(b + 2));
+        }
+        default: return 0.0f;
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum / max for blockDim.x a multiple of 32 (<= 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* shared32) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) shared32[warp] = v;
+    __syncthreads();
+    v = lane < nw ? shared32[lane] : 0.0f;
+    return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float* shared32) {
+    v = warp_max(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) shared32[warp] = v;
+    __syncthreads();
+    v = lane < nw ? shared32[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+}  // namespace cuda
+}  // namespace pyspec

@@ -1,0 +1,386 @@
+// The CUDA backend: memory (device arena, persistent buffers, uploads of host-resident external
+// tensors), host <-> device copies, and the op dispatch onto one stream.
+//
+// External tensors. A graph's external tensors carry the pointer their builder set: KV caches
+// come from alloc_persistent (device memory already), weights point into the host-mmapped GGUF
+// (and feeds from numpy in op tests point at host arrays). Tensor::data is never rewritten for
+// external tensors, because Model/DraftModel and graph builders keep and reuse those host
+// pointers (e.g. building each step's graph from them, dflash's d2t rows read on the host).
+// Instead, compute() resolves every operand's device address: a pointer inside the arena or a
+// persistent buffer is used as is; any other pointer belongs to a host external tensor (the root
+// of the view chain), which is uploaded once, keyed by (host address, bytes), and the operand
+// gets the device copy + its offset. Uploads live as long as the backend: weights never change
+// while a backend lives (a host external that is rewritten in place would be seen stale). Results
+// that SET_ROWS writes into a host external land in its device copy: read() of that tensor (or a
+// view of it) returns them; the host array itself is not updated.
+//
+// Ordering: everything (kernels, cuBLAS, uploads, memsets, write/read copies) goes on the backend's
+// one non-blocking stream, so nothing relies on the legacy default stream's implicit syncs.
+//
+// Errors: CUDA API failures and launch errors throw std::runtime_error naming the op (and the
+// tensor). Faults inside kernels surface at the next synchronising call (read). Kernels that find
+// bad indices (get_rows/set_rows ids, attention spans outside the cache) set bits in a device
+// error word; read() checks it after synchronising and throws, as the CPU backend would have.
+#include "cuda/cuda_backend.h"
+
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda/kernels.h"
+
+namespace pyspec {
+namespace {
+
+using cuda::TDesc;
+using cuda::check;
+
+class CudaBackend final : public Backend {
+public:
+    explicit CudaBackend(int device) : device_(device) {
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+        cudaError_t e = cudaMalloc(&err_, sizeof(unsigned));
+        if (e == cudaSuccess) e = cudaMemsetAsync(err_, 0, sizeof(unsigned), stream_);
+        if (e != cudaSuccess) {
+            if (err_) cudaFree(err_);
+            cudaStreamDestroy(stream_);
+            cuda::throw_cuda("allocating the error word", e);
+        }
+    }
+
+    ~CudaBackend() override {
+        cudaSetDevice(device_);
+        cudaStreamSynchronize(stream_);
+        for (auto& u : uploads_) cudaFree(u.second);
+        for (auto& p : persistent_) cudaFree(p.first);
+        if (arena_) cudaFree(arena_);
+        if (err_) cudaFree(err_);
+        if (blas_) cublasDestroy(blas_);
+        cudaStreamDestroy(stream_);
+    }
+
+    const char* name() const override { return "CUDA"; }
+
+    void* alloc_persistent(size_t bytes) override {
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        const size_t n = bytes == 0 ? 256 : bytes;
+        void* p = nullptr;
+        check(cudaMalloc(&p, n), "alloc_persistent: cudaMalloc");
+        const cudaError_t e = cudaMemsetAsync(p, 0, n, stream_);
+        if (e != cudaSuccess) {
+            cudaFree(p);
+            cuda::throw_cuda("alloc_persistent: cudaMemset", e);
+        }
+        persistent_.emplace(static_cast<char*>(p), n);
+        return p;
+    }
+
+    void apply_plan(Graph& graph, const AllocationPlan& plan) override {
+        if (plan.offset.size() != static_cast<size_t>(graph.size())) {
+            throw std::logic_error("apply_plan: the plan was made for a different graph");
+        }
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        if (plan.arena_bytes > arena_size_) {  // grow-only; cudaFree waits for work in flight
+            if (arena_) check(cudaFree(arena_), "apply_plan: cudaFree");
+            arena_ = nullptr;
+            arena_size_ = 0;
+            void* p = nullptr;
+            check(cudaMalloc(&p, plan.arena_bytes), "apply_plan: cudaMalloc");
+            arena_ = static_cast<char*>(p);
+            arena_size_ = plan.arena_bytes;
+            check(cudaMemsetAsync(arena_, 0, arena_size_, stream_), "apply_plan: cudaMemset");
+        }
+        for (int i = 0; i < graph.size(); ++i) {
+            Tensor& t = graph[i];
+            if (t.has(kExternal)) continue;
+            if (t.is_view()) {
+                t.data = static_cast<char*>(graph[t.view_src].data) + t.view_offset;
+            } else {
+                if (plan.offset[static_cast<size_t>(i)] < 0) throw std::logic_error("apply_plan: tensor without memory: " + t.name);
+                t.data = arena_ + plan.offset[static_cast<size_t>(i)];
+            }
+        }
+    }
+
+    void compute(Graph& graph) override {
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        resolved_.assign(static_cast<size_t>(graph.size()), nullptr);
+        for (int id = 0; id < graph.size(); ++id) {
+            const Tensor& t = graph[id];
+            if (t.op == Op::NONE || t.op == Op::VIEW) continue;
+            try {
+                run_node(graph, id);
+            } catch (const std::runtime_error& e) {
+                throw std::runtime_error(std::string(e.what()) + " [" + op_name(t.op) + " '" + t.name + "']");
+            }
+            const cudaError_t e = cudaGetLastError();
+            if (e != cudaSuccess) {
+                throw std::runtime_error(std::string("cuda backend: ") + op_name(t.op) + " ('" + t.name +
+                                         "'): " + cudaGetErrorString(e));
+            }
+        }
+    }
+
+    void write(const Tensor& t, const void* src, size_t bytes, size_t offset) override {
+        if (offset + bytes > t.nbytes()) throw std::logic_error("write past the end of tensor " + t.name);
+        if (bytes == 0) return;
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        char* p = static_cast<char*>(t.data) + offset;
+        char* d = device_address(p, bytes);
+        if (!d) throw std::logic_error("cuda backend: write to tensor " + t.name + " whose memory is not on the device");
+        // From pageable memory the call returns once the source has been staged, so the caller
+        // may reuse it at once; the copy is ordered before the next compute on the stream.
+        check(cudaMemcpyAsync(d, src, bytes, cudaMemcpyHostToDevice, stream_), "write: cudaMemcpyAsync");
+    }
+
+    void read(const Tensor& t, void* dst, size_t bytes, size_t offset) override {
+        if (offset + bytes > t.nbytes()) throw std::logic_error("read past the end of tensor " + t.name);
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        char* p = static_cast<char*>(t.data) + offset;
+        char* d = bytes ? device_address(p, bytes) : nullptr;
+        if (d) check(cudaMemcpyAsync(dst, d, bytes, cudaMemcpyDeviceToHost, stream_), "read: cudaMemcpyAsync");
+        check(cudaStreamSynchronize(stream_), "read: synchronising with the computation");
+        check_error_word();
+        if (!d && bytes) std::memcpy(dst, p, bytes);  // a host external never uploaded: unchanged
+    }
+
+    size_t arena_bytes() const override { return arena_size_; }
+
+private:
+    // --- memory ------------------------------------------------------------------------------
+
+    bool on_device(const char* p) const {
+        if (arena_ && p >= arena_ && p < arena_ + arena_size_) return true;
+        auto it = persistent_.upper_bound(const_cast<char*>(p));
+        if (it == persistent_.begin()) return false;
+        --it;
+        return p < it->first + it->second;
+    }
+
+    // Device address of [p, p + bytes): p itself on the device, else inside an upload (nullptr
+    // when none holds it).
+    char* device_address(char* p, size_t bytes) const {
+        if (on_device(p)) return p;
+        const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+        for (auto it = uploads_.begin(); it != uploads_.end(); ++it) {
+            const uintptr_t b = it->first.first;
+            if (a >= b && a + bytes <= b + it->first.second) return it->second + (a - b);
+        }
+        return nullptr;
+    }
+
+    char* upload(const void* host, size_t bytes, const std::string& name) {
+        const auto key = std::make_pair(reinterpret_cast<uintptr_t>(host), bytes);
+        auto it = uploads_.find(key);
+        if (it != uploads_.end()) return it->second;
+        // Inside an earlier upload (two external tensors over one host buffer, e.g. a cache and
+        // a slice of it): share that copy, so writes through one are seen through the other.
+        const uintptr_t a = reinterpret_cast<uintptr_t>(host);
+        for (const auto& u : uploads_) {
+            if (a >= u.first.first && a + bytes <= u.first.first + u.first.second) return u.second + (a - u.first.first);
+        }
+        void* d = nullptr;
+        check(cudaMalloc(&d, bytes == 0 ? 256 : bytes), ("upload of " + name + ": cudaMalloc").c_str());
+        if (bytes) {
+            const cudaError_t e = cudaMemcpyAsync(d, host, bytes, cudaMemcpyHostToDevice, stream_);
+            if (e != cudaSuccess) {
+                cudaFree(d);
+                cuda::throw_cuda(("upload of " + name).c_str(), e);
+            }
+        }
+        uploads_.emplace(key, static_cast<char*>(d));
+        return static_cast<char*>(d);
+    }
+
+    // The device address of tensor id's data for this compute.
+    char* dptr(const Graph& g, int id) {
+        char*& r = resolved_[static_cast<size_t>(id)];
+        if (r) return r;
+        const Tensor& t = g[id];
+        if (!t.data) throw std::logic_error("cuda backend: tensor " + t.name + " has no data");
+        char* p = static_cast<char*>(t.data);
+        if (on_device(p)) return r = p;
+        const int root = g.root_of(id);
+        const Tensor& rt = g[root];
+        if (!rt.has(kExternal)) {
+            throw std::logic_error("cuda backend: tensor " + t.name + " lives in host memory that is not an external tensor's");
+        }
+        char* base = upload(rt.data, rt.nbytes(), rt.name);
+        return r = base + (p - static_cast<char*>(rt.data));
+    }
+
+    TDesc desc(const Graph& g, int id) {
+        const Tensor& t = g[id];
+        TDesc d{};
+        d.data = dptr(g, id);
+        d.dtype = t.dtype;
+        for (int i = 0; i < 4; ++i) {
+            d.ne[i] = t.ne[i];
+            d.nb[i] = static_cast<int64_t>(t.nb[i]);
+        }
+        return d;
+    }
+
+    void check_error_word() {
+        unsigned bits = 0;
+        check(cudaMemcpyAsync(&bits, err_, sizeof(bits), cudaMemcpyDeviceToHost, stream_), "reading the error word");
+        check(cudaStreamSynchronize(stream_), "reading the error word");
+        if (!bits) return;
+        check(cudaMemsetAsync(err_, 0, sizeof(unsigned), stream_), "clearing the error word");
+        std::string why;
+        if (bits & cuda::kErrGetRowsId) why += " get_rows: row id out of range;";
+        if (bits & cuda::kErrSetRowsId) why += " set_rows: row id out of range;";
+        if (bits & cuda::kErrAttentionSpan) why += " attention: span outside the cache;";
+        throw std::logic_error("cuda backend:" + why);
+    }
+
+    // --- ops ---------------------------------------------------------------------------------
+
+    // cuBLAS is created on first use (only matmuls with more than 16 columns need it), which
+    // keeps short-lived backends (op tests) cheap.
+    cublasHandle_t blas() {
+        if (!blas_) {
+            if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) {
+                blas_ = nullptr;
+                throw std::runtime_error("cuda backend: cublasCreate failed");
+            }
+            cublasSetStream(blas_, stream_);
+        }
+        return blas_;
+    }
+
+    static void require(bool ok, const Tensor& t, const char* why) {
+        if (!ok) throw std::logic_error(std::string("cuda backend: ") + op_name(t.op) + " (" + t.name + "): " + why);
+    }
+
+    void run_node(const Graph& g, int id) {
+        const Tensor& t = g[id];
+        auto src = [&](int i) { return t.src[static_cast<size_t>(i)]; };
+        switch (t.op) {
+            case Op::CPY: {
+                const Tensor& s = g[src(0)];
+                require(s.nelements() == t.nelements() && s.ne[0] == t.ne[0], t, "shapes differ");
+                require(!dtype_is_quantized(t.dtype) || s.ne[0] % QK == 0, t, "row not a multiple of the block size");
+                require((dtype_is_integer(s.dtype) == dtype_is_integer(t.dtype)) &&
+                            (!dtype_is_integer(s.dtype) || (s.dtype == DType::I32 && t.dtype == DType::I32)),
+                        t, "unsupported type pair");
+                require(s.nrows() == t.nrows(), t, "row counts differ");
+                cuda::launch_cpy(desc(g, id), desc(g, src(0)), stream_);
+                return;
+            }
+            case Op::GET_ROWS: {
+                const Tensor& tab = g[src(0)];
+                require(!dtype_is_integer(tab.dtype), t, "integer table");
+                require(t.dtype == DType::F32, t, "dst must be F32");
+                cuda::launch_get_rows(desc(g, id), desc(g, src(0)), reinterpret_cast<const int32_t*>(dptr(g, src(1))), err_,
+                                      stream_);
+                return;
+            }
+            case Op::MUL_MAT: {
+                const Tensor& w = g[src(0)];
+                const Tensor& x = g[src(1)];
+                require(w.ne[2] == 1 && w.ne[3] == 1, t, "weights must be 2-D");
+                require(x.ne[2] == 1 && x.ne[3] == 1 && x.nb[0] == sizeof(float) && x.dtype == DType::F32, t,
+                        "activations must be 2-D F32 rows");
+                require(!dtype_is_integer(w.dtype), t, "integer weights");
+                require(w.nb[1] >= dtype_row_bytes(w.dtype, w.ne[0]), t, "row stride is smaller than a row");
+                require(x.nb[1] % sizeof(float) == 0 && t.nb[1] % sizeof(float) == 0, t, "row strides not in floats");
+                cuda::launch_matmul(w.dtype, dptr(g, src(0)), w.ne[1], w.ne[0], w.nb[1],
+                                    reinterpret_cast<const float*>(dptr(g, src(1))),
+                                    static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1],
+                                    reinterpret_cast<float*>(dptr(g, id)), static_cast<int64_t>(t.nb[1] / sizeof(float)),
+                                    blas(), scratch_, stream_);
+                return;
+            }
+            case Op::RMS_NORM: {
+                const float* w = src(1) >= 0 ? reinterpret_cast<const float*>(dptr(g, src(1))) : nullptr;
+                cuda::launch_rms_norm(desc(g, id), desc(g, src(0)), w, t.fparams[0], stream_);
+                return;
+            }
+            case Op::ADD:
+            case Op::MUL:
+            case Op::SWIGLU: {
+                const Tensor& a = g[src(0)];
+                const Tensor& b = g[src(1)];
+                require(b.ne[0] == a.ne[0] && (b.nrows() == 1 || b.nrows() == a.nrows()), t, "shapes do not broadcast");
+                const int kind = t.op == Op::ADD ? 0 : t.op == Op::MUL ? 1 : 2;
+                cuda::launch_binary(kind, desc(g, id), desc(g, src(0)), desc(g, src(1)), stream_);
+                return;
+            }
+            case Op::SCALE: cuda::launch_unary(0, desc(g, id), desc(g, src(0)), t.fparams[0], stream_); return;
+            case Op::SILU: cuda::launch_unary(1, desc(g, id), desc(g, src(0)), 0.0f, stream_); return;
+            case Op::ROPE: {
+                const float* ff = src(2) >= 0 ? reinterpret_cast<const float*>(dptr(g, src(2))) : nullptr;
+                require(t.iparams[0] >= 0 && t.iparams[0] <= g[src(0)].ne[0] && t.iparams[0] % 2 == 0, t, "bad n_rot");
+                cuda::launch_rope(desc(g, id), desc(g, src(0)), reinterpret_cast<const int32_t*>(dptr(g, src(1))), ff,
+                                  t.iparams[0], t.iparams[1] == 2, t.fparams[0], t.fparams[1], stream_);
+                return;
+            }
+            case Op::SOFTMAX: cuda::launch_softmax(desc(g, id), desc(g, src(0)), t.fparams[0], stream_); return;
+            case Op::ATTENTION:
+                cuda::launch_attention(desc(g, id), desc(g, src(0)), desc(g, src(1)), desc(g, src(2)), desc(g, src(3)),
+                                       reinterpret_cast<const int32_t*>(dptr(g, src(4))), t.iparams[0], t.fparams[0],
+                                       err_, stream_);
+                return;
+            case Op::SET_ROWS: {
+                const Tensor& dst = g[src(0)];
+                require(!dtype_is_integer(dst.dtype), t, "integer destination");
+                require(!dtype_is_quantized(dst.dtype) || g[src(1)].ne[0] % QK == 0, t,
+                        "row not a multiple of the block size");
+                cuda::launch_set_rows(desc(g, src(0)), desc(g, src(1)), reinterpret_cast<const int32_t*>(dptr(g, src(2))),
+                                      err_, stream_);
+                return;
+            }
+            case Op::ARGMAX: cuda::launch_argmax(desc(g, id), desc(g, src(0)), stream_); return;
+            case Op::TOP_K: cuda::launch_top_k(desc(g, id), desc(g, src(0)), stream_); return;
+            case Op::SUM: cuda::launch_sum(desc(g, id), desc(g, src(0)), stream_); return;
+            default: require(false, t, "not implemented on the GPU");
+        }
+    }
+
+    int device_;
+    cudaStream_t stream_ = nullptr;
+    cublasHandle_t blas_ = nullptr;
+    unsigned* err_ = nullptr;
+    char* arena_ = nullptr;
+    size_t arena_size_ = 0;
+    std::map<char*, size_t> persistent_;                           // device base -> bytes
+    std::map<std::pair<uintptr_t, size_t>, char*> uploads_;        // (host address, bytes) -> device copy
+    std::vector<char*> resolved_;                                  // per tensor, during compute
+    cuda::Scratch scratch_;
+};
+
+}  // namespace
+
+bool cuda_available(std::string* reason) {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        cudaGetLastError();  // clear
+        if (reason) *reason = std::string("CUDA driver error: ") + cudaGetErrorString(e);
+        return false;
+    }
+    if (n == 0) {
+        if (reason) *reason = "no CUDA device is visible";
+        return false;
+    }
+    if (reason) reason->clear();
+    return true;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+    std::string why;
+    if (!cuda_available(&why)) throw std::runtime_error("CUDA backend unavailable: " + why);
+    int n = 0;
+    cudaGetDeviceCount(&n);
+    if (device < 0 || device >= n) {
+        throw std::runtime_error("CUDA backend unavailable: device " + std::to_string(device) + " does not exist (" +
+                                 std::to_string(n) + " visible)");
+    }
+    return std::make_unique<CudaBackend>(device);
+}
+
+}  // namespace pyspec

@@ -1,0 +1,25 @@
+// The CUDA backend (issue 8): the same Backend interface as the CPU one, on one GPU. Planned
+// tensors live in a device arena; persistent buffers (KV caches) are device memory; external
+// tensors whose data is host memory (weights mmapped from the GGUF, numpy feeds) are uploaded once
+// and then used from their device copy, keyed by their host address and size (weights never
+// change while a backend lives). write/read copy between host and the tensor's device memory.
+//
+// Built only with -DPYSPEC_CUDA=ON; everything else includes this header only under
+// PYSPEC_WITH_CUDA (defined by CMake when the backend is built).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/backend.h"
+
+namespace pyspec {
+
+// Whether a CUDA device can be used: the backend was built and the driver sees a GPU. When it
+// cannot, `reason` says why (not built in, no device, driver error).
+bool cuda_available(std::string* reason = nullptr);
+
+// A backend on `device`. Throws std::runtime_error with the reason when CUDA cannot be used.
+std::unique_ptr<Backend> make_cuda_backend(int device = 0);
+
+}  // namespace pyspec

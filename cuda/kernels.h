@@ -1,0 +1,48 @@
+// Host-side launchers of the CUDA backend's kernels, one per graph op (cuda/ops_*.cu). All run
+// asynchronously on `stream`; `err` is the backend's device error word (see common.cuh).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cublas_v2.h>
+
+#include "cuda/common.cuh"
+
+namespace pyspec {
+namespace cuda {
+
+// Grow-only device scratch owned by the backend (matmul conversions).
+struct Scratch {
+    void* p = nullptr;
+    size_t bytes = 0;
+    void* get(size_t n);  // may reallocate (synchronises the device when it does)
+    ~Scratch();
+};
+
+void launch_cpy(const TDesc& dst, const TDesc& src, cudaStream_t s);
+void launch_get_rows(const TDesc& dst, const TDesc& table, const int32_t* ids, unsigned* err, cudaStream_t s);
+void launch_set_rows(const TDesc& dst, const TDesc& rows, const int32_t* ids, unsigned* err, cudaStream_t s);
+void launch_rms_norm(const TDesc& dst, const TDesc& x, const float* w, float eps, cudaStream_t s);
+// kind: 0 add, 1 mul, 2 swiglu (silu(a) * b)
+void launch_binary(int kind, const TDesc& dst, const TDesc& a, const TDesc& b, cudaStream_t s);
+// kind: 0 scale (by f), 1 silu
+void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStream_t s);
+void launch_rope(const TDesc& dst, const TDesc& x, const int32_t* pos, const float* factors, int n_rot, bool neox,
+                 float freq_base, float freq_scale, cudaStream_t s);
+void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s);
+void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s);
+void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s);
+void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
+
+void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
+                      const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s);
+
+// dst[n, m] = sum_k w[k, n] * x[k, m]: w rows of w_row_bytes, x rows of x_stride floats, y rows of
+// y_stride floats.
+void launch_matmul(DType wtype, const void* w, int64_t n_rows, int64_t k, size_t w_row_bytes, const float* x,
+                   int64_t x_stride, int64_t m, float* y, int64_t y_stride, cublasHandle_t blas, Scratch& scratch,
+                   cudaStream_t s);
+
+}  // namespace cuda
+}  // namespace pyspec

@@ -1,0 +1,417 @@
+// Row-wise and element-wise ops: cpy, get_rows, set_rows, rms_norm, add/mul/swiglu, scale/silu,
+// rope, softmax, argmax, top_k, sum. Each follows the CPU kernel in cpu/ops.cpp: rows are walked
+// through their byte strides (views are common inputs), values inside a row are contiguous.
+#include <cfloat>
+#include <climits>
+
+#include "cuda/kernels.h"
+
+namespace pyspec {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// ggml's reference quantizers (cpu/quant_rows.cpp), one 32-value block; __fmul_rn keeps the
+// products that the CPU rounds on their own from being fused.
+__device__ void quantize_block(DType t, const float* x, char* out) {
+    if (t == DType::Q8_0) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        *reinterpret_cast<uint16_t*>(out) = f2h(d);
+        for (int j = 0; j < QK; ++j) out[2 + j] = static_cast<char>(static_cast<int8_t>(roundf(__fmul_rn(x[j], id))));
+    } else if (t == DType::Q4_0) {
+        float amax = 0.0f, mx = 0.0f;
+        for (int j = 0; j < QK; ++j) {
+            if (amax < fabsf(x[j])) {
+                amax = fabsf(x[j]);
+                mx = x[j];
+            }
+        }
+        const float d = mx / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        *reinterpret_cast<uint16_t*>(out) = f2h(d);
+        for (int j = 0; j < QK / 2; ++j) {
+            const int q0 = min(15, static_cast<int>(__fmul_rn(x[j], id) + 8.5f));
+            const int q1 = min(15, static_cast<int>(__fmul_rn(x[j + QK / 2], id) + 8.5f));
+            out[2 + j] = static_cast<char>(static_cast<uint8_t>(q0 | q1 << 4));
+        }
+    } else if (t == DType::Q4_1) {
+        float mn = FLT_MAX, mx = -FLT_MAX;
+        for (int j = 0; j < QK; ++j) {
+            if (x[j] < mn) mn = x[j];
+            if (x[j] > mx) mx = x[j];
+        }
+        const float d = (mx - mn) / 15.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        *reinterpret_cast<uint16_t*>(out) = f2h(d);
+        *reinterpret_cast<uint16_t*>(out + 2) = f2h(mn);
+        for (int j = 0; j < QK / 2; ++j) {
+            const int q0 = min(15, static_cast<int>(__fmul_rn(x[j] - mn, id) + 0.5f));
+            const int q1 = min(15, static_cast<int>(__fmul_rn(x[j + QK / 2] - mn, id) + 0.5f));
+            out[4 + j] = static_cast<char>(static_cast<uint8_t>(q0 | q1 << 4));
+        }
+    }
+}
+
+__device__ __forceinline__ void store_elem(DType t, char* row, int64_t i, float v) {
+    switch (t) {
+        case DType::F32: reinterpret_cast<float*>(row)[i] = v; break;
+        case DType::F16: reinterpret_cast<uint16_t*>(row)[i] = f2h(v); break;
+        case DType::BF16: reinterpret_cast<uint16_t*>(row)[i] = f2bf(v); break;
+        default: break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// cpy: src any type and row strides -> dst's type.
+
+__global__ void k_cpy_elem(TDesc dst, TDesc src) {
+    const int64_t n0 = src.ne[0], total = n0 * src.nrows();
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = e / n0, i = e % n0;
+        if (src.dtype == DType::I32 && dst.dtype == DType::I32) {
+            reinterpret_cast<int32_t*>(dst.row(r))[i] = reinterpret_cast<const int32_t*>(src.row(r))[i];
+        } else {
+            store_elem(dst.dtype, dst.row(r), i, load_elem(src.dtype, src.row(r), i));
+        }
+    }
+}
+
+__global__ void k_cpy_quant(TDesc dst, TDesc src) {
+    const int64_t nbk = src.ne[0] / QK, total = nbk * src.nrows();
+    const int64_t unit = static_cast<int64_t>(unit_bytes(dst.dtype));
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = e / nbk, b = e % nbk;
+        float x[QK];
+        const char* sr = src.row(r);
+        for (int j = 0; j < QK; ++j) x[j] = load_elem(src.dtype, sr, b * QK + j);
+        quantize_block(dst.dtype, x, dst.row(r) + b * unit);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+__global__ void k_get_rows(TDesc dst, TDesc table, const int32_t* ids, unsigned* err) {
+    const int64_t n0 = dst.ne[0], total = n0 * dst.ne[1], tab_rows = table.nrows();
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = e / n0, i = e % n0;
+        const int32_t row = ids[r];
+        float v = 0.0f;
+        if (row < 0 || row >= tab_rows) {
+            if (i == 0) atomicOr(err, kErrGetRowsId);
+        } else {
+            v = load_elem(table.dtype, table.row(row), i);
+        }
+        reinterpret_cast<float*>(dst.row(r))[i] = v;
+    }
+}
+
+__global__ void k_set_rows_elem(TDesc dst, TDesc rows, const int32_t* ids, unsigned* err) {
+    const int64_t n0 = rows.ne[0], total = n0 * rows.nrows();
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = e / n0, i = e % n0;
+        const int32_t id = ids[r];
+        if (id < 0 || id >= dst.ne[1]) {
+            if (i == 0) atomicOr(err, kErrSetRowsId);
+            continue;
+        }
+        store_elem(dst.dtype, dst.data + static_cast<int64_t>(id) * dst.nb[1], i, load_elem(rows.dtype, rows.row(r), i));
+    }
+}
+
+__global__ void k_set_rows_quant(TDesc dst, TDesc rows, const int32_t* ids, unsigned* err) {
+    const int64_t nbk = rows.ne[0] / QK, total = nbk * rows.nrows();
+    const int64_t unit = static_cast<int64_t>(unit_bytes(dst.dtype));
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = e / nbk, b = e % nbk;
+        const int32_t id = ids[r];
+        if (id < 0 || id >= dst.ne[1]) {
+            if (b == 0) atomicOr(err, kErrSetRowsId);
+            continue;
+        }
+        float x[QK];
+        const char* sr = rows.row(r);
+        for (int j = 0; j < QK; ++j) x[j] = load_elem(rows.dtype, sr, b * QK + j);
+        quantize_block(dst.dtype, x, dst.data + static_cast<int64_t>(id) * dst.nb[1] + b * unit);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+__global__ void k_rms_norm(TDesc dst, TDesc x, const float* w, float eps) {
+    __shared__ float red[32];
+    const int64_t r = blockIdx.x;
+    const int64_t n = x.ne[0];
+    const float* xr = reinterpret_cast<const float*>(x.row(r));
+    float* yr = reinterpret_cast<float*>(dst.row(r));
+    float acc = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc = fmaf(xr[i], xr[i], acc);
+    const float mean_sq = block_sum(acc, red) / static_cast<float>(n);
+    const float inv = 1.0f / sqrtf(mean_sq + eps);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? xr[i] * inv * w[i] : xr[i] * inv;
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
+__global__ void k_binary(int kind, TDesc dst, TDesc a, TDesc b) {
+    const int64_t n0 = a.ne[0], total = n0 * a.nrows();
+    const bool bcast = b.nrows() == 1;
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = e / n0, i = e % n0;
+        const float x = reinterpret_cast<const float*>(a.row(r))[i];
+        const float y = reinterpret_cast<const float*>(b.row(bcast ? 0 : r))[i];
+        float v;
+        if (kind == 0) v = x + y;
+        else if (kind == 1) v = x * y;
+        else v = silu_f(x) * y;
+        reinterpret_cast<float*>(dst.row(r))[i] = v;
+    }
+}
+
+__global__ void k_unary(int kind, TDesc dst, TDesc a, float f) {
+    const int64_t n0 = a.ne[0], total = n0 * a.nrows();
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = e / n0, i = e % n0;
+        const float x = reinterpret_cast<const float*>(a.row(r))[i];
+        reinterpret_cast<float*>(dst.row(r))[i] = kind == 0 ? x * f : silu_f(x);
+    }
+}
+
+// One thread per (token t, pair i) computes the angle exactly as the CPU does (in double, from the
+// position) and rotates that pair in every head; threads past the pairs copy the unrotated tail.
+__global__ void k_rope(TDesc dst, TDesc x, const int32_t* pos, const float* factors, int n_rot, int neox,
+                       double base, double fscale) {
+    const int half = n_rot / 2;
+    const int64_t hd = x.ne[0];
+    const int64_t per_t = half + (hd - n_rot);
+    const int64_t total = per_t * x.ne[2];
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t t = e / per_t, j = e % per_t;
+        if (j < half) {
+            const int i = static_cast<int>(j);
+            double theta = fscale * pos[t] * pow(base, -2.0 * i / n_rot);
+            if (factors) theta /= factors[i];
+            const float cs = static_cast<float>(cos(theta));
+            const float sn = static_cast<float>(sin(theta));
+            const int i0 = neox ? i : 2 * i;
+            const int i1 = neox ? i + half : 2 * i + 1;
+            for (int64_t h = 0; h < x.ne[1]; ++h) {
+                const float* xr = reinterpret_cast<const float*>(x.row(t * x.ne[1] + h));
+                float* yr = reinterpret_cast<float*>(dst.row(t * x.ne[1] + h));
+                const float a = xr[i0], b = xr[i1];
+                yr[i0] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+                yr[i1] = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
+            }
+        } else {
+            const int64_t i = n_rot + (j - half);
+            for (int64_t h = 0; h < x.ne[1]; ++h) {
+                reinterpret_cast<float*>(dst.row(t * x.ne[1] + h))[i] =
+                    reinterpret_cast<const float*>(x.row(t * x.ne[1] + h))[i];
+            }
+        }
+    }
+}
+
+__global__ void k_softmax(TDesc dst, TDesc a, float sc) {
+    __shared__ float red[32];
+    const int64_t r = blockIdx.x, n = a.ne[0];
+    const float* ar = reinterpret_cast<const float*>(a.row(r));
+    float* yr = reinterpret_cast<float*>(dst.row(r));
+    float m = -INFINITY;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, ar[i] * sc);
+    m = block_max(m, red);
+    if (m == -INFINITY) {
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = 0.0f;
+        return;
+    }
+    float s = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = ar[i] * sc;
+        s += v == -INFINITY ? 0.0f : expf(v - m);
+    }
+    const float inv = 1.0f / block_sum(s, red);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = ar[i] * sc;
+        yr[i] = (v == -INFINITY ? 0.0f : expf(v - m)) * inv;
+    }
+}
+
+// (value, index) order of argmax / top_k: larger value first, then smaller index.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+// Block-wide best (value, index); all threads get it.
+__device__ void block_best(float& v, int& i, float* sv, int* si) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    v = lane < nw ? sv[lane] : -INFINITY;
+    i = lane < nw ? si[lane] : INT_MAX;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
+__global__ void k_argmax(TDesc dst, TDesc a) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int64_t r = blockIdx.x, n = a.ne[0];
+    const float* ar = reinterpret_cast<const float*>(a.row(r));
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        if (better(ar[i], static_cast<int>(i), bv, bi)) {
+            bv = ar[i];
+            bi = static_cast<int>(i);
+        }
+    }
+    block_best(bv, bi, sv, si);
+    if (threadIdx.x == 0) reinterpret_cast<int32_t*>(dst.data)[r] = bi == INT_MAX ? 0 : bi;
+}
+
+// k rounds of a block-wide best over the entries that come after the previous pick in the
+// (value desc, index asc) order: the CPU's partial_sort order, ties to the smaller index.
+__global__ void k_top_k(TDesc dst, TDesc a) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int64_t r = blockIdx.x, n = a.ne[0];
+    const int64_t k = dst.ne[0];
+    const float* ar = reinterpret_cast<const float*>(a.row(r));
+    int32_t* out = reinterpret_cast<int32_t*>(dst.row(r));
+    float pv = INFINITY;
+    int pi = -1;
+    bool first = true;
+    for (int64_t round = 0; round < k; ++round) {
+        float bv = -INFINITY;
+        int bi = INT_MAX;
+        if (round < n) {
+            for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+                const float v = ar[i];
+                const int ii = static_cast<int>(i);
+                const bool after = first || better(pv, pi, v, ii);
+                if (after && better(v, ii, bv, bi)) {
+                    bv = v;
+                    bi = ii;
+                }
+            }
+        }
+        block_best(bv, bi, sv, si);
+        if (threadIdx.x == 0) out[round] = bi == INT_MAX ? -1 : bi;
+        pv = bv;
+        pi = bi;
+        first = false;
+    }
+}
+
+__global__ void k_sum(TDesc dst, TDesc a) {
+    __shared__ double red[1024];
+    const int64_t n0 = a.ne[0], total = n0 * a.nrows();
+    double acc = 0.0;
+    for (int64_t e = threadIdx.x; e < total; e += blockDim.x) {
+        acc += reinterpret_cast<const float*>(a.row(e / n0))[e % n0];
+    }
+    red[threadIdx.x] = acc;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) reinterpret_cast<float*>(dst.data)[0] = static_cast<float>(red[0]);
+}
+
+unsigned elems_grid(int64_t n) {
+    const int64_t g = (n + kThreads - 1) / kThreads;
+    return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 16 ? 65535 * 16 : g));
+}
+
+}  // namespace
+
+void launch_cpy(const TDesc& dst, const TDesc& src, cudaStream_t s) {
+    if (dtype_is_quantized(dst.dtype)) {
+        k_cpy_quant<<<elems_grid(src.nrows() * (src.ne[0] / QK)), kThreads, 0, s>>>(dst, src);
+    } else {
+        k_cpy_elem<<<elems_grid(src.nrows() * src.ne[0]), kThreads, 0, s>>>(dst, src);
+    }
+}
+
+void launch_get_rows(const TDesc& dst, const TDesc& table, const int32_t* ids, unsigned* err, cudaStream_t s) {
+    k_get_rows<<<elems_grid(dst.ne[0] * dst.ne[1]), kThreads, 0, s>>>(dst, table, ids, err);
+}
+
+void launch_set_rows(const TDesc& dst, const TDesc& rows, const int32_t* ids, unsigned* err, cudaStream_t s) {
+    if (dtype_is_quantized(dst.dtype)) {
+        k_set_rows_quant<<<elems_grid(rows.nrows() * (rows.ne[0] / QK)), kThreads, 0, s>>>(dst, rows, ids, err);
+    } else {
+        k_set_rows_elem<<<elems_grid(rows.nrows() * rows.ne[0]), kThreads, 0, s>>>(dst, rows, ids, err);
+    }
+}
+
+void launch_rms_norm(const TDesc& dst, const TDesc& x, const float* w, float eps, cudaStream_t s) {
+    if (x.nrows() == 0) return;
+    k_rms_norm<<<static_cast<unsigned>(x.nrows()), kThreads, 0, s>>>(dst, x, w, eps);
+}
+
+void launch_binary(int kind, const TDesc& dst, const TDesc& a, const TDesc& b, cudaStream_t s) {
+    k_binary<<<elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s>>>(kind, dst, a, b);
+}
+
+void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStream_t s) {
+    k_unary<<<elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s>>>(kind, dst, a, f);
+}
+
+void launch_rope(const TDesc& dst, const TDesc& x, const int32_t* pos, const float* factors, int n_rot, bool neox,
+                 float freq_base, float freq_scale, cudaStream_t s) {
+    const int64_t per_t = n_rot / 2 + (x.ne[0] - n_rot);
+    k_rope<<<elems_grid(per_t * x.ne[2]), kThreads, 0, s>>>(dst, x, pos, factors, n_rot, neox ? 1 : 0,
+                                                             static_cast<double>(freq_base),
+                                                             static_cast<double>(freq_scale));
+}
+
+void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s) {
+    if (a.nrows() == 0) return;
+    k_softmax<<<static_cast<unsigned>(a.nrows()), kThreads * 2, 0, s>>>(dst, a, scale);
+}
+
+void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s) {
+    if (a.nrows() == 0) return;
+    k_argmax<<<static_cast<unsigned>(a.nrows()), kThreads * 2, 0, s>>>(dst, a);
+}
+
+void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s) {
+    if (a.nrows() == 0) return;
+    k_top_k<<<static_cast<unsigned>(a.nrows()), 1024, 0, s>>>(dst, a);
+}
+
+void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s) { k_sum<<<1, 1024, 0, s>>>(dst, a); }
+
+}  // namespace cuda
+}  // namespace pyspec
