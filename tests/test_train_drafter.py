@@ -42,6 +42,28 @@ def smoke(tmp_path_factory):
     return out
 
 
+DRAFT_VOCAB = 128        # of the tiny target's ~300 tokens
+
+
+@pytest.fixture(scope="module")
+def smoke_dv(tmp_path_factory, smoke):
+    """--smoke with a reduced draft vocabulary (--draft-vocab), on the smoke run's target."""
+    out = tmp_path_factory.mktemp("train_dv")
+    assert cli.main(["--smoke", "--out", str(out), "--no-progress", "--draft-vocab",
+                     str(DRAFT_VOCAB), "--target", str(smoke / "smoke-target.gguf")]) == 0
+    return out
+
+
+@pytest.fixture(params=[0, DRAFT_VOCAB], ids=["full-vocab", "draft-vocab"])
+def smoke_run(request):
+    """(run directory, target GGUF) of the smoke run with the full or a reduced vocabulary."""
+    if request.param == 0:
+        out = request.getfixturevalue("smoke")
+    else:
+        out = request.getfixturevalue("smoke_dv")
+    return out, request.getfixturevalue("smoke") / "smoke-target.gguf"
+
+
 def engine_forward(path, tokens, layers, kv="f32"):
     model = _core.Model(str(path))
     n = len(tokens)
@@ -103,23 +125,26 @@ def randomize(drafter: DSparkDrafter, seed: int) -> DSparkDrafter:
 
 
 @pytest.mark.parametrize("which", ["trained", "random"])
-def test_torch_drafter_equals_engine_drafter(smoke, tmp_path, which):
-    target_path = smoke / "smoke-target.gguf"
-    drafter = DSparkDrafter.load_hf(smoke / "hf")
-    gguf_path = smoke / "drafter-f32.gguf"
+def test_torch_drafter_equals_engine_drafter(smoke_run, tmp_path, which):
+    run, target_path = smoke_run
+    drafter = DSparkDrafter.load_hf(run / "hf")
+    gguf_path = run / "drafter-f32.gguf"
+    target = TargetModel.from_gguf(str(target_path))
     if which == "random":
         randomize(drafter, 7)
-        hf = drafter.save_hf(tmp_path / "hf")
+        hf = drafter.save_hf(tmp_path / "hf", head=target.head)
         gguf_path = tmp_path / "drafter.gguf"
         convert(hf, gguf_path, "f32", target_model_dir=target_path, progress=False)
     c = drafter.c
+    v = target.hp.n_vocab
+    d2t = np.arange(v) if drafter.d2t is None else drafter.d2t.numpy()
     rng = np.random.default_rng(1)
-    target = TargetModel.from_gguf(str(target_path))
     tokens = rng.integers(0, target.hp.n_vocab, 30)
     model, _, inputs = engine_forward(target_path, tokens, c.target_layers, kv="f16")
     dm = _core.DraftModel(str(gguf_path), model)
     assert (dm.is_dspark, dm.draft_offset, dm.has_confidence_head) == (True, 0, True)
     assert dm.block_size == c.block_size == 7 and dm.target_layers == c.target_layers
+    assert dm.n_vocab_draft == c.vd == len(d2t)
     n_ctx = 24
     feats = np.concatenate([inputs[l] for l in c.target_layers], axis=1)[:n_ctx]
     # the torch target gives the engine's features too (up to the engine's F16 KV cache)
@@ -132,23 +157,31 @@ def test_torch_drafter_equals_engine_drafter(smoke, tmp_path, which):
     out = dc.draft_logits(0, id_last, pos0, c.block_size)
     ref = drafter.draft_block(torch.tensor(feats), id_last, pos0, c.block_size,
                               target.embedding, target.head)
+    # Both give [n_block, V] rows, -inf off the draft vocabulary; compare on it.
+    off = np.ones(v, bool)
+    off[d2t] = False
+    for k in ("base_logits", "logits"):
+        assert out[k].shape == tuple(ref[k].shape) == (c.block_size, v)
+        assert np.isneginf(out[k][:, off]).all() and np.isneginf(ref[k].numpy()[:, off]).all()
     # The engine keeps K/V in an F16 cache; everything else is F32.
     tol = 2e-3
-    assert rel_err(out["base_logits"], ref["base_logits"].numpy()) < tol
+    base = ref["base_logits"][:, d2t]
+    assert rel_err(out["base_logits"][:, d2t], base.numpy()) < tol
     # Along the engine's own greedy chain the Markov-biased logits and confidences match.
     e_w1 = drafter.markov_w1.detach()
-    logits = ref["base_logits"].clone()
+    logits = base.clone()
     conf = []
     prev = id_last
     for i in range(c.block_size):
         e = e_w1[prev]
-        logits[i] = ref["base_logits"][i] + drafter.markov_w2.detach() @ e
+        logits[i] = base[i] + drafter.markov_w2.detach() @ e
         conf.append(float(torch.sigmoid(drafter.conf_proj(torch.cat([ref["hidden"][i], e]))).detach()))
         top2 = torch.sort(logits[i]).values[-2:]
         if float(top2[1] - top2[0]) > 1e-2:
-            assert int(out["tokens"][i]) == int(logits[i].argmax()), i
+            assert int(out["tokens"][i]) == int(d2t[int(logits[i].argmax())]), i
         prev = int(out["tokens"][i])
-    assert rel_err(out["logits"], logits.detach().numpy()) < tol
+        assert prev in set(d2t.tolist())
+    assert rel_err(out["logits"][:, d2t], logits.detach().numpy()) < tol
     np.testing.assert_allclose(out["confidence"], conf, atol=tol)
     if which == "random":
         np.testing.assert_array_equal(out["tokens"], ref["tokens"].numpy())
@@ -173,9 +206,10 @@ def test_resume_continues_from_the_checkpoint(smoke):
     assert time.time() - t0 < 30
 
 
-def test_smoke_drafter_serves_losslessly(smoke):
+def test_smoke_drafter_serves_losslessly(smoke_run):
     import pyspec
-    target, draft = smoke / "smoke-target.gguf", smoke / "drafter-f32.gguf"
+    run, target = smoke_run
+    draft = run / "drafter-f32.gguf"
     prompt = [1, 17, 42, 99, 5, 230, 64]
     plain = pyspec.LLM(str(target), n_ctx=256)
     spec = pyspec.LLM(str(target), n_ctx=256, draft_model=str(draft))
@@ -274,3 +308,105 @@ def test_bf16_checkpoint_is_half_the_size_and_loads(smoke, tmp_path):
         torch.testing.assert_close(q, p.to(torch.bfloat16).float(), msg=n)
     convert(tmp_path / "bf16", tmp_path / "d.gguf", "f16",
             target_model_dir=smoke / "smoke-target.gguf", progress=False)
+
+
+def test_draft_vocab_checkpoint_and_conversion(smoke, smoke_dv):
+    """--draft-vocab N: config draft_vocab_size, d2t offsets (ascending absolute ids incl. EOG)
+    and lm_head.weight = the target head's rows at d2t; the GGUF gets output.weight and d2t."""
+    import json
+    from safetensors.torch import load_file
+    from pyspec.tokenizer import Tokenizer
+    target = smoke / "smoke-target.gguf"
+    cfg = json.loads((smoke_dv / "hf" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB
+    sd = load_file(str(smoke_dv / "hf" / "model.safetensors"))
+    d2t = sd["d2t"] + torch.arange(DRAFT_VOCAB)
+    assert sd["d2t"].dtype == torch.int64 and bool((d2t[1:] > d2t[:-1]).all())
+    tm = TargetModel.from_gguf(str(target))
+    torch.testing.assert_close(sd["lm_head.weight"], tm.head[d2t].float())
+    assert sd["markov_head.markov_w2.weight"].shape[0] == DRAFT_VOCAB
+    tok = Tokenizer.from_gguf(str(target))
+    assert set(tok.eog_ids) <= set(d2t.tolist())
+    model = _core.Model(str(target))
+    dm = _core.DraftModel(str(smoke_dv / "drafter-f32.gguf"), model)
+    assert dm.n_vocab_draft == DRAFT_VOCAB
+
+
+def test_draft_vocabulary_counts_continuations():
+    from pyspec.train.loop import draft_vocabulary
+    seqs = [[9, 9, 9, 1, 1, 2], [8, 8, 8, 8, 1, 3, 3]]
+    pls = [3, 4]     # prompts: 9 9 9 / 8 8 8 8 (never counted first)
+    d2t = draft_vocabulary(seqs, pls, [0, 1], 3, 12, always=[11])
+    assert d2t.tolist() == [1, 3, 11]           # 1 (x3), 3 (x2), EOG 11 forced; 2 left out
+    assert draft_vocabulary(seqs, pls, [0, 1], 5, 12).tolist() == [1, 2, 3, 8, 9]
+
+
+def test_reduced_vocab_loss_is_the_acceptance_tv():
+    """With d2t the L1 term is ||q - p||_1 over the full vocabulary (q = 0 off the draft
+    vocabulary), so 1 - TV = sum min(q, p), the sampling acceptance; labels outside are ignored
+    by CE; with d2t = every id the loss equals the full-vocabulary loss."""
+    from pyspec.train.loss import dspark_loss
+    g = torch.Generator().manual_seed(0)
+    B, L, A, K, V = 2, 20, 3, 4, 30
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    lengths = torch.tensor([20, 15])
+    anchors = torch.tensor([[0, 5, 9], [1, 4, 8]])
+    t_logits = torch.randn(B, L, V, generator=g) * 2
+    full = torch.randn(B, A, K, V, generator=g)
+    ref = dspark_loss(dict(logits=full, conf=None), t_logits, tokens, lengths, anchors)
+    same = dspark_loss(dict(logits=full, conf=None, d2t=torch.arange(V)), t_logits, tokens,
+                       lengths, anchors)
+    for k in ("loss", "ce", "l1", "accept_len"):
+        torch.testing.assert_close(same[k], ref[k])
+    d2t = torch.tensor(sorted(set(tokens[:, 1:].flatten().tolist()))[::2])
+    red = full[..., d2t]
+    out = dspark_loss(dict(logits=red, conf=None, d2t=d2t), t_logits, tokens, lengths, anchors)
+    # explicit: scatter q into V with zeros and take the full-vocabulary L1 / CE with ignore
+    q = torch.zeros(B, A, K, V)
+    q[..., d2t] = torch.softmax(red, -1)
+    pos = (anchors[:, :, None] + torch.arange(K)).clamp(max=L - 2)
+    p = torch.softmax(torch.gather(t_logits, 1, pos.reshape(B, -1, 1).expand(-1, -1, V)), -1)
+    p = p.view(B, A, K, V)
+    valid = (anchors[:, :, None] + torch.arange(K) + 1) < lengths[:, None, None]
+    w = torch.exp(-torch.arange(K).float() / 4)[None, None] * valid
+    l1 = (q - p).abs().sum(-1)
+    torch.testing.assert_close(out["l1"], (l1 * w).sum() / w.sum())
+    torch.testing.assert_close(1 - 0.5 * l1, torch.minimum(q, p).sum(-1))
+    labels = torch.gather(tokens, 1, (pos + 1).reshape(B, -1)).view(B, A, K)
+    inside = torch.isin(labels, d2t)
+    logq = torch.log(q.clamp(min=1e-30))
+    ce = -torch.gather(logq, -1, labels[..., None]).squeeze(-1)
+    wc = w * inside
+    torch.testing.assert_close(out["ce"], (ce * wc).sum() / wc.sum())
+
+
+def test_init_from_full_vocab_reduces_markov_w2(smoke, tmp_path):
+    """--init-from a full-vocabulary checkpoint with --draft-vocab: same backbone, markov_w2
+    rows at d2t, so the draft logits are the full ones at d2t."""
+    target = str(smoke / "smoke-target.gguf")
+    out = tmp_path / "init_dv"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "hf"),
+                     "--steps", "0", "--draft-vocab", str(DRAFT_VOCAB)]) == 0
+    a, b = DSparkDrafter.load_hf(smoke / "hf"), DSparkDrafter.load_hf(out / "hf")
+    assert b.c.vd == DRAFT_VOCAB and a.c.vd == a.c.vocab_size
+    tm = TargetModel.from_gguf(target)
+    tokens = torch.randint(0, tm.hp.n_vocab, (1, 40), generator=torch.Generator().manual_seed(0))
+    _, inp = tm(tokens, layers=a.c.target_layers, logits=False)
+    feats = torch.cat([inp[l] for l in a.c.target_layers], -1)
+    anchors = torch.tensor([[3, 10, 20]])
+    la = a(feats, tokens, anchors, tm.embedding, tm.head)["logits"]
+    lb = b(feats, tokens, anchors, tm.embedding, tm.head)["logits"]
+    torch.testing.assert_close(lb, la[..., b.d2t])
+
+
+def test_conversational_prompts_and_held_out_text():
+    import itertools
+    from pyspec.train.data import HELD_OUT_MARKERS, prompt_requests
+    reqs = list(itertools.islice(prompt_requests(3, chat_fraction=0.6), 2000))
+    conv = [t for k, t, _ in reqs if k == "chat" and "```" not in t and "\n\n" not in t]
+    assert 0.5 < len(conv) / len(reqs) < 0.7
+    assert not any(m in t.lower() for _, t, _ in reqs for m in HELD_OUT_MARKERS)
+    a = {t for _, t, _ in itertools.islice(prompt_requests(4, chat_fraction=1.0), 1000)}
+    b = {t for _, t, _ in itertools.islice(prompt_requests(5, chat_fraction=1.0), 1000)}
+    assert len(a) == len(b) == 1000 and len(a & b) < 30

@@ -38,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-layers", default="auto",
                    help="'auto' or comma-separated GGUF layer-input ids (0 = embeddings)")
     p.add_argument("--markov-rank", type=int, default=128)
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="draft only the N most frequent target tokens of the generated data "
+                        "(always with EOS/EOG): the head and Markov W2 get N rows and the "
+                        "checkpoint a d2t map (0: the full vocabulary)")
+    p.add_argument("--chat-fraction", type=float, default=0.6,
+                   help="share of conversational prompts (everyday requests, questions, "
+                        "stories, multi-turn chats) among the generated data's prompts; the "
+                        "rest are Python documentation and source prompts")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: a rare control token of the vocabulary")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -118,7 +126,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         data=args.data, generate_only=args.generate_only, data_shard_mib=args.data_shard_mib,
         val_fraction=args.val_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         patience=args.patience, init_from=args.init_from, hf_dtype=args.hf_dtype,
-        time_limit=args.time_limit)
+        time_limit=args.time_limit, draft_vocab=args.draft_vocab,
+        chat_fraction=args.chat_fraction)
     t0 = time.time()
     hf = train(opts)
     if hf is None:

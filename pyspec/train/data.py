@@ -7,6 +7,15 @@ either a chat request (rendered with the target's chat template: explain / summa
 write code for it) or a raw continuation prompt, and the target generates the rest of the
 sequence (greedy for some, sampled at a temperature for others), so the drafter learns the
 target's own distribution on the kind of text it will be asked to draft for.
+
+Conversational prompts (--chat-fraction, default 0.6 of the requests) are synthesised, not read
+from any data set: templated everyday requests (explain / tell me about / write a short story or
+poem about / compare / give tips on ...) over everyday topics (a built-in list, Unicode's
+pictograph names from unicodedata, Python keywords, module names and pydoc topic titles), with
+style suffixes, arithmetic word problems with random numbers, sentence edits of documentation
+sentences, and second turns of chats the target answered earlier in the same run (a follow-up
+request after its own reply). Text of the benchmark and evaluation prompts (HELD_OUT_MARKERS) is
+never used.
 """
 
 from __future__ import annotations
@@ -122,39 +131,219 @@ def stdlib_snippets() -> Tuple[Tuple[str, str], ...]:
     return tuple(out)
 
 
-def prompt_requests(seed: int, chat_fraction: float = 0.75) -> Iterator[tuple]:
+# -- conversational prompts (synthesised; nothing read from evaluation data) ----------------------
+
+# Evaluation and benchmark prompts (bench/, shared/data/eval_*) must never become training
+# prompts: a request whose text contains one of these (case-insensitive) is dropped.
+HELD_OUT_MARKERS = (
+    "capital of france", "once upon a time", "def fibonacci", "the best way to learn",
+    "in 1969, the first", "water boils at", "my favourite colour", "haiku about autumn",
+    "python software foundation license", "psf license", "license agreement",
+)
+
+EVERYDAY_TOPICS = (
+    "cooking pasta", "baking bread", "making coffee", "brewing tea", "growing tomatoes",
+    "keeping houseplants alive", "training a puppy", "adopting a cat", "learning to swim",
+    "running a first marathon", "riding a bicycle in the city", "camping in the mountains",
+    "planning a road trip", "packing for a beach holiday", "saving money", "making a budget",
+    "starting a small business", "writing a resume", "preparing for a job interview",
+    "working from home", "public speaking", "learning a new language", "learning to play guitar",
+    "learning the piano", "painting with watercolours", "taking better photos",
+    "reading more books", "keeping a journal", "meditation", "getting better sleep",
+    "drinking enough water", "eating more vegetables", "climate change", "recycling",
+    "solar power", "wind turbines", "electric cars", "the history of the printing press",
+    "the Roman Empire", "ancient Egypt", "the Industrial Revolution", "the invention of the telephone",
+    "the Moon landing", "black holes", "the solar system", "volcanoes", "earthquakes",
+    "the water cycle", "photosynthesis", "how vaccines work", "the human heart", "dinosaurs",
+    "honey bees", "octopuses", "whales", "rainforests", "deserts", "the ocean tides",
+    "chess openings", "board games", "video game design", "the rules of football",
+    "basketball", "tennis", "the Olympic Games", "jazz music", "classical music", "film making",
+    "writing a novel", "poetry", "social media", "online privacy", "strong passwords",
+    "artificial intelligence", "machine learning", "the internet", "how computers store data",
+    "smartphones", "3D printing", "space exploration", "Mars", "friendship", "kindness",
+    "time management", "procrastination", "moving to a new city", "renting an apartment",
+    "cleaning the kitchen", "organising a closet", "a birthday party", "a wedding speech",
+    "a rainy afternoon", "a snowy morning", "a summer festival", "a lost umbrella",
+    "a talking robot", "a lighthouse keeper", "a dragon who is afraid of fire", "a time traveller",
+    "a small village bakery", "a detective in a train station", "a cat who runs a library",
+    "the first day of school", "a trip to the museum", "a garden at night", "a broken clock",
+    "volunteering", "teamwork", "negotiating a salary", "giving feedback", "writing an apology",
+    "choosing a laptop", "fixing a flat tyre", "composting", "bird watching", "stargazing",
+    "hiking safety", "first aid basics", "healthy breakfast ideas", "vegetarian recipes",
+    "soup recipes", "making pizza at home", "chocolate", "cheese making", "the history of tea",
+    "the Silk Road", "pyramids", "castles", "pirates", "knights", "the Renaissance",
+    "Leonardo da Vinci", "Shakespeare", "mathematics in everyday life", "prime numbers",
+    "probability", "fractions", "the metric system", "electricity", "magnets", "rainbows",
+    "clouds", "the seasons", "weather forecasts", "maps and navigation", "trains",
+    "aeroplanes", "sailing", "bridges", "skyscrapers", "architecture", "fashion",
+    "minimalism", "habits", "motivation", "stress", "exercise at home", "yoga", "running shoes",
+)
+
+CONVERSATION_TEMPLATES = (
+    "Explain {x} to a ten-year-old.", "What is {x}?", "Tell me about {x}.",
+    "Give me three interesting facts about {x}.", "Why do people care about {x}?",
+    "What are the pros and cons of {x}?", "How does {x} work?", "Write a short story about {x}.",
+    "Write a poem about {x}.", "Write a haiku about {x}.", "Write a limerick about {x}.",
+    "Describe {x} in one paragraph.", "Give me a step-by-step guide to {x}.",
+    "I want to get into {x}. Where should I start?", "Write a friendly email inviting a friend to "
+    "try {x}.", "Suggest five titles for a blog post about {x}.", "What are common myths about {x}?",
+    "Write a short dialogue between two friends talking about {x}.",
+    "Summarize the most important things to know about {x}.", "Write a tweet about {x}.",
+    "Can you give me some tips on {x}?", "What would a beginner get wrong about {x}?",
+    "Write a product description for something related to {x}.", "Make a quiz with three "
+    "questions about {x}, with answers.", "Tell me a joke about {x}.",
+    "Write a diary entry of someone who just discovered {x}.", "How would you teach {x}?",
+    "What questions should I ask an expert on {x}?", "hi! can you tell me something about {x}?",
+    "Compare {x} and {y}.", "Which is easier to learn about, {x} or {y}? Why?",
+    "Write a short story that involves {x} and {y}.", "How are {x} and {y} related?",
+)
+STYLE_SUFFIXES = (
+    "", "", "", "", " Keep it short.", " Use bullet points.", " Answer in under 100 words.",
+    " Be friendly and encouraging.", " Please be detailed.", " Use simple words.",
+    " Add an example.", " Make it funny.", " Write it for a teenager.", " Thanks!",
+)
+MATH_TEMPLATES = (
+    "What is {a} times {b}?", "What is {a} plus {b}? Show your work.",
+    "If I have {a} apples and give away {b}, how many are left?",
+    "A train travels {a} kilometres in {b} hours. What is its average speed?",
+    "Convert {a} kilometres to miles.", "What is {b} percent of {a}?",
+    "I earn {a} dollars a week and spend {b}. How much do I save in a year?",
+    "Is {a} a prime number? Explain.", "Round {a}.{b} to the nearest whole number.",
+    "A recipe for {b} people needs {a} grams of flour. How much for {c} people?",
+    "Split a bill of {a} dollars between {c} friends, with a {b} percent tip.",
+)
+FOLLOW_UPS = (
+    "Can you make that shorter?", "Thanks! Can you give me an example?",
+    "Now explain it as if I were five.", "What would be a good title for that?",
+    "Can you turn that into a list of key points?", "Why is that?", "Tell me more.",
+    "Can you rewrite it in a more formal tone?", "That's great. What should I do next?",
+    "Can you summarize your answer in one sentence?", "Are there any downsides?",
+    "Could you add a few more details?", "Write a short poem based on your answer.",
+    "What is the most important point?", "thanks, one more question: how do I remember all this?",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def conversation_topics() -> Tuple[str, ...]:
+    """Everyday subjects: the list above, the names of Unicode's pictographs (unicodedata: 'hot
+    beverage', 'sunflower', 'bicycle', ...), Python's own keywords and standard-library module
+    names and the pydoc topic titles (for everyday programming questions)."""
+    import keyword
+    import sys
+    import unicodedata
+    out = list(EVERYDAY_TOPICS)
+    skip = {"WITH", "SIGN", "SYMBOL", "BLACK", "WHITE", "HEAVY", "LIGHT", "SQUARED", "CIRCLED",
+            "NEGATIVE", "LEFT", "RIGHT", "UP", "DOWN", "ARROW", "TYPE", "MODIFIER", "LATIN",
+            "DIGIT", "BOX", "ORNAMENT", "TILE", "CARD", "PLAYING", "SQUARE", "TRIANGLE",
+            "CIRCLE", "LOWER", "UPPER", "FACE", "HAND", "POINTING", "REGIONAL", "INDICATOR",
+            "CHESS", "ROTATED", "NEUTRAL", "TURNED", "SIGNAL", "OUTLINED", "LOZENGE"}
+    for cp in range(0x1F300, 0x1FB00):
+        name = unicodedata.name(chr(cp), "")
+        words = name.split()
+        if words and len(words) <= 3 and all(w.isalpha() for w in words) and \
+                not skip & set(words):
+            out.append("the " + name.lower() if len(words) > 1 else name.lower())
+    out += [f"the Python {m} module" for m in sorted(getattr(sys, "stdlib_module_names", ()))
+            if not m.startswith("_")]
+    out += [f"the Python keyword '{k}'" for k in keyword.kwlist]
+    try:
+        from pydoc_data.topics import topics
+        out += [f"Python {k.replace('-', ' ')}" for k in sorted(topics)]
+    except ImportError:   # pragma: no cover
+        pass
+    return tuple(dict.fromkeys(t for t in out if not _held_out(t)))
+
+
+def _held_out(text: str) -> bool:
+    low = text.lower()
+    return any(m in low for m in HELD_OUT_MARKERS)
+
+
+def conversation_request(rng: random.Random) -> str:
+    """One synthesised conversational request: a templated question or task over an everyday
+    topic (sometimes two), an arithmetic word problem, or an edit of a documentation sentence."""
+    topics = conversation_topics()
+    u = rng.random()
+    if u < 0.12:
+        a, b, c = rng.randint(2, 999), rng.randint(2, 99), rng.randint(2, 12)
+        return rng.choice(MATH_TEMPLATES).format(a=a, b=b, c=c)
+    if u < 0.2:
+        kind, text = rng.choice(stdlib_snippets())
+        while kind != "doc":
+            kind, text = rng.choice(stdlib_snippets())
+        sent = _clip(text, rng.randint(60, 240), rng).split("\n\n")[0]
+        verb = rng.choice(("Fix the grammar of this sentence", "Rewrite this in plain English",
+                           "Make this sound friendlier", "Translate this into French",
+                           "Shorten this", "Turn this into a question"))
+        return f"{verb}: {sent}"
+    tmpl = rng.choice(CONVERSATION_TEMPLATES)
+    x, y = rng.choice(topics), rng.choice(topics)
+    return tmpl.format(x=x, y=y) + rng.choice(STYLE_SUFFIXES)
+
+
+def prompt_requests(seed: int, chat_fraction: float = 0.6,
+                    doc_chat_fraction: float = 0.75) -> Iterator[tuple]:
     """Endless ("chat", message, u) / ("raw", text, u) requests (u uniform in [0, 1) for the
-    caller's own choices); no snippet repeats before the whole pool is used. The seed shuffles the pool and draws the clip, the
-    template and chat-or-raw, so different seeds give different prompts."""
+    caller's own choices). A chat_fraction share are synthesised conversational requests
+    (conversation_request, never repeated within a stream); the rest come from the Python
+    documentation and source pool, where no snippet repeats before the whole pool is used and a
+    doc_chat_fraction share become chat requests (explain / summarise / ... templates), the
+    others raw continuation prompts. The seed shuffles the pool and draws the clip, the
+    template, the topics and chat-or-raw, so different seeds give different prompts. Requests
+    that contain held-out evaluation text (HELD_OUT_MARKERS) are skipped."""
     pool = stdlib_snippets()
     rng = random.Random(f"pyspec-train-prompts-{seed}")
+    conv_rng = random.Random(f"pyspec-train-chat-{seed}")
+    mix_rng = random.Random(f"pyspec-train-mix-{seed}")
+    seen = set()
+
+    def documentation():
+        while True:
+            for j in rng.sample(range(len(pool)), len(pool)):
+                kind, text = pool[j]
+                snippet = _clip(text, rng.randint(150, 900), rng)
+                if rng.random() < doc_chat_fraction:
+                    tmpl = rng.choice(CODE_TEMPLATES if kind == "code" else CHAT_TEMPLATES)
+                    yield "chat", tmpl.format(text=snippet), rng.random()
+                else:
+                    yield "raw", snippet, rng.random()
+
+    docs = documentation()
     while True:
-        for j in rng.sample(range(len(pool)), len(pool)):
-            kind, text = pool[j]
-            snippet = _clip(text, rng.randint(150, 900), rng)
-            if rng.random() < chat_fraction:
-                tmpl = rng.choice(CODE_TEMPLATES if kind == "code" else CHAT_TEMPLATES)
-                yield "chat", tmpl.format(text=snippet), rng.random()
-            else:
-                yield "raw", snippet, rng.random()
+        if mix_rng.random() < chat_fraction:
+            for _ in range(1000):
+                text = conversation_request(conv_rng)
+                if text not in seen and not _held_out(text):
+                    break
+            seen.add(text)
+            yield "chat", text, conv_rng.random()
+        else:
+            req = next(docs)
+            while _held_out(req[1]):
+                req = next(docs)
+            yield req
 
 
-def make_prompts(tokenizer, n: int, max_prompt_tokens: int, seed: int,
-                 chat_fraction: float = 0.75) -> List[List[int]]:
-    """n distinct prompt token lists of at most max_prompt_tokens tokens."""
+def make_prompt_records(tokenizer, n: int, max_prompt_tokens: int, seed: int,
+                        chat_fraction: float = 0.6) -> List[Tuple[List[int], Optional[list]]]:
+    """n distinct (prompt token list of at most max_prompt_tokens tokens, chat messages or None
+    for a raw prompt)."""
     from ..chat import ChatTemplate
     try:
         template: Optional[ChatTemplate] = ChatTemplate.from_tokenizer(tokenizer)
     except Exception:
         template = None
     bos = tokenizer.bos_id if tokenizer.add_bos else None
-    prompts: List[List[int]] = []
+    records: List[Tuple[List[int], Optional[list]]] = []
     seen = set()
     tries = 0
-    for kind, text, u in prompt_requests(seed, chat_fraction if template else 0.0):
+    reqs = prompt_requests(seed, chat_fraction, 0.75) if template else \
+        prompt_requests(seed, 0.0, 0.0)
+    for kind, text, u in reqs:
         tries += 1
-        if len(prompts) >= n or tries > 20 * n + 1000:
+        if len(records) >= n or tries > 20 * n + 1000:
             break
+        msgs = None
         if kind == "chat" and template is not None:
             msgs = [{"role": "user", "content": text}]
             try:
@@ -173,32 +362,102 @@ def make_prompts(tokenizer, n: int, max_prompt_tokens: int, seed: int,
             ids.insert(0, bos)
         if len(ids) >= 2 and tuple(ids) not in seen:
             seen.add(tuple(ids))
-            prompts.append(ids)
-    return prompts
+            records.append((ids, msgs))
+    return records
+
+
+def make_prompts(tokenizer, n: int, max_prompt_tokens: int, seed: int,
+                 chat_fraction: float = 0.6) -> List[List[int]]:
+    """n distinct prompt token lists of at most max_prompt_tokens tokens."""
+    return [ids for ids, _ in make_prompt_records(tokenizer, n, max_prompt_tokens, seed,
+                                                  chat_fraction)]
+
+
+def follow_up_prompts(tokenizer, records, seqs, prompt_lens, n: int, max_prompt_tokens: int,
+                      seed: int) -> List[List[int]]:
+    """Up to n second-turn chat prompts built from earlier generations: [user, the target's own
+    reply (cut to fit), a follow-up request]."""
+    from ..chat import ChatTemplate
+    try:
+        template = ChatTemplate.from_tokenizer(tokenizer)
+    except Exception:
+        return []
+    rng = random.Random(f"pyspec-train-followups-{seed}")
+    eog = set(getattr(tokenizer, "eog_ids", ()))
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    cands = [k for k, (_, msgs) in enumerate(records) if msgs is not None]
+    rng.shuffle(cands)
+    out: List[List[int]] = []
+    for k in cands:
+        if len(out) >= n:
+            break
+        reply_ids = [t for t in seqs[k][prompt_lens[k]:] if t not in eog]
+        if len(reply_ids) < 8:
+            continue
+        follow = rng.choice(FOLLOW_UPS)
+        for cut in (len(reply_ids), len(reply_ids) // 2, len(reply_ids) // 4):
+            reply = tokenizer.decode(reply_ids[:cut], skip_special=True).strip()
+            msgs = records[k][1] + [{"role": "assistant", "content": reply},
+                                    {"role": "user", "content": follow}]
+            try:
+                ids = tokenizer.encode(template.render(msgs, add_generation_prompt=True),
+                                       add_special=False, parse_special=True)
+            except Exception:
+                return out
+            if bos is not None and bos >= 0 and (not ids or ids[0] != bos):
+                ids.insert(0, bos)
+            if len(ids) <= max_prompt_tokens:
+                out.append(ids)
+                break
+    return out
 
 
 def generate_dataset(target, tokenizer, n_seqs: int, seq_len: int, device, batch: int,
                      seed: int, greedy_fraction: float = 0.5, temperature: float = 0.8,
-                     progress: bool = True, deadline: Optional[float] = None
+                     progress: bool = True, deadline: Optional[float] = None,
+                     chat_fraction: float = 0.6, multi_turn_fraction: float = 0.25
                      ) -> Tuple[List[List[int]], List[int]]:
     """Up to n_seqs sequences of at most seq_len tokens: prompt + the target's continuation, and
-    each one's prompt length (the validation split groups sequences by prompt). Stops early, with
-    the batches done so far, once time.time() passes deadline."""
-    from .target import generate
+    each one's prompt length (the validation split groups sequences by prompt). A
+    multi_turn_fraction share of the conversational sequences (chat_fraction of all) are
+    second turns of earlier generated chats (follow_up_prompts), generated after the first
+    round. Stops early, with the batches done so far, once time.time() passes deadline."""
     max_prompt = max(8, seq_len // 2)
-    prompts = make_prompts(tokenizer, n_seqs, max_prompt, seed)
-    if not prompts:
+    n_multi = int(n_seqs * chat_fraction * multi_turn_fraction)
+    records = make_prompt_records(tokenizer, n_seqs - n_multi, max_prompt, seed, chat_fraction)
+    if not records:
         raise RuntimeError("no training prompts could be made")
-    while len(prompts) < n_seqs:
-        prompts += prompts[: n_seqs - len(prompts)]
+    prompts = [ids for ids, _ in records]
+    seqs, prompt_lens = _generate(target, tokenizer, prompts, seq_len, device, batch, seed,
+                                  greedy_fraction, temperature, progress, deadline)
+    if n_multi and len(seqs) == len(records):
+        more = follow_up_prompts(tokenizer, records, seqs, prompt_lens, n_multi, max_prompt, seed)
+        if more:
+            s2, p2 = _generate(target, tokenizer, more, seq_len, device, batch, seed + 7,
+                               greedy_fraction, temperature, progress, deadline)
+            seqs, prompt_lens = seqs + s2, prompt_lens + p2
+    while len(seqs) < n_seqs and (deadline is None or time.time() <= deadline):
+        extra = n_seqs - len(seqs)       # too few distinct prompts: the same ones sampled again
+        s2, p2 = _generate(target, tokenizer, prompts[:extra], seq_len, device, batch,
+                           seed + 13 + len(seqs), 0.0, temperature, progress, deadline)
+        if not s2:
+            break
+        seqs, prompt_lens = seqs + s2, prompt_lens + p2
+    return seqs, prompt_lens
+
+
+def _generate(target, tokenizer, prompts, seq_len: int, device, batch: int, seed: int,
+              greedy_fraction: float, temperature: float, progress: bool,
+              deadline: Optional[float]) -> Tuple[List[List[int]], List[int]]:
+    """The target's continuations of prompts, in the prompts' order."""
+    from .target import generate
     rng = random.Random(seed + 1)
     # Similar prompt lengths in a batch waste less padding.
     order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
     gen = torch.Generator(device=device if str(device).startswith("cuda") else "cpu")
     gen.manual_seed(seed)
     eog = sorted(tokenizer.eog_ids) if hasattr(tokenizer, "eog_ids") else []
-    seqs: List[List[int]] = []
-    prompt_lens: List[int] = []
+    done = {}
     bar = tqdm(total=len(order), desc="generating data", unit="seq", disable=not progress)
     for b0 in range(0, len(order), batch):
         if deadline is not None and time.time() > deadline:
@@ -208,8 +467,9 @@ def generate_dataset(target, tokenizer, n_seqs: int, seq_len: int, device, batch
         temps = [0.0 if rng.random() < greedy_fraction else temperature for _ in ps]
         max_new = seq_len - max(len(p) for p in ps)
         out = generate(target, ps, max_new, temps, eog, gen, device)
-        seqs += [s[:seq_len] for s in out]
-        prompt_lens += [min(len(p), seq_len) for p in ps]
+        for j, p, s in zip(idx, ps, out):
+            done[j] = (s[:seq_len], min(len(p), seq_len))
         bar.update(len(idx))
     bar.close()
-    return seqs, prompt_lens
+    keys = sorted(done)
+    return [done[j][0] for j in keys], [done[j][1] for j in keys]

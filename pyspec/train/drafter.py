@@ -47,7 +47,18 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     confidence_head: bool = True
+    draft_vocab_size: int = 0         # 0 (or vocab_size): the full target vocabulary, no d2t
     extra: Dict = field(default_factory=dict)
+
+    @property
+    def vd(self) -> int:
+        """The draft vocabulary size (rows of the head and of markov_w2)."""
+        return self.draft_vocab_size if 0 < self.draft_vocab_size < self.vocab_size \
+            else self.vocab_size
+
+    @property
+    def reduced(self) -> bool:
+        return self.vd < self.vocab_size
 
     def hf_config(self) -> dict:
         return dict(
@@ -65,6 +76,7 @@ class DrafterConfig:
             sample_from_anchor=True, causal=False,
             enable_confidence_head=self.confidence_head,
             confidence_head_with_markov=self.confidence_head,
+            **({"draft_vocab_size": self.vd} if self.reduced else {}),
             pyspec_train=self.extra)
 
     @classmethod
@@ -80,6 +92,7 @@ class DrafterConfig:
                    rope_theta=cfg["rope_theta"],
                    max_position_embeddings=cfg["max_position_embeddings"],
                    confidence_head=cfg.get("enable_confidence_head", True),
+                   draft_vocab_size=int(cfg.get("draft_vocab_size") or 0),
                    extra=cfg.get("pyspec_train", {}))
 
 
@@ -111,11 +124,49 @@ class DSparkDrafter(torch.nn.Module):
         self.hidden_norm = torch.nn.Parameter(torch.ones(e))
         self.layers = torch.nn.ModuleList([DraftLayer(c) for _ in range(c.num_hidden_layers)])
         self.norm = torch.nn.Parameter(torch.ones(e))
-        self.markov_w1 = torch.nn.Parameter(torch.zeros(c.vocab_size, r))
-        self.markov_w2 = torch.nn.Parameter(torch.zeros(c.vocab_size, r))
+        self.markov_w1 = torch.nn.Parameter(torch.zeros(c.vocab_size, r))   # prev: target ids
+        self.markov_w2 = torch.nn.Parameter(torch.zeros(c.vd, r))           # out: draft ids
         if c.confidence_head:
             self.conf_proj = torch.nn.Linear(e + r, 1, bias=True)
+        # Reduced draft vocabulary: d2t[d] = the target id of draft id d (ascending target ids,
+        # so argmax ties resolve to the lowest target id as in the engine's scattered row).
+        if c.reduced:
+            self.register_buffer("d2t", torch.arange(c.vd, dtype=torch.long))
+        else:
+            self.d2t = None
         self.reset_parameters()
+
+    def set_d2t(self, d2t) -> None:
+        d2t = torch.as_tensor(d2t, dtype=torch.long).flatten()
+        if not self.c.reduced or d2t.numel() != self.c.vd:
+            raise ValueError(f"d2t has {d2t.numel()} ids, the drafter's draft vocabulary "
+                             f"{self.c.vd} of {self.c.vocab_size}")
+        if bool((d2t[1:] <= d2t[:-1]).any()) or int(d2t[0]) < 0 or \
+                int(d2t[-1]) >= self.c.vocab_size:
+            raise ValueError("d2t must hold distinct ascending target ids")
+        self.d2t.copy_(d2t.to(self.d2t.device))
+
+    def draft_head(self, head: torch.Tensor) -> torch.Tensor:
+        """The drafter's output matrix: the target's head, or its rows at d2t."""
+        return head if self.d2t is None else head.index_select(0, self.d2t.to(head.device))
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.d2t is None else self.d2t.to(ids.device)[ids]
+
+    def reduce_vocab(self, d2t) -> "DSparkDrafter":
+        """A copy over the draft vocabulary d2t of this full-vocabulary drafter (markov_w2 keeps
+        its rows at d2t; everything else is shared as is) - for --init-from --draft-vocab."""
+        if self.c.reduced:
+            raise ValueError("the drafter already has a reduced draft vocabulary")
+        d2t = torch.as_tensor(d2t, dtype=torch.long)
+        c = DrafterConfig(**{**self.c.__dict__, "draft_vocab_size": int(d2t.numel())})
+        m = DSparkDrafter(c).to(self.markov_w1.device)
+        sd = {k: v for k, v in self.state_dict().items() if k != "markov_w2"}
+        m.load_state_dict(sd, strict=False)
+        with torch.no_grad():
+            m.markov_w2.copy_(self.markov_w2[d2t.to(self.markov_w2.device)])
+        m.set_d2t(d2t)
+        return m
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
@@ -209,12 +260,12 @@ class DSparkDrafter(torch.nn.Module):
         blk_ok = same.reshape(1, A * K, A * K).expand(B, A * K, A * K)
         mask = torch.cat([ctx_ok, blk_ok], -1)
         h = self.backbone(g, ctx_pos, x, blk_pos, mask).view(B, A, K, -1)
-        base = h @ head.T.to(h.dtype)
+        base = h @ self.draft_head(head).T.to(h.dtype)
         prev_idx = (anchors[:, :, None] + offs).clamp(max=L - 1)
         prev = torch.gather(tokens, 1, prev_idx.reshape(B, A * K)).view(B, A, K)
         e, bias = self.markov(prev)
         logits = base.float() + bias.float()
-        return dict(logits=logits, h=h, conf=self.confidence_logit(h, e))
+        return dict(logits=logits, h=h, conf=self.confidence_logit(h, e), d2t=self.d2t)
 
     # -- the drafting pass as the engine runs it (one block, greedy Markov chain) ---------------
 
@@ -223,7 +274,8 @@ class DSparkDrafter(torch.nn.Module):
                     embedding: torch.Tensor, head: torch.Tensor) -> Dict[str, torch.Tensor]:
         """feats [n_ctx, n_tl*E] of positions 0..n_ctx-1 (n_ctx <= pos0); the block
         [id_last, MASK...] of n_block tokens at pos0... Returns base_logits, logits (Markov-biased
-        along the greedy chain), tokens (argmax chain) and confidence, each per slot."""
+        along the greedy chain; [n_block, V], -inf outside the draft vocabulary as the engine's),
+        tokens (argmax chain, target ids) and confidence, each per slot."""
         c = self.c
         dev = feats.device
         n_ctx = feats.shape[0]
@@ -234,7 +286,7 @@ class DSparkDrafter(torch.nn.Module):
         g = self.fuse(feats[None])
         h = self.backbone(g, torch.arange(n_ctx, device=dev)[None], x,
                           pos0 + torch.arange(n_block, device=dev)[None], mask)[0]
-        base = (h @ head.T).float()
+        base = (h @ self.draft_head(head).T).float()
         logits = base.clone()
         tokens = torch.zeros(n_block, dtype=torch.long)
         conf = torch.full((n_block,), float("nan"))
@@ -245,13 +297,24 @@ class DSparkDrafter(torch.nn.Module):
             cl = self.confidence_logit(h[i:i + 1], e)
             if cl is not None:
                 conf[i] = torch.sigmoid(cl.float())[0].cpu()
-            prev = logits[i].argmax()[None]
+            prev = self.to_target_ids(logits[i].argmax()[None])
             tokens[i] = int(prev)
-        return dict(base_logits=base, logits=logits, tokens=tokens, confidence=conf, hidden=h)
+        out = dict(base_logits=base, logits=logits, tokens=tokens, confidence=conf, hidden=h)
+        if self.d2t is not None:      # as the engine returns them: -inf off the draft vocabulary
+            for k in ("base_logits", "logits"):
+                full = torch.full((n_block, c.vocab_size), float("-inf"), device=dev)
+                full[:, self.d2t] = out[k]
+                out[k] = full
+        return out
 
     # -- Hugging Face checkpoint ---------------------------------------------------------------
 
-    def hf_state_dict(self) -> Dict[str, torch.Tensor]:
+    def hf_state_dict(self, head: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        """The trained weights under their Hugging Face names; with a reduced draft vocabulary
+        also d2t (as offsets: target id - draft id, EAGLE3/DFlash style, which pyspec-convert
+        and llama.cpp's converter turn into absolute ids) and lm_head.weight = the target head's
+        rows at d2t (head: the target's full output matrix), the drafter's own output.weight in
+        the GGUF (the engine needs a head of Vd rows with d2t)."""
         sd: Dict[str, torch.Tensor] = {"fc.weight": self.fc.weight,
                                        "hidden_norm.weight": self.hidden_norm,
                                        "norm.weight": self.norm,
@@ -270,16 +333,28 @@ class DSparkDrafter(torch.nn.Module):
         if self.c.confidence_head:
             sd["confidence_head.proj.weight"] = self.conf_proj.weight
             sd["confidence_head.proj.bias"] = self.conf_proj.bias
-        return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
+        sd = {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
+        if self.d2t is not None and head is not None:
+            d2t = self.d2t.cpu()
+            sd["lm_head.weight"] = self.draft_head(head.detach().float().cpu()).contiguous()
+            sd["d2t"] = (d2t - torch.arange(d2t.numel())).contiguous()
+        return sd
 
     def load_hf_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        """Loads the weights (and d2t); lm_head.weight is not loaded: the drafter's head is
+        always the target's (rows at d2t), passed to forward / draft_block."""
         own = {k: v for k, v in zip(self.hf_state_dict().keys(), self._hf_params())}
         missing = set(own) - set(sd)
+        if self.d2t is not None and "d2t" not in sd:
+            missing.add("d2t")
         if missing:
             raise ValueError(f"checkpoint lacks {sorted(missing)}")
         with torch.no_grad():
             for k, p in own.items():
                 p.copy_(sd[k].to(p.dtype))
+        if self.d2t is not None:
+            off = sd["d2t"].to(torch.long)
+            self.set_d2t(off + torch.arange(off.numel()))
 
     def _hf_params(self) -> List[torch.nn.Parameter]:
         ps = [self.fc.weight, self.hidden_norm, self.norm, self.markov_w1, self.markov_w2]
@@ -291,15 +366,22 @@ class DSparkDrafter(torch.nn.Module):
             ps += [self.conf_proj.weight, self.conf_proj.bias]
         return ps
 
-    def save_hf(self, out_dir: Path, max_shard_mib: int = 0, dtype: str = "f32") -> Path:
+    def save_hf(self, out_dir: Path, max_shard_mib: int = 0, dtype: str = "f32",
+                head: Optional[torch.Tensor] = None) -> Path:
         """config.json + model.safetensors (or shards of at most max_shard_mib MiB with
         model.safetensors.index.json), weights in dtype (f32, or bf16/f16 for a checkpoint half
-        the size that is carried to a later session and continued with --init-from)."""
+        the size that is carried to a later session and continued with --init-from). A drafter
+        with a reduced draft vocabulary needs head (the target's output matrix) for its
+        lm_head.weight."""
         from safetensors.torch import save_file
+        if self.d2t is not None and head is None:
+            raise ValueError("a drafter with a reduced draft vocabulary is saved with the "
+                             "target's head (its lm_head.weight are the head's rows at d2t)")
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         tdt = HF_DTYPES[dtype]
-        sd = {k: v.to(tdt).contiguous() for k, v in self.hf_state_dict().items()}
+        sd = {k: (v if k == "d2t" else v.to(tdt)).contiguous()
+              for k, v in self.hf_state_dict(head).items()}
         nbytes = lambda v: v.numel() * v.element_size()   # noqa: E731
         for old in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob("model.safetensors.index.json")):
             old.unlink()

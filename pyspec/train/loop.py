@@ -73,6 +73,8 @@ class TrainOptions:
     hf_dtype: str = "f32"
     data_shard_mib: float = 15.0
     time_limit: float = 0.0              # seconds for the whole run (0: none)
+    draft_vocab: int = 0                 # 0: full target vocabulary; else the N most frequent
+    chat_fraction: float = 0.6           # share of conversational prompts (data.py)
 
 
 def auto_target_layers(n_layer: int, k: int = 5) -> List[int]:
@@ -138,6 +140,28 @@ def _anchors(lengths: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tenso
     return torch.stack(rows)
 
 
+def draft_vocabulary(seqs: Sequence[Sequence[int]], prompt_lens: Optional[Sequence[int]],
+                     idx: Sequence[int], n: int, n_vocab: int, always: Sequence[int] = ()
+                     ) -> torch.Tensor:
+    """The draft vocabulary (d2t, ascending target ids): the n most frequent tokens of the
+    target's generated continuations (seq[prompt_len:]) of the sequences idx (the training
+    split), always including `always` (the EOS/EOG ids); ties and a shortfall (fewer distinct
+    continuation tokens than n) are filled by prompt-token counts, then by the lowest ids."""
+    n = min(n, n_vocab)
+    gen = np.zeros(n_vocab, np.int64)
+    prm = np.zeros(n_vocab, np.int64)
+    for i in idx:
+        s = np.asarray(seqs[i], np.int64)
+        pl = prompt_lens[i] if prompt_lens is not None else 0
+        gen += np.bincount(s[pl:], minlength=n_vocab)[:n_vocab]
+        prm += np.bincount(s[:pl], minlength=n_vocab)[:n_vocab]
+    forced = sorted({int(t) for t in always if 0 <= int(t) < n_vocab})[:n]
+    score = gen.astype(np.float64) * (1 << 20) + np.minimum(prm, (1 << 20) - 1)
+    score[forced] = np.inf
+    order = np.lexsort((np.arange(n_vocab), -score))    # score descending, then lowest id
+    return torch.from_numpy(np.sort(order[:n]).astype(np.int64))
+
+
 def target_features(target: TargetModel, tokens, lengths, layers: List[int]):
     valid = torch.arange(tokens.shape[1], device=tokens.device)[None] < lengths[:, None]
     logits, inp = target(tokens, valid=valid, layers=layers)
@@ -188,9 +212,9 @@ def _training_data(opt: TrainOptions, target, tok, device, deadline, log):
     t0 = time.time()
     seqs, pls = generate_dataset(target, tok, opt.data_prompts, opt.seq_len, device,
                                  opt.gen_batch, opt.seed, progress=opt.progress,
-                                 deadline=deadline)
+                                 deadline=deadline, chat_fraction=opt.chat_fraction)
     meta = dict(target=Path(opt.target).name, n_vocab=target.hp.n_vocab, seq_len=opt.seq_len,
-                seed=opt.seed)
+                seed=opt.seed, chat_fraction=opt.chat_fraction)
     files = save_shards(seqs, pls, out / "data", meta, opt.data_shard_mib)
     n_tok = sum(len(s) for s in seqs)
     log(f"generated {len(seqs)} sequences ({n_tok} tokens) in {time.time() - t0:.1f}s -> "
@@ -198,9 +222,11 @@ def _training_data(opt: TrainOptions, target, tok, device, deadline, log):
     return seqs, pls
 
 
-def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=print):
+def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=print,
+                  d2t: Optional[torch.Tensor] = None):
     """A fresh drafter for the target, or (--init-from) the checkpoint's, whose architecture,
-    target layers and mask token then replace the options'."""
+    target layers, mask token and draft vocabulary then replace the options' (a full-vocabulary
+    checkpoint with d2t given is reduced to it: markov_w2 keeps its rows at d2t)."""
     if opt.init_from:
         drafter = DSparkDrafter.load_hf(Path(opt.init_from))
         c = drafter.c
@@ -208,19 +234,31 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
                 max(c.target_layers) > hp.n_layer:
             raise ValueError(f"{opt.init_from} was not trained for this target (hidden "
                              f"{c.hidden_size}, vocab {c.vocab_size}, layers {c.target_layers})")
+        if d2t is not None and not c.reduced:
+            drafter = drafter.reduce_vocab(d2t)
+            log(f"draft vocabulary of {opt.init_from} reduced to {drafter.c.vd} tokens")
+        elif d2t is not None and c.vd != len(d2t):
+            log(f"--draft-vocab {len(d2t)} ignored: {opt.init_from} has its own draft "
+                f"vocabulary of {c.vd} tokens")
+        c = drafter.c
         log(f"initialised from {opt.init_from}: {c.num_hidden_layers} layers, target layers "
-            f"{c.target_layers}, mask token {c.mask_token_id} (fresh optimizer)")
+            f"{c.target_layers}, mask token {c.mask_token_id}, draft vocabulary {c.vd} "
+            f"(fresh optimizer)")
         return drafter
     cfg = DrafterConfig(hidden_size=hp.n_embd, intermediate_size=hp.n_ff,
                         num_hidden_layers=opt.layers, num_attention_heads=hp.n_head,
                         num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim,
                         vocab_size=hp.n_vocab, target_layers=layers, mask_token_id=mask_id,
                         block_size=opt.block_size, markov_rank=opt.markov_rank,
+                        draft_vocab_size=len(d2t) if d2t is not None else 0,
                         rms_norm_eps=hp.rms_eps, rope_theta=hp.rope_freq_base,
                         max_position_embeddings=hp.n_ctx_train,
                         extra=dict(target=Path(opt.target).name, seq_len=opt.seq_len,
                                    mask_choice="rare control token (see pyspec.train)"))
-    return DSparkDrafter(cfg)
+    drafter = DSparkDrafter(cfg)
+    if cfg.reduced:
+        drafter.set_d2t(d2t)
+    return drafter
 
 
 def _fmt(m: dict) -> str:
@@ -261,11 +299,27 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
 
     layers = parse_target_layers(opt.target_layers, hp.n_layer)
     mask_id = opt.mask_token_id if opt.mask_token_id is not None else choose_mask_token(tok)
-    drafter = build_drafter(opt, hp, layers, mask_id, log).to(device)
+    d2t = None
+    if 0 < opt.draft_vocab < hp.n_vocab:
+        d2t = draft_vocabulary(seqs, prompt_lens, train_idx, opt.draft_vocab, hp.n_vocab,
+                               sorted(tok.eog_ids) + [tok.eos_id])
+    drafter = build_drafter(opt, hp, layers, mask_id, log, d2t).to(device)
     cfg = drafter.c
     layers = cfg.target_layers
     log(f"drafter reads layer inputs {layers}; mask token {cfg.mask_token_id} "
         f"({tok.token_text(cfg.mask_token_id)!r})")
+    if drafter.d2t is not None:
+        n_in = n_all = 0
+        mask_v = torch.zeros(hp.n_vocab, dtype=torch.bool)
+        mask_v[drafter.d2t.cpu()] = True
+        for i in train_idx + val_idx:
+            pl = prompt_lens[i] if prompt_lens is not None else 0
+            cont = torch.as_tensor(seqs[i][pl:], dtype=torch.long)
+            n_in += int(mask_v[cont].sum())
+            n_all += len(cont)
+        cov = n_in / max(1, n_all)
+        log(f"draft vocabulary: {cfg.vd} of {hp.n_vocab} tokens cover {100 * cov:.2f}% of the "
+            f"generated tokens (training split counted)")
     optim = torch.optim.AdamW(drafter.parameters(), lr=opt.lr, weight_decay=0.0,
                               betas=(0.9, 0.95))
     step = 0
@@ -289,7 +343,7 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
                     "config": cfg.hf_config()}, state_path)
 
     def save_hf():
-        drafter.save_hf(out / "hf", opt.max_shard_mib, opt.hf_dtype)
+        drafter.save_hf(out / "hf", opt.max_shard_mib, opt.hf_dtype, head=target.head)
 
     evals_since_best = 0
     last_eval_step = -1

@@ -2,7 +2,18 @@
 each slot k weighted by exp(−k/γ) (γ = 4), averaged over the valid slots.
 
 Slot k of the block at anchor a predicts the token at a + k + 1: its label is tokens[a + k + 1] and
-its target distribution is softmax(target logits at position a + k)."""
+its target distribution is softmax(target logits at position a + k).
+
+Reduced draft vocabulary (d2t, Vd < V). The drafter can only propose draft-vocabulary tokens, and
+verification accepts a draft from q (support Vd) against the target's full p with probability
+sum_x min(q_x, p_x) = 1 - TV(q, p). So the terms use the target's full softmax p, not renormalised:
+    L1 = sum_{d in Vd} |q_d - p_{d2t[d]}| + (1 - sum_{d in Vd} p_{d2t[d]})
+i.e. exactly ||q - p||_1 over the full vocabulary with q = 0 off Vd (the last term, the target's
+mass outside the draft vocabulary, has no gradient but keeps TV and so the confidence target
+1 - TV the true acceptance probability of the slot). CE: a label outside the draft vocabulary
+cannot be drafted and is ignored (its slot still counts in L1 and BCE; the CE mean is over the
+labels inside). The greedy proxy compares d2t[argmax q] with the target's full-vocabulary argmax
+(the engine accepts a greedy draft iff it equals the target's argmax)."""
 
 from __future__ import annotations
 
@@ -20,9 +31,10 @@ def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, token
                 ) -> Dict[str, torch.Tensor]:
     """out: DSparkDrafter.forward's dict; target_logits [B, L, V]; tokens [B, L]; lengths [B];
     anchors [B, A]. Returns loss and its parts (detached) plus per-slot acceptance proxies."""
-    logits = out["logits"]                                     # [B, A, K, V] float32
-    B, A, K, V = logits.shape
-    L = tokens.shape[1]
+    logits = out["logits"]                                     # [B, A, K, Vd] float32
+    d2t = out.get("d2t")
+    B, A, K, Vd = logits.shape
+    L, V = tokens.shape[1], target_logits.shape[-1]
     dev = tokens.device
     offs = torch.arange(K, device=dev)
     pos = anchors[:, :, None] + offs                           # position of the slot's input
@@ -35,11 +47,24 @@ def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, token
     p_d = logp_d.exp()
     w = torch.exp(-offs.float() / gamma)[None, None, :] * valid.float()
     denom = w.sum().clamp(min=1e-6)
+    if d2t is None:
+        l1 = (p_d - p_t).abs().sum(-1)
+        w_ce = w
+    else:
+        d2t = d2t.to(dev)
+        p_in = p_t.index_select(-1, d2t)                       # target mass on the draft vocab
+        outside = (1.0 - p_in.sum(-1)).clamp(min=0.0)
+        l1 = (p_d - p_in).abs().sum(-1) + outside
+        t2d = torch.full((V,), -1, dtype=torch.long, device=dev)
+        t2d[d2t] = torch.arange(Vd, device=dev)
+        labels = t2d[labels]
+        w_ce = w * (labels >= 0).float()
+        labels = labels.clamp(min=0)
+    ce_denom = w_ce.sum().clamp(min=1e-6)
     ce = -torch.gather(logp_d, -1, labels[..., None]).squeeze(-1)
-    l1 = (p_d - p_t).abs().sum(-1)
     tv = 0.5 * l1
-    loss = W_CE * (ce * w).sum() / denom + W_L1 * (l1 * w).sum() / denom
-    parts = dict(ce=(ce * w).sum() / denom, l1=(l1 * w).sum() / denom)
+    loss = W_CE * (ce * w_ce).sum() / ce_denom + W_L1 * (l1 * w).sum() / denom
+    parts = dict(ce=(ce * w_ce).sum() / ce_denom, l1=(l1 * w).sum() / denom)
     if out.get("conf") is not None:
         bce = F.binary_cross_entropy_with_logits(out["conf"].float(), (1 - tv).detach(),
                                                  reduction="none")
@@ -47,7 +72,10 @@ def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, token
         loss = loss + W_CONF * parts["bce"]
     with torch.no_grad():
         # Greedy acceptance proxy: slot k's argmax equals the target argmax, along the block.
-        hit = (logits.argmax(-1) == t_logits.view(B, A, K, V).argmax(-1)) & valid
+        drafted = logits.argmax(-1)
+        if d2t is not None:
+            drafted = d2t[drafted]
+        hit = (drafted == t_logits.view(B, A, K, V).argmax(-1)) & valid
         run = torch.cumprod(hit.float(), -1)
         vb = valid.all(-1)
         acc_len = (run.sum(-1)[vb].mean() + 1) if bool(vb.any()) else torch.tensor(math.nan)
