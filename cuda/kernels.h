@@ -12,7 +12,7 @@
 namespace pyspec {
 namespace cuda {
 
-// Grow-only device scratch owned by the backend (matmul conversions).
+// Grow-only device scratch owned by the backend (no op needs it since MUL_MAT left cuBLAS).
 struct Scratch {
     void* p = nullptr;
     size_t bytes = 0;
@@ -39,7 +39,9 @@ void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TD
                       const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s);
 
 // dst[n, m] = sum_k w[k, n] * x[k, m]: w rows of w_row_bytes, x rows of x_stride floats, y rows of
-// y_stride floats.
+// y_stride floats. Batch-invariant (one reduction order per output, fixed by K and the weight
+// type); it no longer uses the cuBLAS handle or the scratch, kept in the signature until the
+// backend stops passing them.
 void launch_matmul(DType wtype, const void* w, int64_t n_rows, int64_t k, size_t w_row_bytes, const float* x,
                    int64_t x_stride, int64_t m, float* y, int64_t y_stride, cublasHandle_t blas, Scratch& scratch,
                    cudaStream_t s);

@@ -1,9 +1,14 @@
 // Fused attention (decode and prefill): one block of kWarps warps per (query head, row). Row r
 // attends cells base[r] + j, j < span, with mask[r][j] added to the score; masked (-inf) cells are
-// skipped, as on the CPU. Each warp walks every kWarps-th cell with an online softmax (running max,
-// running sum, running weighted V in registers: head dim up to 32 * kMaxPerLane), then the warps'
-// partial states are merged. GQA: query head h reads kv head h / (n_head / n_kv_head). K/V are F16
-// or F32 (the cache tensors' dtype), read through their row stride (cache views).
+// skipped, as on the CPU. Warp w walks the cells whose absolute index is w mod kWarps, in increasing
+// order, with an online softmax (running max, running sum, running weighted V in registers: head
+// dim up to 32 * kMaxPerLane), then the warps' partial states are merged in the order w = 0..3.
+// Batch invariance (design.md invariant 7): which warp sees a cell, and in what order, depends on
+// the cell's index in the cache alone, never on base[r] or on the span (the batch's padding), and
+// masked cells are skipped outright, so a row's bits depend only on its own query, its unmasked
+// cells and their mask values, whatever rows share the batch. GQA: query head h reads kv head
+// h / (n_head / n_kv_head). K/V are F16 or F32 (the cache tensors' dtype), read through their row
+// stride (cache views).
 #include "cuda/kernels.h"
 
 namespace pyspec {
@@ -52,7 +57,9 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
     }
     const int64_t col0 = static_cast<int64_t>(kvh) * hd;
     float m = -INFINITY, l = 0.0f;
-    for (int64_t j = warp; j < span; j += kWarps) {
+    // The first j >= 0 whose cell b0 + j is this warp's (b0 >= 0 here).
+    const int64_t j0 = (warp - b0 % kWarps + kWarps) % kWarps;
+    for (int64_t j = j0; j < span; j += kWarps) {
         const float mj = mrow[j];
         if (mj == -INFINITY) continue;
         const int64_t cell = b0 + j;

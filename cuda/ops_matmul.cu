@@ -1,10 +1,17 @@
-// MUL_MAT: dst[n, m] = sum_k w[k, n] * x[k, m]. For m <= kMatvecMaxCols, custom matvec kernels
-// read each weight row once for all m activation columns, dequantizing on the fly (one warp per
-// weight row, each lane a unit of 8 values per step, F32 accumulation; activations stay F32, so
-// quantized weights are more exact here than on the CPU, which quantizes activations to Q8).
-// Larger m goes to cuBLAS: F32 weights through SGEMM; F16/BF16 weights through GemmEx with the
-// activations converted to the weight type; quantized weights dequantized to F16 in chunks of rows
-// (llama.cpp's approach); F32 accumulation everywhere.
+// MUL_MAT: dst[n, m] = sum_k w[k, n] * x[k, m], batch-invariant by construction (design.md
+// invariant 7): every output is reduced in one order that depends only on K and the weight type.
+// A weight row is cut into units of 8 values (load_unit, quantized weights dequantized on the fly,
+// activations kept F32); lane l of a warp sums the units u = l, l + 32, l + 64, ... in increasing u,
+// each unit's 8 products in the order t = 0..7, as one fmaf chain from 0; the 32 lane partials are
+// then added along the xor tree of distances 16, 8, 4, 2, 1 (warp_sum, or the reduce-scatter below,
+// which builds the same tree). One kernel family serves every M: a warp carries R weight rows times
+// C activation columns at once (R x C accumulators, each weight unit loaded once for the C columns,
+// the block's columns shared through L1), and the launch shape (R, C, grid) only decides how many
+// outputs run side by side, never the order inside one. So a column's bits do not depend on M, on
+// its place in the batch or on its neighbours. No cuBLAS: its kernels (and their split-K and
+// reduction orders) change with M. The price is CUDA-core FP32 FMA for large batches instead of
+// tensor cores; a tensor-core GEMM with a fixed k order per output, used for every M, would bring
+// prefill speed back (see the notes in the launcher).
 #include <algorithm>
 
 #include "cuda/kernels.h"
@@ -29,8 +36,7 @@ Scratch::~Scratch() {
 
 namespace {
 
-constexpr int64_t kMatvecMaxCols = 16;
-constexpr int kRowsPerBlock = 4;  // one warp per weight row
+constexpr int kWarps = 4;  // warps per block; a warp owns R weight rows of the block's tile
 
 // The 8 values of unit u of a row: v[t] belongs at column pos0 + t for t < 4, pos1 + t - 4 after.
 template <DType T, bool kAligned>
@@ -104,45 +110,115 @@ __device__ __forceinline__ void load_unit(const char* row, int64_t u, float v[8]
     }
 }
 
-template <DType T, bool kAligned, int NC>
-__global__ void __launch_bounds__(kRowsPerBlock * 32) k_matvec(const char* w, int64_t n_rows, int64_t k,
-                                                                 int64_t row_bytes, const float* x, int64_t x_stride,
-                                                                 float* y, int64_t y_stride) {
-    const int lane = threadIdx.x & 31;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
-    if (row >= n_rows) return;
-    const char* wr = w + row * row_bytes;
-    const int64_t units = k / 8;
-    float acc[NC];
+// The activations that unit (p0, p1) meets: x[p0 .. p0 + 4) then x[p1 .. p1 + 4).
+template <bool kVec>
+__device__ __forceinline__ void load_x(const float* xc, int64_t p0, int64_t p1, float xv[8]) {
+    if constexpr (kVec) {
+        const float4 a = *reinterpret_cast<const float4*>(xc + p0), b = *reinterpret_cast<const float4*>(xc + p1);
+        xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w; xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+    } else {
 #pragma unroll
-    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    for (int64_t u = lane; u < units; u += 32) {
-        float v[8];
-        int64_t p0, p1;
-        load_unit<T, kAligned>(wr, u, v, p0, p1);
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const float* xc = x + c * x_stride;
-            float a = acc[c];
-#pragma unroll
-            for (int t = 0; t < 4; ++t) a = fmaf(v[t], xc[p0 + t], a);
-#pragma unroll
-            for (int t = 0; t < 4; ++t) a = fmaf(v[t + 4], xc[p1 + t], a);
-            acc[c] = a;
+        for (int t = 0; t < 4; ++t) {
+            xv[t] = xc[p0 + t];
+            xv[t + 4] = xc[p1 + t];
         }
-    }
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const float s = warp_sum(acc[c]);
-        if (lane == 0) y[c * y_stride + row] = s;
     }
 }
 
-// Any row length (float types whose k is not a multiple of 8): element by element.
-__global__ void k_matvec_generic(DType t, const char* w, int64_t n_rows, int64_t k, int64_t row_bytes, const float* x,
-                                 int64_t x_stride, int64_t m, float* y, int64_t y_stride) {
+// One level of k_mul_mat's reduce-scatter: p[0, 2D) -> p[0, D), D a compile-time constant so that
+// p stays in registers.
+template <int D>
+__device__ __forceinline__ void reduce_scatter_level(float (&p)[32], int lane) {
+    const bool hi = (lane & D) != 0;
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+        const float keep = hi ? p[i + D] : p[i];
+        const float send = hi ? p[i] : p[i + D];
+        p[i] = keep + __shfl_xor_sync(0xffffffffu, send, D);
+    }
+}
+
+// Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of weight rows
+// [R * kWarps * blockIdx.y, + R * kWarps); warp w of it rows [R * (kWarps * blockIdx.y + w), + R).
+// Rows and columns past the ends are clamped to the last one (computed, never stored), which
+// keeps the inner loop free of branches. kVec: 16-byte loads of float weights and of activations.
+template <DType T, bool kVec, int R, int C>
+__global__ void __launch_bounds__(kWarps * 32) k_mul_mat(const char* w, int64_t n_rows, int64_t k, int64_t row_bytes,
+                                                          const float* x, int64_t x_stride, int64_t m, float* y,
+                                                          int64_t y_stride) {
     const int lane = threadIdx.x & 31;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
+    const int64_t r0 = (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
+    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
+    if (r0 >= n_rows) return;
+    const char* wr[R];
+    const float* xc[C];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = w + min(r0 + r, n_rows - 1) * row_bytes;
+#pragma unroll
+    for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
+    float acc[R][C];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
+    }
+    const int64_t units = k / 8;
+    for (int64_t u = lane; u < units; u += 32) {
+        float v[R][8];
+        int64_t p0 = 0, p1 = 0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) load_unit<T, kVec>(wr[r], u, v[r], p0, p1);
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            float xv[8];
+            load_x<kVec>(xc[c], p0, p1, xv);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float a = acc[r][c];
+#pragma unroll
+                for (int t = 0; t < 8; ++t) a = fmaf(v[r][t], xv[t], a);
+                acc[r][c] = a;
+            }
+        }
+    }
+    if constexpr (R * C % 32 == 0) {
+        // Reduce-scatter, 32 outputs at a time: at distance d a lane keeps the half of its outputs
+        // whose bit d matches its own and adds the partner's partial of each (own + partner, as
+        // warp_sum adds), so output o ends on lane o % 32 after the same xor tree, in 31 shuffles
+        // instead of 5 per output.
+#pragma unroll
+        for (int g = 0; g < R * C / 32; ++g) {
+            float p[32];
+#pragma unroll
+            for (int o = 0; o < 32; ++o) p[o] = acc[(32 * g + o) / C][(32 * g + o) % C];
+            reduce_scatter_level<16>(p, lane);
+            reduce_scatter_level<8>(p, lane);
+            reduce_scatter_level<4>(p, lane);
+            reduce_scatter_level<2>(p, lane);
+            reduce_scatter_level<1>(p, lane);
+            const int o = 32 * g + lane;
+            const int64_t row = r0 + o / C, col = c0 + o % C;
+            if (row < n_rows && col < m) y[col * y_stride + row] = p[0];
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                const float s = warp_sum(acc[r][c]);
+                if (lane == 0 && r0 + r < n_rows && c0 + c < m) y[(c0 + c) * y_stride + r0 + r] = s;
+            }
+        }
+    }
+}
+
+// Float weights whose K is not a multiple of 8: element by element, one warp per weight row, lane
+// l summing elements l, l + 32, ... then warp_sum; the same order for every column, any M.
+__global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const char* w, int64_t n_rows, int64_t k,
+                                                                  int64_t row_bytes, const float* x, int64_t x_stride,
+                                                                  int64_t m, float* y, int64_t y_stride) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
     if (row >= n_rows) return;
     const char* wr = w + row * row_bytes;
     for (int64_t c = 0; c < m; ++c) {
@@ -153,142 +229,91 @@ __global__ void k_matvec_generic(DType t, const char* w, int64_t n_rows, int64_t
     }
 }
 
-template <DType T, bool kAligned>
-void matvec_typed(const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m, float* y,
-                  int64_t ys, cudaStream_t s) {
-    const unsigned grid = grid_for(n, kRowsPerBlock);
+// Row tiles go on grid.y (at most 65535 per launch), column tiles on grid.x, so the blocks that
+// share a weight tile run next to each other and read it from L2 once.
+template <DType T, bool kVec, int R, int C>
+void mul_mat_tiles(const char* w, int64_t n, int64_t k, int64_t rb, const float* x, int64_t xs, int64_t m, float* y,
+                   int64_t ys, cudaStream_t s) {
+    constexpr int64_t rows_per_block = int64_t{R} * kWarps;
+    constexpr int64_t max_rows = rows_per_block * 65535;
+    const unsigned gx = grid_for(m, C);
+    for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
+        const int64_t nr = std::min(max_rows, n - r0);
+        const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
+        k_mul_mat<T, kVec, R, C><<<grid, kWarps * 32, 0, s>>>(w + r0 * rb, nr, k, rb, x, xs, m, y + r0, ys);
+    }
+}
+
+// The launch shape by batch size. It only changes how many outputs a warp carries, never an
+// output's order, so these thresholds are free to tune. Small M (decode, verify, draft blocks):
+// one row per warp, many warps, bandwidth-bound. Larger M: 4 rows x 8 columns per warp, 32 FMAs per
+// activation load and 8 columns per weight load.
+template <DType T, bool kVec>
+void mul_mat_typed(const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m, float* y,
+                   int64_t ys, cudaStream_t s) {
     const char* wp = static_cast<const char*>(w);
     const int64_t rbi = static_cast<int64_t>(rb);
-    int64_t c = 0;
-    while (c < m) {
-        const int64_t left = m - c;
-        const float* xc = x + c * xs;
-        float* yc = y + c * ys;
-        if (left >= 8) {
-            k_matvec<T, kAligned, 8><<<grid, kRowsPerBlock * 32, 0, s>>>(wp, n, k, rbi, xc, xs, yc, ys);
-            c += 8;
-        } else if (left >= 4) {
-            k_matvec<T, kAligned, 4><<<grid, kRowsPerBlock * 32, 0, s>>>(wp, n, k, rbi, xc, xs, yc, ys);
-            c += 4;
-        } else if (left >= 2) {
-            k_matvec<T, kAligned, 2><<<grid, kRowsPerBlock * 32, 0, s>>>(wp, n, k, rbi, xc, xs, yc, ys);
-            c += 2;
-        } else {
-            k_matvec<T, kAligned, 1><<<grid, kRowsPerBlock * 32, 0, s>>>(wp, n, k, rbi, xc, xs, yc, ys);
-            c += 1;
-        }
-    }
-}
-
-void matvec(DType t, const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m, float* y,
-            int64_t ys, cudaStream_t s) {
-    const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
-    if (float_type && k % 8 != 0) {
-        k_matvec_generic<<<grid_for(n, kRowsPerBlock), kRowsPerBlock * 32, 0, s>>>(
-            t, static_cast<const char*>(w), n, k, static_cast<int64_t>(rb), x, xs, m, y, ys);
-        return;
-    }
-    const bool aligned = reinterpret_cast<uintptr_t>(w) % 16 == 0 && rb % 16 == 0;
-    switch (t) {
-        case DType::F32:
-            return aligned ? matvec_typed<DType::F32, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                           : matvec_typed<DType::F32, false>(w, n, k, rb, x, xs, m, y, ys, s);
-        case DType::F16:
-            return aligned ? matvec_typed<DType::F16, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                           : matvec_typed<DType::F16, false>(w, n, k, rb, x, xs, m, y, ys, s);
-        case DType::BF16:
-            return aligned ? matvec_typed<DType::BF16, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                           : matvec_typed<DType::BF16, false>(w, n, k, rb, x, xs, m, y, ys, s);
-        case DType::Q8_0: return matvec_typed<DType::Q8_0, false>(w, n, k, rb, x, xs, m, y, ys, s);
-        case DType::Q4_0: return matvec_typed<DType::Q4_0, false>(w, n, k, rb, x, xs, m, y, ys, s);
-        case DType::Q4_1: return matvec_typed<DType::Q4_1, false>(w, n, k, rb, x, xs, m, y, ys, s);
-        default: throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
-    }
-}
-
-// x rows (F32, stride xs) -> contiguous F16 or BF16 [m][k].
-__global__ void k_act_convert(const float* x, int64_t xs, int64_t k, int64_t m, uint16_t* out, int bf16) {
-    const int64_t total = k * m;
-    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t r = e / k, i = e % k;
-        const float v = x[r * xs + i];
-        out[e] = bf16 ? f2bf(v) : f2h(v);
-    }
-}
-
-// Weight rows [r0, r0 + nr) of any type -> contiguous F16 [nr][k].
-__global__ void k_weight_to_f16(DType t, const char* w, int64_t rb, int64_t k, int64_t nr, uint16_t* out) {
-    const int64_t total = k * nr;
-    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t r = e / k, i = e % k;
-        out[e] = f2h(load_elem(t, w + r * rb, i));
-    }
-}
-
-unsigned elems_grid(int64_t n) {
-    const int64_t g = (n + 255) / 256;
-    return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 16 ? 65535 * 16 : g));
-}
-
-void check_blas(cublasStatus_t st, const char* what) {
-    if (st != CUBLAS_STATUS_SUCCESS) {
-        throw std::runtime_error(std::string("cuda backend: mul_mat: ") + what + " failed (cublas status " +
-                                 std::to_string(static_cast<int>(st)) + ")");
-    }
+    if (m == 1) return mul_mat_tiles<T, kVec, 1, 1>(wp, n, k, rbi, x, xs, m, y, ys, s);
+    if (m == 2) return mul_mat_tiles<T, kVec, 1, 2>(wp, n, k, rbi, x, xs, m, y, ys, s);
+    if (m <= 4) return mul_mat_tiles<T, kVec, 1, 4>(wp, n, k, rbi, x, xs, m, y, ys, s);
+    if (m <= 16) return mul_mat_tiles<T, kVec, 1, 8>(wp, n, k, rbi, x, xs, m, y, ys, s);
+    return mul_mat_tiles<T, kVec, 4, 8>(wp, n, k, rbi, x, xs, m, y, ys, s);
 }
 
 }  // namespace
 
+// Speed against the cuBLAS path this replaces (estimates, to be measured on the H200): M <= 16 is
+// unchanged (the same matvec order and loads, now one launch instead of one per 8 columns). Larger
+// M runs on CUDA cores: FP32 FMA peaks near 67 TFLOP/s on the H200 and this kernel is expected at
+// roughly a third to a half of it (activation loads through L1 limit it), against some 500+ TFLOP/s
+// that cuBLAS's F16/BF16 tensor-core GEMMs reach; prefill and 64-sequence batches therefore spend
+// about 10-20x longer in MUL_MAT. What brings it back: a tensor-core GEMM (mma.sync or wgmma, F32
+// accumulators) whose per-output order is fixed by K alone (the same k-chunk sequence and the same
+// split for every M, M = 1 padded to the instruction's N), used for all batch sizes.
 void launch_matmul(DType t, const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m,
-                   float* y, int64_t ys, cublasHandle_t blas, Scratch& scratch, cudaStream_t s) {
+                   float* y, int64_t ys, cublasHandle_t, Scratch&, cudaStream_t s) {
     if (m <= 0 || n <= 0) return;
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
-    if (m <= kMatvecMaxCols || k == 0) {
-        matvec(t, w, n, k, rb, x, xs, m, y, ys, s);
-        check_launch("mul_mat (matvec)");
+    const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
+    if (float_type && k % 8 != 0) {
+        k_mul_mat_generic<<<grid_for(n, kWarps), kWarps * 32, 0, s>>>(t, static_cast<const char*>(w), n, k,
+                                                                       static_cast<int64_t>(rb), x, xs, m, y, ys);
+        check_launch("mul_mat");
         return;
     }
-    check_blas(cublasSetStream(blas, s), "cublasSetStream");
-    const float one = 1.0f, zero = 0.0f;
-    const int ni = static_cast<int>(n), mi = static_cast<int>(m), ki = static_cast<int>(k);
-    if (t == DType::F32 && rb % sizeof(float) == 0) {
-        check_blas(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, ni, mi, ki, &one, static_cast<const float*>(w),
-                               static_cast<int>(rb / sizeof(float)), x, static_cast<int>(xs), &zero, y,
-                               static_cast<int>(ys)),
-                   "cublasSgemm");
-        return;
+    // 16-byte loads: activations (and float weights) 16-byte aligned at every row. The choice
+    // changes how values are loaded, not which values meet in which order.
+    const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
+    const bool w_vec = !float_type || (reinterpret_cast<uintptr_t>(w) % 16 == 0 && rb % 16 == 0);
+    const bool vec = x_vec && w_vec;
+    switch (t) {
+        case DType::F32:
+            vec ? mul_mat_typed<DType::F32, true>(w, n, k, rb, x, xs, m, y, ys, s)
+                : mul_mat_typed<DType::F32, false>(w, n, k, rb, x, xs, m, y, ys, s);
+            break;
+        case DType::F16:
+            vec ? mul_mat_typed<DType::F16, true>(w, n, k, rb, x, xs, m, y, ys, s)
+                : mul_mat_typed<DType::F16, false>(w, n, k, rb, x, xs, m, y, ys, s);
+            break;
+        case DType::BF16:
+            vec ? mul_mat_typed<DType::BF16, true>(w, n, k, rb, x, xs, m, y, ys, s)
+                : mul_mat_typed<DType::BF16, false>(w, n, k, rb, x, xs, m, y, ys, s);
+            break;
+        case DType::Q8_0:
+            vec ? mul_mat_typed<DType::Q8_0, true>(w, n, k, rb, x, xs, m, y, ys, s)
+                : mul_mat_typed<DType::Q8_0, false>(w, n, k, rb, x, xs, m, y, ys, s);
+            break;
+        case DType::Q4_0:
+            vec ? mul_mat_typed<DType::Q4_0, true>(w, n, k, rb, x, xs, m, y, ys, s)
+                : mul_mat_typed<DType::Q4_0, false>(w, n, k, rb, x, xs, m, y, ys, s);
+            break;
+        case DType::Q4_1:
+            vec ? mul_mat_typed<DType::Q4_1, true>(w, n, k, rb, x, xs, m, y, ys, s)
+                : mul_mat_typed<DType::Q4_1, false>(w, n, k, rb, x, xs, m, y, ys, s);
+            break;
+        default: throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
     }
-    const bool direct = (t == DType::F16 || t == DType::BF16) && rb % 2 == 0;
-    const size_t act_bytes = (static_cast<size_t>(k) * static_cast<size_t>(m) * 2 + 255) / 256 * 256;
-    // Quantized (or oddly strided) weights: dequantize chunks of rows to F16, <= 128 MiB each.
-    int64_t chunk = direct ? n : std::max<int64_t>(1, std::min<int64_t>(n, (int64_t{64} << 20) / std::max<int64_t>(k, 1)));
-    const size_t wbytes = direct ? 0 : static_cast<size_t>(chunk) * static_cast<size_t>(k) * 2;
-    char* base = static_cast<char*>(scratch.get(act_bytes + wbytes));
-    uint16_t* act = reinterpret_cast<uint16_t*>(base);
-    uint16_t* wtmp = reinterpret_cast<uint16_t*>(base + act_bytes);
-    const bool bf16 = direct && t == DType::BF16;
-    k_act_convert<<<elems_grid(k * m), 256, 0, s>>>(x, xs, k, m, act, bf16 ? 1 : 0);
-    check_launch("mul_mat (activation conversion)");
-    const cudaDataType_t ab = bf16 ? CUDA_R_16BF : CUDA_R_16F;
-    if (direct) {
-        check_blas(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, ni, mi, ki, &one, w, ab, static_cast<int>(rb / 2), act,
-                                ab, ki, &zero, y, CUDA_R_32F, static_cast<int>(ys), CUBLAS_COMPUTE_32F,
-                                CUBLAS_GEMM_DEFAULT),
-                   "cublasGemmEx");
-        return;
-    }
-    for (int64_t r0 = 0; r0 < n; r0 += chunk) {
-        const int64_t nr = std::min(chunk, n - r0);
-        k_weight_to_f16<<<elems_grid(nr * k), 256, 0, s>>>(t, static_cast<const char*>(w) + r0 * static_cast<int64_t>(rb),
-                                                           static_cast<int64_t>(rb), k, nr, wtmp);
-        check_launch("mul_mat (weight dequantization)");
-        check_blas(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(nr), mi, ki, &one, wtmp, CUDA_R_16F,
-                                ki, act, CUDA_R_16F, ki, &zero, y + r0, CUDA_R_32F, static_cast<int>(ys),
-                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                   "cublasGemmEx");
-    }
+    check_launch("mul_mat");
 }
 
 }  // namespace cuda

@@ -47,12 +47,6 @@ def _cuda_status():
 CUDA_OK, CUDA_REASON = _cuda_status()
 DEVICE = os.environ.get("PYSPEC_TEST_DEVICE_BACKEND", "cuda")
 gpu = pytest.mark.skipif(not (CUDA_OK or DEVICE == "cpu"), reason=f"CUDA backend not available: {CUDA_REASON}")
-# Invariant 7 on the GPU is not met yet (first H200 run, 2026-11-29): the matvec (M <= 16) and
-# cuBLAS paths reduce in different orders, and attention splits a row's cells by the batch's
-# span. Strict, so the mark has to go once a fix makes them pass.
-not_batch_invariant_yet = pytest.mark.xfail(
-    DEVICE == "cuda", strict=True,
-    reason="the CUDA kernels are not batch-invariant yet (issue 8): one reduction order per row")
 
 BATCHES = [1, 4, 16, 64, 300]
 FLOAT_W = cpu.FLOAT_W
@@ -252,7 +246,6 @@ def test_mul_mat_float_weights_odd_k(dtype, m):
 
 
 @gpu
-@not_batch_invariant_yet
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_mul_mat_rows_are_batch_invariant(dtype):
     """A row's result is the same bits alone (M = 1) and at any position of a batch of 4, 16, 64 or
@@ -488,7 +481,6 @@ def test_attention_block_mask_differs_from_causal(cache_dtype):
 
 
 @gpu
-@not_batch_invariant_yet
 @pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
 @pytest.mark.parametrize("seed", range(3))
 def test_attention_row_is_batch_invariant(seed, cache_dtype):
