@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop a draft shorter than N tokens (default: 0)")
     p.add_argument("--spec-verify", choices=("greedy", "rejection", "block"), default=None,
                    help="verification rule (default: greedy at temp 0, rejection otherwise)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", default=None,
+                   metavar="N",
+                   help="layers on the GPU: 0 = CPU, 'all' or N >= the model's layers = all on "
+                        "the GPU (CUDA), 'auto' = the GPU when available, else the CPU; partial "
+                        "offload is not supported yet (default: 0, the CPU)")
+    p.add_argument("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl",
+                   dest="n_gpu_layers_draft", default=None, metavar="N",
+                   help="drafter layers on the GPU, as -ngl (default: as the target)")
     p.add_argument("--version", action="version", version=f"pyspec {__version__}")
     return p
 
@@ -189,6 +197,15 @@ def _check_args(args) -> None:
     if args.model_draft is None and (args.draft_p_min or args.draft_min
                                      or args.draft_p_min_mode != "first"):
         raise CliError("--draft-p-min, --draft-p-min-mode and --draft-min need a draft model (-md)")
+    for flag, value in (("-ngl", args.n_gpu_layers), ("-ngld", args.n_gpu_layers_draft)):
+        if value is not None and value not in ("auto", "all"):
+            try:
+                int(value)
+            except ValueError:
+                raise CliError(f"{flag} must be a number of layers, 'auto' or 'all', "
+                               f"got '{value}'") from None
+    if args.model_draft is None and args.n_gpu_layers_draft is not None:
+        raise CliError("-ngld needs a draft model (-md)")
     if not 0.0 <= args.draft_p_min <= 1.0:
         raise CliError(f"--draft-p-min must be in [0, 1], got {args.draft_p_min}")
     if args.draft_min < 0:
@@ -219,7 +236,8 @@ def _load(args):
                   n_batch=args.batch_size, draft_model=args.model_draft,
                   spec_type=args.spec_type, draft_n_max=args.draft_max,
                   verify=args.spec_verify, draft_p_min=args.draft_p_min,
-                  draft_n_min=args.draft_min, draft_p_min_mode=args.draft_p_min_mode)
+                  draft_n_min=args.draft_min, draft_p_min_mode=args.draft_p_min_mode,
+                  n_gpu_layers=args.n_gpu_layers, n_gpu_layers_draft=args.n_gpu_layers_draft)
     except (OSError, ValueError, RuntimeError) as exc:
         name = args.model if args.model is not None else "the default model"
         raise CliError(f"failed to load model '{name}': {exc}") from None
@@ -233,6 +251,16 @@ def _load(args):
     except ChatTemplateError as exc:
         raise CliError(str(exc)) from None
     return llm
+
+
+def _backend_line(backend: str, ngl) -> str:
+    """Which backend runs, and for -ngl auto on the CPU, why not the GPU."""
+    line = "CUDA (all layers on the GPU)" if backend == "cuda" else "CPU"
+    if backend != "cuda" and ngl is not None and str(ngl) in ("auto", "-1"):
+        from .model import cuda_available
+
+        line += f" (-ngl auto: {cuda_available()[1]})"
+    return line
 
 
 def _sampling_kwargs(args, seed: int) -> dict:
@@ -353,6 +381,10 @@ def _run(args) -> int:
     m = llm.model
     _log(f"load: '{m.path}': {m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, "
          f"vocab {m.n_vocab}, loaded in {perf.load_seconds * 1e3:.0f} ms")
+    _log(f"load: backend {_backend_line(m.backend, args.n_gpu_layers)}")
+    if llm.speculative is not None:
+        _log(f"load: drafter backend "
+             f"{_backend_line(llm.speculative.drafter.backend, args.n_gpu_layers_draft)}")
     seed = args.seed if args.seed != -1 else secrets.randbits(32)
     _log(f"main: n_ctx = {llm.n_ctx}, n_batch = {llm.context.n_batch}, "
          f"n_predict = {args.n_predict}, n_threads = {m.n_threads}")

@@ -74,6 +74,11 @@ class LLM:
         the draft at the first position whose confidence (DSpark's confidence head; DFlash: the
         top-1 probability of its slot) is below draft_p_min ("first"), or whose running product
         of confidences is ("cumulative"); drop drafts shorter than draft_n_min. 0 disables.
+    n_gpu_layers (llama.cpp's -ngl): 0 / None (default) runs on the CPU; "all" or N >= the
+        model's layers on the GPU (CUDA; RuntimeError with the reason when it cannot be used);
+        "auto" (or -1) on the GPU when available, else the CPU. Partial offload is not supported
+        yet (ValueError). With a loaded `Model`, its own n_gpu_layers applies.
+    n_gpu_layers_draft (-ngld): the same for the drafter; None follows the target.
     """
 
     def __init__(self, model: Union[str, os.PathLike, Model, None] = None, n_ctx: int = 4096,
@@ -82,11 +87,17 @@ class LLM:
                  draft_model: Union[str, os.PathLike, None] = None,
                  spec_type: Optional[str] = None, draft_n_max: Optional[int] = None,
                  verify: Optional[str] = None, draft_p_min: float = 0.0,
-                 draft_n_min: int = 0, draft_p_min_mode: str = "first"):
+                 draft_n_min: int = 0, draft_p_min_mode: str = "first",
+                 n_gpu_layers: Union[int, str, None] = None,
+                 n_gpu_layers_draft: Union[int, str, None] = None):
         if isinstance(model, Model):
+            if n_gpu_layers is not None:
+                raise ValueError("n_gpu_layers goes to Model(...) when a loaded Model is given "
+                                 f"(this one runs on {model.backend})")
             self.model = model
         else:
-            self.model = Model(None if model is None else os.fspath(model), n_threads=n_threads)
+            self.model = Model(None if model is None else os.fspath(model), n_threads=n_threads,
+                               n_gpu_layers=n_gpu_layers)
         n_ctx = int(n_ctx)
         if n_ctx < 0:
             raise ValueError(f"n_ctx must be >= 0 (0 = the model's {self.model.n_ctx_train}), "
@@ -100,16 +111,18 @@ class LLM:
         self.n_ctx = self.context.n_ctx
         self.speculative: Optional[SpeculativeGenerator] = None
         if draft_model is not None:
-            drafter = Drafter(os.fspath(draft_model), self.model, spec_type=spec_type)
+            drafter = Drafter(os.fspath(draft_model), self.model, spec_type=spec_type,
+                              n_gpu_layers=n_gpu_layers_draft)
             self.speculative = SpeculativeGenerator(self.context, drafter,
                                                     draft_n_max=draft_n_max, verify=verify,
                                                     draft_p_min=draft_p_min,
                                                     draft_n_min=draft_n_min,
                                                     draft_p_min_mode=draft_p_min_mode)
         elif (spec_type is not None or draft_n_max is not None or verify is not None
-              or draft_p_min or draft_n_min or draft_p_min_mode != "first"):
-            raise ValueError("spec_type, draft_n_max, verify, draft_p_min, draft_n_min and "
-                             "draft_p_min_mode need a draft_model")
+              or draft_p_min or draft_n_min or draft_p_min_mode != "first"
+              or n_gpu_layers_draft is not None):
+            raise ValueError("spec_type, draft_n_max, verify, draft_p_min, draft_n_min, "
+                             "draft_p_min_mode and n_gpu_layers_draft need a draft_model")
         self.last_stats: Optional[GenerationStats] = None
         self._running = False
         # A user's template is compiled now so that mistakes show at once; the model's own only
@@ -342,4 +355,4 @@ class LLM:
                 stats.stop_reason = "eog"
 
     def __repr__(self) -> str:
-        return f"LLM({self.model.path!r}, n_ctx={self.n_ctx})"
+        return f"LLM({self.model.path!r}, n_ctx={self.n_ctx}, backend={self.model.backend})"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 from . import _core
 from .sampling import Sampler, SamplingParams
-from .speculative import check_pruning_options
+from .speculative import check_pruning_options, engine_backend
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -110,7 +110,8 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
     engine = _core.SpecEngine(llm.model._model, spec.drafter.model, n_ctx=llm.n_ctx * n_parallel,
                               n_seq_max=n_parallel, n_draft_slots=draft_slots,
                               n_batch=llm.context.n_batch, draft_n_batch=int(draft_n_batch),
-                              n_threads=llm.model.n_threads, draft_n_max=spec.draft_n_max)
+                              n_threads=llm.model.n_threads, draft_n_max=spec.draft_n_max,
+                              backend=engine_backend(llm.model.backend, spec.drafter.backend))
 
     def finish(i: int, reason: str, stats: Optional[dict]) -> None:
         st = stats or {}

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _core
+
+log = logging.getLogger("pyspec")
 
 
 def default_model_path() -> str:
@@ -38,16 +41,90 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class Model:
-    """Weights and hyperparameters of a GGUF model (memory-mapped)."""
+def cuda_available() -> Tuple[bool, str]:
+    """(available, reason): whether pyspec was built with CUDA and a GPU is visible; the reason
+    says why not (empty when available)."""
+    ok, reason = _core.cuda_available()
+    return bool(ok), str(reason)
 
-    def __init__(self, path: Optional[str] = None, n_threads: Optional[int] = None):
+
+GpuLayers = Union[int, str, None]
+
+
+def resolve_gpu_layers(n_gpu_layers: GpuLayers, n_layer: int, what: str = "n_gpu_layers") -> str:
+    """The backend ("cpu" or "cuda") for llama.cpp's -ngl value `n_gpu_layers` on a model of
+    `n_layer` layers.
+
+    0 or None: the CPU. "all", or N >= n_layer: every layer on the GPU; a RuntimeError with the
+    reason when CUDA cannot be used. "auto" (or -1): the GPU when CUDA can be used, else the CPU,
+    with a log line saying which. 1 <= N < n_layer: partial offload, not supported yet
+    (ValueError). Strings of digits count as numbers.
+    """
+    value = n_gpu_layers
+    if value is None:
+        return "cpu"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", "all"):
+            value = text
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"{what} must be a number of layers, 'auto' or 'all', "
+                                 f"got {n_gpu_layers!r}") from None
+    elif isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{what} must be a number of layers, 'auto' or 'all', "
+                         f"got {n_gpu_layers!r}")
+    if value == -1:
+        value = "auto"
+    if isinstance(value, str):
+        ok, reason = cuda_available()
+        if value == "auto":
+            log.info("%s=auto: %s", what, "running on the GPU (CUDA)" if ok else
+                     f"running on the CPU ({reason})")
+            return "cuda" if ok else "cpu"
+        if not ok:
+            raise RuntimeError(f"{what}={n_gpu_layers} asks for the GPU, but the CUDA backend "
+                               f"cannot be used: {reason}")
+        return "cuda"
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, -1 (auto), 'auto' or 'all', got {value}")
+    if value == 0:
+        return "cpu"
+    if value < n_layer:
+        raise ValueError(f"{what}={value}: partial offload is not supported yet (the model has "
+                         f"{n_layer} layers): use 0 for the CPU, or 'all' / 'auto' / a number >= "
+                         f"{n_layer} for the GPU")
+    ok, reason = cuda_available()
+    if not ok:
+        raise RuntimeError(f"{what}={value} asks for the GPU, but the CUDA backend cannot be "
+                           f"used: {reason}")
+    return "cuda"
+
+
+class Model:
+    """Weights and hyperparameters of a GGUF model (memory-mapped).
+
+    n_gpu_layers (llama.cpp's -ngl): 0 (default) runs the model's contexts on the CPU; "all" or
+    N >= n_layer on the GPU (CUDA backend; RuntimeError with the reason when it cannot be used);
+    "auto" (or -1) on the GPU when CUDA can be used, else the CPU. Partial offload
+    (0 < N < n_layer) is not supported yet (ValueError). The weights stay memory-mapped on the
+    host; the GPU backend uploads them once per context, on first use. `backend` is the result:
+    "cpu" or "cuda".
+    """
+
+    def __init__(self, path: Optional[str] = None, n_threads: Optional[int] = None,
+                 n_gpu_layers: GpuLayers = 0):
         self.path = path if path is not None else default_model_path()
         self.n_threads = int(n_threads) if n_threads else _default_threads()
         if self.n_threads < 1:
             raise ValueError("n_threads must be at least 1")
         self._model = _core.Model(self.path)
         m = self._model
+        self.n_gpu_layers = n_gpu_layers
+        self.backend: str = resolve_gpu_layers(n_gpu_layers, m.n_layer)
         self.arch: str = m.arch
         self.n_vocab: int = m.n_vocab
         self.n_embd: int = m.n_embd
@@ -62,7 +139,8 @@ class Model:
         return _core.GgufFile(self.path).metadata
 
     def __repr__(self) -> str:
-        return f"Model({self.path!r}, arch={self.arch}, n_layer={self.n_layer}, n_embd={self.n_embd})"
+        return (f"Model({self.path!r}, arch={self.arch}, n_layer={self.n_layer}, "
+                f"n_embd={self.n_embd}, backend={self.backend})")
 
 
 @dataclass
@@ -86,14 +164,18 @@ class Context:
 
     Each sequence holds up to n_ctx // n_seq_max positions. kv_dtype: "f16" (default, as
     llama.cpp) or "f32" for the KV cache. check_plans verifies every allocation plan and poisons
-    the compute arena (for tests).
+    the compute arena (for tests). backend: "cpu", "cuda" or "cuda:N"; None (default) is the
+    model's (Model(n_gpu_layers=...)). On the GPU the KV cache and the compute buffers are device
+    memory and the weights are uploaded once, on first use.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_seq_max: int = 1, n_batch: int = 512,
-                 check_plans: bool = False, kv_dtype: str = "f16"):
+                 check_plans: bool = False, kv_dtype: str = "f16", backend: Optional[str] = None):
         self.model = model
+        self.backend = str(backend) if backend is not None else getattr(model, "backend", "cpu")
         self._ctx = _core.Context(model._model, int(n_ctx), int(n_seq_max), int(n_batch),
-                                  bool(check_plans), model.n_threads, str(kv_dtype))
+                                  bool(check_plans), model.n_threads, str(kv_dtype),
+                                  self.backend)
         self.n_ctx = self._ctx.n_ctx
         self.n_seq_max = self._ctx.n_seq_max
         self.n_batch = self._ctx.n_batch

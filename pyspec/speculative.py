@@ -50,7 +50,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import numpy as np
 
 from . import _core
-from .model import Context, Model
+from .model import Context, Model, resolve_gpu_layers
 from .sampling import Sampler, SamplingParams
 
 _spec = _core.spec
@@ -128,11 +128,35 @@ def detect_spec_type(draft: "_core.DraftModel") -> str:
     return "draft-dspark" if draft.is_dspark else "draft-dflash"
 
 
+def drafter_backend(n_gpu_layers, draft: "_core.DraftModel", target_backend: str) -> str:
+    """The drafter's backend for llama.cpp's -ngld value: None follows the target's backend
+    (`target_backend`, "cpu" or "cuda"); otherwise as pyspec.model.resolve_gpu_layers over the
+    drafter's layers."""
+    if n_gpu_layers is None:
+        return target_backend
+    return resolve_gpu_layers(n_gpu_layers, int(draft.n_layer), what="n_gpu_layers_draft")
+
+
+def engine_backend(target_backend: str, draft_backend: Optional[str]) -> str:
+    """The one backend a multi-request SpecEngine runs its target and drafter contexts on: the
+    two must agree (a split, e.g. the drafter on the CPU under a GPU target, is not supported by
+    the engine yet: ValueError)."""
+    if draft_backend is not None and draft_backend != target_backend:
+        raise ValueError(f"the target runs on {target_backend} but the drafter on {draft_backend}: "
+                         "the multi-request engine needs both on one backend (set -ngl and -ngld "
+                         "alike)")
+    return target_backend
+
+
 class Drafter:
-    """A block drafter loaded against a target, with its one-sequence draft context."""
+    """A block drafter loaded against a target, with its one-sequence draft context.
+
+    n_gpu_layers (llama.cpp's -ngld): None follows the target's backend; otherwise as
+    Model(n_gpu_layers=...) over the drafter's layers. `backend` is the result.
+    """
 
     def __init__(self, path: str, target: Model, spec_type: Optional[str] = None,
-                 n_batch: int = 2048, kv_dtype: str = "f16"):
+                 n_batch: int = 2048, kv_dtype: str = "f16", n_gpu_layers=None):
         try:
             self.model = _core.DraftModel(str(path), target._model)
         except (ValueError, RuntimeError) as exc:
@@ -148,7 +172,9 @@ class Drafter:
         self.spec_type = kind
         self.path = str(path)
         window = min(int(self.model.n_ctx_train), int(n_batch))
-        self.context = _core.DraftContext(self.model, 1, window, target.n_threads, kv_dtype)
+        self.backend = drafter_backend(n_gpu_layers, self.model, getattr(target, "backend", "cpu"))
+        self.context = _core.DraftContext(self.model, 1, window, target.n_threads, kv_dtype,
+                                          backend=self.backend)
 
     @property
     def n_draft_max(self) -> int:

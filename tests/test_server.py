@@ -225,3 +225,62 @@ def test_metrics_move_by_the_requests(tiny):
     per_pos = sum(v for k, v in after.items()
                   if k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total"))
     assert per_pos == after["llamacpp:spec_decode_num_accepted_tokens_total"]
+
+
+# --- prompt cache (cache_prompt) --------------------------------------------------------------
+
+def test_chat_turns_reuse_the_slot_cache(smol):
+    """The second turn's prompt extends the first exchange: it lands in the slot holding it
+    (longest cached prefix), decodes only the new part (timings.cache_n > 0, prompt_n = the
+    rest, usage cached_tokens), and answers exactly as without the cache; /metrics count the
+    reused tokens in prompt_tokens_cached_total and the decoded ones in prompt_tokens_total."""
+    def chat(messages, **kw):
+        r = smol.post("/v1/chat/completions", dict({"messages": messages, "max_tokens": 12,
+                                                    "temperature": 0}, **kw))
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    turn1 = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    first = chat(turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And two more?"}]
+    before = metrics(smol)
+    second = chat(turn2)
+    after = metrics(smol)
+    t = second["timings"]
+    assert t["cache_n"] >= first["usage"]["prompt_tokens"] - 1 > 0
+    assert t["prompt_n"] == second["usage"]["prompt_tokens"] - t["cache_n"] > 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == t["cache_n"]
+    assert (after["llamacpp:prompt_tokens_cached_total"]
+            - before["llamacpp:prompt_tokens_cached_total"]) == t["cache_n"]
+    assert (after["llamacpp:prompt_tokens_total"]
+            - before["llamacpp:prompt_tokens_total"]) == t["prompt_n"]
+    slot = [s for s in smol.get("/slots").json() if s.get("id_task") is not None
+            and s["n_prompt_tokens"] == second["usage"]["prompt_tokens"]]
+    assert slot and slot[0]["n_prompt_tokens_cache"] == t["cache_n"]
+    # Without the cache: the same answer, every prompt token decoded, nothing counted as cached.
+    before = after
+    uncached = chat(turn2, cache_prompt=False)
+    after = metrics(smol)
+    assert uncached["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    assert uncached["timings"]["cache_n"] == 0
+    assert uncached["timings"]["prompt_n"] == second["usage"]["prompt_tokens"]
+    assert (after["llamacpp:prompt_tokens_cached_total"]
+            == before["llamacpp:prompt_tokens_cached_total"])
+    # ... and the slot it ran in kept nothing: the same request again reuses nothing there, or
+    # goes to the other slot, whose cache (the first exchange) covers part of it.
+    again = chat(turn2)
+    assert again["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+def test_completion_reuses_the_whole_prompt(tiny):
+    """/completion twice with one prompt (pinned slot): all but the last prompt token come from
+    the cache the first request left, and the output is the same."""
+    prompt = [40, 41, 42, 43, 44, 45, 46, 47]
+    a = complete(tiny, prompt, n=10, id_slot=5)
+    b = complete(tiny, prompt, n=10, id_slot=5)
+    assert b["timings"]["cache_n"] == len(prompt) - 1 and b["timings"]["prompt_n"] == 1
+    assert b["content"] == a["content"]
+    assert b["tokens_cached"] == len(prompt) + b["tokens_predicted"] - 1
+    c = complete(tiny, prompt, n=10, id_slot=5, cache_prompt=False)
+    assert c["timings"]["cache_n"] == 0 and c["content"] == a["content"]

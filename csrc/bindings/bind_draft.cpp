@@ -144,8 +144,9 @@ void bind_draft(py::module_& m) {
 
     py::class_<DraftContext>(m, "DraftContext")
         .def(py::init([](std::shared_ptr<DraftModel> model, int64_t n_seq_max, int64_t n_batch, int n_threads,
-                         const std::string& kv_dtype, bool check_plans, int64_t n_candidates) {
+                         const std::string& kv_dtype, bool check_plans, int64_t n_candidates, const std::string& backend) {
                  DraftContextParams p;
+                 p.backend = parse_backend(backend);
                  p.kv_dtype = parse_kv_cache_type(kv_dtype);
                  p.n_seq_max = n_seq_max;
                  p.n_batch = n_batch;
@@ -156,7 +157,7 @@ void bind_draft(py::module_& m) {
              }),
              py::arg("draft_model"), py::arg("n_seq_max"), py::arg("n_batch"), py::arg("n_threads"),
              py::arg("kv_dtype") = "f16", py::arg("check_plans") = false,
-             py::arg("n_candidates") = 8, py::keep_alive<1, 2>())
+             py::arg("n_candidates") = 8, py::arg("backend") = "cpu", py::keep_alive<1, 2>())
         .def("inject", &inject, py::arg("seq"), py::arg("positions"), py::arg("features"))
         .def("draft_logits", &draft_logits, py::arg("seq"), py::arg("id_last"), py::arg("pos0"), py::arg("n_block"),
              py::arg("temperature") = 0.0f, py::arg("seed") = 0, py::arg("offset") = -1,
@@ -181,6 +182,7 @@ void bind_draft(py::module_& m) {
         .def_property_readonly("window", &DraftContext::window)
         .def_property_readonly("kv_cache_bytes", &DraftContext::kv_bytes)
         .def_property_readonly("compute_buffer_bytes", &DraftContext::compute_buffer_bytes)
+        .def_property_readonly("backend", [](const DraftContext& c) { return std::string(c.backend_name()); })
         .def_property_readonly("n_candidates", [](const DraftContext& c) { return c.params().n_candidates; })
         .def_property_readonly("plans_built", [](const DraftContext& c) { return c.planner().plans_built(); })
         .def_property_readonly("cache_hits", [](const DraftContext& c) { return c.planner().cache_hits(); });

@@ -69,8 +69,9 @@ void bind_runtime(py::module_& m) {
 
     py::class_<Context>(m, "Context")
         .def(py::init([](std::shared_ptr<Model> model, int64_t n_ctx, int64_t n_seq_max, int64_t n_batch,
-                         bool check_plans, int n_threads, const std::string& kv_dtype) {
+                         bool check_plans, int n_threads, const std::string& kv_dtype, const std::string& backend) {
                  ContextParams p;
+                 p.backend = parse_backend(backend);
                  p.kv_dtype = parse_kv_cache_type(kv_dtype);
                  p.n_ctx = n_ctx;
                  p.n_seq_max = n_seq_max;
@@ -80,7 +81,8 @@ void bind_runtime(py::module_& m) {
                  return std::make_unique<Context>(*model, p);
              }),
              py::arg("model"), py::arg("n_ctx"), py::arg("n_seq_max"), py::arg("n_batch"),
-             py::arg("check_plans"), py::arg("n_threads"), py::arg("kv_dtype") = "f16", py::keep_alive<1, 2>())
+             py::arg("check_plans"), py::arg("n_threads"), py::arg("kv_dtype") = "f16", py::arg("backend") = "cpu", py::keep_alive<1, 2>(),
+             "backend: \"cpu\", \"cuda\" or \"cuda:N\" (a RuntimeError with the reason when CUDA cannot be used)")
         .def("decode", &decode, py::arg("tokens"), py::arg("positions"), py::arg("seq_ids"), py::arg("output"),
              py::arg("layer_ids"))
         .def("kv_remove", [](Context& c, int32_t seq, int64_t p0, int64_t p1) { c.kv().remove(seq, p0, p1); })
@@ -94,6 +96,7 @@ void bind_runtime(py::module_& m) {
         .def_property_readonly("n_batch", [](Context& c) { return c.params().n_batch; })
         .def_property_readonly("n_ctx_seq", &Context::n_ctx_seq)
         .def_property_readonly("compute_buffer_bytes", &Context::compute_buffer_bytes)
+        .def_property_readonly("backend", [](Context& c) { return std::string(c.backend_name()); })
         .def_property_readonly("kv_cache_bytes", [](Context& c) { return c.kv().bytes(); })
         .def("set_profiling", &Context::set_profiling)
         .def("op_profile", &Context::op_profile)

@@ -30,6 +30,7 @@ py::dict stats_dict(const RequestStats& s) {
     d["drafted_at"] = s.drafted_at;
     d["accepted_at"] = s.accepted_at;
     d["mean_accepted_length"] = s.mean_accepted_length();
+    d["n_cached"] = s.n_cached;
     d["n_restaged"] = s.n_restaged;
     d["draft_stopped"] = s.draft_stopped;
     d["draft_stop_reason"] = s.draft_stop_reason;
@@ -44,8 +45,9 @@ void bind_spec_engine(py::module_& m) {
                            "drafter slots (DraftStateRegistry), verification and rollback per request.")
         .def(py::init([](std::shared_ptr<Model> target, std::shared_ptr<DraftModel> drafter, int64_t n_ctx,
                          int64_t n_seq_max, int64_t n_draft_slots, int64_t n_batch, int64_t draft_n_batch,
-                         int n_threads, int64_t draft_n_max, int64_t prefill_chunk, const std::string& kv_dtype) {
+                         int n_threads, int64_t draft_n_max, int64_t prefill_chunk, const std::string& kv_dtype, const std::string& backend) {
                  SpecEngineParams p;
+                 p.backend = parse_backend(backend);
                  p.kv_dtype = parse_kv_cache_type(kv_dtype);
                  p.n_ctx = n_ctx;
                  p.n_seq_max = n_seq_max;
@@ -60,14 +62,14 @@ void bind_spec_engine(py::module_& m) {
              py::arg("target_model"), py::arg("draft_model"), py::arg("n_ctx"), py::arg("n_seq_max"),
              py::arg("n_draft_slots") = 1, py::arg("n_batch") = 512, py::arg("draft_n_batch") = 512,
              py::arg("n_threads") = 1, py::arg("draft_n_max") = -1, py::arg("prefill_chunk") = 256,
-             py::arg("kv_dtype") = "f16", py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+             py::arg("kv_dtype") = "f16", py::arg("backend") = "cpu", py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def(
             "add_request",
             [](SpecEngine& e, uint64_t id, const std::vector<int32_t>& prompt, int64_t max_tokens, double temperature,
                int64_t top_k, double top_p, double min_p, uint64_t seed, const std::string& verify, const std::vector<int32_t>& stop_ids, double draft_p_min,
                int64_t draft_n_min, const std::string& draft_p_min_mode, const std::vector<std::pair<int32_t, float>>& logit_bias,
                int64_t repeat_last_n, float repeat_penalty, float presence_penalty, float frequency_penalty, int64_t n_probs,
-               int32_t seq, bool draft) {
+               int32_t seq, bool draft, bool keep_cache, bool reuse_cache) {
                 RequestParams p;
                 p.processing.logit_bias = logit_bias;
                 p.processing.repeat_last_n = repeat_last_n;
@@ -77,6 +79,8 @@ void bind_spec_engine(py::module_& m) {
                 p.n_probs = n_probs;
                 p.seq = seq;
                 p.draft = draft;
+                p.keep_cache = keep_cache;
+                p.reuse_cache = reuse_cache;
                 p.draft_p_min = draft_p_min;
                 p.draft_n_min = draft_n_min;
                 p.draft_p_min_mode = p_min_mode_of(draft_p_min_mode);
@@ -95,10 +99,13 @@ void bind_spec_engine(py::module_& m) {
             py::arg("draft_p_min") = 0.0, py::arg("draft_n_min") = 0, py::arg("draft_p_min_mode") = "first",
             py::arg("logit_bias") = std::vector<std::pair<int32_t, float>>(), py::arg("repeat_last_n") = 64,
             py::arg("repeat_penalty") = 1.0f, py::arg("presence_penalty") = 0.0f, py::arg("frequency_penalty") = 0.0f,
-            py::arg("n_probs") = 0, py::arg("seq") = -1, py::arg("draft") = true,
+            py::arg("n_probs") = 0, py::arg("seq") = -1, py::arg("draft") = true, py::arg("keep_cache") = false,
+            py::arg("reuse_cache") = false,
             "Adds a request. logit_bias: [(token id, bias)] (-inf bans); penalties as llama.cpp's (over the "
             "prompt and the output); n_probs > 0: step() reports top-n log-probabilities of each token; seq: the "
-            "target sequence (server slot) to use, -1 any; draft=False: never draft.")
+            "target sequence (server slot) to use, -1 any; draft=False: never draft; keep_cache: when the request "
+            "ends its sequence keeps its KV rows as a prompt cache; reuse_cache (with seq >= 0): reuse the rows of "
+            "the longest common prefix with what that sequence kept (stats n_cached).")
         .def("cancel", &SpecEngine::cancel, py::arg("request_id"))
         .def("pause", &SpecEngine::pause, py::arg("request_id"))
         .def("resume", &SpecEngine::resume, py::arg("request_id"))
@@ -145,6 +152,12 @@ void bind_spec_engine(py::module_& m) {
         .def_property_readonly("registry_size", [](const SpecEngine& e) { return e.registry().size(); })
         .def_property_readonly("registry_held", [](const SpecEngine& e) { return e.registry().n_held(); })
         .def("target_pos_max", &SpecEngine::target_pos_max, py::arg("seq"))
+        .def("cached_tokens", &SpecEngine::cached_tokens, py::arg("seq"),
+             "The tokens whose KV rows an idle target sequence kept (prompt cache); [] when busy or none.")
+        .def("cached_prefix", &SpecEngine::cached_prefix, py::arg("seq"), py::arg("tokens"),
+             "Length of the common prefix of `tokens` and cached_tokens(seq).")
+        .def("clear_cache", &SpecEngine::clear_cache, py::arg("seq") = -1,
+             "Drops the prompt cache of an idle target sequence (-1: every idle one); a busy one raises.")
         .def("draft_n_rows", [](const SpecEngine& e, int32_t slot) { return e.draft_context().n_rows(slot); })
         .def_property_readonly("draft_n_max", &SpecEngine::draft_n_max)
         .def_property_readonly("window", [](const SpecEngine& e) { return e.draft_context().window(); })

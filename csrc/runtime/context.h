@@ -14,6 +14,7 @@
 #include "core/planner.h"
 #include "model/decoder_graph.h"
 #include "cpu/cpu_backend.h"
+#include "runtime/backend_choice.h"
 #include "runtime/kv_cache.h"
 
 namespace pyspec {
@@ -42,6 +43,7 @@ struct ContextParams {
     int n_threads = 1;
     bool check_plans = false; // verify every allocation plan and poison the arena (tests)
     DType kv_dtype = DType::F16;
+    BackendChoice backend;    // CPU (default) or a CUDA device: weights, KV cache and compute there
 };
 
 class Context {
@@ -57,9 +59,11 @@ public:
     const ContextParams& params() const { return params_; }
     int64_t n_ctx_seq() const { return kv_->n_ctx_seq(); }
     size_t compute_buffer_bytes() const { return backend_->arena_bytes(); }
+    const char* backend_name() const { return backend_->name(); }
     const AllocationPlanner& planner() const { return planner_; }
 
-    // Per-op time profile (op name -> seconds, calls); profiling is off by default.
+    // Per-op time profile (op name -> seconds, calls); profiling is off by default. CPU backend
+    // only: on another backend set_profiling does nothing and the profile is empty.
     void set_profiling(bool on);
     std::vector<std::tuple<std::string, double, int64_t>> op_profile() const;
 

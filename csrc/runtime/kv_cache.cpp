@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 
 namespace pyspec {
 
@@ -9,7 +10,8 @@ KvCache::KvCache(Backend& backend, const Hparams& hp, int64_t n_seq_max, int64_t
     : n_seq_max_(n_seq_max), n_ctx_seq_(n_ctx_seq) {
     view_.dtype = dtype;
     view_.n_cells = n_seq_max * n_ctx_seq;
-    row_bytes_ = dtype_row_bytes(dtype, hp.head_dim * hp.n_head_kv);
+    row_elems_ = hp.head_dim * hp.n_head_kv;
+    row_bytes_ = dtype_row_bytes(dtype, row_elems_);
     const size_t matrix_bytes = row_bytes_ * static_cast<size_t>(view_.n_cells);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         view_.k.push_back(backend.alloc_persistent(matrix_bytes));
@@ -18,6 +20,18 @@ KvCache::KvCache(Backend& backend, const Hparams& hp, int64_t n_seq_max, int64_t
     }
     occ_.assign(static_cast<size_t>(n_seq_max), std::vector<uint8_t>(static_cast<size_t>(n_ctx_seq), 0));
     pos_max_.assign(static_cast<size_t>(n_seq_max), -1);
+}
+
+Tensor KvCache::matrix(int64_t il, bool v) const {
+    if (il < 0 || il >= n_layer()) throw std::out_of_range("kv cache: layer " + std::to_string(il) + " out of range");
+    Tensor t;
+    t.dtype = view_.dtype;
+    t.flags = kExternal;
+    t.ne = {row_elems_, view_.n_cells, 1, 1};
+    t.nb = contiguous_strides(view_.dtype, t.ne);  // nb[1] = row_bytes_
+    t.data = v ? view_.v[static_cast<size_t>(il)] : view_.k[static_cast<size_t>(il)];
+    t.name = std::string(v ? "cache_v" : "cache_k") + std::to_string(il);
+    return t;
 }
 
 void KvCache::occupy(int32_t seq, int32_t pos) {

@@ -21,6 +21,12 @@ public:
     int64_t n_ctx_seq() const { return n_ctx_seq_; }
     size_t bytes() const { return bytes_; }
     size_t row_bytes() const { return row_bytes_; }  // one cell of one layer's K (or V)
+    int64_t n_layer() const { return static_cast<int64_t>(view_.k.size()); }
+
+    // Layer il's K (v = false) or V matrix, [row elements, n_cells] rows of row_bytes, as an
+    // external tensor: the handle for Backend::read/write of its cells (host code never touches
+    // cache memory directly: on a GPU backend it is device memory).
+    Tensor matrix(int64_t il, bool v) const;
 
     int64_t cell(int32_t seq, int32_t pos) const { return static_cast<int64_t>(seq) * n_ctx_seq_ + pos; }
     bool occupied(int32_t seq, int32_t pos) const { return occ_[static_cast<size_t>(seq)][static_cast<size_t>(pos)] != 0; }
@@ -35,6 +41,7 @@ private:
     int64_t n_ctx_seq_;
     size_t bytes_ = 0;
     size_t row_bytes_ = 0;
+    int64_t row_elems_ = 0;
     KvCacheView view_;
     std::vector<std::vector<uint8_t>> occ_;
     std::vector<int64_t> pos_max_;

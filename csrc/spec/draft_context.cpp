@@ -59,9 +59,7 @@ DraftContext::DraftContext(const DraftModel& model, const DraftContextParams& pa
     // Keep half the window on a rebase (so rebases are rare), but always leave room for a block
     // and the rows a verification commits.
     keep_ = std::min(window_ / 2, window_ - 2 * hp.block_size);
-    auto cpu = std::make_unique<CpuBackend>(params_.n_threads);
-    cpu->set_poison(params_.check_plans);
-    backend_ = std::move(cpu);
+    backend_ = make_backend(params_.backend, params_.n_threads, params_.check_plans);
     kv_ = std::make_unique<KvCache>(*backend_, model_.cache_hparams(), params_.n_seq_max, window_, params_.kv_dtype);
     planner_.set_checking(params_.check_plans);
     pos_base_.assign(static_cast<size_t>(params_.n_seq_max), 0);
@@ -413,15 +411,22 @@ ParkedDraftState DraftContext::park(int32_t seq) const {
     for (int64_t p = 0; p < window_; ++p) {
         if (kv_->occupied(seq, static_cast<int32_t>(p))) st.positions.push_back(static_cast<int32_t>(p));
     }
-    // The draft context always runs on the CPU backend: the cache matrices are host memory.
+    // The cache may be device memory: each matrix's span of the sequence's cells from the first
+    // to the last occupied position is read through the backend in one copy, then the occupied
+    // rows are picked out.
     const size_t rb = kv_->row_bytes(), n = st.positions.size();
-    const KvCacheView& v = kv_->view();
-    st.cells.resize(v.k.size() * 2 * n * rb);
+    const int64_t n_layer = kv_->n_layer();
+    st.cells.resize(static_cast<size_t>(n_layer) * 2 * n * rb);
+    if (n == 0) return st;
+    const int32_t lo = st.positions.front(), hi = st.positions.back();
+    std::vector<uint8_t> span(static_cast<size_t>(hi - lo + 1) * rb);
+    const size_t span_offset = static_cast<size_t>(kv_->cell(seq, lo)) * rb;
     uint8_t* out = st.cells.data();
-    for (size_t il = 0; il < v.k.size(); ++il) {
-        for (const void* m : {static_cast<const void*>(v.k[il]), static_cast<const void*>(v.v[il])}) {
+    for (int64_t il = 0; il < n_layer; ++il) {
+        for (bool is_v : {false, true}) {
+            backend_->read(kv_->matrix(il, is_v), span.data(), span.size(), span_offset);
             for (int32_t p : st.positions) {
-                std::memcpy(out, static_cast<const uint8_t*>(m) + static_cast<size_t>(kv_->cell(seq, p)) * rb, rb);
+                std::memcpy(out, span.data() + static_cast<size_t>(p - lo) * rb, rb);
                 out += rb;
             }
         }
@@ -432,8 +437,8 @@ ParkedDraftState DraftContext::park(int32_t seq) const {
 void DraftContext::restore(int32_t seq, const ParkedDraftState& st) {
     check_seq(seq);
     const size_t rb = kv_->row_bytes(), n = st.positions.size();
-    const KvCacheView& v = kv_->view();
-    if (st.cells.size() != v.k.size() * 2 * n * rb || st.pos_base < 0) {
+    const int64_t n_layer = kv_->n_layer();
+    if (st.cells.size() != static_cast<size_t>(n_layer) * 2 * n * rb || st.pos_base < 0) {
         throw std::invalid_argument("restore: the parked drafter state does not fit this draft context");
     }
     for (size_t i = 0; i < n; ++i) {
@@ -442,12 +447,19 @@ void DraftContext::restore(int32_t seq, const ParkedDraftState& st) {
         }
     }
     kv_->clear(seq);
+    // Runs of consecutive positions are written through the backend in one copy each (the
+    // parked rows of a run are consecutive in st.cells too).
     const uint8_t* in = st.cells.data();
-    for (size_t il = 0; il < v.k.size(); ++il) {
-        for (void* m : {v.k[il], v.v[il]}) {
-            for (int32_t p : st.positions) {
-                std::memcpy(static_cast<uint8_t*>(m) + static_cast<size_t>(kv_->cell(seq, p)) * rb, in, rb);
-                in += rb;
+    for (int64_t il = 0; il < n_layer; ++il) {
+        for (bool is_v : {false, true}) {
+            const Tensor m = kv_->matrix(il, is_v);
+            size_t i = 0;
+            while (i < n) {
+                size_t j = i + 1;
+                while (j < n && st.positions[j] == st.positions[j - 1] + 1) ++j;
+                backend_->write(m, in, (j - i) * rb, static_cast<size_t>(kv_->cell(seq, st.positions[i])) * rb);
+                in += (j - i) * rb;
+                i = j;
             }
         }
     }

@@ -14,6 +14,7 @@
 #include "core/planner.h"
 #include "cpu/cpu_backend.h"
 #include "model/dflash.h"
+#include "runtime/backend_choice.h"
 #include "runtime/kv_cache.h"
 
 namespace pyspec {
@@ -25,6 +26,7 @@ struct DraftContextParams {
     DType kv_dtype = DType::F16;
     bool check_plans = false;  // verify allocation plans and poison the arena (tests)
     int64_t n_candidates = 8;  // top-k of each sampling chain; 1 <= n_candidates <= n_vocab
+    BackendChoice backend;     // CPU (default) or a CUDA device
 };
 
 // How the draft slots are drawn (design.md invariant 5, verification.md §4-§6). T = 0: the argmax
@@ -136,6 +138,7 @@ public:
     const DraftContextParams& params() const { return params_; }
     size_t kv_bytes() const { return kv_->bytes(); }
     size_t compute_buffer_bytes() const { return backend_->arena_bytes(); }
+    const char* backend_name() const { return backend_->name(); }
     const AllocationPlanner& planner() const { return planner_; }
 
 private:

@@ -17,6 +17,7 @@ ContextParams target_params(const SpecEngineParams& p) {
     c.n_batch = p.n_batch;
     c.n_threads = p.n_threads;
     c.kv_dtype = p.kv_dtype;
+    c.backend = p.backend;
     return c;
 }
 
@@ -27,6 +28,7 @@ DraftContextParams draft_params(const SpecEngineParams& p) {
     d.n_batch = p.draft_n_batch;
     d.n_threads = p.n_threads;
     d.kv_dtype = p.kv_dtype;
+    d.backend = p.backend;
     return d;
 }
 
@@ -51,6 +53,7 @@ SpecEngine::SpecEngine(const Model& target, const DraftModel* drafter, const Spe
     if (params_.prefill_chunk < 1) throw std::invalid_argument("prefill_chunk must be at least 1");
     ctx_ = std::make_unique<Context>(target_, target_params(params_));
     seq_used_.assign(static_cast<size_t>(params_.n_seq_max), 0);
+    cached_.assign(static_cast<size_t>(params_.n_seq_max), {});
     n_embd_ = target_.hparams().n_embd;
     n_vocab_ = target_.hparams().n_vocab;
     if (!drafter_) return;
@@ -133,19 +136,72 @@ void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, co
     r.seq = static_cast<int32_t>(free_seq - seq_used_.begin());
     r.drafting = drafter_ != nullptr && params.draft;
     r.history = prompt;
-    if (prompt.size() == 1) {
+    // Prompt cache: keep the rows of the common prefix with what a pinned sequence recorded, but
+    // never the last prompt token's (the first verify row decodes it and gives the first logits).
+    std::vector<int32_t>& cached = cached_[static_cast<size_t>(r.seq)];
+    int64_t n_keep = 0;
+    if (params.reuse_cache && params.seq >= 0) {
+        n_keep = std::min(cached_prefix(r.seq, prompt), static_cast<int64_t>(prompt.size()) - 1);
+    }
+    if (n_keep > 0) {
+        ctx_->kv().remove(r.seq, n_keep, -1);
+    } else {
+        ctx_->kv().clear(r.seq);
+    }
+    cached.clear();
+    r.n_prefilled = n_keep;
+    r.stats.n_cached = n_keep;
+    if (n_keep == static_cast<int64_t>(prompt.size()) - 1) {  // nothing left to prefill
         r.generating = true;
         r.needs_draft = r.drafting;
-        r.id_last = prompt[0];
-        r.pos0 = 0;
+        r.id_last = prompt.back();
+        r.pos0 = n_keep;
     }
     *free_seq = 1;
-    ctx_->kv().clear(r.seq);
     requests_.emplace(id, std::move(r));
 }
 
+const std::vector<int32_t>& SpecEngine::cached_tokens(int32_t seq) const {
+    if (seq < 0 || seq >= params_.n_seq_max) throw std::invalid_argument("target sequence " + std::to_string(seq) + " out of range");
+    return cached_[static_cast<size_t>(seq)];
+}
+
+int64_t SpecEngine::cached_prefix(int32_t seq, const std::vector<int32_t>& tokens) const {
+    const std::vector<int32_t>& c = cached_tokens(seq);
+    const size_t n = std::min(c.size(), tokens.size());
+    size_t p = 0;
+    while (p < n && c[p] == tokens[p]) ++p;
+    return static_cast<int64_t>(p);
+}
+
+void SpecEngine::clear_cache(int32_t seq) {
+    if (seq >= params_.n_seq_max) throw std::invalid_argument("target sequence " + std::to_string(seq) + " out of range");
+    if (seq >= 0 && seq_used_[static_cast<size_t>(seq)]) {
+        throw std::invalid_argument("target sequence " + std::to_string(seq) + " is busy");
+    }
+    for (int32_t s = 0; s < params_.n_seq_max; ++s) {
+        if ((seq < 0 || s == seq) && !seq_used_[static_cast<size_t>(s)]) {
+            ctx_->kv().clear(s);
+            cached_[static_cast<size_t>(s)].clear();
+        }
+    }
+}
+
 void SpecEngine::release(Request& r) {
-    ctx_->kv().clear(r.seq);
+    std::vector<int32_t>& cached = cached_[static_cast<size_t>(r.seq)];
+    cached.clear();
+    if (r.params.keep_cache) {
+        // The sequence holds rows 0..n-1: the prefilled prompt rows, or once generating every
+        // committed token before id_last (whose row the next round would decode). history is
+        // prompt + emitted tokens, so a prefix of the tokens at those positions -- except that a
+        // stop id or max_tokens may cut it inside the last round; rows past it go.
+        const int64_t n_rows = r.generating ? r.pos0 : r.n_prefilled;
+        const int64_t n = std::min<int64_t>(n_rows, static_cast<int64_t>(r.history.size()));
+        ctx_->kv().remove(r.seq, n, -1);
+        cached.assign(r.history.begin(), r.history.begin() + n);
+    } else {
+        ctx_->kv().clear(r.seq);
+    }
     seq_used_[static_cast<size_t>(r.seq)] = 0;
     if (!registry_) return;
     const int32_t slot = registry_->release(r.id);

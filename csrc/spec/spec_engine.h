@@ -25,6 +25,16 @@
 // run every step. A slot thus changes hands only when its holder is
 // paused or leaves, and a request's sequence of rounds is the same whoever shares its steps.
 //
+// Prompt cache (llama-server's cache_prompt): a request with keep_cache leaves its target
+// sequence's KV rows in place when it ends and the engine records the tokens they hold -- prompt
+// and committed output, positions 0..n-1 (the last emitted token has no row yet). The next
+// request pinned to that sequence with reuse_cache keeps the rows of the longest common prefix of
+// its prompt and those tokens, but never the last prompt token's (the first verify row decodes
+// it), removes the rest and prefills from there. Kept rows equal recomputed ones bit for bit
+// (batch invariance), so the output is what a fresh request gives. The drafter keeps nothing
+// (the drafter slot is cleared when a request ends): the reusing request's drafter context
+// starts with the rows it decodes itself, which only weakens its first drafts.
+//
 // Drafter failures (a drafter pass or a rebase that throws) stop drafting for the request that
 // failed -- found by drafting the others again one by one -- with one log line and a flag in its
 // stats; its slot is cleared (a rebase rotates K in place, so a half-done one leaves nothing worth
@@ -59,6 +69,7 @@ struct SpecEngineParams {
     int64_t draft_n_max = -1;    // drafts per round; < 0: the drafter's block allows
     int64_t prefill_chunk = 256; // prompt rows a request adds to one step
     DType kv_dtype = DType::F16;
+    BackendChoice backend;       // target and drafter contexts: CPU (default) or a CUDA device
 };
 
 struct RequestParams {
@@ -85,6 +96,13 @@ struct RequestParams {
     int64_t n_probs = 0;   // > 0: StepOutput::probs carries the top-n log-probabilities per token
     int32_t seq = -1;      // the target sequence to run in (a server slot); < 0: any free one
     bool draft = true;     // false: this request never drafts (plain decoding in the same step)
+    // Prompt cache (llama-server's cache_prompt). keep_cache: when the request ends (finished or
+    // cancelled) its target sequence keeps its KV rows and records the tokens they hold, instead
+    // of being cleared. reuse_cache: with a pinned seq, the rows of the longest common prefix of
+    // the prompt and the tokens that sequence recorded are kept (all but the last prompt token at
+    // most) and prefill starts after them; stats.n_cached reports how many.
+    bool keep_cache = false;
+    bool reuse_cache = false;
 };
 
 struct RequestStats {
@@ -93,6 +111,7 @@ struct RequestStats {
     int64_t draft_n_accepted = 0;  // drafted tokens kept
     std::vector<int64_t> drafted_at;   // rounds that drafted block position i
     std::vector<int64_t> accepted_at;  // rounds that accepted block position i
+    int64_t n_cached = 0;          // prompt rows reused from the sequence's kept cache
     int64_t n_restaged = 0;        // times the drafter context was restored after a reclaim
     bool draft_stopped = false;    // drafting failed once and stopped; the request goes on plainly
     std::string draft_stop_reason;
@@ -123,7 +142,8 @@ public:
     // Throws std::invalid_argument on a duplicate id, an empty or too long prompt, a bad token,
     // bad sampling parameters, or when every target sequence is taken.
     void add_request(uint64_t id, const std::vector<int32_t>& prompt, const RequestParams& params);
-    // Drops a request and frees its target sequence and drafter slot; unknown ids: false.
+    // Drops a request and frees its target sequence (kept as a prompt cache with keep_cache) and
+    // drafter slot; unknown ids: false.
     bool cancel(uint64_t id);
     // A paused request sits out steps but keeps its target sequence and (until reclaimed) its
     // drafter slot. Unknown ids throw std::invalid_argument.
@@ -140,6 +160,13 @@ public:
     const std::vector<int32_t>& pending_drafts(uint64_t id) const;
     int32_t target_seq(uint64_t id) const;
     int64_t target_pos_max(int32_t seq);  // -1: the target sequence is empty
+    // Prompt cache: the tokens whose KV rows (positions 0..n-1) an idle target sequence kept
+    // (empty for a busy sequence or one that kept nothing); the length of the common prefix of
+    // those and `tokens`; and dropping what idle sequences kept (seq < 0: every idle one; a busy
+    // sequence throws std::invalid_argument).
+    const std::vector<int32_t>& cached_tokens(int32_t seq) const;
+    int64_t cached_prefix(int32_t seq, const std::vector<int32_t>& tokens) const;
+    void clear_cache(int32_t seq);
     int64_t draft_n_max() const { return draft_n_max_; }
     int64_t steps() const { return step_; }
 
@@ -203,6 +230,9 @@ private:
     std::unique_ptr<DraftStateRegistry> registry_;
     std::map<uint64_t, Request> requests_;
     std::vector<uint8_t> seq_used_;
+    // Per target sequence: the tokens at positions 0..n-1 of the KV rows it kept after its last
+    // request ended with keep_cache (empty while a request runs in it, or when it kept nothing).
+    std::vector<std::vector<int32_t>> cached_;
     std::vector<int> layers_;
     int64_t n_embd_ = 0;
     int64_t n_vocab_ = 0;

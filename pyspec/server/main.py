@@ -46,14 +46,17 @@ class Loaded:
         from .. import _core
         from ..chat import ChatTemplate
         from ..model import Model
-        from ..speculative import detect_spec_type
+        from ..speculative import detect_spec_type, drafter_backend, engine_backend
         from ..tokenizer import Tokenizer
         from .params import generation_settings
         from .scheduler import Scheduler, SchedulerConfig
 
         self.model_path, draft_path = resolve_paths(cfg)
         n_threads = cfg.threads if cfg.threads > 0 else None
-        self.model = Model(self.model_path, n_threads=n_threads)
+        # -ngl: not given = the CPU; "auto" = the GPU when CUDA can be used (a log line says
+        # which); "all" / N >= n_layer = the GPU or an error with the reason; partial offload is
+        # refused (pyspec.model.resolve_gpu_layers).
+        self.model = Model(self.model_path, n_threads=n_threads, n_gpu_layers=cfg.n_gpu_layers)
         m = self.model
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
         n_slots, n_ctx_slot, unified = cfg.slot_layout(m.n_ctx_train)
@@ -71,6 +74,10 @@ class Loaded:
                 raise ValueError(f"--spec-type {cfg.spec_type} does not match the draft model "
                                  f"'{draft_path}', which is a {self.spec_type} drafter")
         self.draft_path = draft_path
+        # -ngld (not given: as the target); the engine runs both on one backend.
+        self.draft_backend = (drafter_backend(cfg.n_gpu_layers_draft, self.drafter, m.backend)
+                              if self.drafter is not None else None)
+        self.backend = engine_backend(m.backend, self.draft_backend)
         source = cfg.chat_template_file and open(cfg.chat_template_file, encoding="utf-8").read()
         self.chat_template = ChatTemplate.from_tokenizer(
             self.tokenizer, override=source or cfg.chat_template or None)
@@ -78,7 +85,7 @@ class Loaded:
             n_slots=n_slots, n_ctx_slot=n_ctx_slot, n_batch=min(cfg.batch_size, cfg.ubatch_size),
             n_threads=m.n_threads, kv_type=cfg.cache_type_k,
             draft_n_max=cfg.spec_draft_n_max, draft_n_min=cfg.spec_draft_n_min,
-            draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify)
+            draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify, backend=self.backend)
         eog = sorted(self.tokenizer.eog_ids)
         types = [self.spec_type] if self.spec_type else []
         self.scheduler = Scheduler(
@@ -97,12 +104,16 @@ class Loaded:
                      self.spec_type, int(self.drafter.block_size), self.scheduler.draft_n_max)
         else:
             log.info("speculative decoding: off (no drafter; -md FILE turns it on)")
+        log.info("backend: %s", "CUDA (all layers on the GPU; weights uploaded on first use)"
+                 if self.backend == "cuda" else "CPU")
         kv = eng.kv_cache_bytes
         log.info("slots: %d x %d tokens%s", self.n_slots, self.n_ctx_slot,
                  " (unified: each slot may use the whole context; KV pages are committed as "
                  "they are written)" if self.unified else "")
-        parts = [f"weights {_mib(self.file_bytes)} (memory-mapped)",
-                 f"target KV cache {_mib(kv)} reserved"]
+        on_gpu = self.backend == "cuda"
+        parts = [f"weights {_mib(self.file_bytes)} (memory-mapped"
+                 + ("; a copy on the GPU)" if on_gpu else ")"),
+                 f"target KV cache {_mib(kv)} reserved" + (" on the GPU" if on_gpu else "")]
         if self.drafter is not None:
             parts.append(f"drafter weights {_mib(self.draft_file_bytes)}")
             parts.append(f"drafter KV cache {_mib(eng.draft_kv_cache_bytes)}")

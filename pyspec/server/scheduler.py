@@ -6,6 +6,14 @@ own, so a request never waits for drafter state. Requests wait in a FIFO queue w
 next step (continuous batching), and its prompt is decoded in chunks of the batch size
 interleaved with the other slots' rounds of generation, all in one target decode per step.
 
+Prompt cache (llama-server's cache_prompt, default on): a slot keeps its KV rows when its request
+ends, and the next request in that slot decodes only what follows the longest common prefix of
+its prompt and the slot's cached tokens (the engine's keep_cache / reuse_cache; the last prompt
+token is always decoded). A request without id_slot goes, as in llama-server, to the idle slot
+whose cached tokens cover the largest fraction of its prompt when that fraction exceeds the slot
+prompt similarity (-sps, 0.1), else to the least recently used idle slot. cache_prompt false:
+nothing is reused and the slot keeps nothing.
+
 Threads: the HTTP layer calls `submit` from its event loop and iterates the returned handle
 asynchronously; only this thread touches the engine, and `SpecEngine.step` releases the GIL, so
 the event loop keeps serving while a step runs. Results cross back with
@@ -48,6 +56,8 @@ class SchedulerConfig:
     draft_n_min: int = 0
     draft_p_min: float = 0.0
     verify: Optional[str] = None    # rejection (None) or block at T > 0; T = 0 is greedy matching
+    slot_prompt_similarity: float = 0.1  # llama-server's -sps: reuse a slot above this overlap
+    backend: str = "cpu"            # target and drafter contexts: "cpu" or "cuda" (-ngl / -ngld)
 
 
 class RequestHandle:
@@ -90,6 +100,7 @@ class _Slot:
         self.id = sid
         self.task: Optional["_Task"] = None
         self.last: Optional["_Task"] = None  # the latest task, for /slots after it ends
+        self.t_last_used = -1                # when its latest task ended (LRU choice)
 
 
 class _Task:
@@ -106,6 +117,7 @@ class _Task:
         self.text: List[str] = []
         self.probs: List[TokenProb] = []
         self.n_prompt_done = 0
+        self.n_cached = 0     # prompt tokens reused from the slot's cache
         self.t_start = time.perf_counter()
         self.t_prompt = None  # when the prompt was done (the first token came)
         self.t_last = self.t_start
@@ -128,13 +140,14 @@ class Scheduler:
             n_draft_slots=self.n_slots, n_batch=int(config.n_batch),
             draft_n_batch=max(int(config.n_batch), 64), n_threads=int(config.n_threads),
             draft_n_max=int(config.draft_n_max), prefill_chunk=int(config.n_batch),
-            kv_dtype=config.kv_type)
+            kv_dtype=config.kv_type, backend=config.backend)
         self.draft_n_max = int(self.engine.draft_n_max)
         self._eog = sorted(int(t) for t in tokenizer.eog_ids)
         self._slots = [_Slot(i) for i in range(self.n_slots)]
         self._queue: Deque[RequestHandle] = collections.deque()
         self._tasks: Dict[int, _Task] = {}
         self._ids = itertools.count(1)
+        self._uses = itertools.count(0)  # release order of the slots (LRU)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._running = False
@@ -200,7 +213,7 @@ class Scheduler:
         n_dec = m.get("n_decode_total", 0)
         return {
             "prompt_tokens_total": m.get("prompt_tokens_total", 0),
-            "prompt_tokens_cached_total": 0,  # no prompt cache reuse yet: every token is decoded
+            "prompt_tokens_cached_total": m.get("prompt_tokens_cached_total", 0),
             "prompt_seconds_total": m.get("prompt_seconds_total", 0.0),
             "tokens_predicted_total": m.get("tokens_predicted_total", 0),
             "tokens_predicted_seconds_total": m.get("tokens_predicted_seconds_total", 0.0),
@@ -243,6 +256,8 @@ class Scheduler:
                     for task in list(self._tasks.values()):
                         self._fail(task, ServerError(f"engine step failed: {exc}", "server_error",
                                                      500))
+                    # Whatever the broken step left in the caches is not trusted for reuse.
+                    self.engine.clear_cache()
                 continue
             with self._lock:
                 self._m["n_decode_total"] += 1
@@ -278,7 +293,7 @@ class Scheduler:
         waiting: Deque[RequestHandle] = collections.deque()
         while self._queue:
             h = self._queue.popleft()
-            slot = self._free_slot(h.request.id_slot)
+            slot = self._free_slot(h.request.id_slot, h.request.prompt_ids)
             if slot is None:
                 waiting.append(h)
                 continue
@@ -290,12 +305,27 @@ class Scheduler:
                 h._put(ServerError(str(err)))
         self._queue = waiting
 
-    def _free_slot(self, want: int) -> Optional[_Slot]:
+    def _free_slot(self, want: int, prompt: List[int]) -> Optional[_Slot]:
+        """The pinned slot when idle; else llama-server's choice (get_available_slot): the idle
+        slot whose cached tokens share the largest fraction of the prompt, when that fraction
+        exceeds slot_prompt_similarity, else the least recently used idle slot (ties: the
+        smallest id)."""
         if want >= 0:
             s = self._slots[want]
             return s if s.task is None else None
         idle = [s for s in self._slots if s.task is None]
-        return idle[0] if idle else None
+        if not idle:
+            return None
+        sps = float(self.config.slot_prompt_similarity)
+        if sps > 0.0 and prompt:
+            best, best_sim = None, 0.0
+            for s in idle:
+                sim = self.engine.cached_prefix(s.id, prompt) / len(prompt)
+                if sim > best_sim and sim > sps:
+                    best, best_sim = s, sim
+            if best is not None:
+                return best
+        return min(idle, key=lambda s: (s.t_last_used, s.id))
 
     def _start(self, h: RequestHandle, slot: _Slot) -> None:
         req = h.request
@@ -326,7 +356,9 @@ class Scheduler:
             presence_penalty=float(req.presence_penalty),
             frequency_penalty=float(req.frequency_penalty),
             n_probs=max(0, int(req.n_probs)), seq=slot.id,
-            draft=bool(req.speculative) and self.speculative)
+            draft=bool(req.speculative) and self.speculative,
+            keep_cache=bool(req.cache_prompt), reuse_cache=bool(req.cache_prompt))
+        task.n_cached = int(self.engine.stats(h.id)["n_cached"])
         h.id_slot = slot.id
         slot.task = slot.last = task
         self._tasks[h.id] = task
@@ -340,7 +372,7 @@ class Scheduler:
             if task.t_prompt is None:
                 task.t_prompt = now
                 # The last prompt token is decoded with the first verify row.
-                task.n_prompt_done = len(task.req.prompt_ids)
+                task.n_prompt_done = len(task.req.prompt_ids) - task.n_cached
             task.t_last = now
         if task.handle.cancelled:
             return
@@ -383,13 +415,16 @@ class Scheduler:
         final = Final(
             content="".join(task.text), tokens=list(task.tokens), stop_type=stop_type,
             stopping_word=task.matcher.matched if stop_type == "word" else "",
-            truncated=truncated, id_slot=task.slot.id, n_prompt=n_prompt, n_cached=0,
+            truncated=truncated, id_slot=task.slot.id, n_prompt=n_prompt, n_cached=task.n_cached,
             n_predicted=len(task.tokens), prompt_ms=prompt_ms, predicted_ms=predicted_ms,
             draft_n=int(st.get("draft_n", 0)), draft_n_accepted=int(st.get("draft_n_accepted", 0)),
             seed=task.seed, probs=list(task.probs))
         task.final = final
         m = self._m
-        m["prompt_tokens_total"] += n_prompt
+        # As llama-server: prompt_tokens_total counts the decoded prompt tokens (prompt_n),
+        # prompt_tokens_cached_total the reused ones (cache_n).
+        m["prompt_tokens_total"] += n_prompt - final.n_cached
+        m["prompt_tokens_cached_total"] += final.n_cached
         m["prompt_seconds_total"] += prompt_ms / 1e3
         m["tokens_predicted_total"] += final.n_predicted
         m["tokens_predicted_seconds_total"] += predicted_ms / 1e3
@@ -421,6 +456,7 @@ class Scheduler:
 
     def _release(self, task: _Task) -> None:
         task.done = True
+        task.slot.t_last_used = next(self._uses)
         self._tasks.pop(task.handle.id, None)
         if task.slot.task is task:
             task.slot.task = None
@@ -440,7 +476,7 @@ class Scheduler:
             "id_task": task.handle.id,
             "n_prompt_tokens": len(task.req.prompt_ids),
             "n_prompt_tokens_processed": task.n_prompt_done,
-            "n_prompt_tokens_cache": 0,
+            "n_prompt_tokens_cache": task.n_cached,
             "params": self._settings_json(task.req),
             "next_token": [{"has_next_token": s.task is not None,
                             "has_new_line": "\n" in "".join(task.text),

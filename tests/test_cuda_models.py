@@ -1,0 +1,456 @@
+"""Whole models on the CUDA backend (issue 8): the backend choice of every front end and the
+model-level checks on the GPU.
+
+Runs anywhere (CPU-only builds included):
+- n_gpu_layers=0 (and None) is the CPU everywhere: Model, Context, Drafter, LLM, pyspec-cli -ngl 0,
+  pyspec-server -ngl 0.
+- llama.cpp's -ngl values: 1 <= N < n_layer is refused (partial offload is not supported yet);
+  "all" / N >= n_layer without a usable CUDA backend raises a RuntimeError with the reason
+  _core.cuda_available() gives (also backend="cuda" on _core.Context / DraftContext / SpecEngine);
+  "auto" falls back to the CPU.
+
+On the GPU (skipped with the reason when _core.cuda_available() is false):
+- logits of tiny llama / qwen3 models with F32 / F16 / Q8_0 / Q4_1 weights on CUDA vs the CPU,
+  within a tolerance fitting the type (the GPU may round activations differently: F16 for F16
+  weights, Q8 blocks or F16 for quantized ones), over mixed batches (prompt chunks and single
+  tokens of several sequences, batches past 16 rows and past n_batch);
+- mixed batches on CUDA against each sequence decoded alone on CUDA (within the tolerance: the
+  kernels are not batch-invariant yet, see tests/test_cuda_ops.py);
+- SpecEngine greedy output on CUDA equals plain greedy decoding on CUDA and the known chain
+  (test_speculative.Pairs' known-acceptance pair, whose margins make argmax robust);
+- drafter park / restore on CUDA (the KV cache is device memory, read and written through the
+  backend): a drafter state parked and restored drafts bit for bit as before, and a SpecEngine
+  request reclaimed after a rebase resumes exactly as an uninterrupted run;
+- pyspec.LLM / Model(n_gpu_layers=...) and pyspec-server -ngl all on the GPU.
+
+PYSPEC_TEST_DEVICE_BACKEND=cpu runs the GPU tests with the CPU backend in the device's place (the
+comparisons then hold trivially), which checks the tests themselves on a machine without a GPU.
+
+On the GPU machine (after building with -DPYSPEC_CUDA=ON):
+    python -m pytest -q tests/test_cuda_models.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import pyspec
+from pyspec import _core
+from pyspec.model import resolve_gpu_layers
+from pyspec.speculative import Drafter
+from tiny_models import write_tiny_model
+
+from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
+
+
+def _cuda_status():
+    probe = getattr(_core, "cuda_available", None)
+    if probe is None:
+        return False, "pyspec._core predates the CUDA backend (no cuda_available)"
+    ok, reason = probe()
+    return bool(ok), str(reason)
+
+
+CUDA_OK, CUDA_REASON = _cuda_status()
+DEVICE = os.environ.get("PYSPEC_TEST_DEVICE_BACKEND", "cuda")
+gpu = pytest.mark.skipif(not (CUDA_OK or DEVICE == "cpu"),
+                         reason=f"CUDA backend not available: {CUDA_REASON}")
+real_gpu = pytest.mark.skipif(not CUDA_OK, reason=f"CUDA backend not available: {CUDA_REASON}")
+no_cuda = pytest.mark.skipif(CUDA_OK, reason="CUDA is available here")
+
+# Max |GPU - CPU| logit difference allowed, as a fraction of the largest |logit| of the batch.
+LOGIT_TOL = {"F32": 2e-3, "F16": 1e-2, "Q8_0": 4e-2, "Q4_1": 4e-2}
+N_CTX_SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models_cuda")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return Pairs(tmp_path_factory.mktemp("cuda_spec"))
+
+
+_known = {}
+
+
+def known_pair(pairs):
+    """(target, drafter, f): made once (rewriting the files would pull them from under models
+    that have them mapped)."""
+    if id(pairs) not in _known:
+        target, drafter, f, h, agree = pairs.known_acceptance(0.6, True, seed=3)
+        _known[id(pairs)] = (target, drafter, f)
+    return _known[id(pairs)]
+
+
+_tiny = {}
+
+
+def tiny(model_dir, arch, wt):
+    if (arch, wt) not in _tiny:
+        tm = write_tiny_model(model_dir / f"{arch}-{wt}.gguf", arch, wt, seed=23)
+        _tiny[(arch, wt)] = (tm, pyspec.Model(str(tm.path), n_threads=2))
+    return _tiny[(arch, wt)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend choice (runs everywhere)
+
+
+def test_resolve_gpu_layers():
+    assert resolve_gpu_layers(None, 4) == "cpu"
+    assert resolve_gpu_layers(0, 4) == "cpu"
+    assert resolve_gpu_layers("0", 4) == "cpu"
+    assert resolve_gpu_layers("auto", 4) == ("cuda" if CUDA_OK else "cpu")
+    assert resolve_gpu_layers(-1, 4) == ("cuda" if CUDA_OK else "cpu")
+    for partial in (1, 3, "2"):
+        with pytest.raises(ValueError, match="partial offload is not supported yet"):
+            resolve_gpu_layers(partial, 4)
+    for bad in (-2, "lots", 1.5, True):
+        with pytest.raises(ValueError, match="n_gpu_layers"):
+            resolve_gpu_layers(bad, 4)
+    for full in ("all", 4, 99, "99"):
+        if CUDA_OK:
+            assert resolve_gpu_layers(full, 4) == "cuda"
+        else:
+            with pytest.raises(RuntimeError, match="CUDA backend cannot be used: " + CUDA_REASON[:20]):
+                resolve_gpu_layers(full, 4)
+
+
+def test_n_gpu_layers_zero_is_the_cpu(pairs):
+    default = pyspec.Model(pairs.target, n_threads=2)
+    model = pyspec.Model(pairs.target, n_threads=2, n_gpu_layers=0)
+    assert default.backend == model.backend == "cpu"
+    ctx0, ctx1 = (pyspec.Context(m, n_ctx=64, n_batch=32) for m in (default, model))
+    assert ctx0._ctx.backend == ctx1._ctx.backend == "CPU"
+    prompt = [3, 9, 27, 81]
+    assert np.array_equal(ctx0.decode(prompt).logits, ctx1.decode(prompt).logits)
+    dr = Drafter(pairs.drafters["dflash"], model, n_batch=128)
+    assert dr.backend == "cpu" and dr.context.backend == "CPU"
+    plain = pyspec.LLM(pairs.target, n_ctx=128, n_threads=2)
+    llm = pyspec.LLM(pairs.target, n_ctx=128, n_threads=2, n_gpu_layers=0,
+                     draft_model=pairs.drafters["dflash"], n_gpu_layers_draft=0)
+    assert llm.model.backend == "cpu" and llm.speculative.drafter.backend == "cpu"
+    assert llm.generate("Hello", max_tokens=6, temperature=0.0) == \
+        plain.generate("Hello", max_tokens=6, temperature=0.0)
+    with pytest.raises(ValueError, match="need a draft_model"):
+        pyspec.LLM(pairs.target, n_ctx=64, n_threads=1, n_gpu_layers_draft=0)
+    with pytest.raises(ValueError, match="n_gpu_layers goes to Model"):
+        pyspec.LLM(model, n_ctx=64, n_gpu_layers=0)
+
+
+def test_partial_offload_is_refused(pairs):
+    n_layer = pyspec.Model(pairs.target, n_threads=1).n_layer
+    assert n_layer >= 2
+    with pytest.raises(ValueError, match="partial offload is not supported yet"):
+        pyspec.Model(pairs.target, n_threads=1, n_gpu_layers=1)
+    with pytest.raises(ValueError, match="partial offload is not supported yet"):
+        pyspec.LLM(pairs.target, n_ctx=64, n_threads=1, n_gpu_layers=n_layer - 1)
+
+
+@no_cuda
+def test_gpu_request_without_cuda_raises_with_the_reason(pairs):
+    for ngl in ("all", 99):
+        with pytest.raises(RuntimeError, match="CUDA backend cannot be used") as e:
+            pyspec.Model(pairs.target, n_threads=1, n_gpu_layers=ngl)
+        assert CUDA_REASON in str(e.value)
+    with pytest.raises(RuntimeError, match="CUDA backend cannot be used"):
+        pyspec.LLM(pairs.target, n_ctx=64, n_threads=1, n_gpu_layers="all")
+    with pytest.raises(RuntimeError, match="n_gpu_layers_draft=all"):
+        pyspec.LLM(pairs.target, n_ctx=64, n_threads=1, draft_model=pairs.drafters["dflash"],
+                   n_gpu_layers_draft="all")
+    # "auto" falls back to the CPU.
+    assert pyspec.Model(pairs.target, n_threads=1, n_gpu_layers="auto").backend == "cpu"
+    model = _core.Model(pairs.target)
+    dm = _core.DraftModel(pairs.drafters["dflash"], model)
+    for make in (lambda: _core.Context(model, 64, 1, 32, False, 1, "f16", "cuda"),
+                 lambda: _core.DraftContext(dm, 1, 64, 1, backend="cuda"),
+                 lambda: _core.SpecEngine(model, dm, n_ctx=64, n_seq_max=1, backend="cuda")):
+        with pytest.raises(RuntimeError, match="the CUDA backend cannot be used: ") as e:
+            make()
+        assert CUDA_REASON in str(e.value)
+    with pytest.raises(ValueError, match="unknown backend"):
+        _core.Context(model, 64, 1, 32, False, 1, "f16", "tpu")
+
+
+def test_cli_gpu_layers(pairs, capsys):
+    from pyspec import cli
+
+    base = ["-m", pairs.target, "-p", "Hi", "-n", "3", "--temp", "0", "-c", "64", "-t", "1"]
+    assert cli.main(base + ["-ngl", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "load: backend CPU" in err and "Traceback" not in err
+    assert cli.main(base + ["-ngl", "1"]) == 1
+    assert "partial offload is not supported yet" in capsys.readouterr().err
+    assert cli.main(base + ["-ngl", "many"]) == 1
+    assert "-ngl must be a number of layers" in capsys.readouterr().err
+    assert cli.main(base + ["-ngld", "0"]) == 1
+    assert "-ngld needs a draft model" in capsys.readouterr().err
+    if not CUDA_OK:
+        assert cli.main(base + ["-ngl", "all"]) == 1
+        err = capsys.readouterr().err
+        assert "CUDA backend cannot be used" in err and CUDA_REASON in err
+        assert cli.main(base + ["-ngl", "auto"]) == 0
+        assert f"load: backend CPU (-ngl auto: {CUDA_REASON})" in capsys.readouterr().err
+
+
+def _loaded(argv):
+    from pyspec.server.args import parse_args
+    from pyspec.server.main import Loaded
+
+    return Loaded(parse_args(argv, environ={}))
+
+
+def test_server_gpu_layers(pairs):
+    base = ["-m", pairs.target, "-c", "128", "-t", "1"]
+    loaded = _loaded(base + ["-ngl", "0", "-md", pairs.drafters["dflash"]])
+    assert loaded.backend == "cpu" and loaded.model.backend == "cpu"
+    assert _loaded(base).backend == "cpu"  # not given: the CPU
+    with pytest.raises(ValueError, match="partial offload is not supported yet"):
+        _loaded(base + ["-ngl", "1"])
+    if not CUDA_OK:
+        with pytest.raises(RuntimeError, match="CUDA backend cannot be used"):
+            _loaded(base + ["-ngl", "all"])
+        with pytest.raises(RuntimeError, match="n_gpu_layers_draft=99"):
+            _loaded(base + ["-md", pairs.drafters["dflash"], "-ngld", "99"])
+        assert _loaded(base + ["-ngl", "auto"]).backend == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU
+
+
+def _decode_all(ctx, rows):
+    """Decodes rows [(seq, pos, token)] in one call, every row output; logits [n, n_vocab]."""
+    seq, pos, tok = (np.array(c) for c in zip(*rows))
+    r = ctx.decode(tok, positions=pos, seq_ids=seq, output=np.ones(len(rows), bool))
+    return r.logits
+
+
+def _mixed_steps(rng, n_vocab):
+    """Batches of (seq, pos, token): prompts of several sequences, then single tokens mixed with
+    prompt chunks; one batch of 40 rows (past the matvec sizes)."""
+    def run(seq, p0, n):
+        return [(seq, p0 + i, int(t)) for i, t in enumerate(rng.integers(0, n_vocab, n))]
+    return [run(0, 0, 7) + run(1, 0, 3),
+            run(0, 7, 1) + run(1, 3, 4) + run(2, 0, 20),
+            run(2, 20, 1) + run(0, 8, 1) + run(1, 7, 1),
+            run(3, 0, 40)]
+
+
+def _assert_close(got, want, tol, what):
+    scale = max(1.0, float(np.max(np.abs(want))))
+    diff = float(np.max(np.abs(got.astype(np.float64) - want)))
+    assert np.all(np.isfinite(got)), what
+    assert diff <= tol * scale, f"{what}: max |diff| {diff:.3g} > {tol} x {scale:.3g}"
+
+
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("wt", list(LOGIT_TOL))
+def test_logits_match_the_cpu(model_dir, arch, wt):
+    tm, model = tiny(model_dir, arch, wt)
+    kw = dict(n_ctx=N_CTX_SEQ * 4, n_seq_max=4, n_batch=32, check_plans=True)
+    cpu = pyspec.Context(model, backend="cpu", **kw)
+    dev = pyspec.Context(model, backend=DEVICE, **kw)
+    assert dev._ctx.backend == ("CUDA" if DEVICE == "cuda" else "CPU")
+    rng = np.random.default_rng(5)
+    for i, rows in enumerate(_mixed_steps(rng, model.n_vocab)):  # the 40-row batch is split (n_batch 32)
+        _assert_close(_decode_all(dev, rows), _decode_all(cpu, rows), LOGIT_TOL[wt],
+                      f"{arch} {wt} batch {i}")
+    # Rollback then re-decode on both: the cache bookkeeping is the host's, the cells the device's.
+    for ctx in (cpu, dev):
+        ctx.kv_remove(0, 4)
+    rows = [(0, 4, 11), (0, 5, 12), (1, 8, 13)]
+    _assert_close(_decode_all(dev, rows), _decode_all(cpu, rows), LOGIT_TOL[wt], f"{arch} {wt} after rollback")
+
+
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_mixed_batches_on_the_device(model_dir, arch):
+    """A mixed batch on the device gives each row what decoding its sequence alone gives (within
+    the tolerance while the kernels are not batch-invariant), also with its rows shuffled."""
+    tm, model = tiny(model_dir, arch, "F16")
+    rng = np.random.default_rng(9)
+    steps = _mixed_steps(rng, model.n_vocab)
+    kw = dict(n_ctx=N_CTX_SEQ * 4, n_seq_max=4, n_batch=64, backend=DEVICE)
+    mixed = pyspec.Context(model, **kw)
+    alone = pyspec.Context(model, **kw)
+    shuffled = pyspec.Context(model, **kw)
+    for rows in steps:
+        got = _decode_all(mixed, rows)
+        perm = rng.permutation(len(rows))
+        got_shuffled = _decode_all(shuffled, [rows[i] for i in perm])
+        want = np.empty_like(got)
+        for s in sorted({r[0] for r in rows}):
+            idx = [i for i, r in enumerate(rows) if r[0] == s]
+            want[idx] = _decode_all(alone, [rows[i] for i in idx])
+        _assert_close(got, want, 1e-2, f"{arch} mixed vs alone")
+        _assert_close(got_shuffled, got[perm], 1e-2, f"{arch} shuffled")
+
+
+def _known_engine(pairs, backend, n_seq_max=1, n_slots=1, **kw):
+    target, drafter, f = known_pair(pairs)
+    model = _core.Model(target)
+    dm = _core.DraftModel(drafter, model)
+    engine = _core.SpecEngine(model, dm, n_ctx=256 * n_seq_max, n_seq_max=n_seq_max,
+                              n_draft_slots=n_slots, n_batch=64, draft_n_batch=128, n_threads=2,
+                              draft_n_max=5, prefill_chunk=16, backend=backend, **kw)
+    return target, engine, f
+
+
+def _run(engine, requests, hook=None):
+    """{id: (prompt, max_tokens)} -> {id: (tokens, verified blocks, stats)}."""
+    for rid, (prompt, n) in requests.items():
+        engine.add_request(rid, prompt, max_tokens=n, verify="greedy")
+    tokens = {rid: [] for rid in requests}
+    blocks = {rid: [] for rid in requests}
+    stats = {}
+    while engine.n_requests:
+        for o in engine.step():
+            rid = o["request_id"]
+            tokens[rid] += o["tokens"]
+            if o["verified"]:
+                blocks[rid].append(list(o["verified"]))
+            if o["finished"]:
+                stats[rid] = o["stats"]
+        if hook:
+            hook(engine)
+    return {rid: (tokens[rid], blocks[rid], stats[rid]) for rid in requests}
+
+
+@gpu
+def test_spec_engine_greedy_equals_plain_greedy(pairs):
+    target, engine, f = _known_engine(pairs, DEVICE, n_seq_max=4, n_slots=4)
+    prompts = {1: [5], 2: [17, 3], 3: [40, 41, 42, 43, 44, 45, 46], 4: list(range(100, 140))}
+    got = _run(engine, {rid: (p, 30) for rid, p in prompts.items()})
+    model = pyspec.Model(target, n_threads=2)
+    ctx = pyspec.Context(model, n_ctx=256, n_batch=64, backend=DEVICE)
+    for rid, prompt in prompts.items():
+        ctx.kv_clear()
+        plain = pyspec.generate(ctx, prompt, 30)
+        chain = [prompt[-1]]
+        for _ in range(30):
+            chain.append(int(f[chain[-1]]))
+        assert got[rid][0] == plain == chain[1:], rid
+    # The drafter helped, and was checked.
+    accepted = sum(g[2]["draft_n_accepted"] for g in got.values())
+    assert 0 < accepted < sum(g[2]["draft_n"] for g in got.values())
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["dflash", "dspark-anchor"])
+def test_drafter_park_restore_on_the_device(pairs, layout):
+    """A parked drafter state (cells read from device memory) restored into its own slot drafts
+    bit for bit as before; restored into another slot, the same tokens."""
+    model = pyspec.Model(pairs.target, n_threads=2)
+    dm = _core.DraftModel(pairs.drafters[layout], model._model)
+    dctx = _core.DraftContext(dm, 2, 48, 2, backend=DEVICE)
+    assert dctx.backend == ("CUDA" if DEVICE == "cuda" else "CPU")
+    ctx = pyspec.Context(model, n_ctx=256, n_batch=64, backend=DEVICE)
+    layers = [int(x) for x in dm.target_layers]
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, model.n_vocab, 90).tolist()
+    for p0 in range(0, 90, 30):  # past the window of 48: the slot rebases (K re-rotated on the device)
+        res = ctx.decode(prompt[p0:p0 + 30], positions=np.arange(p0, p0 + 30), layer_inputs=layers)
+        feats = np.concatenate([res.layer_inputs[lid] for lid in layers], axis=1)
+        dctx.inject(0, np.arange(p0, p0 + 30, dtype=np.int32), feats)
+    assert dctx.pos_base(0) > 0
+    n_block = int(dm.block_size)
+    before = dctx.draft_logits(0, prompt[-1], 90, n_block)
+    state = dctx.park(0)
+    assert state.n_bytes > 0 and state.pos_base == dctx.pos_base(0)
+    dctx.clear(0)  # and overwrite its cells with something else
+    dctx.inject(0, np.arange(0, 20, dtype=np.int32), np.ones((20, feats.shape[1]), np.float32))
+    dctx.restore(0, state)
+    dctx.restore(1, state)
+    again = dctx.draft_logits(0, prompt[-1], 90, n_block)
+    other = dctx.draft_logits(1, prompt[-1], 90, n_block)
+    for key in ("logits", "tokens", "candidates"):
+        assert np.array_equal(again[key], before[key]), key
+    assert np.array_equal(other["tokens"], before["tokens"])
+    _assert_close(other["logits"], before["logits"], 1e-4, "restored into another slot")
+    assert dctx.seq_pos_max(1) == dctx.seq_pos_max(0) and dctx.n_rows(1) == dctx.n_rows(0)
+
+
+@gpu
+def test_spec_engine_reclaim_after_rebase_on_the_device(pairs):
+    """A request whose drafter slot rebased is paused, its slot reclaimed (parked from device
+    memory) by another request, and resumed (restored): its output, verified blocks and stats
+    equal an uninterrupted run's. Each of its steps has the same batches in both runs, so the
+    comparison is exact whatever the kernels' batch variance."""
+    model = _core.Model(pairs.target)
+    dm = _core.DraftModel(pairs.drafters["dflash"], model)
+
+    def engine():
+        return _core.SpecEngine(model, dm, n_ctx=2 * 512, n_seq_max=2, n_draft_slots=1,
+                                n_batch=64, draft_n_batch=48, n_threads=2, draft_n_max=5,
+                                prefill_chunk=40, backend=DEVICE)
+
+    rng = np.random.default_rng(4)
+    a = rng.integers(0, 256, 150).tolist()
+    b = rng.integers(0, 256, 30).tolist()
+    alone = _run(engine(), {0: (a, 40)})[0]
+
+    e = engine()
+    e.add_request(0, a, max_tokens=40, verify="greedy")
+    tokens, blocks, stats, based = [], [], None, []
+    phase = "a"
+    while e.n_requests:
+        for o in e.step():
+            if o["request_id"] == 0:
+                tokens += o["tokens"]
+                if o["verified"]:
+                    blocks.append(list(o["verified"]))
+                if o["finished"]:
+                    stats = o["stats"]
+        if phase == "a" and e.steps == 6:
+            based.append(e.draft_pos_base(e.draft_slot(0)))
+            e.pause(0)
+            e.add_request(1, b, max_tokens=12, verify="greedy")
+            phase = "b"
+        elif phase == "b" and not e.has_request(1):
+            assert e.draft_slot(0) is None  # reclaimed by request 1
+            e.resume(0)
+            phase = "resumed"
+    assert phase == "resumed" and based and based[0] > 0
+    assert stats["n_restaged"] == 1
+    assert tokens == alone[0] and blocks == alone[1]
+    st, ref = dict(stats), dict(alone[2])
+    st.pop("n_restaged"), ref.pop("n_restaged")
+    assert st == ref
+
+
+@real_gpu
+def test_front_ends_on_the_gpu(pairs):
+    target, drafter, f = known_pair(pairs)
+    for ngl in ("all", 99, "auto", -1):
+        assert pyspec.Model(target, n_threads=1, n_gpu_layers=ngl).backend == "cuda"
+    plain = pyspec.LLM(target, n_ctx=128, n_threads=2, n_gpu_layers="all")
+    assert plain.context._ctx.backend == "CUDA"
+    spec = pyspec.LLM(target, n_ctx=128, n_threads=2, n_gpu_layers=99, draft_model=drafter)
+    assert spec.speculative.drafter.backend == "cuda"
+    assert spec.speculative.drafter.context.backend == "CUDA"
+    want = plain.generate("Hello", max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert spec.generate("Hello", max_tokens=20, temperature=0.0, ignore_eos=True) == want
+    assert spec.last_stats.spec.draft_n_accepted > 0
+    many = spec.generate_many(["Hello", "Hi there"], max_tokens=20, ignore_eos=True)
+    assert many[0].text == want
+    # The drafter on the CPU under a GPU target: fine for the one-sequence loop ...
+    split = pyspec.LLM(target, n_ctx=128, n_threads=2, n_gpu_layers="all", draft_model=drafter,
+                       n_gpu_layers_draft=0)
+    assert split.speculative.drafter.backend == "cpu"
+    assert split.generate("Hello", max_tokens=20, temperature=0.0, ignore_eos=True) == want
+    # ... but the multi-request engine runs both on one backend.
+    with pytest.raises(ValueError, match="needs both on one backend"):
+        split.generate_many(["Hello"], max_tokens=4)
+    loaded = _loaded(["-m", target, "-md", drafter, "-c", "128", "-t", "1", "-ngl", "all"])
+    assert loaded.backend == "cuda"
+    with pytest.raises(ValueError, match="needs both on one backend"):
+        _loaded(["-m", target, "-md", drafter, "-c", "128", "-t", "1", "-ngl", "all",
+                 "-ngld", "0"])
