@@ -266,3 +266,11 @@ def test_help_and_version(capsys):
         parse("--version")
     assert exit_.value.code == 0 and "pyspec-server" in capsys.readouterr().out
     assert "LLAMA_ARG_PORT" in format_help()
+
+
+def test_slot_prompt_similarity():
+    assert parse_args([], environ={}).slot_prompt_similarity == 0.1
+    assert parse_args(["-sps", "0.5"], environ={}).slot_prompt_similarity == 0.5
+    assert parse_args(["--slot-prompt-similarity", "0"], environ={}).slot_prompt_similarity == 0.0
+    with pytest.raises(ArgError, match="slot-prompt-similarity"):
+        parse_args(["-sps", "1.5"], environ={})

@@ -114,6 +114,7 @@ class ServerConfig:
     reasoning_format: str = "none"       # only "none" is supported (no reasoning extraction)
     # behaviour
     cache_prompt: bool = True
+    slot_prompt_similarity: float = 0.1  # -sps: reuse a slot's cache above this prompt overlap
     cont_batching: bool = True           # -nocb is accepted; requests are still batched
     verbose: bool = False
     warnings: List[str] = field(default_factory=list)  # accepted-but-ignored flags, for main
@@ -286,6 +287,9 @@ _OPTIONS: Tuple[_Opt, ...] = (
          "max drafted tokens per round (default: 3)", env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
     _Opt(("--spec-draft-n-min",), "spec_draft_n_min", _int,
          "min drafted tokens to use a draft (default: 0)", env="LLAMA_ARG_SPEC_DRAFT_N_MIN"),
+    _Opt(("-sps", "--slot-prompt-similarity"), "slot_prompt_similarity", _float,
+         "how much of a prompt a slot's cached tokens must cover for the slot to be chosen "
+         "(default: 0.1; 0: never pick by similarity)"),
     _Opt(("--spec-draft-p-min", "--draft-p-min"), "spec_draft_p_min", _float,
          "stop drafting below this confidence (default: 0.0)", env="LLAMA_ARG_SPEC_DRAFT_P_MIN",
          metavar="P"),
@@ -426,8 +430,6 @@ _IGNORED: Tuple[Tuple[Tuple[str, ...], bool, str], ...] = (
     (("--no-mmproj",), False, "no multimodal projector is ever loaded"),
     (("--no-models-autoload",), False, "there is no router mode"),
     (("--backend-sampling",), False, "sampling always runs in pyspec's own sampler"),
-    (("-sps", "--slot-prompt-similarity"), True,
-     "a slot is picked by its longest cached prefix"),
     (("-dt", "--defrag-thold"), True, "deprecated in llama.cpp, no KV defragmentation needed"),
     (("--perf", "--no-perf"), False, "timings are always collected"),
     (("--log-disable",), False, "logging goes to stderr"),
@@ -660,6 +662,8 @@ def _validate(c: ServerConfig) -> None:
     need(c.seed == -1 or 0 <= c.seed < 2 ** 32, f"--seed must be -1 or in [0, 2^32), got {c.seed}")
     need(c.spec_draft_n_max >= 0, f"--spec-draft-n-max must be >= 0, got {c.spec_draft_n_max}")
     need(c.spec_draft_n_min >= 0, f"--spec-draft-n-min must be >= 0, got {c.spec_draft_n_min}")
+    need(0.0 <= c.slot_prompt_similarity <= 1.0,
+         f"--slot-prompt-similarity must be in [0, 1], got {c.slot_prompt_similarity}")
     need(0.0 <= c.spec_draft_p_min <= 1.0,
          f"--spec-draft-p-min must be in [0, 1], got {c.spec_draft_p_min}")
     need(c.repeat_last_n >= -1, f"--repeat-last-n must be >= -1, got {c.repeat_last_n}")
