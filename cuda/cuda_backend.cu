@@ -93,16 +93,7 @@ public:
             arena_size_ = plan.arena_bytes;
             check(cudaMemsetAsync(arena_, 0, arena_size_, stream_), "apply_plan: cudaMemset");
         }
-        for (int i = 0; i < graph.size(); ++i) {
-            Tensor& t = graph[i];
-            if (t.has(kExternal)) continue;
-            if (t.is_view()) {
-                t.data = static_cast<char*>(graph[t.view_src].data) + t.view_offset;
-            } else {
-                if (plan.offset[static_cast<size_t>(i)] < 0) throw std::logic_error("apply_plan: tensor without memory: " + t.name);
-                t.data = arena_ + plan.offset[static_cast<size_t>(i)];
-            }
-        }
+        assign_addresses(graph, plan, arena_);
     }
 
     void compute(Graph& graph) override {

@@ -232,6 +232,26 @@ def random_row(rng):
     return int(rng.integers(0, 48)), m
 
 
+def batch_around_row(rng, n_rows, start, row_mask, q_row, n_cells):
+    """A batch of n_rows random attention rows with (start, row_mask, q_row) placed at a random
+    index `at`, its base moved a random distance earlier (masked lead-in columns) and the span
+    padded at random. Returns (q, mask, base, at)."""
+    n_head, hd = q_row.shape[1:]
+    at = int(rng.integers(0, n_rows))
+    shift = int(rng.integers(0, start + 1))
+    rows = [random_row(rng) for _ in range(n_rows)]
+    rows[at] = (start - shift, np.concatenate([np.full(shift, NEG_INF, np.float32), row_mask]))
+    span = max(len(m) for _, m in rows) + int(rng.integers(0, 9))
+    assert all(b + span <= n_cells for b, _ in rows)
+    mask = np.full((n_rows, span), NEG_INF, np.float32)
+    for r, (_, m) in enumerate(rows):
+        mask[r, : len(m)] = m
+    base = np.array([b for b, _ in rows], np.int32)
+    q = rng.standard_normal((n_rows, n_head, hd)).astype(np.float32)
+    q[at] = q_row[0]
+    return q, mask, base, at
+
+
 @pytest.mark.parametrize("cache_dtype", ["F16", "F32"])
 @pytest.mark.parametrize("seed", range(4))
 def test_attention_row_is_batch_invariant(seed, cache_dtype):
@@ -250,18 +270,7 @@ def test_attention_row_is_batch_invariant(seed, cache_dtype):
 
     for trial in range(3):
         n_rows = int(rng.integers(2, 7))
-        at = int(rng.integers(0, n_rows))
-        shift = int(rng.integers(0, start + 1))  # base moved earlier, masked lead-in columns
-        rows = [random_row(rng) for _ in range(n_rows)]
-        rows[at] = (start - shift, np.concatenate([np.full(shift, NEG_INF, np.float32), row_mask]))
-        span = max(len(m) for _, m in rows) + int(rng.integers(0, 9))
-        assert all(b + span <= n_cells for b, _ in rows)
-        mask = np.full((n_rows, span), NEG_INF, np.float32)
-        for r, (_, m) in enumerate(rows):
-            mask[r, : len(m)] = m
-        base = np.array([b for b, _ in rows], np.int32)
-        q = rng.standard_normal((n_rows, n_head, hd)).astype(np.float32)
-        q[at] = q_row[0]
+        q, mask, base, at = batch_around_row(rng, n_rows, start, row_mask, q_row, n_cells)
         for n_threads in (1, 2):
             got = attention_run(q, k, v, mask, base, n_kv, 0.125, cache_dtype, n_threads)
             assert np.array_equal(got[at], alone[0]), (trial, n_threads)

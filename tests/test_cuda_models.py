@@ -32,7 +32,6 @@ On the GPU machine (after building with -DPYSPEC_CUDA=ON):
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -46,20 +45,7 @@ from tiny_models import write_tiny_model
 from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
 
 
-def _cuda_status():
-    probe = getattr(_core, "cuda_available", None)
-    if probe is None:
-        return False, "pyspec._core predates the CUDA backend (no cuda_available)"
-    ok, reason = probe()
-    return bool(ok), str(reason)
-
-
-CUDA_OK, CUDA_REASON = _cuda_status()
-DEVICE = os.environ.get("PYSPEC_TEST_DEVICE_BACKEND", "cuda")
-gpu = pytest.mark.skipif(not (CUDA_OK or DEVICE == "cpu"),
-                         reason=f"CUDA backend not available: {CUDA_REASON}")
-real_gpu = pytest.mark.skipif(not CUDA_OK, reason=f"CUDA backend not available: {CUDA_REASON}")
-no_cuda = pytest.mark.skipif(CUDA_OK, reason="CUDA is available here")
+from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu, no_cuda, real_gpu  # noqa: E402
 
 # Max |GPU - CPU| logit difference allowed, as a fraction of the largest |logit| of the batch.
 LOGIT_TOL = {"F32": 2e-3, "F16": 1e-2, "Q8_0": 4e-2, "Q4_1": 4e-2}

@@ -23,12 +23,9 @@ On the GPU machine: python -m pytest -q tests/test_cuda_ops.py (after building w
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as QT
-from gguf import quants as gq
 
 import test_cpu_ops as cpu  # the CPU tests' helpers, references and op cases
 from pyspec import _core as core
@@ -36,17 +33,7 @@ from pyspec import _core as core
 NEG_INF = -np.inf
 
 
-def _cuda_status():
-    probe = getattr(core, "cuda_available", None)
-    if probe is None:
-        return False, "pyspec._core predates the CUDA backend (no cuda_available)"
-    ok, reason = probe()
-    return bool(ok), str(reason)
-
-
-CUDA_OK, CUDA_REASON = _cuda_status()
-DEVICE = os.environ.get("PYSPEC_TEST_DEVICE_BACKEND", "cuda")
-gpu = pytest.mark.skipif(not (CUDA_OK or DEVICE == "cpu"), reason=f"CUDA backend not available: {CUDA_REASON}")
+from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu  # noqa: E402
 
 BATCHES = [1, 4, 16, 64, 300]
 FLOAT_W = cpu.FLOAT_W
@@ -498,18 +485,7 @@ def test_attention_row_is_batch_invariant(seed, cache_dtype):
     want = cpu.attention_ref(q_row, k, v, row_mask[None], np.array([start]), n_kv, np.float32(0.125))
     np.testing.assert_allclose(alone, want, **ATT_TOL[cache_dtype])
     for n_rows in BATCHES[1:]:
-        at = int(rng.integers(0, n_rows))
-        shift = int(rng.integers(0, start + 1))
-        rows = [cpu.random_row(rng) for _ in range(n_rows)]
-        rows[at] = (start - shift, np.concatenate([np.full(shift, NEG_INF, np.float32), row_mask]))
-        span = max(len(m) for _, m in rows) + int(rng.integers(0, 9))
-        assert all(b + span <= n_cells for b, _ in rows)
-        mask = np.full((n_rows, span), NEG_INF, np.float32)
-        for r, (_, m) in enumerate(rows):
-            mask[r, : len(m)] = m
-        base = np.array([b for b, _ in rows], np.int32)
-        q = rng.standard_normal((n_rows, n_head, hd)).astype(np.float32)
-        q[at] = q_row[0]
+        q, mask, base, at = cpu.batch_around_row(rng, n_rows, start, row_mask, q_row, n_cells)
         got = cpu.attention_run(q, k, v, mask, base, n_kv, 0.125, cache_dtype, backend=DEVICE)
         assert np.array_equal(got[at], alone[0]), (n_rows, at)
 

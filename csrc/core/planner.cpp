@@ -338,4 +338,17 @@ std::shared_ptr<const AllocationPlan> AllocationPlanner::plan(const Graph& graph
     return result;
 }
 
+void assign_addresses(Graph& graph, const AllocationPlan& plan, char* arena) {
+    for (int i = 0; i < graph.size(); ++i) {
+        Tensor& t = graph[i];
+        if (t.has(kExternal)) continue;
+        if (t.is_view()) {
+            t.data = static_cast<char*>(graph[t.view_src].data) + t.view_offset;
+        } else {
+            if (plan.offset[static_cast<size_t>(i)] < 0) throw std::logic_error("apply_plan: tensor without memory: " + t.name);
+            t.data = arena + plan.offset[static_cast<size_t>(i)];
+        }
+    }
+}
+
 }  // namespace pyspec

@@ -36,6 +36,11 @@ AllocationPlan make_plan(const Graph& graph, size_t alignment);
 // view does not lie inside its root, or the plan does not match the graph's tensor count.
 void check_plan(const Graph& graph, const AllocationPlan& plan);
 
+// Sets every planned tensor's data for a backend whose arena starts at `arena` (host or device
+// address alike): owned tensors at arena + offset, views at their root's data + view_offset;
+// external tensors keep theirs. Throws std::logic_error for an owned tensor the plan left out.
+void assign_addresses(Graph& graph, const AllocationPlan& plan, char* arena);
+
 class AllocationPlanner {
 public:
     // cache_capacity 0 disables caching (every call plans afresh); alignment must be positive.

@@ -75,16 +75,7 @@ void CpuBackend::apply_plan(Graph& graph, const AllocationPlan& plan) {
         const size_t n = arena_size_ / sizeof(float);
         for (size_t i = 0; i < n; ++i) f[i] = std::numeric_limits<float>::quiet_NaN();
     }
-    for (int i = 0; i < graph.size(); ++i) {
-        Tensor& t = graph[i];
-        if (t.has(kExternal)) continue;
-        if (t.is_view()) {
-            t.data = static_cast<char*>(graph[t.view_src].data) + t.view_offset;
-        } else {
-            if (plan.offset[static_cast<size_t>(i)] < 0) throw std::logic_error("apply_plan: tensor without memory: " + t.name);
-            t.data = arena_.get() + plan.offset[static_cast<size_t>(i)];
-        }
-    }
+    assign_addresses(graph, plan, reinterpret_cast<char*>(arena_.get()));
 }
 
 void CpuBackend::compute(Graph& graph) {

@@ -85,7 +85,8 @@ class Loaded:
             n_slots=n_slots, n_ctx_slot=n_ctx_slot, n_batch=min(cfg.batch_size, cfg.ubatch_size),
             n_threads=m.n_threads, kv_type=cfg.cache_type_k,
             draft_n_max=cfg.spec_draft_n_max, draft_n_min=cfg.spec_draft_n_min,
-            draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify, backend=self.backend)
+            draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify,
+            slot_prompt_similarity=cfg.slot_prompt_similarity, backend=self.backend)
         eog = sorted(self.tokenizer.eog_ids)
         types = [self.spec_type] if self.spec_type else []
         self.scheduler = Scheduler(
