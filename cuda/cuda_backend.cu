@@ -21,14 +21,32 @@
 // tensor). Faults inside kernels surface at the next synchronising call (read). Kernels that find
 // bad indices (get_rows/set_rows ids, attention spans outside the cache) set bits in a device
 // error word; read() checks it after synchronising and throws, as the CPU backend would have.
+//
+// CUDA graphs (issue 8 item 2; cuda/cuda_graphs.h, cuda/graph_cache.cuh). compute() first resolves
+// every operand's device address (the pre-pass: weight uploads and the cuBLAS handle happen here,
+// never inside a capture), then keys the launch sequence by the graph's full structure, op
+// parameters and those addresses. First sighting of a key: eager (warm-up). Second: the ops are
+// captured on the stream (thread-local capture mode, so an allocation by this thread would fail the
+// capture instead of going unnoticed), instantiated and launched. Later: cudaGraphLaunch of the
+// cached exec. Nothing in the launch path allocates (Scratch is unused since MUL_MAT left cuBLAS,
+// the arena only grows in apply_plan, which clears the cache) or reads device data on the host, and
+// every per-call value (tokens, positions, masks, bases, cells, noise) is an input tensor written
+// before compute(), so a replay launches exactly what the eager run would. A failed capture runs the
+// graph eagerly, logs one line and never retries that key. The error word is not reset by the
+// graph: kernels OR bits into it in replays as in eager runs, and read() clears it when it reports,
+// so errors surface at the same read() either way. PYSPEC_CUDA_GRAPHS=0 (or set_cuda_graphs(false))
+// runs everything eagerly; PYSPEC_CUDA_GRAPH_CACHE bounds the instantiated graphs per backend (64).
 #include "cuda/cuda_backend.h"
 
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "cuda/cuda_graphs.h"
+#include "cuda/graph_cache.cuh"
 #include "cuda/kernels.h"
 
 namespace pyspec {
@@ -39,7 +57,7 @@ using cuda::check;
 
 class CudaBackend final : public Backend {
 public:
-    explicit CudaBackend(int device) : device_(device) {
+    explicit CudaBackend(int device) : device_(device), graphs_(cuda::graph_cache_capacity_from_env()) {
         check(cudaSetDevice(device_), "cudaSetDevice");
         check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
         cudaError_t e = cudaMalloc(&err_, sizeof(unsigned));
@@ -54,6 +72,7 @@ public:
     ~CudaBackend() override {
         cudaSetDevice(device_);
         cudaStreamSynchronize(stream_);
+        graphs_.clear();
         for (auto& u : uploads_) cudaFree(u.second);
         for (auto& p : persistent_) cudaFree(p.first);
         if (arena_) cudaFree(arena_);
@@ -84,6 +103,7 @@ public:
         }
         check(cudaSetDevice(device_), "cudaSetDevice");
         if (plan.arena_bytes > arena_size_) {  // grow-only; cudaFree waits for work in flight
+            graphs_.clear();  // their addresses point into the old arena
             if (arena_) check(cudaFree(arena_), "apply_plan: cudaFree");
             arena_ = nullptr;
             arena_size_ = 0;
@@ -99,20 +119,34 @@ public:
     void compute(Graph& graph) override {
         check(cudaSetDevice(device_), "cudaSetDevice");
         resolved_.assign(static_cast<size_t>(graph.size()), nullptr);
-        for (int id = 0; id < graph.size(); ++id) {
-            const Tensor& t = graph[id];
-            if (t.op == Op::NONE || t.op == Op::VIEW) continue;
-            try {
-                run_node(graph, id);
-            } catch (const std::runtime_error& e) {
-                throw std::runtime_error(std::string(e.what()) + " [" + op_name(t.op) + " '" + t.name + "']");
-            }
-            const cudaError_t e = cudaGetLastError();
-            if (e != cudaSuccess) {
-                throw std::runtime_error(std::string("cuda backend: ") + op_name(t.op) + " ('" + t.name +
-                                         "'): " + cudaGetErrorString(e));
-            }
+        if (!cuda_graphs_enabled() || graphs_.capacity() == 0 || !resolve_all(graph)) {
+            run_eager(graph);  // after a failed pre-pass, the eager run raises the error in context
+            return;
         }
+        const uint64_t h = cuda::graph_exec_key(graph, resolved_, key_);
+        if (cudaGraphExec_t exec = graphs_.find(h, key_)) {
+            check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
+            cuda::count_graph_event(cuda::GraphEvent::Replay);
+            return;
+        }
+        if (graphs_.failed(h) || !graphs_.sighted_before(h)) {
+            run_eager(graph);  // first sighting: the warm-up
+            return;
+        }
+        cudaGraphExec_t exec = capture(graph, h);
+        if (!exec) {
+            run_eager(graph);
+            return;
+        }
+        const cudaError_t e = cudaGraphLaunch(exec, stream_);
+        if (e != cudaSuccess) {
+            cudaGraphExecDestroy(exec);
+            capture_failed(h, std::string("cudaGraphLaunch: ") + cudaGetErrorString(e));
+            run_eager(graph);
+            return;
+        }
+        graphs_.insert(h, key_, exec);
+        cuda::count_graph_event(cuda::GraphEvent::Capture);
     }
 
     void write(const Tensor& t, const void* src, size_t bytes, size_t offset) override {
@@ -141,6 +175,99 @@ public:
     size_t arena_bytes() const override { return arena_size_; }
 
 private:
+    // --- execution ---------------------------------------------------------------------------
+
+    // The pre-pass: resolves the device address of every tensor an op reads or writes (uploading
+    // host externals on first use) and creates the cuBLAS handle when a MUL_MAT might want it, so
+    // that nothing allocates while a capture is open. False when something failed (the eager run
+    // then meets the same failure and reports it with the op's name).
+    bool resolve_all(const Graph& g) {
+        try {
+            for (int id = 0; id < g.size(); ++id) {
+                const Tensor& t = g[id];
+                if (t.op == Op::NONE || t.op == Op::VIEW) continue;
+                dptr(g, id);
+                for (int s : t.src) {
+                    if (s >= 0) dptr(g, s);
+                }
+                if (t.op == Op::MUL_MAT) blas();
+            }
+        } catch (const std::exception&) {
+            cudaGetLastError();
+            return false;
+        }
+        return true;
+    }
+
+    void run_eager(Graph& graph) {
+        cuda::count_graph_event(cuda::GraphEvent::Eager);
+        run_ops(graph);
+    }
+
+    // Captures run_ops(graph) into an instantiated graph; nullptr (logged, key marked) on failure.
+    // Nothing runs during a capture, so the caller may then run the graph eagerly.
+    cudaGraphExec_t capture(Graph& graph, uint64_t h) {
+        std::string why;
+        cudaGraph_t cg = nullptr;
+        cudaError_t e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
+        if (e != cudaSuccess) {
+            why = std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(e);
+        } else {
+            try {
+                run_ops(graph);
+            } catch (const std::exception& ex) {
+                why = ex.what();
+            }
+            e = cudaStreamEndCapture(stream_, &cg);
+            if (why.empty() && e != cudaSuccess) why = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(e);
+        }
+        cudaGraphExec_t exec = nullptr;
+        if (why.empty()) {
+            e = cudaGraphInstantiate(&exec, cg, 0);
+            if (e != cudaSuccess) {
+                exec = nullptr;
+                why = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(e);
+            }
+        }
+        if (cg) cudaGraphDestroy(cg);
+        if (!why.empty()) {
+            capture_failed(h, why);
+            return nullptr;
+        }
+        return exec;
+    }
+
+    void capture_failed(uint64_t h, const std::string& why) {
+        cudaGetLastError();  // capture errors are not sticky: clear them before running eagerly
+        graphs_.mark_failed(h);
+        cuda::count_graph_event(cuda::GraphEvent::CaptureFailure);
+        if (!capture_failure_logged_) {
+            capture_failure_logged_ = true;
+            std::fprintf(stderr,
+                         "pyspec: CUDA graph capture failed (%s); running that graph eagerly (further failures "
+                         "are counted in cuda_graph_stats(), not logged)\n",
+                         why.c_str());
+        }
+    }
+
+    // Executes every computed node in order on the stream (eagerly, or into an open capture).
+    void run_ops(Graph& graph) {
+        for (int id = 0; id < graph.size(); ++id) {
+            const Tensor& t = graph[id];
+            if (t.op == Op::NONE || t.op == Op::VIEW) continue;
+            try {
+                run_node(graph, id);
+            } catch (const std::runtime_error& e) {
+                throw std::runtime_error(std::string(e.what()) + " [" + op_name(t.op) + " '" + t.name + "']");
+            }
+            const cudaError_t e = cudaGetLastError();
+            if (e != cudaSuccess) {
+                throw std::runtime_error(std::string("cuda backend: ") + op_name(t.op) + " ('" + t.name +
+                                         "'): " + cudaGetErrorString(e));
+            }
+        }
+    }
+
     // --- memory ------------------------------------------------------------------------------
 
     bool on_device(const char* p) const {
@@ -342,6 +469,9 @@ private:
     std::map<std::pair<uintptr_t, size_t>, char*> uploads_;        // (host address, bytes) -> device copy
     std::vector<char*> resolved_;                                  // per tensor, during compute
     cuda::Scratch scratch_;
+    cuda::GraphCache graphs_;                                      // instantiated graphs by key
+    std::vector<uint64_t> key_;                                    // the key of this compute
+    bool capture_failure_logged_ = false;
 };
 
 }  // namespace

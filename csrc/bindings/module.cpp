@@ -13,6 +13,7 @@ void bind_draft(py::module_& m);
 void bind_spec(py::module_& m);
 void bind_registry(py::module_& m);
 void bind_spec_engine(py::module_& m);
+void bind_cuda(py::module_& m);
 }  // namespace pyspec
 
 PYBIND11_MODULE(_core, m) {
@@ -26,4 +27,5 @@ PYBIND11_MODULE(_core, m) {
     pyspec::bind_spec(m);
     pyspec::bind_registry(m);
     pyspec::bind_spec_engine(m);
+    pyspec::bind_cuda(m);
 }

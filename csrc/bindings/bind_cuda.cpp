@@ -1,0 +1,49 @@
+// CUDA graph controls for tests and debugging (issue 8 item 2): the switch PYSPEC_CUDA_GRAPHS sets
+// at start, and the capture / replay counters. In CPU-only builds they exist and do nothing.
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+
+#include "cuda/cuda_graphs.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+
+#ifndef PYSPEC_WITH_CUDA
+// Without the CUDA backend there is nothing to capture: the switch is remembered, the counters
+// stay zero.
+namespace {
+std::atomic<bool> g_cpu_only_switch{true};
+}
+void set_cuda_graphs(bool on) { g_cpu_only_switch = on; }
+bool cuda_graphs_enabled() { return false; }
+CudaGraphStats cuda_graph_stats() { return CudaGraphStats{}; }
+void reset_cuda_graph_stats() {}
+#endif
+
+void bind_cuda(py::module_& m) {
+    m.def("set_cuda_graphs", &set_cuda_graphs, py::arg("on"),
+          "Turns CUDA graph capture/replay of the CUDA backend on or off for every backend, from their "
+          "next compute (overrides PYSPEC_CUDA_GRAPHS).");
+    m.def("cuda_graphs_enabled", &cuda_graphs_enabled,
+          "Whether the CUDA backend captures and replays graphs (False in CPU-only builds).");
+    m.def(
+        "cuda_graph_stats",
+        []() {
+            const CudaGraphStats s = cuda_graph_stats();
+            py::dict d;
+            d["captures"] = s.captures;
+            d["replays"] = s.replays;
+            d["eager"] = s.eager;
+            d["capture_failures"] = s.capture_failures;
+            d["evictions"] = s.evictions;
+            d["live"] = s.live;
+            return d;
+        },
+        "Counters over every CUDA backend of the process: captures, replays, eager computes, "
+        "capture_failures, evictions, live (instantiated graphs held now).");
+    m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
+}
+
+}  // namespace pyspec

@@ -1,0 +1,37 @@
+// CUDA graph capture and replay of the CUDA backend's compute() (issue 8, item 2): the switch and
+// the counters. Plain C++ (no CUDA headers), so the bindings can include it in every build; the
+// definitions live in cuda/graph_cache.cu (CUDA builds) or in csrc/bindings/bind_cuda.cpp
+// (CPU-only builds, where they do nothing and count nothing).
+//
+// What is captured: the whole launch sequence of one compute(graph), keyed by everything a kernel
+// argument or a launch decision depends on (every tensor's op, type, shape, strides, sources and
+// op parameters, plus the resolved device address of every operand). The first sighting of a key
+// runs eagerly (the warm-up: weight uploads, cuBLAS handle, lazy kernel loading); the second is
+// captured, instantiated and launched; later ones replay the instantiated graph. Inputs written
+// before compute() and outputs read after it are plain copies outside the graph: the planner's
+// stable addresses (design.md invariant 1) keep them where the graph's kernels look.
+#pragma once
+
+#include <cstdint>
+
+namespace pyspec {
+
+struct CudaGraphStats {
+    uint64_t captures = 0;          // graphs captured and instantiated
+    uint64_t replays = 0;           // launches of an already instantiated graph
+    uint64_t eager = 0;             // compute() calls run op by op (graphs off, first sightings, failures)
+    uint64_t capture_failures = 0;  // captures that failed and fell back to eager execution
+    uint64_t evictions = 0;         // instantiated graphs dropped by the LRU bound
+    uint64_t live = 0;              // instantiated graphs held now, over all CUDA backends
+};
+
+// On by default; PYSPEC_CUDA_GRAPHS=0 (or off/false/no) in the environment turns it off at start.
+// set_cuda_graphs overrides the environment for every CUDA backend, from their next compute().
+void set_cuda_graphs(bool on);
+bool cuda_graphs_enabled();
+
+// Totals over every CUDA backend of the process since start (or the last reset).
+CudaGraphStats cuda_graph_stats();
+void reset_cuda_graph_stats();  // zeroes every counter but `live`
+
+}  // namespace pyspec

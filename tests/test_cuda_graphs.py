@@ -1,0 +1,351 @@
+"""CUDA graphs (issue 8, item 2): the CUDA backend captures a graph's launch sequence the second
+time it sees the same (graph structure, op parameters, device addresses) and replays it after that;
+replays must give exactly what eager execution gives.
+
+Runs anywhere (CPU-only builds included): the switch and the counters exist and behave
+(`_core.set_cuda_graphs`, `cuda_graphs_enabled`, `cuda_graph_stats`, `reset_cuda_graph_stats`).
+
+On the GPU (skipped with the reason when _core.cuda_available() is false):
+- decode steps of tiny llama / qwen3 models (F32, F16, Q4_1 weights) with identical shapes and
+  different tokens, positions and sequences (prompt chunks, single-token decode, verify-shaped
+  batches of two sequences, a rollback, layer-input outputs, a span bucket crossed): the logits
+  (and layer inputs) of a context running with graphs equal those of one running eagerly bit for
+  bit, and the counters show captures and replays and no capture failure;
+- SpecEngine (target verify steps and drafter steps, greedy and sampled): the same tokens and
+  verified blocks with graphs on as off, with replays;
+- PYSPEC_CUDA_GRAPHS=0 in a subprocess runs everything eagerly (no capture, no replay) and gives
+  the same bits as graphs in this process; PYSPEC_CUDA_GRAPH_CACHE=1 evicts and still matches.
+
+PYSPEC_TEST_DEVICE_BACKEND=cpu runs the GPU tests with the CPU in the device's place (counters are
+then not checked), which checks the tests themselves on a machine without a GPU.
+
+On the GPU machine (after building with -DPYSPEC_CUDA=ON):
+    python -m pytest -q tests/test_cuda_graphs.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pyspec
+from pyspec import _core
+from tiny_models import write_tiny_model
+
+from conftest import subprocess_env  # noqa: E402
+from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu  # noqa: E402
+
+HAS_SWITCH = hasattr(_core, "set_cuda_graphs")
+needs_switch = pytest.mark.skipif(
+    not HAS_SWITCH, reason="pyspec._core has no set_cuda_graphs (csrc/bindings/module.cpp does not call bind_cuda)")
+# Counters only move when the device really is the GPU.
+ON_GPU = DEVICE == "cuda" and CUDA_OK
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def graphs(on: bool):
+    """Graphs on/off for the block (every backend, from its next compute); restores the setting."""
+    if not HAS_SWITCH:
+        yield
+        return
+    prev = _core.cuda_graphs_enabled()
+    _core.set_cuda_graphs(on)
+    try:
+        yield
+    finally:
+        _core.set_cuda_graphs(prev)
+
+
+def stats() -> dict:
+    return dict(_core.cuda_graph_stats())
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after if k != "live"}
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    b = np.ascontiguousarray(b, dtype=np.float32)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Everywhere
+
+
+@needs_switch
+def test_switch_and_counters():
+    keys = {"captures", "replays", "eager", "capture_failures", "evictions", "live"}
+    assert set(stats()) == keys
+    with graphs(False):
+        assert _core.cuda_graphs_enabled() is False
+    with graphs(True):
+        # Only a build with the CUDA backend has graphs to turn on.
+        assert _core.cuda_graphs_enabled() is (CUDA_OK or "without CUDA" not in CUDA_REASON)
+    _core.reset_cuda_graph_stats()
+    s = stats()
+    assert all(s[k] == 0 for k in keys - {"live"})
+    assert s["live"] >= 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A decode schedule with repeated shapes and changing inputs.
+
+N_SEQ = 2
+N_CTX_SEQ = 512  # span buckets of 256: a sequence crossing position 256 changes the graph's shape
+N_BATCH = 64
+
+
+def schedule(n_vocab: int, seed: int = 0):
+    """[(rows [(seq, pos, token)], output mask or None = last row, layer ids)]: prompts in chunks of
+    N_BATCH rows, single-token steps, verify-shaped steps (4 rows of each of two sequences), a
+    rollback and re-decode, layer-input outputs, and single-token steps across position 256."""
+    rng = np.random.default_rng(seed)
+
+    def toks(n):
+        return [int(t) for t in rng.integers(0, n_vocab, n)]
+
+    steps = []
+    # Prompts: 200 rows of seq 0 (chunks 64, 64, 64, 8), 70 of seq 1.
+    steps.append(([(0, p, t) for p, t in enumerate(toks(200))], None, []))
+    steps.append(([(1, p, t) for p, t in enumerate(toks(70))], None, []))
+    pos = {0: 200, 1: 70}
+    for _ in range(12):  # decode seq 0
+        steps.append(([(0, pos[0], toks(1)[0])], None, []))
+        pos[0] += 1
+    for i in range(8):  # verify-shaped: 4 rows of each sequence, every row an output
+        rows = []
+        for s in (0, 1):
+            rows += [(s, pos[s] + j, t) for j, t in enumerate(toks(4))]
+            pos[s] += 4
+        steps.append((rows, [True] * len(rows), [1] if i % 3 == 2 else []))
+    # Roll back seq 1 by 6 positions (kv_remove is done by the runner) and re-decode the same shape.
+    steps.append(("rollback", 1, pos[1] - 6))
+    pos[1] -= 6
+    for _ in range(4):
+        rows = [(0, pos[0], toks(1)[0]), (1, pos[1], toks(1)[0])]
+        pos[0] += 1
+        pos[1] += 1
+        steps.append((rows, [True, True], []))
+    while pos[0] < 262:  # seq 0 across position 256: a new span bucket, its own capture
+        steps.append(([(0, pos[0], toks(1)[0])], None, []))
+        pos[0] += 1
+    return steps
+
+
+def run_step(ctx, step):
+    """Runs one step of schedule(); returns the arrays to compare."""
+    if step[0] == "rollback":
+        ctx.kv_remove(step[1], step[2])
+        return []
+    rows, output, layers = step
+    seq, pos, tok = (np.array(c) for c in zip(*rows))
+    out = np.zeros(len(rows), bool)
+    if output is None:
+        out[-1] = True
+    else:
+        out[:] = output
+    r = ctx.decode(tok, positions=pos, seq_ids=seq, output=out, layer_inputs=layers)
+    return [r.logits] + [r.layer_inputs[k] for k in sorted(r.layer_inputs)]
+
+
+def make_context(model, backend):
+    return pyspec.Context(model, n_ctx=N_CTX_SEQ * N_SEQ, n_seq_max=N_SEQ, n_batch=N_BATCH, backend=backend)
+
+
+_models = {}
+
+
+def tiny(model_dir, arch, wt):
+    if (arch, wt) not in _models:
+        tm = write_tiny_model(model_dir / f"{arch}-{wt}.gguf", arch, wt, seed=29)
+        _models[(arch, wt)] = (tm, pyspec.Model(str(tm.path), n_threads=2))
+    return _models[(arch, wt)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models_graphs")
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU
+
+
+@gpu
+@needs_switch
+@pytest.mark.parametrize("arch,wt", [("llama", "F32"), ("llama", "Q4_1"), ("qwen3", "F16")])
+def test_decode_replay_equals_eager(model_dir, arch, wt):
+    tm, model = tiny(model_dir, arch, wt)
+    eager = make_context(model, DEVICE)
+    graphed = make_context(model, DEVICE)
+    before = stats()
+    for i, step in enumerate(schedule(model.n_vocab, seed=1)):
+        with graphs(False):
+            want = run_step(eager, step)
+        with graphs(True):
+            got = run_step(graphed, step)
+        assert len(got) == len(want)
+        for k, (g, w) in enumerate(zip(got, want)):
+            assert np.all(np.isfinite(w)), f"step {i}"
+            assert same_bits(g, w), f"{arch} {wt} step {i} output {k}: replay differs from eager " \
+                                    f"(max |diff| {np.max(np.abs(g.astype(np.float64) - w)):.3g})"
+    d = delta(stats(), before)
+    if ON_GPU:
+        assert d["capture_failures"] == 0, d
+        # 64-row prompt chunks, 1-row decode (two span buckets), 8-row verify (with and without
+        # layer inputs), 2-row steps: each shape seen at least twice is captured once.
+        assert d["captures"] >= 4, d
+        # 12 + 6 single-token steps, 8 verify steps, 4 two-row steps: most of them replays.
+        assert d["replays"] >= 15, d
+        assert stats()["live"] >= 1
+
+
+@gpu
+@needs_switch
+def test_same_shape_different_inputs_are_not_stale(model_dir):
+    """The same single-token step replayed with different tokens gives different logits (each equal
+    to eager): a replay reads this call's inputs, not the captured call's."""
+    tm, model = tiny(model_dir, "llama", "F32")
+    graphed = make_context(model, DEVICE)
+    eager = make_context(model, DEVICE)
+    prompt = [(0, p, (7 * p + 3) % model.n_vocab) for p in range(10)]
+    for ctx, on in ((eager, False), (graphed, True)):
+        with graphs(on):
+            run_step(ctx, (prompt, None, []))
+    seen = []
+    for p, tok in enumerate([1, 2, 1, 5, 9, 2], start=10):
+        for ctx in (eager, graphed):  # branch both from the same prompt: clear position p first
+            ctx.kv_remove(0, 10)
+        with graphs(False):
+            want = run_step(eager, ([(0, 10, tok)], None, []))[0]
+        with graphs(True):
+            got = run_step(graphed, ([(0, 10, tok)], None, []))[0]
+        assert same_bits(got, want), tok
+        seen.append((tok, got))
+    for (t1, a), (t2, b) in zip(seen, seen[1:]):
+        assert same_bits(a, b) == (t1 == t2)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from test_speculative import Pairs
+
+    return Pairs(tmp_path_factory.mktemp("graphs_spec"))
+
+
+_known = {}
+
+
+def known_pair(pairs):
+    """(target, drafter) paths of the known-acceptance pair, written once (rewriting the files
+    would pull them from under models that have them mapped)."""
+    if id(pairs) not in _known:
+        target, drafter, f, h, agree = pairs.known_acceptance(0.6, True, seed=3)
+        _known[id(pairs)] = (target, drafter)
+    return _known[id(pairs)]
+
+
+def _engine_run(pairs, backend, sampled):
+    target, drafter = known_pair(pairs)
+    model = _core.Model(target)
+    dm = _core.DraftModel(drafter, model)
+    engine = _core.SpecEngine(model, dm, n_ctx=256 * 3, n_seq_max=3, n_draft_slots=3, n_batch=64,
+                              draft_n_batch=128, n_threads=2, draft_n_max=5, prefill_chunk=16, backend=backend)
+    prompts = {1: [5], 2: [17, 3, 4], 3: list(range(100, 130))}
+    for rid, prompt in prompts.items():
+        if sampled:
+            engine.add_request(rid, prompt, max_tokens=24, temperature=0.8, seed=100 + rid, verify="rejection")
+        else:
+            engine.add_request(rid, prompt, max_tokens=24, verify="greedy")
+    tokens = {rid: [] for rid in prompts}
+    blocks = {rid: [] for rid in prompts}
+    while engine.n_requests:
+        for o in engine.step():
+            tokens[o["request_id"]] += o["tokens"]
+            if o["verified"]:
+                blocks[o["request_id"]].append(list(o["verified"]))
+    return tokens, blocks
+
+
+@gpu
+@needs_switch
+@pytest.mark.parametrize("sampled", [False, True])
+def test_spec_engine_replay_equals_eager(pairs, sampled):
+    with graphs(False):
+        want = _engine_run(pairs, DEVICE, sampled)
+    before = stats()
+    with graphs(True):
+        got = _engine_run(pairs, DEVICE, sampled)
+    d = delta(stats(), before)
+    assert got == want
+    assert all(len(t) > 0 for t in got[0].values())
+    if ON_GPU:
+        assert d["capture_failures"] == 0, d
+        assert d["captures"] >= 1 and d["replays"] >= 5, d
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment switch, in a subprocess.
+
+CHILD = r"""
+import json, sys
+import numpy as np
+import pyspec
+from pyspec import _core
+import test_cuda_graphs as t
+model = pyspec.Model(sys.argv[1], n_threads=2)
+ctx = t.make_context(model, sys.argv[2])
+_core.reset_cuda_graph_stats()
+outs = []
+for step in t.schedule(model.n_vocab, seed=4):
+    outs += t.run_step(ctx, step)
+np.savez(sys.argv[3], *outs)
+print(json.dumps({"enabled": _core.cuda_graphs_enabled(), "stats": dict(_core.cuda_graph_stats())}))
+"""
+
+
+def _child(model_path, out, **env):
+    e = subprocess_env()
+    e["PYTHONPATH"] = str(TESTS_DIR) + os.pathsep + e["PYTHONPATH"]
+    e.update(env)
+    r = subprocess.run([sys.executable, "-c", CHILD, str(model_path), DEVICE, str(out)], env=e, cwd=str(out.parent),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@gpu
+@needs_switch
+def test_env_switch_in_a_subprocess(model_dir, tmp_path):
+    tm, model = tiny(model_dir, "qwen3", "F16")
+    ctx = make_context(model, DEVICE)
+    with graphs(True):
+        mine = []
+        for step in schedule(model.n_vocab, seed=4):
+            mine += run_step(ctx, step)
+
+    off = _child(tm.path, tmp_path / "off.npz", PYSPEC_CUDA_GRAPHS="0")
+    assert off["enabled"] is False
+    assert off["stats"]["captures"] == 0 and off["stats"]["replays"] == 0
+    tiny_cache = _child(tm.path, tmp_path / "lru.npz", PYSPEC_CUDA_GRAPHS="1", PYSPEC_CUDA_GRAPH_CACHE="1")
+    if ON_GPU:
+        assert off["stats"]["eager"] > 0
+        assert tiny_cache["enabled"] is True
+        s = tiny_cache["stats"]
+        assert s["capture_failures"] == 0 and s["captures"] >= 2 and s["evictions"] >= 1 and s["replays"] >= 1, s
+    for name in ("off.npz", "lru.npz"):
+        with np.load(tmp_path / name) as z:
+            theirs = [z[f"arr_{i}"] for i in range(len(z.files))]
+        assert len(theirs) == len(mine)
+        for i, (a, b) in enumerate(zip(theirs, mine)):
+            assert same_bits(a, b), f"{name}: output {i} differs from graphs in this process"
