@@ -12,7 +12,7 @@ random-weight DSpark drafter converted against its GGUF (acceptance ~0: the cost
 with a useless drafter). Prompt processing is timed too (both sides prefill the same prompts).
 Run by hand on an otherwise idle machine; numbers on a shared machine are noisy.
 
-    PYTHONPATH=. python bench/bench_spec_engine.py [-t 2] [-n 64]
+    PYTHONPATH=. python bench/bench_spec_engine.py [-t 2] [-n 64] [--drafter D.gguf]
 """
 
 import argparse
@@ -95,6 +95,10 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--drafter", help="a DSpark/DFlash GGUF trained for SmolLM2 (pyspec-train-drafter) "
+                    "instead of the random-weight one")
+    ap.add_argument("--draft-n-max", type=int, default=3, help="drafts per round with --drafter")
+    ap.add_argument("--skip-tiny", action="store_true")
     args = ap.parse_args()
     from test_speculative import Pairs
     from bench_speculative import smollm2_drafter
@@ -104,16 +108,19 @@ def main() -> int:
         pairs = Pairs(root)
         target, drafter, *_ = pairs.known_acceptance(0.7, True, seed=3)
         prompts = [[7 + 5 * i, 9 + i, 11 + 3 * i] for i in range(8)]
-        bench_pair("tiny known acc 0.7", target, drafter, prompts, args.n, args.threads, 5, 3)
+        if not args.skip_tiny:
+            bench_pair("tiny known acc 0.7", target, drafter, prompts, args.n, args.threads, 5, 3)
         if not args.skip_smollm2:
             smol = pyspec.model.default_model_path()
-            drafter = smollm2_drafter(root, smol)
+            drafter = args.drafter or smollm2_drafter(root, smol)
             llm = pyspec.LLM(smol, n_ctx=64)
             texts = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
                      "The best way to learn", "In 1969, the first", "Water boils at",
                      "My favourite colour is", "A haiku about autumn:"]
             prompts = [llm.tokenize(t) for t in texts]
-            bench_pair("smollm2 random dspark", smol, drafter, prompts, args.n, args.threads, 3, 2)
+            name = "smollm2 trained drafter" if args.drafter else "smollm2 random dspark"
+            bench_pair(name, smol, drafter, prompts, args.n, args.threads,
+                       args.draft_n_max if args.drafter else 3, 2)
     return 0
 
 
