@@ -46,5 +46,14 @@ void launch_matmul(DType wtype, const void* w, int64_t n_rows, int64_t k, size_t
                    int64_t x_stride, int64_t m, float* y, int64_t y_stride, cublasHandle_t blas, Scratch& scratch,
                    cudaStream_t s);
 
+// MUL_MAT on tensor cores (cuda/matmul_tc.cu), batch-invariant by a fixed per-output mma sequence;
+// launch_matmul uses it for every M when matmul_tc_enabled() (env PYSPEC_CUDA_TC=1, read at each
+// call: a backend's captured CUDA graphs keep the kernel they were captured with) and
+// matmul_tc_supports(wtype, k) (F16/BF16 with K % 8 == 0, Q8_0/Q4_0/Q4_1); F32 weights never.
+bool matmul_tc_enabled();
+bool matmul_tc_supports(DType wtype, int64_t k);
+void launch_matmul_tc(DType wtype, const void* w, int64_t n_rows, int64_t k, size_t w_row_bytes, const float* x,
+                      int64_t x_stride, int64_t m, float* y, int64_t y_stride, cudaStream_t s);
+
 }  // namespace cuda
 }  // namespace pyspec

@@ -11,7 +11,7 @@
 // its place in the batch or on its neighbours. No cuBLAS: its kernels (and their split-K and
 // reduction orders) change with M. The price is CUDA-core FP32 FMA for large batches instead of
 // tensor cores; a tensor-core GEMM with a fixed k order per output, used for every M, would bring
-// prefill speed back (see the notes in the launcher).
+// prefill speed back (see the notes in the launcher): cuda/matmul_tc.cu, opt-in (PYSPEC_CUDA_TC=1).
 #include <algorithm>
 
 #include "cuda/kernels.h"
@@ -269,11 +269,15 @@ void mul_mat_typed(const void* w, int64_t n, int64_t k, size_t rb, const float* 
 // that cuBLAS's F16/BF16 tensor-core GEMMs reach; prefill and 64-sequence batches therefore spend
 // about 10-20x longer in MUL_MAT. What brings it back: a tensor-core GEMM (mma.sync or wgmma, F32
 // accumulators) whose per-output order is fixed by K alone (the same k-chunk sequence and the same
-// split for every M, M = 1 padded to the instruction's N), used for all batch sizes.
+// split for every M, M = 1 padded to the instruction's N), used for all batch sizes. That is
+// cuda/matmul_tc.cu (mma.sync m16n8k16), behind PYSPEC_CUDA_TC=1 until a GPU session validates it.
 void launch_matmul(DType t, const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m,
                    float* y, int64_t ys, cublasHandle_t, Scratch&, cudaStream_t s) {
     if (m <= 0 || n <= 0) return;
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
+    // Tensor cores (cuda/matmul_tc.cu), opt-in until validated on the GPU: chosen by the weight type
+    // and K only, never by M, so every batch size of a weight takes the same path.
+    if (matmul_tc_enabled() && matmul_tc_supports(t, k)) return launch_matmul_tc(t, w, n, k, rb, x, xs, m, y, ys, s);
     const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
     if (float_type && k % 8 != 0) {
         k_mul_mat_generic<<<grid_for(n, kWarps), kWarps * 32, 0, s>>>(t, static_cast<const char*>(w), n, k,

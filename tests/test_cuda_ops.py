@@ -33,7 +33,7 @@ from pyspec import _core as core
 NEG_INF = -np.inf
 
 
-from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu  # noqa: E402
+from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu, real_gpu  # noqa: E402
 
 BATCHES = [1, 4, 16, 64, 300]
 FLOAT_W = cpu.FLOAT_W
@@ -207,11 +207,24 @@ def check_mul_mat(dtype, n_rows, k, m, seed, **view):
 MM_SHAPES = [(104, 512), (257, 2048)]  # (weight rows, K): partial tiles, a long reduction
 
 
+@pytest.fixture(params=["cuda_cores", "tensor_cores"])
+def mm_path(request, monkeypatch):
+    """MUL_MAT's two CUDA paths: the default CUDA-core kernels and the opt-in tensor-core GEMM
+    (cuda/matmul_tc.cu, PYSPEC_CUDA_TC=1; F16 activations for F16 and quantized weights, BF16 for
+    BF16, which mul_mat_bound allows). The backend reads the variable at each MUL_MAT launch, and
+    run_graph makes a new backend (and graph cache) per call. The CPU ignores it."""
+    if request.param == "tensor_cores":
+        monkeypatch.setenv("PYSPEC_CUDA_TC", "1")
+    else:
+        monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    return request.param
+
+
 @gpu
 @pytest.mark.parametrize("shape", MM_SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}")
 @pytest.mark.parametrize("m", BATCHES)
 @pytest.mark.parametrize("dtype", ALL_W)
-def test_mul_mat(dtype, m, shape):
+def test_mul_mat(dtype, m, shape, mm_path):
     n_rows, k = shape
     check_mul_mat(dtype, n_rows, k, m, seed=m * 7 + n_rows)
 
@@ -219,7 +232,7 @@ def test_mul_mat(dtype, m, shape):
 @gpu
 @pytest.mark.parametrize("m", [1, 16, 300])
 @pytest.mark.parametrize("dtype", ALL_W)
-def test_mul_mat_strided_operands(dtype, m):
+def test_mul_mat_strided_operands(dtype, m, mm_path):
     """Activations as a view into wider rows, weights as a row slice of a larger matrix."""
     check_mul_mat(dtype, 72, 256, m, seed=500 + m, x_pad=32, w_pad_rows=24)
 
@@ -227,14 +240,14 @@ def test_mul_mat_strided_operands(dtype, m):
 @gpu
 @pytest.mark.parametrize("m", [1, 5, 64])
 @pytest.mark.parametrize("dtype", FLOAT_W)
-def test_mul_mat_float_weights_odd_k(dtype, m):
+def test_mul_mat_float_weights_odd_k(dtype, m, mm_path):
     """Float weights take any K (no 32-blocks): tails of vector loads and reductions."""
     check_mul_mat(dtype, 33, 200, m, seed=900 + m)
 
 
 @gpu
 @pytest.mark.parametrize("dtype", ALL_W)
-def test_mul_mat_rows_are_batch_invariant(dtype):
+def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):
     """A row's result is the same bits alone (M = 1) and at any position of a batch of 4, 16, 64 or
     300 rows, whatever kernel each batch size takes (design.md invariant 7)."""
     n_rows, k = 257, 1024
@@ -252,6 +265,47 @@ def test_mul_mat_rows_are_batch_invariant(dtype):
         got = got.reshape(m, n_rows)
         for i in sorted({0, m // 2, m - 1}):
             assert np.array_equal(got[i], single(i)), (m, i)
+
+
+@gpu
+@pytest.mark.parametrize("k", [1024, 200])
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_mul_mat_every_row_is_batch_invariant_across_tiles(dtype, k, mm_path):
+    """Every row of batches whose sizes straddle the launch shapes' and tiles' edges (1, 7, 8, 9, 31,
+    33, 63, 65, 129) equals, bit for bit, the same row in a batch of 300: no row's bits depend on the
+    tile, warp, fragment or lane it lands in, nor on the pad columns of a partial tile. K = 200
+    (float weights only) ends in a partial k tile."""
+    if k % 32 and dtype not in FLOAT_W:
+        pytest.skip("block types need K % 32 == 0")
+    n_rows = 200
+    stored, x = mm_inputs(dtype, n_rows, k, 300, seed=k + 31)
+    (full,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    full = full.reshape(300, n_rows)
+    for m in [1, 7, 8, 9, 31, 33, 63, 65, 129]:
+        (got,) = run_on(DEVICE, matmul_build(stored, dtype, x[:m], n_rows))
+        got = got.reshape(m, n_rows)
+        bad = [i for i in range(m) if not np.array_equal(got[i], full[i])]
+        assert not bad, (m, bad[:8])
+
+
+@real_gpu
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "Q8_0"])
+def test_mul_mat_tensor_core_switch_takes_effect(dtype, monkeypatch):
+    """PYSPEC_CUDA_TC=1 really changes the kernel (rounded activations give other low bits than the
+    CUDA-core path's F32 activations), so the tensor_cores cases above test what they claim; F32
+    weights stay on CUDA cores either way."""
+    n_rows, k, m = 64, 512, 16
+    stored, x = mm_inputs(dtype, n_rows, k, m, seed=5)
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    (core_out,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "1")
+    (tc_out,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    assert not np.array_equal(core_out, tc_out)
+    stored32, x32 = mm_inputs("F32", n_rows, k, m, seed=5)
+    (f32_tc,) = run_on(DEVICE, matmul_build(stored32, "F32", x32, n_rows))
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    (f32_core,) = run_on(DEVICE, matmul_build(stored32, "F32", x32, n_rows))
+    assert np.array_equal(f32_tc, f32_core)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,408 @@
+// MUL_MAT on tensor cores, batch-invariant (design.md invariant 7), behind PYSPEC_CUDA_TC=1 (off by
+// default: launch_matmul keeps the CUDA-core kernels of ops_matmul.cu until a GPU session has
+// validated this path; see matmul_tc_enabled).
+//
+// What is computed. dst[n, m] = sum_k w[k, n] * x[k, m] with one mma.sync.m16n8k16 family (F32
+// accumulators): the weight rows are the mma's A (rows = n, "row" layout, k contiguous), the
+// activation columns its B ("col" layout, k contiguous), an output (n, m) one element of D.
+//   - F16 weights: the weights as stored; activations rounded to F16 (round to nearest even).
+//   - BF16 weights: the weights as stored; activations rounded to BF16 (round to nearest even, the
+//     bits of core/dtype.h's fp32_to_bf16), BF16 mma.
+//   - Q8_0 / Q4_0 / Q4_1 weights: each value dequantized in F32 exactly as load_elem does
+//     (q * d, d * (q - 8), d * q + m with the product rounded first), then rounded to F16 in shared
+//     memory (as llama.cpp's dequantize-to-F16 + GEMM path does); activations rounded to F16.
+//     Error per product <= 2^-10 |x w| (two F16 roundings), inside the Q8-activation bound the
+//     tests hold the GPU to (tests/test_cuda_ops.py mul_mat_bound), and far inside its 6 sigma.
+//   - F32 weights never come here (TF32 would break the F32 tolerance): CUDA cores.
+// Known limits of F16 activations / dequantized weights: |x| > 65504 becomes inf, |x| < 2^-14 loses
+// relative precision (subnormal F16); the CUDA-core path keeps activations in F32.
+//
+// The reduction order (why a row's bits cannot depend on its batch). An output's accumulator is
+// one F32 register of one warp, set to +0.0f, then updated by one m16n8k16 mma per k-chunk
+// c = 0, 1, ..., ceil(K / 32) * 2 - 1 in increasing c (two chunks per 32-wide block tile, block
+// tiles in increasing k; chunks past K are zeros, and which chunks those are depends on K only).
+// No split-K: a block owns all of K for its tile, so nothing is merged across warps or blocks. The
+// A and B values of chunk c are the same bits whatever M is: A is a function of the weight row
+// (and its type) only, B of the activation column only (a deterministic rounding of x). An mma
+// computes D[i][j] from row i of A, column j of B and C[i][j] alone, the same way for every
+// (i, j) (a fixed-function dot-product unit; the invariance test checks it), so where the output
+// lands (which block, warp, fragment, lane or register; which launch configuration; the neighbour
+// columns, including the pad columns of a partial tile, clamped copies of the last column) cannot
+// change its bits. The launch configuration (tile sizes below) is chosen by M for speed only; every
+// configuration issues the same mma shape and the same chunk sequence per output. M = 1 runs the
+// same instruction as M = 512 (column 0 of an n8 tile, the other 7 columns clamped copies).
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <string>
+
+#include "cuda/kernels.h"
+
+namespace pyspec {
+namespace cuda {
+
+namespace {
+
+constexpr int kBK = 32;          // k per block tile: two m16n8k16 chunks, in increasing k
+constexpr int kLd = kBK + 8;     // shared-memory row in halves: 80 bytes, ldmatrix conflict-free
+
+// One 8-value weight chunk as loaded from global memory, converted to 8 halves when it is stored
+// to shared memory (after the tile's mmas, so the loads' latency hides behind them).
+// F16/BF16: the 8 halves. Q*: a, b = the 8 quant bytes, c = d (| m << 16 for Q4_1).
+struct WRaw {
+    uint32_t a, b, c, d;
+};
+
+__device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+__device__ __forceinline__ uint32_t ld8x2(const char* p) {  // 4 bytes at a 2-byte aligned address
+    return pack2(ld16(p), ld16(p + 2));
+}
+
+// Chunk kc8 (values 8 kc8 .. 8 kc8 + 7) of a weight row; !valid (past K) gives zeros.
+template <DType T>
+__device__ __forceinline__ WRaw load_w(const char* row, int64_t kc8, bool valid, bool vec) {
+    WRaw r{0u, 0u, 0u, 0u};
+    if constexpr (T == DType::F16 || T == DType::BF16) {
+        if (!valid) return r;
+        const char* p = row + kc8 * 16;
+        if (vec) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p);
+            r.a = v.x; r.b = v.y; r.c = v.z; r.d = v.w;
+        } else {
+            r.a = ld8x2(p); r.b = ld8x2(p + 4); r.c = ld8x2(p + 8); r.d = ld8x2(p + 12);
+        }
+    } else {
+        (void)valid;  // K is a multiple of 32 for block types: every chunk is inside the row
+        (void)vec;
+        const int64_t b = kc8 >> 2;
+        const int part = static_cast<int>(kc8 & 3);
+        if constexpr (T == DType::Q8_0) {
+            const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ8_0));
+            const char* q = blk + 2 + part * 8;
+            r.a = ld8x2(q); r.b = ld8x2(q + 4); r.c = ld16(blk);
+        } else if constexpr (T == DType::Q4_0) {
+            const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ4_0));
+            const char* q = blk + 2 + (part & 1) * 8;  // values j < 16: low nibbles of qs[j]; j >= 16: high of qs[j - 16]
+            r.a = ld8x2(q); r.b = ld8x2(q + 4); r.c = ld16(blk);
+        } else {  // Q4_1
+            const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ4_1));
+            const char* q = blk + 4 + (part & 1) * 8;
+            r.a = ld8x2(q); r.b = ld8x2(q + 4); r.c = pack2(ld16(blk), ld16(blk + 2));
+        }
+    }
+    return r;
+}
+
+// The 8 halves (F16, or BF16 for BF16 weights) of a chunk; part = kc8 & 3 (which quarter of the
+// 32-value block: Q4 nibble choice).
+template <DType T>
+__device__ __forceinline__ uint4 w_halves(const WRaw& r, int part) {
+    if constexpr (T == DType::F16 || T == DType::BF16) {
+        (void)part;
+        return make_uint4(r.a, r.b, r.c, r.d);
+    } else {
+        const uint32_t bytes[2] = {r.a, r.b};
+        float v[8];
+        if constexpr (T == DType::Q8_0) {
+            (void)part;
+            const float d = h2f(static_cast<uint16_t>(r.c & 0xffffu));
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                const int8_t q = static_cast<int8_t>((bytes[t >> 2] >> (8 * (t & 3))) & 0xffu);
+                v[t] = static_cast<float>(q) * d;
+            }
+        } else {
+            const float d = h2f(static_cast<uint16_t>(r.c & 0xffffu));
+            const int shift = part < 2 ? 0 : 4;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                const int q = static_cast<int>((bytes[t >> 2] >> (8 * (t & 3) + shift)) & 15u);
+                if constexpr (T == DType::Q4_0) {
+                    v[t] = d * static_cast<float>(q - 8);
+                } else {
+                    const float mn = h2f(static_cast<uint16_t>(r.c >> 16));
+                    v[t] = __fmul_rn(d, static_cast<float>(q)) + mn;
+                }
+            }
+        }
+        return make_uint4(pack2(f2h(v[0]), f2h(v[1])), pack2(f2h(v[2]), f2h(v[3])), pack2(f2h(v[4]), f2h(v[5])),
+                          pack2(f2h(v[6]), f2h(v[7])));
+    }
+}
+
+// 4 activations -> 4 halves (BF16 for BF16 weights, F16 otherwise), round to nearest even.
+template <DType T>
+__device__ __forceinline__ uint2 x_halves(const float4 v) {
+    if constexpr (T == DType::BF16) {
+        return make_uint2(pack2(f2bf(v.x), f2bf(v.y)), pack2(f2bf(v.z), f2bf(v.w)));
+    } else {
+        return make_uint2(pack2(f2h(v.x), f2h(v.y)), pack2(f2h(v.z), f2h(v.w)));
+    }
+}
+
+__device__ __forceinline__ float4 load_x4(const float* col, int64_t k0, bool valid, bool vec) {
+    if (!valid) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (vec) return *reinterpret_cast<const float4*>(col + k0);
+    return make_float4(col[k0], col[k0 + 1], col[k0 + 2], col[k0 + 3]);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+// D += A * B, m16n8k16, F32 accumulate; the one instruction every output of every M goes through.
+template <bool kBF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (kBF16) {
+        asm(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+#else
+    (void)d; (void)a; (void)b;
+    __trap();  // built for a GPU without m16n8k16 (sm_80+ only); the host never selects it there
+#endif
+}
+
+// Block tile: BN = WN * TN * 16 weight rows x BM = WM * TM * 8 activation columns x kBK, WN x WM
+// warps, warp (wn, wm) owning TN x TM mma tiles (rows wn * TN * 16 .., columns wm * TM * 8 ..).
+// Two shared-memory stages; the next tile's global loads go to registers before this tile's mmas
+// and to the other stage after them, one barrier per tile. Rows past n and columns past m are
+// clamped to the last one (loaded and computed, never stored); k past K is zero-filled.
+template <DType T, int WN, int WM, int TN, int TM>
+__global__ void __launch_bounds__(WN * WM * 32)
+    k_mul_mat_tc(const char* __restrict__ w, int64_t n, int64_t k, int64_t rb, bool w_vec, const float* __restrict__ x,
+                 int64_t xs, bool x_vec, int64_t m, float* __restrict__ y, int64_t ys) {
+    constexpr int kThreads = WN * WM * 32;
+    constexpr int BN = WN * TN * 16, BM = WM * TM * 8;
+    constexpr int kWChunks = BN * (kBK / 8), kXChunks = BM * (kBK / 4);
+    constexpr int kWIt = (kWChunks + kThreads - 1) / kThreads, kXIt = (kXChunks + kThreads - 1) / kThreads;
+    constexpr bool kBF16 = T == DType::BF16;
+    static_assert(TM == 1 || TM % 2 == 0, "B fragments load in pairs");
+
+    __shared__ __align__(16) uint16_t As[2][BN][kLd];
+    __shared__ __align__(16) uint16_t Bs[2][BM][kLd];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wn = warp % WN, wm = warp / WN;
+    const int64_t n0 = static_cast<int64_t>(blockIdx.y) * BN, m0 = static_cast<int64_t>(blockIdx.x) * BM;
+    const int64_t n_tiles = (k + kBK - 1) / kBK;
+
+    // This thread's load slots: weight chunk (row, 8-value chunk) and activation chunk (column,
+    // 4-value chunk) of every tile.
+    const char* wrow[kWIt];
+    int ws_row[kWIt], ws_c[kWIt];
+    bool w_on[kWIt];
+#pragma unroll
+    for (int i = 0; i < kWIt; ++i) {
+        const int c = tid + i * kThreads;
+        w_on[i] = kWChunks % kThreads == 0 || c < kWChunks;
+        ws_row[i] = w_on[i] ? c / (kBK / 8) : 0;
+        ws_c[i] = c % (kBK / 8);
+        wrow[i] = w + min(n0 + ws_row[i], n - 1) * rb;
+    }
+    const float* xcol[kXIt];
+    int xs_col[kXIt], xs_c[kXIt];
+    bool x_on[kXIt];
+#pragma unroll
+    for (int i = 0; i < kXIt; ++i) {
+        const int c = tid + i * kThreads;
+        x_on[i] = kXChunks % kThreads == 0 || c < kXChunks;
+        xs_col[i] = x_on[i] ? c / (kBK / 4) : 0;
+        xs_c[i] = c % (kBK / 4);
+        xcol[i] = x + min(m0 + xs_col[i], m - 1) * xs;
+    }
+
+    WRaw wst[kWIt];
+    float4 xst[kXIt];
+    auto load_tile = [&](int64_t kt) {
+#pragma unroll
+        for (int i = 0; i < kWIt; ++i) {
+            const int64_t kc8 = kt * (kBK / 8) + ws_c[i];
+            wst[i] = load_w<T>(wrow[i], kc8, kc8 * 8 < k, w_vec);
+        }
+#pragma unroll
+        for (int i = 0; i < kXIt; ++i) {
+            const int64_t k0 = kt * kBK + xs_c[i] * 4;
+            xst[i] = load_x4(xcol[i], k0, k0 < k, x_vec);
+        }
+    };
+    auto store_tile = [&](int buf) {
+#pragma unroll
+        for (int i = 0; i < kWIt; ++i) {
+            if (w_on[i]) *reinterpret_cast<uint4*>(&As[buf][ws_row[i]][ws_c[i] * 8]) = w_halves<T>(wst[i], ws_c[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < kXIt; ++i) {
+            if (x_on[i]) *reinterpret_cast<uint2*>(&Bs[buf][xs_col[i]][xs_c[i] * 4]) = x_halves<T>(xst[i]);
+        }
+    };
+
+    float acc[TN][TM][4];
+#pragma unroll
+    for (int i = 0; i < TN; ++i) {
+#pragma unroll
+        for (int j = 0; j < TM; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+        }
+    }
+
+    load_tile(0);
+    store_tile(0);
+    __syncthreads();
+    for (int64_t kt = 0; kt < n_tiles; ++kt) {
+        const int buf = static_cast<int>(kt & 1);
+        const bool more = kt + 1 < n_tiles;
+        if (more) load_tile(kt + 1);
+#pragma unroll
+        for (int ks = 0; ks < kBK / 16; ++ks) {  // the tile's two k-chunks, in increasing k
+            uint32_t a[TN][4], b[TM][2];
+#pragma unroll
+            for (int i = 0; i < TN; ++i) {
+                ldmatrix_x4(a[i][0], a[i][1], a[i][2], a[i][3],
+                            &As[buf][wn * TN * 16 + i * 16 + (lane & 15)][ks * 16 + (lane >> 4) * 8]);
+            }
+            if constexpr (TM == 1) {
+                ldmatrix_x2(b[0][0], b[0][1], &Bs[buf][wm * 8 + (lane & 7)][ks * 16 + ((lane >> 3) & 1) * 8]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < TM; j += 2) {
+                    ldmatrix_x4(b[j][0], b[j][1], b[j + 1][0], b[j + 1][1],
+                                &Bs[buf][wm * TM * 8 + j * 8 + (lane & 7) + ((lane >> 4) << 3)]
+                                   [ks * 16 + ((lane >> 3) & 1) * 8]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < TN; ++i) {
+#pragma unroll
+                for (int j = 0; j < TM; ++j) mma16816<kBF16>(acc[i][j], a[i], b[j]);
+            }
+        }
+        if (more) store_tile(buf ^ 1);
+        __syncthreads();
+    }
+
+    // D fragment: e = 0, 1 at row lane / 4, columns 2 (lane % 4) + {0, 1}; e = 2, 3 at row + 8.
+#pragma unroll
+    for (int i = 0; i < TN; ++i) {
+#pragma unroll
+        for (int j = 0; j < TM; ++j) {
+            const int64_t row = n0 + wn * TN * 16 + i * 16 + (lane >> 2);
+            const int64_t col = m0 + wm * TM * 8 + j * 8 + (lane & 3) * 2;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int64_t r = row + (e >> 1) * 8, c = col + (e & 1);
+                if (r < n && c < m) y[c * ys + r] = acc[i][j][e];
+            }
+        }
+    }
+}
+
+// Weight-row tiles on grid.y (at most 65535 per launch), column tiles on grid.x, so the blocks that
+// share a weight tile run next to each other and read it from L2 once.
+template <DType T, int WN, int WM, int TN, int TM>
+void tc_tiles(const char* w, int64_t n, int64_t k, int64_t rb, bool w_vec, const float* x, int64_t xs, bool x_vec,
+              int64_t m, float* y, int64_t ys, cudaStream_t s) {
+    constexpr int64_t BN = int64_t{WN} * TN * 16, BM = int64_t{WM} * TM * 8;
+    constexpr int64_t max_rows = BN * 65535;
+    const unsigned gx = grid_for(m, static_cast<int>(BM));
+    for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
+        const int64_t nr = std::min(max_rows, n - r0);
+        const dim3 grid(gx, static_cast<unsigned>((nr + BN - 1) / BN));
+        k_mul_mat_tc<T, WN, WM, TN, TM>
+            <<<grid, WN * WM * 32, 0, s>>>(w + r0 * rb, nr, k, rb, w_vec, x, xs, x_vec, m, y + r0, ys);
+    }
+}
+
+// Expected speed (estimates, to be measured on the H200): the 128 x 64 shape holds 171-184
+// registers (no spills), 30 KB shared memory, 2 blocks (8 warps) per SM; mma.sync peaks near
+// 600-660 TFLOP/s on Hopper (wgmma ~990), and this register-staged, two-stage, one-barrier-per-32-k
+// kernel is expected at ~150-300 TFLOP/s on prefill-sized GEMMs (Qwen3-4B pp512 needs ~240 in
+// MUL_MAT to match llama.cpp's 30.0k t/s). Next steps, all order-preserving: cp.async/TMA 3-4
+// stages with kBK = 64, 128 x 128 tiles of 8 warps, a grid-filling shape for small n (SmolLM2's
+// n = 576 gives only 40 blocks at 128 x 64), wgmma (sm_90a) with one fixed N for every M, and for
+// M <= 8 a deep (8-stage) pipeline of narrow row tiles: the 64 x 8 shape keeps too few bytes in
+// flight to stream weights at HBM speed, so with the switch on, decode (which must take this same
+// path, one path for every M) is expected slower than the CUDA-core matvec until then.
+// Launch shape by batch size: speed only (every shape runs the same per-output mma sequence).
+//   M <= 8   (decode, small verify): 64 x 8 tiles, 4 warps of 16 x 8, more blocks for bandwidth.
+//   M <= 32: 128 x 32 tiles, 4 warps of 32 x 32.
+//   larger:  128 x 64 tiles, 4 warps of 64 x 32 (16 mmas per 4 A + 2 B ldmatrix per k-chunk).
+template <DType T>
+void tc_typed(const void* w, int64_t n, int64_t k, int64_t rb, bool w_vec, const float* x, int64_t xs, bool x_vec,
+              int64_t m, float* y, int64_t ys, cudaStream_t s) {
+    const char* wp = static_cast<const char*>(w);
+    if (m <= 8) return tc_tiles<T, 4, 1, 1, 1>(wp, n, k, rb, w_vec, x, xs, x_vec, m, y, ys, s);
+    if (m <= 32) return tc_tiles<T, 4, 1, 2, 4>(wp, n, k, rb, w_vec, x, xs, x_vec, m, y, ys, s);
+    return tc_tiles<T, 2, 2, 4, 4>(wp, n, k, rb, w_vec, x, xs, x_vec, m, y, ys, s);
+}
+
+}  // namespace
+
+bool matmul_tc_enabled() {
+    const char* v = std::getenv("PYSPEC_CUDA_TC");
+    if (!v) return false;
+    std::string s(v);
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return s == "1" || s == "on" || s == "true" || s == "yes";
+}
+
+bool matmul_tc_supports(DType t, int64_t k) {
+    switch (t) {
+        case DType::F16:
+        case DType::BF16: return k % 8 == 0;
+        case DType::Q8_0:
+        case DType::Q4_0:
+        case DType::Q4_1: return k % QK == 0;
+        default: return false;
+    }
+}
+
+void launch_matmul_tc(DType t, const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m,
+                      float* y, int64_t ys, cudaStream_t s) {
+    if (m <= 0 || n <= 0) return;
+    if (!matmul_tc_supports(t, k)) throw std::runtime_error("cuda backend: mul_mat (tensor cores): unsupported type or K");
+    // 16-byte loads where aligned; the choice changes how values are loaded, never which values.
+    const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
+    const bool w_vec = reinterpret_cast<uintptr_t>(w) % 16 == 0 && rb % 16 == 0;
+    const int64_t rbi = static_cast<int64_t>(rb);
+    switch (t) {
+        case DType::F16: tc_typed<DType::F16>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
+        case DType::BF16: tc_typed<DType::BF16>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
+        case DType::Q8_0: tc_typed<DType::Q8_0>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
+        case DType::Q4_0: tc_typed<DType::Q4_0>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
+        case DType::Q4_1: tc_typed<DType::Q4_1>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
+        default: break;
+    }
+    check_launch("mul_mat (tensor cores)");
+}
+
+}  // namespace cuda
+}  // namespace pyspec
