@@ -410,3 +410,36 @@ def test_conversational_prompts_and_held_out_text():
     a = {t for _, t, _ in itertools.islice(prompt_requests(4, chat_fraction=1.0), 1000)}
     b = {t for _, t, _ in itertools.islice(prompt_requests(5, chat_fraction=1.0), 1000)}
     assert len(a) == len(b) == 1000 and len(a & b) < 30
+
+
+def test_engine_generator_is_plain_decoding_with_eog_kept(smoke):
+    """--gen-engine continues prompts with pyspec's engine: at T = 0 each continuation is plain
+    greedy decoding (a one-sequence Context loop), an end-of-generation token ends it and is
+    kept, and a prompt's sampled continuation does not depend on which prompts share its steps."""
+    import pyspec
+    from pyspec.train.engine_generate import EngineGenerator
+    target = str(smoke / "smoke-target.gguf")
+    prompts = [[5, 6, 7], [9], list(range(20, 45)), [3, 3, 3, 3]]
+    gen = EngineGenerator(target, n_slots=3, max_len=64, n_threads=2)
+    ctx = pyspec.Context(pyspec.Model(target, n_threads=2), n_ctx=64)
+    greedy = gen(prompts, 12, [0.0] * 4, [], seed=1)
+    for p, s in zip(prompts, greedy):
+        ctx.kv_clear()
+        assert s == p + pyspec.generate(ctx, p, 12)
+    # An end-of-generation id: the first greedy token of prompt 0 becomes one.
+    eog = greedy[0][3]
+    ended = gen(prompts[:1], 12, [0.0], [eog], seed=1)[0]
+    assert ended == prompts[0] + [eog]
+    sampled = gen(prompts, 12, [0.9] * 4, [], seed=5)
+    alone = [gen([p], 12, [0.9], [], seed=5)[0] for p in prompts[:1]]
+    assert sampled[0] == alone[0] and sampled != greedy
+
+
+def test_gen_engine_writes_loadable_shards(smoke, tmp_path):
+    from pyspec.train.shards import load_shards
+    target = str(smoke / "smoke-target.gguf")
+    out = tmp_path / "gen-engine"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--generate-only", "--gen-engine", "4"]) == 0
+    seqs, pls, _ = load_shards(out / "data")
+    assert len(seqs) == 16 and all(len(s) > p for s, p in zip(seqs, pls))

@@ -124,6 +124,7 @@ void bind_spec_engine(py::module_& m) {
                     d["tokens"] = o.tokens;
                     d["finished"] = o.finished;
                     d["stop_reason"] = o.stop_reason;
+                    d["stop_token"] = o.stop_token;
                     d["n_drafted"] = o.n_drafted;
                     d["n_prompt_processed"] = o.n_prompt_processed;
                     d["verified"] = o.verified;

@@ -525,6 +525,7 @@ std::vector<StepOutput> SpecEngine::step() {
                 if (std::find(r->params.stop_ids.begin(), r->params.stop_ids.end(), tok) != r->params.stop_ids.end()) {
                     so.finished = true;
                     so.stop_reason = "stop";
+                    so.stop_token = tok;
                     break;
                 }
                 so.tokens.push_back(tok);

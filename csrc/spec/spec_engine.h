@@ -125,6 +125,7 @@ struct StepOutput {
     std::vector<int32_t> tokens;  // emitted in this step
     bool finished = false;
     std::string stop_reason;      // "length", "stop", "context" when finished
+    int32_t stop_token = -1;      // the stop id that ended it (stop_reason "stop"; not emitted)
     int64_t n_drafted = 0;        // drafts proposed for this request at the end of this step
     int64_t n_prompt_processed = 0;  // prompt rows this step decoded for the request
     std::vector<int32_t> verified;   // the drafted block this step verified (empty: none)

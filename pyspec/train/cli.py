@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft only the N most frequent target tokens of the generated data "
                         "(always with EOS/EOG): the head and Markov W2 get N rows and the "
                         "checkpoint a d2t map (0: the full vocabulary)")
+    p.add_argument("--gen-engine", type=int, default=0, metavar="SLOTS",
+                   help="generate the data with pyspec's own engine on the CPU, SLOTS sequences "
+                        "at a time (0: the torch target on --device)")
     p.add_argument("--chat-fraction", type=float, default=0.6,
                    help="share of conversational prompts (everyday requests, questions, "
                         "stories, multi-turn chats) among the generated data's prompts; the "
@@ -127,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         val_fraction=args.val_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         patience=args.patience, init_from=args.init_from, hf_dtype=args.hf_dtype,
         time_limit=args.time_limit, draft_vocab=args.draft_vocab,
-        chat_fraction=args.chat_fraction)
+        chat_fraction=args.chat_fraction, gen_engine=args.gen_engine)
     t0 = time.time()
     hf = train(opts)
     if hf is None:

@@ -415,13 +415,15 @@ def follow_up_prompts(tokenizer, records, seqs, prompt_lens, n: int, max_prompt_
 def generate_dataset(target, tokenizer, n_seqs: int, seq_len: int, device, batch: int,
                      seed: int, greedy_fraction: float = 0.5, temperature: float = 0.8,
                      progress: bool = True, deadline: Optional[float] = None,
-                     chat_fraction: float = 0.6, multi_turn_fraction: float = 0.25
-                     ) -> Tuple[List[List[int]], List[int]]:
+                     chat_fraction: float = 0.6, multi_turn_fraction: float = 0.25,
+                     generator=None) -> Tuple[List[List[int]], List[int]]:
     """Up to n_seqs sequences of at most seq_len tokens: prompt + the target's continuation, and
     each one's prompt length (the validation split groups sequences by prompt). A
     multi_turn_fraction share of the conversational sequences (chat_fraction of all) are
     second turns of earlier generated chats (follow_up_prompts), generated after the first
-    round. Stops early, with the batches done so far, once time.time() passes deadline."""
+    round. Stops early, with the batches done so far, once time.time() passes deadline.
+    generator: None continues prompts with the torch target; else a callable
+    (prompts, max_new, temperatures, eog, seed) -> sequences (engine_generate.EngineGenerator)."""
     max_prompt = max(8, seq_len // 2)
     n_multi = int(n_seqs * chat_fraction * multi_turn_fraction)
     records = make_prompt_records(tokenizer, n_seqs - n_multi, max_prompt, seed, chat_fraction)
@@ -429,17 +431,17 @@ def generate_dataset(target, tokenizer, n_seqs: int, seq_len: int, device, batch
         raise RuntimeError("no training prompts could be made")
     prompts = [ids for ids, _ in records]
     seqs, prompt_lens = _generate(target, tokenizer, prompts, seq_len, device, batch, seed,
-                                  greedy_fraction, temperature, progress, deadline)
+                                  greedy_fraction, temperature, progress, deadline, generator)
     if n_multi and len(seqs) == len(records):
         more = follow_up_prompts(tokenizer, records, seqs, prompt_lens, n_multi, max_prompt, seed)
         if more:
             s2, p2 = _generate(target, tokenizer, more, seq_len, device, batch, seed + 7,
-                               greedy_fraction, temperature, progress, deadline)
+                               greedy_fraction, temperature, progress, deadline, generator)
             seqs, prompt_lens = seqs + s2, prompt_lens + p2
     while len(seqs) < n_seqs and (deadline is None or time.time() <= deadline):
         extra = n_seqs - len(seqs)       # too few distinct prompts: the same ones sampled again
         s2, p2 = _generate(target, tokenizer, prompts[:extra], seq_len, device, batch,
-                           seed + 13 + len(seqs), 0.0, temperature, progress, deadline)
+                           seed + 13 + len(seqs), 0.0, temperature, progress, deadline, generator)
         if not s2:
             break
         seqs, prompt_lens = seqs + s2, prompt_lens + p2
@@ -448,7 +450,7 @@ def generate_dataset(target, tokenizer, n_seqs: int, seq_len: int, device, batch
 
 def _generate(target, tokenizer, prompts, seq_len: int, device, batch: int, seed: int,
               greedy_fraction: float, temperature: float, progress: bool,
-              deadline: Optional[float]) -> Tuple[List[List[int]], List[int]]:
+              deadline: Optional[float], generator=None) -> Tuple[List[List[int]], List[int]]:
     """The target's continuations of prompts, in the prompts' order."""
     from .target import generate
     rng = random.Random(seed + 1)
@@ -466,7 +468,10 @@ def _generate(target, tokenizer, prompts, seq_len: int, device, batch: int, seed
         ps = [prompts[j] for j in idx]
         temps = [0.0 if rng.random() < greedy_fraction else temperature for _ in ps]
         max_new = seq_len - max(len(p) for p in ps)
-        out = generate(target, ps, max_new, temps, eog, gen, device)
+        if generator is not None:
+            out = generator(ps, max_new, temps, eog, seed + b0)
+        else:
+            out = generate(target, ps, max_new, temps, eog, gen, device)
         for j, p, s in zip(idx, ps, out):
             done[j] = (s[:seq_len], min(len(p), seq_len))
         bar.update(len(idx))

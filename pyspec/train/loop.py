@@ -75,6 +75,7 @@ class TrainOptions:
     time_limit: float = 0.0              # seconds for the whole run (0: none)
     draft_vocab: int = 0                 # 0: full target vocabulary; else the N most frequent
     chat_fraction: float = 0.6           # share of conversational prompts (data.py)
+    gen_engine: int = 0                  # > 0: generate data with pyspec's engine, this many at once
 
 
 def auto_target_layers(n_layer: int, k: int = 5) -> List[int]:
@@ -210,9 +211,16 @@ def _training_data(opt: TrainOptions, target, tok, device, deadline, log):
             log(f"{len(seqs)} sequences from {out / 'data.pt'}")
             return seqs, None
     t0 = time.time()
+    generator = None
+    if opt.gen_engine > 0:
+        from .engine_generate import EngineGenerator
+        generator = EngineGenerator(opt.target, n_slots=opt.gen_engine, max_len=opt.seq_len,
+                                    n_threads=opt.threads)
+        log(f"generating with pyspec's engine on the CPU, {opt.gen_engine} sequences at a time")
     seqs, pls = generate_dataset(target, tok, opt.data_prompts, opt.seq_len, device,
                                  opt.gen_batch, opt.seed, progress=opt.progress,
-                                 deadline=deadline, chat_fraction=opt.chat_fraction)
+                                 deadline=deadline, chat_fraction=opt.chat_fraction,
+                                 generator=generator)
     meta = dict(target=Path(opt.target).name, n_vocab=target.hp.n_vocab, seq_len=opt.seq_len,
                 seed=opt.seed, chat_fraction=opt.chat_fraction)
     files = save_shards(seqs, pls, out / "data", meta, opt.data_shard_mib)
