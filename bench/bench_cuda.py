@@ -75,11 +75,17 @@ def weight_bytes_per_token(path: str) -> int:
     return total
 
 
-def best_of(fn, repeats: int, warmup: int = 1):
+def best_of(fn, repeats: int, warmup: int = 1, prep=None):
+    """(best time, all times) of fn after `warmup` untimed runs (weight upload, graph capture);
+    prep, if given, runs untimed before every call (resetting the cache)."""
     for _ in range(warmup):
+        if prep:
+            prep()
         fn()
     times = []
     for _ in range(repeats):
+        if prep:
+            prep()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -113,15 +119,7 @@ def bench_tg(model, ids, n_gen, repeats):
         for _ in range(n_gen):
             tok = int(np.argmax(ctx.decode([tok]).logits[-1]))
 
-    prep()
-    run()            # warm-up (weights upload, graph capture)
-    times = []
-    for _ in range(repeats):
-        prep()
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return n_gen / min(times)
+    return n_gen / best_of(run, repeats, prep=prep)[0]
 
 
 def bench_par_context(model, ids, n_par, n_prompt, n_steps, repeats):
@@ -149,15 +147,7 @@ def bench_par_context(model, ids, n_par, n_prompt, n_steps, repeats):
             tok = np.argmax(logits, axis=1)
             pos += 1
 
-    prep()
-    run()
-    times = []
-    for _ in range(repeats):
-        prep()
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return n_par * n_steps / min(times)
+    return n_par * n_steps / best_of(run, repeats, prep=prep)[0]
 
 
 def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):

@@ -462,16 +462,23 @@ def test_qk_norm_and_rope_on_a_fused_qkv_view():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.7, 2.5])
-@pytest.mark.parametrize("n", [1, 5, 16, 31, 64, 100])
-def test_softmax(n, scale):
+def softmax_input(n, rows=4):
+    """Rows of logits for softmax tests: random, half -inf, all -inf but one (probability
+    exactly 1), random."""
     rng = np.random.default_rng(n)
-    rows = 4
     x = (rng.standard_normal((rows, n)) * 4).astype(np.float32)
     if n > 1:
         x[1, rng.choice(n, size=n // 2, replace=False)] = NEG_INF
         x[2, :] = NEG_INF
-        x[2, n - 1] = 3.0  # one finite entry: probability exactly 1
+        x[2, n - 1] = 3.0
+    return x
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.7, 2.5])
+@pytest.mark.parametrize("n", [1, 5, 16, 31, 64, 100])
+def test_softmax(n, scale):
+    rows = 4
+    x = softmax_input(n, rows)
     g = core.Graph()
     tx = g.input("F32", [n, rows], "x")
     out = node(g, "SOFTMAX", "F32", [n, rows], [tx], fparams=[scale])

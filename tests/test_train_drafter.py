@@ -27,6 +27,17 @@ from pyspec.train.loop import auto_target_layers  # noqa: E402
 from pyspec.train.target import TargetModel  # noqa: E402
 
 
+def probe_logits(target, *drafters):
+    """Each drafter's training-forward logits on one fixed random sequence of `target`."""
+    tm = TargetModel.from_gguf(target)
+    layers = drafters[0].c.target_layers
+    tokens = torch.randint(0, tm.hp.n_vocab, (1, 40), generator=torch.Generator().manual_seed(0))
+    _, inp = tm(tokens, layers=layers, logits=False)
+    feats = torch.cat([inp[l] for l in layers], -1)
+    anchors = torch.tensor([[3, 10, 20]])
+    return [d(feats, tokens, anchors, tm.embedding, tm.head)["logits"] for d in drafters]
+
+
 def rel_err(got, ref):
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     return float(np.max(np.abs(got - ref)) / np.std(ref))
@@ -287,13 +298,7 @@ def test_init_from_reproduces_the_checkpoint(smoke, tmp_path):
     assert first["step"] == 0
     assert first["val"]["loss"] == pytest.approx(src["val"]["loss"], rel=1e-5)
     a, b = DSparkDrafter.load_hf(smoke / "hf"), DSparkDrafter.load_hf(out / "hf")
-    tm = TargetModel.from_gguf(target)
-    tokens = torch.randint(0, tm.hp.n_vocab, (1, 40), generator=torch.Generator().manual_seed(0))
-    _, inp = tm(tokens, layers=a.c.target_layers, logits=False)
-    feats = torch.cat([inp[l] for l in a.c.target_layers], -1)
-    anchors = torch.tensor([[3, 10, 20]])
-    la = a(feats, tokens, anchors, tm.embedding, tm.head)["logits"]
-    lb = b(feats, tokens, anchors, tm.embedding, tm.head)["logits"]
+    la, lb = probe_logits(target, a, b)
     torch.testing.assert_close(la, lb)
 
 
@@ -390,13 +395,7 @@ def test_init_from_full_vocab_reduces_markov_w2(smoke, tmp_path):
                      "--steps", "0", "--draft-vocab", str(DRAFT_VOCAB)]) == 0
     a, b = DSparkDrafter.load_hf(smoke / "hf"), DSparkDrafter.load_hf(out / "hf")
     assert b.c.vd == DRAFT_VOCAB and a.c.vd == a.c.vocab_size
-    tm = TargetModel.from_gguf(target)
-    tokens = torch.randint(0, tm.hp.n_vocab, (1, 40), generator=torch.Generator().manual_seed(0))
-    _, inp = tm(tokens, layers=a.c.target_layers, logits=False)
-    feats = torch.cat([inp[l] for l in a.c.target_layers], -1)
-    anchors = torch.tensor([[3, 10, 20]])
-    la = a(feats, tokens, anchors, tm.embedding, tm.head)["logits"]
-    lb = b(feats, tokens, anchors, tm.embedding, tm.head)["logits"]
+    la, lb = probe_logits(target, a, b)
     torch.testing.assert_close(lb, la[..., b.d2t])
 
 
