@@ -251,6 +251,26 @@ def test_context_rows_change_the_block(root):
     assert rel_err(part, full.astype(np.float64)) > 0.05
 
 
+def test_op_profile_counts_the_passes_run_while_profiling(root):
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "dflash-prof", tm, kind="dflash", seed=22)
+    dm = _core.DraftModel(str(path), tmodel)
+    dc = _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=1)
+    dc.inject(0, np.arange(8, dtype=np.int32), features(tmodel, np.arange(3, 11), dm.target_layers))
+    dc.draft_logits(0, 7, 8, 16)
+    assert dc.op_profile() == []                      # off by default
+    dc.set_profiling(True)
+    for _ in range(3):
+        dc.draft_logits(0, 7, 8, 16)
+    dc.set_profiling(False)
+    dc.draft_logits(0, 7, 8, 16)
+    prof = {name: (sec, calls) for name, sec, calls in dc.op_profile()}
+    # Each pass runs every layer's q/k/v/o and FFN products: whole multiples of 3 passes.
+    assert prof["MUL_MAT"][1] > 0 and prof["MUL_MAT"][1] % 3 == 0
+    assert prof["ATTENTION"][1] == 3 * dm.n_layer
+    assert all(sec >= 0 for sec, _ in prof.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # window (design.md invariant 2)
 

@@ -175,6 +175,8 @@ void bind_draft(py::module_& m) {
         .def("park", &DraftContext::park, py::arg("seq"))
         .def("restore", &DraftContext::restore, py::arg("seq"), py::arg("state"))
         .def_property_readonly("max_pos_written", &DraftContext::max_pos_written)
+        .def("set_profiling", &DraftContext::set_profiling, py::arg("on"))
+        .def("op_profile", &DraftContext::op_profile, "[(op name, seconds, calls)] while profiling (CPU only)")
         .def("pos_base", &DraftContext::pos_base)
         .def("seq_pos_min", &DraftContext::pos_min)
         .def("seq_pos_max", &DraftContext::pos_max)

@@ -97,6 +97,14 @@ void CpuBackend::compute(Graph& graph) {
     }
 }
 
+std::vector<std::tuple<std::string, double, int64_t>> CpuBackend::op_profile() const {
+    std::vector<std::tuple<std::string, double, int64_t>> rows;
+    for (size_t i = 0; i < op_seconds_.size(); ++i) {
+        if (op_calls_[i] != 0) rows.emplace_back(op_name(static_cast<Op>(i)), op_seconds_[i], op_calls_[i]);
+    }
+    return rows;
+}
+
 void CpuBackend::write(const Tensor& t, const void* src, size_t bytes, size_t offset) {
     if (offset + bytes > t.nbytes()) throw std::logic_error("write past the end of tensor " + t.name);
     std::memcpy(static_cast<char*>(t.data) + offset, src, bytes);

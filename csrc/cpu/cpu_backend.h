@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/backend.h"
@@ -36,6 +38,8 @@ public:
     void set_profiling(bool on) { profiling_ = on; }
     const std::vector<double>& op_seconds() const { return op_seconds_; }
     const std::vector<int64_t>& op_calls() const { return op_calls_; }
+    // The ops that ran while profiling: (op name, seconds, calls).
+    std::vector<std::tuple<std::string, double, int64_t>> op_profile() const;
 
 private:
     struct FreeDeleter {

@@ -35,13 +35,8 @@ void Context::set_profiling(bool on) {
 }
 
 std::vector<std::tuple<std::string, double, int64_t>> Context::op_profile() const {
-    std::vector<std::tuple<std::string, double, int64_t>> rows;
-    if (!cpu_) return rows;
-    for (size_t i = 0; i < cpu_->op_seconds().size(); ++i) {
-        if (cpu_->op_calls()[i] == 0) continue;
-        rows.emplace_back(op_name(static_cast<Op>(i)), cpu_->op_seconds()[i], cpu_->op_calls()[i]);
-    }
-    return rows;
+    if (!cpu_) return {};
+    return cpu_->op_profile();
 }
 
 void Context::validate(const Batch& b, const std::vector<int>& layer_ids) const {

@@ -460,8 +460,12 @@ def _generate(target, tokenizer, prompts, seq_len: int, device, batch: int, seed
     gen.manual_seed(seed)
     eog = sorted(tokenizer.eog_ids) if hasattr(tokenizer, "eog_ids") else []
     done = {}
+    # Batches run in a seeded random order, not shortest first: a run stopped by its deadline
+    # then keeps a fair sample of prompt lengths (long code prompts included).
+    starts = list(range(0, len(order), batch))
+    rng.shuffle(starts)
     bar = tqdm(total=len(order), desc="generating data", unit="seq", disable=not progress)
-    for b0 in range(0, len(order), batch):
+    for b0 in starts:
         if deadline is not None and time.time() > deadline:
             break
         idx = order[b0:b0 + batch]

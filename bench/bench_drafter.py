@@ -1,0 +1,232 @@
+"""A trained drafter on held-out prompts (issue 9): acceptance and speed against plain decoding.
+
+Prompts: three sets the drafter never saw in training (HELD_OUT below) - chat requests (rendered
+with the target's chat template), code requests and raw code, and raw prose continuations. The
+training data generator drops any prompt containing one of pyspec.train.data.HELD_OUT_MARKERS,
+and `--check-data DIR...` proves the rest against the actual training shards: no 12-token window
+of any held-out prompt's text occurs in any training prompt. (The target's own generations in
+the data may of course contain common phrases such as "The best way to learn".)
+
+For every set and every mode (greedy T = 0; T = 0.8 with rejection verification; T = 0.8 with
+block verification), one request at a time (the latency a user of the CLI sees), through
+`_core.SpecEngine` (the server's path):
+- plain: the same engine without a drafter (one target decode per token);
+- spec: with the drafter at each --draft-n-max value.
+Printed per set and mode: mean accepted length per round (accepted drafts + 1), acceptance per
+block position (P[draft k accepted | drafts before it accepted]), tokens/s of both and the ratio.
+Greedy outputs must equal plain greedy (checked). Also the drafter's cost: one drafter pass
+against one single-token target step, from the engine's own timings of a greedy run.
+
+    PYTHONPATH=. python bench/bench_drafter.py --drafter D.gguf [-n 128] [-t 2]
+        [--draft-n-max 3,5] [--modes greedy,rejection,block] [--check-data DIR ...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pyspec  # noqa: E402
+from pyspec import _core  # noqa: E402
+
+# Held-out prompts, written for this bench (kind "chat": a user message; "raw": plain text).
+HELD_OUT: Dict[str, List[tuple]] = {
+    "chat": [
+        ("chat", "What is the capital of France, and what is it famous for?"),
+        ("chat", "My favourite colour is green. Suggest three ways to decorate a bedroom with it."),
+        ("chat", "Write a haiku about autumn leaves falling in the rain."),
+        ("chat", "What is the best way to learn to cook if I have never cooked before?"),
+        ("chat", "Water boils at 100 degrees Celsius at sea level. Why is it lower on a mountain?"),
+        ("chat", "Tell me a short story that begins with 'Once upon a time' about a lighthouse keeper."),
+        ("chat", "In 1969, the first people walked on the Moon. How did they get back to Earth?"),
+        ("chat", "Summarise the Python Software Foundation License in plain words."),
+    ],
+    "code": [
+        ("chat", "Write a Python function def fibonacci(n) that returns the n-th Fibonacci number "
+                 "without recursion."),
+        ("chat", "Write a Python function that checks whether a string is a palindrome, ignoring "
+                 "case and spaces, and show two examples."),
+        ("chat", "Explain what a Python list comprehension is, with an example that squares the "
+                 "even numbers of a list."),
+        ("chat", "Write a Python class Stack with push, pop and peek methods."),
+        ("raw", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+        ("raw", "# Count the words of a text file and print the ten most common ones.\n"
+                "import collections\n\n\ndef count_words(path):\n"),
+        ("raw", "def binary_search(items, target):\n    \"\"\"Return the index of target in the "
+                "sorted list items, or -1.\"\"\"\n    lo, hi = 0, len(items) - 1\n"),
+        ("raw", "class Temperature:\n    \"\"\"A temperature that converts between Celsius and "
+                "Fahrenheit.\"\"\"\n\n    def __init__(self, celsius):\n"),
+    ],
+    "prose": [
+        ("raw", "Once upon a time, in a village at the edge of a great forest, there lived"),
+        ("raw", "In 1969, the first crewed landing on the Moon"),
+        ("raw", "Water boils at a lower temperature at high altitude because"),
+        ("raw", "The capital of France is Paris. The city is known for"),
+        ("raw", "The best way to learn a new language is"),
+        ("raw", "My favourite colour is blue, because it reminds me of"),
+        ("raw", "A haiku about autumn:\n"),
+        ("raw", "The Python Software Foundation License is a permissive license that"),
+    ],
+}
+MODES = {"greedy": (0.0, "greedy"), "rejection": (0.8, "rejection"), "block": (0.8, "block")}
+
+
+def encode_prompts(llm, sets: Dict[str, List[tuple]]) -> Dict[str, List[List[int]]]:
+    from pyspec.chat import ChatTemplate
+    template = ChatTemplate.from_tokenizer(llm.tokenizer)
+    out = {}
+    for name, items in sets.items():
+        out[name] = []
+        for kind, text in items:
+            if kind == "chat":
+                rendered = template.render([{"role": "user", "content": text}],
+                                           add_generation_prompt=True)
+                out[name].append(llm.tokenizer.encode(rendered, add_special=True, parse_special=True))
+            else:
+                out[name].append(llm.tokenizer.encode(text, add_special=True))
+    return out
+
+
+def check_held_out(llm, sets, data: Sequence[str], window: int = 12) -> int:
+    """Number of held-out prompts sharing a `window`-token run with any training prompt."""
+    from pyspec.train.shards import load_shards
+    seqs, prompt_lens, info = load_shards(list(data), llm.tokenizer.n_vocab)
+    grams = set()
+    for s, pl in zip(seqs, prompt_lens):
+        a = np.asarray(s[:pl], dtype=np.int64)      # the training prompts (not the generations)
+        if len(a) >= window:
+            w = np.lib.stride_tricks.sliding_window_view(a, window)
+            grams.update(map(bytes, w.astype(np.int32)))
+    hits = 0
+    for name, items in sets.items():
+        for kind, text in items:
+            ids = np.asarray(llm.tokenizer.encode(text, add_special=False), dtype=np.int32)
+            if len(ids) < window:
+                continue
+            w = np.lib.stride_tricks.sliding_window_view(ids, window)
+            seen = [g for g in w if bytes(g) in grams]
+            if seen:
+                hits += 1
+                print(f"  in a training prompt: [{name}] {text[:40]!r}: "
+                      f"{llm.tokenizer.decode([int(t) for t in seen[0]])!r}")
+    print(f"held-out check: {len(seqs)} training prompts from {info['files']} files, "
+          f"{sum(len(v) for v in sets.values())} bench prompts, {hits} share a {window}-token run")
+    return hits
+
+
+def run_set(engine, prompts, n, temperature, verify, seed0=1):
+    """Runs the prompts one at a time; returns (outputs, decode seconds, totals dict)."""
+    outs, t_total = [], 0.0
+    tot = dict(rounds=0, drafted=0, accepted=0, drafted_at=None, accepted_at=None)
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, max_tokens=n, temperature=temperature, seed=seed0 + i,
+                           verify=verify)
+        toks: List[int] = []
+        t0 = None
+        while engine.n_requests:
+            res = engine.step()
+            for o in res:
+                if t0 is None and o["tokens"]:
+                    t0 = time.perf_counter()     # decode time: from the first token on
+                    n_first = len(o["tokens"])
+                toks += o["tokens"]
+                if o["finished"]:
+                    st = o["stats"]
+                    tot["rounds"] += st["n_rounds"]
+                    tot["drafted"] += st["draft_n"]
+                    tot["accepted"] += st["draft_n_accepted"]
+                    for key, k2 in (("drafted_at", "drafted_at"), ("accepted_at", "accepted_at")):
+                        v = np.asarray(st[k2], dtype=np.int64)
+                        cur = tot[key]
+                        if cur is None:
+                            tot[key] = v
+                        else:
+                            m = max(len(cur), len(v))
+                            tot[key] = np.pad(cur, (0, m - len(cur))) + np.pad(v, (0, m - len(v)))
+        t_total += time.perf_counter() - t0
+        outs.append((toks, len(toks) - n_first))
+    return outs, t_total, tot
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="target GGUF (default: the embedded SmolLM2)")
+    ap.add_argument("--drafter", required=True, help="drafter GGUF (pyspec-train-drafter's output)")
+    ap.add_argument("-n", type=int, default=128, help="tokens per prompt")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--draft-n-max", default="3,5", help="comma-separated values to measure")
+    ap.add_argument("--modes", default="greedy,rejection,block")
+    ap.add_argument("--sets", default="chat,code,prose")
+    ap.add_argument("--check-data", nargs="+", default=None, metavar="DIR",
+                    help="training data shard sets to prove the prompts held out against")
+    ap.add_argument("--json", default=None, help="write the results here too")
+    args = ap.parse_args(argv)
+
+    model_path = args.model or pyspec.model.default_model_path()
+    drafter_path = args.drafter
+    llm = pyspec.LLM(model_path, n_ctx=64)
+    sets = {k: HELD_OUT[k] for k in args.sets.split(",")}
+    if args.check_data:
+        if check_held_out(llm, sets, args.check_data):
+            print("error: some bench prompts occur in the training data", file=sys.stderr)
+            return 1
+    prompts = encode_prompts(llm, sets)
+    model = pyspec.Model(model_path, n_threads=args.threads)
+    dm = _core.DraftModel(drafter_path, model._model)
+    gammas = [int(g) for g in args.draft_n_max.split(",")]
+
+    def engine(drafter, gamma):
+        return _core.SpecEngine(model._model, drafter, n_ctx=2048, n_seq_max=1, n_draft_slots=1,
+                                n_threads=args.threads, draft_n_max=gamma, prefill_chunk=512)
+
+    plain_engine = engine(None, -1)
+    spec_engines = {g: engine(dm, g) for g in gammas}
+    # Warm-up: allocation plans of every shape the runs use.
+    for e in [plain_engine, *spec_engines.values()]:
+        run_set(e, prompts[next(iter(prompts))][:1], 16, 0.0, "greedy")
+
+    results = []
+    print(f"target {Path(model_path).name}, drafter {Path(drafter_path).name}, {args.threads} "
+          f"threads, {args.n} tokens per prompt, one request at a time")
+    for mode in args.modes.split(","):
+        temperature, verify = MODES[mode]
+        for name, ps in prompts.items():
+            plain, t_plain, _ = run_set(plain_engine, ps, args.n, temperature, verify)
+            n_plain = sum(k for _, k in plain)
+            for g in gammas:
+                spec, t_spec, tot = run_set(spec_engines[g], ps, args.n, temperature, verify)
+                if mode == "greedy":
+                    assert [s for s, _ in spec] == [s for s, _ in plain], \
+                        f"{name}: speculative greedy output differs from plain greedy"
+                n_spec = sum(k for _, k in spec)
+                mean_len = (tot["accepted"] + tot["rounds"]) / max(1, tot["rounds"])
+                d_at = tot["drafted_at"] if tot["drafted_at"] is not None else np.zeros(0)
+                a_at = tot["accepted_at"] if tot["accepted_at"] is not None else np.zeros(0)
+                per_pos = [float(a) / max(1, float(d)) for a, d in zip(a_at, d_at)]
+                r = dict(mode=mode, set=name, draft_n_max=g, mean_accepted_length=mean_len,
+                         acceptance=tot["accepted"] / max(1, tot["drafted"]),
+                         acceptance_per_position=per_pos, plain_tps=n_plain / t_plain,
+                         spec_tps=n_spec / t_spec)
+                r["speedup"] = r["spec_tps"] / r["plain_tps"]
+                results.append(r)
+                pos = " ".join(f"{x:.2f}" for x in per_pos)
+                print(f"{mode:<9} {name:<5} n_max {g}  mean accepted length {mean_len:4.2f}  "
+                      f"per position [{pos}]  plain {r['plain_tps']:6.1f} tok/s  spec "
+                      f"{r['spec_tps']:6.1f} tok/s  x{r['speedup']:.2f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
