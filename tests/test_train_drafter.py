@@ -442,3 +442,78 @@ def test_gen_engine_writes_loadable_shards(smoke, tmp_path):
                      "--generate-only", "--gen-engine", "4"]) == 0
     seqs, pls, _ = load_shards(out / "data")
     assert len(seqs) == 16 and all(len(s) > p for s, p in zip(seqs, pls))
+
+
+def test_anchors_stay_in_the_continuation():
+    from pyspec.train.loop import _anchors
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([50, 50, 10])
+    a = _anchors(lengths, 16, gen, starts=[30, 0, 9])
+    assert a.shape == (3, 16)
+    assert int(a[0].min()) >= 30 and int(a[0].max()) <= 48
+    assert int(a[1].min()) >= 0 and int(a[1].max()) <= 48 and int(a[1].min()) < 30
+    assert int(a[2].max()) <= 8        # no anchor left after 9: the whole sequence is used
+    assert bool((a[:, 1:] >= a[:, :-1]).all())
+
+
+def test_simulate_rounds_by_hand():
+    from pyspec.train.validation import simulate_rounds
+    h = np.zeros((8, 3), bool)
+    h[0] = [True, True, False]     # round at 0 accepts 2 -> next anchor 3
+    h[3] = [True, True, True]      # accepts 3 (n_max 3) -> next anchor 7
+    h[7] = [True, False, False]    # accepts 1 -> 9: done
+    assert simulate_rounds(h, 3) == (3, 6)
+    assert simulate_rounds(h, 2) == (4, 5)     # at 0: 2, at 3: 2, at 6: 0, at 7: 1
+    assert simulate_rounds(h, 1) == (6, 3)     # at 0: 1, 2: 0, 3: 1, 5: 0, 6: 0, 7: 1
+    # max_tokens 5: at 0 drafts 3 (accepts 2, 3 out), at 3 drafts only 1 (accepts 1, 5 out)
+    assert simulate_rounds(h, 3, max_tokens=5) == (2, 3)
+    # max_tokens 4: at 3 no room to draft (5 - 3 - 1 = 0 ... 4 - 3 - 1 = 0): a round of 0
+    assert simulate_rounds(h, 3, max_tokens=4) == (2, 2)
+
+
+def test_engine_simulation_matches_the_engine(smoke):
+    """The validation's replay of greedy speculative decoding (simulate_rounds over the torch
+    drafter's hits along a greedy sequence) gives the C++ engine's own rounds and accepted
+    drafts for the same prompts."""
+    from pyspec.train.loop import _batch, target_features
+    from pyspec.train.validation import Validator, simulate_rounds
+    target_path = smoke / "smoke-target.gguf"
+    drafter = DSparkDrafter.load_hf(smoke / "hf").eval()
+    tm = TargetModel.from_gguf(str(target_path))
+    model = _core.Model(str(target_path))
+    dm = _core.DraftModel(str(smoke / "drafter-f32.gguf"), model)
+    n_max, n_tok = drafter.c.block_size, 40
+
+    def run(engine, p, n):
+        engine.add_request(0, p, max_tokens=n, temperature=0.0, verify="greedy")
+        out, stats = [], None
+        while engine.n_requests:
+            for o in engine.step():
+                out += o["tokens"]
+                stats = o["stats"] if o["finished"] else stats
+        return out, stats
+
+    spec = _core.SpecEngine(model, dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
+                            draft_n_max=n_max)
+    plain = _core.SpecEngine(model, None, n_ctx=512, n_seq_max=1, n_threads=2)
+    total = {"engine": [0, 0], "sim": [0, 0]}
+    for p in ([1, 17, 42, 99, 5], [1, 230, 64, 7], [1, 3, 3, 3, 9, 12]):
+        # the greedy sequence, longer than the speculative run so its last round sees drafts
+        seq = p + run(plain, p, n_tok + n_max + 1)[0]
+        out, st = run(spec, p, n_tok)
+        assert out == seq[len(p):len(p) + n_tok]
+        tokens, lengths = _batch([seq], [0], torch.device("cpu"))
+        feats, t_logits = target_features(tm, tokens, lengths, drafter.c.target_layers)
+        (h,) = Validator.continuation_hits(drafter, feats, t_logits, tokens, lengths, [len(p)],
+                                           tm.embedding, tm.head, None, n_max,
+                                           torch.device("cpu"))
+        total["engine"][0] += st["n_rounds"]
+        total["engine"][1] += st["draft_n_accepted"]
+        rounds, acc = simulate_rounds(h, n_max, max_tokens=n_tok)
+        total["sim"][0] += rounds
+        total["sim"][1] += acc
+    assert total["engine"][1] > 0, "the smoke drafter should accept something on its own target"
+    # Torch (F32 throughout) and the engine (F16 KV cache) may rarely break an argmax tie apart.
+    eng_len = sum(total["engine"]) / total["engine"][0]
+    sim_len = sum(total["sim"]) / total["sim"][0]
+    assert abs(eng_len - sim_len) < 0.02, total

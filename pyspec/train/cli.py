@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of conversational prompts (everyday requests, questions, "
                         "stories, multi-turn chats) among the generated data's prompts; the "
                         "rest are Python documentation and source prompts")
+    p.add_argument("--anchor-region", choices=["continuation", "all"], default="continuation",
+                   help="where training blocks are anchored: the generated continuation only "
+                        "(where the engine drafts), or every position")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: a rare control token of the vocabulary")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -130,7 +133,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         val_fraction=args.val_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         patience=args.patience, init_from=args.init_from, hf_dtype=args.hf_dtype,
         time_limit=args.time_limit, draft_vocab=args.draft_vocab,
-        chat_fraction=args.chat_fraction, gen_engine=args.gen_engine)
+        chat_fraction=args.chat_fraction, gen_engine=args.gen_engine,
+        anchor_region=args.anchor_region)
     t0 = time.time()
     hf = train(opts)
     if hf is None:

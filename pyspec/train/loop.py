@@ -75,6 +75,7 @@ class TrainOptions:
     time_limit: float = 0.0              # seconds for the whole run (0: none)
     draft_vocab: int = 0                 # 0: full target vocabulary; else the N most frequent
     chat_fraction: float = 0.6           # share of conversational prompts (data.py)
+    anchor_region: str = "continuation"  # anchors in the generated part only, or "all" positions
     gen_engine: int = 0                  # > 0: generate data with pyspec's engine, this many at once
 
 
@@ -129,15 +130,22 @@ def _batch(seqs: List[List[int]], idx: Sequence[int], device):
     return tok.to(device), lengths.to(device)
 
 
-def _anchors(lengths: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+def _anchors(lengths: torch.Tensor, n: int, gen: torch.Generator,
+             starts: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """n sorted anchor positions per sequence, from [start, length - 2] (the anchors with a
+    label). starts: each sequence's first allowed anchor, or 0; a start that leaves no anchor
+    falls back to 0."""
     rows = []
-    for ln in lengths.tolist():
-        m = max(1, ln - 1)                     # anchors 0..ln-2 have a label
+    for r, ln in enumerate(lengths.tolist()):
+        lo = int(starts[r]) if starts is not None else 0
+        if lo > ln - 2:
+            lo = 0
+        m = max(1, ln - 1 - lo)
         if m >= n:
             a = torch.randperm(m, generator=gen)[:n]
         else:
             a = torch.randint(0, m, (n,), generator=gen)
-        rows.append(a.sort().values)
+        rows.append(a.sort().values + lo)
     return torch.stack(rows)
 
 
@@ -271,8 +279,19 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
 
 def _fmt(m: dict) -> str:
     slots = " ".join(f"{x:.2f}" for x in m.get("slot_acc", []))
-    return (f"loss {m['loss']:.4f} greedy accepted length ~{m['accept_len']:.2f} "
+    engine = ""
+    if math.isfinite(m.get("engine_len", math.nan)):
+        engine = (f"engine-simulated mean accepted length {m['engine_len']:.2f} (n_max 3: "
+                  f"{m['engine_len_3']:.2f}, on {m['engine_seqs']} greedy sequences) ")
+    return (f"loss {m['loss']:.4f} {engine}greedy accepted length ~{m['accept_len']:.2f} "
             f"per-slot top-1 agreement [{slots}]")
+
+
+def validation_score(val: dict) -> float:
+    """What the best checkpoint is chosen by: the engine-simulated mean accepted length when
+    validation has greedy sequences to simulate on, else the per-anchor proxy."""
+    e = val.get("engine_len", math.nan)
+    return e if math.isfinite(e) else val["accept_len"]
 
 
 def train(opt: TrainOptions, log=print) -> Optional[Path]:
@@ -300,7 +319,8 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
     train_idx, val_idx = split(seqs, prompt_lens, opt.val_fraction)
     if not train_idx:
         raise RuntimeError("no training sequences left after the validation split")
-    validator = Validator(seqs, val_idx, opt.val_seqs, opt.batch, opt.anchors, device) \
+    validator = Validator(seqs, val_idx, opt.val_seqs, opt.batch, opt.anchors, device,
+                          prompt_lens, opt.block_size) \
         if val_idx and opt.val_seqs > 0 else None
     log(f"{len(train_idx)} training sequences, {len(val_idx)} held out for validation"
         + (f" (proxies on {len(validator)} of them)" if validator else ""))
@@ -367,8 +387,10 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
             t0 = time.time()
             val = validator.evaluate(drafter, target, layers, amp, opt.gamma)
             rec["val"] = val
-            better = best is None or val["accept_len"] > best["val"]["accept_len"] or (
-                val["accept_len"] == best["val"]["accept_len"] and val["loss"] < best["val"]["loss"])
+            score, best_score = validation_score(val), \
+                (validation_score(best["val"]) if best is not None else None)
+            better = best is None or score > best_score or (
+                score == best_score and val["loss"] < best["val"]["loss"])
             if better:
                 best = {"step": step, "val": val}
                 evals_since_best = 0
@@ -377,7 +399,7 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
                 evals_since_best += 1
             log(f"step {step} validation ({time.time() - t0:.1f}s): {_fmt(val)}"
                 + ("  * best so far, hf/ updated" if better else
-                   f"  (best: step {best['step']}, {best['val']['accept_len']:.2f})"))
+                   f"  (best: step {best['step']}, {validation_score(best['val']):.2f})"))
         with open(out / "eval_log.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -404,7 +426,10 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
             order += rng.sample(train_idx, len(train_idx))
         idx, order = order[:opt.batch], order[opt.batch:]
         tokens, lengths = _batch(seqs, idx, device)
-        anchors = _anchors(lengths.cpu(), opt.anchors, gen).to(device)
+        # The engine drafts from the prompt's last token on (the first round's anchor).
+        starts = [max(0, prompt_lens[i] - 1) for i in idx] \
+            if opt.anchor_region == "continuation" and prompt_lens is not None else None
+        anchors = _anchors(lengths.cpu(), opt.anchors, gen, starts).to(device)
         for g in optim.param_groups:
             g["lr"] = lr_at(step, opt.steps, opt.lr, opt.warmup)
         with torch.no_grad():
