@@ -194,6 +194,59 @@ def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):
     return max(one_run() for _ in range(repeats))
 
 
+def profile_steps(model, ids, n_gen: int, n_prompt: int, top: int = 12) -> dict:
+    """Where a decode step and a prompt pass spend their time: wall time per call (host +
+    device, synchronised by the logits read) against the device time of each op kind (the
+    backend's op profile: CUDA events around every op, graph replay off while profiling), and the
+    CUDA-graph counters over an unprofiled decode run (are steps replayed?)."""
+    import pyspec
+    from pyspec import _core
+    out = {}
+    ctx = pyspec.Context(model, n_ctx=1024, n_seq_max=1, n_batch=512)
+    tok = int(np.argmax(ctx.decode(ids[:8]).logits[-1]))
+    if hasattr(_core, "reset_cuda_graph_stats"):
+        _core.reset_cuda_graph_stats()
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        tok = int(np.argmax(ctx.decode([tok]).logits[-1]))
+    wall = (time.perf_counter() - t0) / n_gen
+    if hasattr(_core, "cuda_graph_stats"):
+        out["graph_stats_decode"] = dict(_core.cuda_graph_stats())
+    for label, run, n in (("decode step", lambda: ctx.decode([tok]), n_gen),
+                          (f"prompt pass ({n_prompt} tokens)", None, 3)):
+        if run is None:
+            pctx = pyspec.Context(model, n_ctx=max(1024, 2 * n_prompt), n_seq_max=1,
+                                  n_batch=n_prompt)
+            pctx.decode(ids[:n_prompt])
+
+            def run(pctx=pctx):
+                pctx.kv_clear()
+                pctx.decode(ids[:n_prompt])
+            c = pctx._ctx
+        else:
+            c = ctx._ctx
+        c.set_profiling(True)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run()
+        w = (time.perf_counter() - t0) / n
+        c.set_profiling(False)
+        prof = sorted(c.op_profile(), key=lambda r: -r[1])
+        dev = sum(r[1] for r in prof) / n
+        print(f"  profile, {label}: wall {w * 1e3:.3f} ms (unprofiled decode step "
+              f"{wall * 1e3:.3f} ms), device time in ops {dev * 1e3:.3f} ms, "
+              f"{sum(r[2] for r in prof) // n} ops per call", flush=True)
+        for name, sec, calls in prof[:top]:
+            print(f"    {name:<14} {sec / n * 1e3:8.3f} ms  {calls // n:5d} calls  "
+                  f"{100 * sec / max(1e-12, sum(r[1] for r in prof)):5.1f}%", flush=True)
+        out[label] = {"wall_s": w, "device_s": dev,
+                      "ops": [(nm, s / n, cl // n) for nm, s, cl in prof]}
+    if "graph_stats_decode" in out:
+        print(f"  CUDA graphs over {n_gen} unprofiled decode steps: {out['graph_stats_decode']}",
+              flush=True)
+    return out
+
+
 def fmt_rate(x):
     if x is None:
         return "-"
@@ -220,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--par-all", action="store_true", help="par64 for every model, not only qwen3")
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where a decode step and a prompt pass spend their time "
+                         "(per-op device time, CUDA-graph replays)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
@@ -302,6 +358,8 @@ def main(argv=None) -> int:
                 note = ", ".join(f"{k} {fmt_rate(v)}" for k, v in per.items())
                 rows.append((name, f"par{args.par}x{args.par_steps}", per[mode], ref.get("par64"),
                              GOALS["par64"], note))
+        if args.profile:
+            res["profile"] = profile_steps(model, ids, min(args.n_gen, 64), args.n_prompt)
         del model
 
     backend = "CPU" if args.cpu else "CUDA"

@@ -78,6 +78,7 @@ public:
         if (arena_) cudaFree(arena_);
         if (err_) cudaFree(err_);
         if (blas_) cublasDestroy(blas_);
+        for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
         cudaStreamDestroy(stream_);
     }
 
@@ -119,6 +120,10 @@ public:
     void compute(Graph& graph) override {
         check(cudaSetDevice(device_), "cudaSetDevice");
         resolved_.assign(static_cast<size_t>(graph.size()), nullptr);
+        if (profiling_) {  // op by op between events: a replay would hide the ops
+            run_profiled(graph);
+            return;
+        }
         if (!cuda_graphs_enabled() || graphs_.capacity() == 0 || !resolve_all(graph)) {
             run_eager(graph);  // after a failed pre-pass, the eager run raises the error in context
             return;
@@ -173,6 +178,16 @@ public:
     }
 
     size_t arena_bytes() const override { return arena_size_; }
+
+    void set_profiling(bool on) override { profiling_ = on; }
+
+    OpProfile op_profile() const override {
+        OpProfile rows;
+        for (size_t i = 0; i < op_seconds_.size(); ++i) {
+            if (op_calls_[i] != 0) rows.emplace_back(op_name(static_cast<Op>(i)), op_seconds_[i], op_calls_[i]);
+        }
+        return rows;
+    }
 
 private:
     // --- execution ---------------------------------------------------------------------------
@@ -251,10 +266,41 @@ private:
     }
 
     // Executes every computed node in order on the stream (eagerly, or into an open capture).
+    // Eager execution with an event before every op and one after the last; after one
+    // synchronisation each op's device time is the gap between its event and the next.
+    void run_profiled(Graph& graph) {
+        cuda::count_graph_event(cuda::GraphEvent::Eager);
+        std::vector<Op> ops;
+        for (int id = 0; id < graph.size(); ++id) {
+            if (graph[id].op != Op::NONE && graph[id].op != Op::VIEW) ops.push_back(graph[id].op);
+        }
+        while (events_.size() < ops.size() + 1) {
+            cudaEvent_t ev = nullptr;
+            check(cudaEventCreate(&ev), "profiling: cudaEventCreate");
+            events_.push_back(ev);
+        }
+        size_t k = 0;
+        run_ops(graph, [&](int) { check(cudaEventRecord(events_[k++], stream_), "profiling: cudaEventRecord"); });
+        check(cudaEventRecord(events_[k], stream_), "profiling: cudaEventRecord");
+        check(cudaEventSynchronize(events_[k]), "profiling: cudaEventSynchronize");
+        for (size_t i = 0; i < ops.size(); ++i) {
+            float ms = 0.0f;
+            check(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]), "profiling: cudaEventElapsedTime");
+            op_seconds_[static_cast<size_t>(ops[i])] += 1e-3 * ms;
+            ++op_calls_[static_cast<size_t>(ops[i])];
+        }
+    }
+
     void run_ops(Graph& graph) {
+        run_ops(graph, [](int) {});
+    }
+
+    template <typename BeforeOp>
+    void run_ops(Graph& graph, BeforeOp before) {
         for (int id = 0; id < graph.size(); ++id) {
             const Tensor& t = graph[id];
             if (t.op == Op::NONE || t.op == Op::VIEW) continue;
+            before(id);
             try {
                 run_node(graph, id);
             } catch (const std::runtime_error& e) {
@@ -472,6 +518,10 @@ private:
     cuda::GraphCache graphs_;                                      // instantiated graphs by key
     std::vector<uint64_t> key_;                                    // the key of this compute
     bool capture_failure_logged_ = false;
+    bool profiling_ = false;
+    std::vector<cudaEvent_t> events_;                              // reused by run_profiled
+    std::vector<double> op_seconds_ = std::vector<double>(static_cast<size_t>(Op::COUNT), 0.0);
+    std::vector<int64_t> op_calls_ = std::vector<int64_t>(static_cast<size_t>(Op::COUNT), 0);
 };
 
 }  // namespace

@@ -257,6 +257,30 @@ def test_logits_match_the_cpu(model_dir, arch, wt):
 
 
 @gpu
+def test_op_profile_on_the_device(model_dir):
+    """The device backend's op profile lists the ops the CPU's lists, with the same call counts
+    (one entry per op run), positive times, and profiling leaves the results unchanged."""
+    tm, model = tiny(model_dir, "llama", "F16")
+    kw = dict(n_ctx=N_CTX_SEQ, n_seq_max=1, n_batch=32)
+    plain = pyspec.Context(model, backend=DEVICE, **kw).decode([3, 9, 27, 81]).logits
+    profs = {}
+    for backend in ("cpu", DEVICE):
+        ctx = pyspec.Context(model, backend=backend, **kw)
+        ctx._ctx.set_profiling(True)
+        for _ in range(2):
+            ctx.kv_clear()
+            logits = ctx.decode([3, 9, 27, 81]).logits
+        ctx._ctx.set_profiling(False)
+        ctx.kv_clear()
+        ctx.decode([3, 9, 27, 81])                  # not counted
+        profs[backend] = {name: (sec, calls) for name, sec, calls in ctx._ctx.op_profile()}
+        if backend == DEVICE:
+            np.testing.assert_array_equal(logits, plain)
+    assert {k: v[1] for k, v in profs["cpu"].items()} == {k: v[1] for k, v in profs[DEVICE].items()}
+    assert profs[DEVICE]["MUL_MAT"][1] % 2 == 0 and all(sec > 0 for sec, _ in profs[DEVICE].values())
+
+
+@gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_mixed_batches_on_the_device(model_dir, arch):
     """A mixed batch on the device gives each row what decoding its sequence alone gives (within

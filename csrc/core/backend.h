@@ -4,7 +4,11 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "core/graph.h"
 #include "core/planner.h"
@@ -31,6 +35,14 @@ public:
     virtual void read(const Tensor& t, void* dst, size_t bytes, size_t offset = 0) = 0;
 
     virtual size_t arena_bytes() const = 0;
+
+    // Per-op time profile: while on, compute() accumulates each op kind's time and call count
+    // (the CPU backend: wall time per op; the CUDA backend: device time between events, with
+    // graph capture off while profiling). op_profile() lists the kinds that ran, as
+    // (op name, seconds, calls); a backend without a profiler returns an empty list.
+    using OpProfile = std::vector<std::tuple<std::string, double, int64_t>>;
+    virtual void set_profiling(bool) {}
+    virtual OpProfile op_profile() const { return {}; }
 };
 
 }  // namespace pyspec

@@ -97,8 +97,8 @@ void CpuBackend::compute(Graph& graph) {
     }
 }
 
-std::vector<std::tuple<std::string, double, int64_t>> CpuBackend::op_profile() const {
-    std::vector<std::tuple<std::string, double, int64_t>> rows;
+Backend::OpProfile CpuBackend::op_profile() const {
+    OpProfile rows;
     for (size_t i = 0; i < op_seconds_.size(); ++i) {
         if (op_calls_[i] != 0) rows.emplace_back(op_name(static_cast<Op>(i)), op_seconds_[i], op_calls_[i]);
     }

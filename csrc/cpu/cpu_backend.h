@@ -35,11 +35,8 @@ public:
     ThreadPool& pool() { return pool_; }
 
     // Per-op wall time, accumulated while profiling is on (indexed by Op).
-    void set_profiling(bool on) { profiling_ = on; }
-    const std::vector<double>& op_seconds() const { return op_seconds_; }
-    const std::vector<int64_t>& op_calls() const { return op_calls_; }
-    // The ops that ran while profiling: (op name, seconds, calls).
-    std::vector<std::tuple<std::string, double, int64_t>> op_profile() const;
+    void set_profiling(bool on) override { profiling_ = on; }
+    OpProfile op_profile() const override;
 
 private:
     struct FreeDeleter {

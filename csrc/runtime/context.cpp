@@ -25,18 +25,14 @@ Context::Context(const Model& model, const ContextParams& params) : model_(model
     const int64_t n_ctx_seq = params_.n_ctx / params_.n_seq_max;
     if (n_ctx_seq > std::numeric_limits<int32_t>::max() / params_.n_seq_max) throw std::invalid_argument("n_ctx too large");
     backend_ = make_backend(params_.backend, params_.n_threads, params_.check_plans);
-    cpu_ = dynamic_cast<CpuBackend*>(backend_.get());
     kv_ = std::make_unique<KvCache>(*backend_, model_.hparams(), params_.n_seq_max, n_ctx_seq, params_.kv_dtype);
     planner_.set_checking(params_.check_plans);
 }
 
-void Context::set_profiling(bool on) {
-    if (cpu_) cpu_->set_profiling(on);
-}
+void Context::set_profiling(bool on) { backend_->set_profiling(on); }
 
-std::vector<std::tuple<std::string, double, int64_t>> Context::op_profile() const {
-    if (!cpu_) return {};
-    return cpu_->op_profile();
+Backend::OpProfile Context::op_profile() const {
+    return backend_->op_profile();
 }
 
 void Context::validate(const Batch& b, const std::vector<int>& layer_ids) const {

@@ -62,10 +62,9 @@ public:
     const char* backend_name() const { return backend_->name(); }
     const AllocationPlanner& planner() const { return planner_; }
 
-    // Per-op time profile (op name -> seconds, calls); profiling is off by default. CPU backend
-    // only: on another backend set_profiling does nothing and the profile is empty.
+    // Per-op time profile (Backend::op_profile); off by default.
     void set_profiling(bool on);
-    std::vector<std::tuple<std::string, double, int64_t>> op_profile() const;
+    Backend::OpProfile op_profile() const;
 
 private:
     void validate(const Batch& batch, const std::vector<int>& layer_ids) const;
@@ -75,7 +74,6 @@ private:
     const Model& model_;
     ContextParams params_;
     std::unique_ptr<Backend> backend_;
-    CpuBackend* cpu_ = nullptr;  // backend_ when it is the CPU backend
     std::unique_ptr<KvCache> kv_;
     AllocationPlanner planner_;
 };

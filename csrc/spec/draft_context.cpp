@@ -396,14 +396,9 @@ void DraftContext::remove(int32_t seq, int64_t p0, int64_t p1) {
     if (hi > lo) kv_->remove(seq, lo, hi);
 }
 
-void DraftContext::set_profiling(bool on) {
-    if (auto* cpu = dynamic_cast<CpuBackend*>(backend_.get())) cpu->set_profiling(on);
-}
+void DraftContext::set_profiling(bool on) { backend_->set_profiling(on); }
 
-std::vector<std::tuple<std::string, double, int64_t>> DraftContext::op_profile() const {
-    if (const auto* cpu = dynamic_cast<const CpuBackend*>(backend_.get())) return cpu->op_profile();
-    return {};
-}
+Backend::OpProfile DraftContext::op_profile() const { return backend_->op_profile(); }
 
 void DraftContext::clear(int32_t seq) {
     if (seq >= 0) check_seq(seq);

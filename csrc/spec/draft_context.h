@@ -140,9 +140,9 @@ public:
     size_t compute_buffer_bytes() const { return backend_->arena_bytes(); }
     const char* backend_name() const { return backend_->name(); }
     const AllocationPlanner& planner() const { return planner_; }
-    // Per-op time profile as Context's (CPU backend only; empty elsewhere).
+    // Per-op time profile as Context's (Backend::op_profile).
     void set_profiling(bool on);
-    std::vector<std::tuple<std::string, double, int64_t>> op_profile() const;
+    Backend::OpProfile op_profile() const;
 
 private:
     void check_seq(int32_t seq) const;
