@@ -2,7 +2,9 @@
 // error checking, element conversions (bit-compatible with core/dtype.h) and the block formats.
 #pragma once
 
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -14,6 +16,17 @@
 
 namespace pyspec {
 namespace cuda {
+
+// An environment switch: 1 when name is set to 1/on/true/yes, 0 for 0/off/false/no, else -1.
+inline int env_switch(const char* name) {
+    const char* v = std::getenv(name);
+    if (!v) return -1;
+    std::string s(v);
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (s == "1" || s == "on" || s == "true" || s == "yes") return 1;
+    if (s == "0" || s == "off" || s == "false" || s == "no") return 0;
+    return -1;
+}
 
 // What a kernel needs of a tensor: its device address, type, shape and byte strides.
 struct TDesc {

@@ -14,7 +14,7 @@
 // that SET_ROWS writes into a host external land in its device copy: read() of that tensor (or a
 // view of it) returns them; the host array itself is not updated.
 //
-// Ordering: everything (kernels, cuBLAS, uploads, memsets, write/read copies) goes on the backend's
+// Ordering: everything (kernels, uploads, memsets, write/read copies) goes on the backend's
 // one non-blocking stream, so nothing relies on the legacy default stream's implicit syncs.
 //
 // Errors: CUDA API failures and launch errors throw std::runtime_error naming the op (and the
@@ -23,13 +23,13 @@
 // error word; read() checks it after synchronising and throws, as the CPU backend would have.
 //
 // CUDA graphs (issue 8 item 2; cuda/cuda_graphs.h, cuda/graph_cache.cuh). compute() first resolves
-// every operand's device address (the pre-pass: weight uploads and the cuBLAS handle happen here,
-// never inside a capture), then keys the launch sequence by the graph's full structure, op
+// every operand's device address (the pre-pass: weight uploads happen here, never inside a
+// capture), then keys the launch sequence by the graph's full structure, op
 // parameters and those addresses. First sighting of a key: eager (warm-up). Second: the ops are
 // captured on the stream (thread-local capture mode, so an allocation by this thread would fail the
 // capture instead of going unnoticed), instantiated and launched. Later: cudaGraphLaunch of the
-// cached exec. Nothing in the launch path allocates (Scratch is unused since MUL_MAT left cuBLAS,
-// the arena only grows in apply_plan, which clears the cache) or reads device data on the host, and
+// cached exec. Nothing in the launch path allocates (the arena only grows in apply_plan, which
+// clears the cache; profiling events are created outside captures) or reads device data on the host, and
 // every per-call value (tokens, positions, masks, bases, cells, noise) is an input tensor written
 // before compute(), so a replay launches exactly what the eager run would. A failed capture runs the
 // graph eagerly, logs one line and never retries that key. The error word is not reset by the
@@ -77,7 +77,6 @@ public:
         for (auto& p : persistent_) cudaFree(p.first);
         if (arena_) cudaFree(arena_);
         if (err_) cudaFree(err_);
-        if (blas_) cublasDestroy(blas_);
         for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
         cudaStreamDestroy(stream_);
     }
@@ -193,8 +192,7 @@ private:
     // --- execution ---------------------------------------------------------------------------
 
     // The pre-pass: resolves the device address of every tensor an op reads or writes (uploading
-    // host externals on first use) and creates the cuBLAS handle when a MUL_MAT might want it, so
-    // that nothing allocates while a capture is open. False when something failed (the eager run
+    // host externals on first use), so that nothing allocates while a capture is open. False when something failed (the eager run
     // then meets the same failure and reports it with the op's name).
     bool resolve_all(const Graph& g) {
         try {
@@ -205,7 +203,6 @@ private:
                 for (int s : t.src) {
                     if (s >= 0) dptr(g, s);
                 }
-                if (t.op == Op::MUL_MAT) blas();
             }
         } catch (const std::exception&) {
             cudaGetLastError();
@@ -268,19 +265,22 @@ private:
     // Executes every computed node in order on the stream (eagerly, or into an open capture).
     // Eager execution with an event before every op and one after the last; after one
     // synchronisation each op's device time is the gap between its event and the next.
+    // A fused launch (matmul groups) counts once, under its first node's op.
     void run_profiled(Graph& graph) {
         cuda::count_graph_event(cuda::GraphEvent::Eager);
-        std::vector<Op> ops;
-        for (int id = 0; id < graph.size(); ++id) {
-            if (graph[id].op != Op::NONE && graph[id].op != Op::VIEW) ops.push_back(graph[id].op);
-        }
-        while (events_.size() < ops.size() + 1) {
+        size_t n_ops = 0;
+        for (int id = 0; id < graph.size(); ++id) n_ops += graph[id].op != Op::NONE && graph[id].op != Op::VIEW;
+        while (events_.size() < n_ops + 1) {
             cudaEvent_t ev = nullptr;
             check(cudaEventCreate(&ev), "profiling: cudaEventCreate");
             events_.push_back(ev);
         }
+        std::vector<Op> ops;
         size_t k = 0;
-        run_ops(graph, [&](int) { check(cudaEventRecord(events_[k++], stream_), "profiling: cudaEventRecord"); });
+        run_ops(graph, [&](int id) {
+            ops.push_back(graph[id].op);
+            check(cudaEventRecord(events_[k++], stream_), "profiling: cudaEventRecord");
+        });
         check(cudaEventRecord(events_[k], stream_), "profiling: cudaEventRecord");
         check(cudaEventSynchronize(events_[k]), "profiling: cudaEventSynchronize");
         for (size_t i = 0; i < ops.size(); ++i) {
@@ -297,12 +297,18 @@ private:
 
     template <typename BeforeOp>
     void run_ops(Graph& graph, BeforeOp before) {
+        const bool fuse = cuda::matmul_fusion_enabled();
         for (int id = 0; id < graph.size(); ++id) {
             const Tensor& t = graph[id];
             if (t.op == Op::NONE || t.op == Op::VIEW) continue;
             before(id);
+            int last = id;
             try {
-                run_node(graph, id);
+                if (fuse && t.op == Op::MUL_MAT) {
+                    last = run_mul_mat_group(graph, id);
+                } else {
+                    run_node(graph, id);
+                }
             } catch (const std::runtime_error& e) {
                 throw std::runtime_error(std::string(e.what()) + " [" + op_name(t.op) + " '" + t.name + "']");
             }
@@ -311,7 +317,62 @@ private:
                 throw std::runtime_error(std::string("cuda backend: ") + op_name(t.op) + " ('" + t.name +
                                          "'): " + cudaGetErrorString(e));
             }
+            id = last;  // the nodes of a fused launch ran with the first
         }
+    }
+
+    // The MUL_MAT at id and the next ones (up to kMaxMatmulParts) that read the same activations
+    // with weights of the same type and K, with nothing but leaves and views between them (q/k/v,
+    // gate/up), as one launch. Running them early is safe: no node computes between them, so no
+    // tensor dies there whose memory a later member's output could have been planned into; and
+    // member outputs that overlap the activations or each other (never planned so) end the
+    // group. Returns the last node run.
+    int run_mul_mat_group(const Graph& g, int id) {
+        const Tensor& t0 = g[id];
+        const Tensor& w0 = g[t0.src[0]];
+        const Tensor& x = g[t0.src[1]];
+        std::vector<int> members{id};
+        for (int j = id + 1; j < g.size() && static_cast<int>(members.size()) < cuda::kMaxMatmulParts; ++j) {
+            const Tensor& t = g[j];
+            if (t.op == Op::NONE || t.op == Op::VIEW) continue;
+            if (t.op != Op::MUL_MAT || t.src[1] != t0.src[1]) break;
+            const Tensor& w = g[t.src[0]];
+            if (w.dtype != w0.dtype || w.ne[0] != w0.ne[0]) break;
+            members.push_back(j);
+        }
+        std::vector<cuda::MatmulPart> parts;
+        std::vector<std::pair<const char*, const char*>> spans{{dptr(g, t0.src[1]), dptr(g, t0.src[1]) + x.nbytes()}};
+        int last = id;
+        for (int j : members) {
+            const cuda::MatmulPart part = matmul_part(g, j);
+            const char* b = reinterpret_cast<const char*>(part.y);
+            const char* e = b + g[j].nbytes();
+            bool overlaps = false;
+            for (const auto& sp : spans) overlaps = overlaps || (b < sp.second && sp.first < e);
+            if (overlaps) break;
+            spans.emplace_back(b, e);
+            parts.push_back(part);
+            last = j;
+        }
+        cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
+                                  reinterpret_cast<const float*>(dptr(g, t0.src[1])),
+                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], stream_);
+        return last;
+    }
+
+    // A MUL_MAT node's launch parameters, after the checks every MUL_MAT gets.
+    cuda::MatmulPart matmul_part(const Graph& g, int id) {
+        const Tensor& t = g[id];
+        const Tensor& w = g[t.src[0]];
+        const Tensor& x = g[t.src[1]];
+        require(w.ne[2] == 1 && w.ne[3] == 1, t, "weights must be 2-D");
+        require(x.ne[2] == 1 && x.ne[3] == 1 && x.nb[0] == sizeof(float) && x.dtype == DType::F32, t,
+                "activations must be 2-D F32 rows");
+        require(!dtype_is_integer(w.dtype), t, "integer weights");
+        require(w.nb[1] >= dtype_row_bytes(w.dtype, w.ne[0]), t, "row stride is smaller than a row");
+        require(x.nb[1] % sizeof(float) == 0 && t.nb[1] % sizeof(float) == 0, t, "row strides not in floats");
+        return cuda::MatmulPart{dptr(g, t.src[0]), w.ne[1], w.nb[1], reinterpret_cast<float*>(dptr(g, id)),
+                                static_cast<int64_t>(t.nb[1] / sizeof(float))};
     }
 
     // --- memory ------------------------------------------------------------------------------
@@ -405,17 +466,6 @@ private:
 
     // cuBLAS is created on first use (only matmuls with more than 16 columns need it), which
     // keeps short-lived backends (op tests) cheap.
-    cublasHandle_t blas() {
-        if (!blas_) {
-            if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) {
-                blas_ = nullptr;
-                throw std::runtime_error("cuda backend: cublasCreate failed");
-            }
-            cublasSetStream(blas_, stream_);
-        }
-        return blas_;
-    }
-
     static void require(bool ok, const Tensor& t, const char* why) {
         if (!ok) throw std::logic_error(std::string("cuda backend: ") + op_name(t.op) + " (" + t.name + "): " + why);
     }
@@ -446,17 +496,9 @@ private:
             case Op::MUL_MAT: {
                 const Tensor& w = g[src(0)];
                 const Tensor& x = g[src(1)];
-                require(w.ne[2] == 1 && w.ne[3] == 1, t, "weights must be 2-D");
-                require(x.ne[2] == 1 && x.ne[3] == 1 && x.nb[0] == sizeof(float) && x.dtype == DType::F32, t,
-                        "activations must be 2-D F32 rows");
-                require(!dtype_is_integer(w.dtype), t, "integer weights");
-                require(w.nb[1] >= dtype_row_bytes(w.dtype, w.ne[0]), t, "row stride is smaller than a row");
-                require(x.nb[1] % sizeof(float) == 0 && t.nb[1] % sizeof(float) == 0, t, "row strides not in floats");
-                cuda::launch_matmul(w.dtype, dptr(g, src(0)), w.ne[1], w.ne[0], w.nb[1],
-                                    reinterpret_cast<const float*>(dptr(g, src(1))),
-                                    static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1],
-                                    reinterpret_cast<float*>(dptr(g, id)), static_cast<int64_t>(t.nb[1] / sizeof(float)),
-                                    blas(), scratch_, stream_);
+                const cuda::MatmulPart part = matmul_part(g, id);
+                cuda::launch_matmul_group(w.dtype, &part, 1, w.ne[0], reinterpret_cast<const float*>(dptr(g, src(1))),
+                                          static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], stream_);
                 return;
             }
             case Op::RMS_NORM: {
@@ -507,14 +549,12 @@ private:
 
     int device_;
     cudaStream_t stream_ = nullptr;
-    cublasHandle_t blas_ = nullptr;
     unsigned* err_ = nullptr;
     char* arena_ = nullptr;
     size_t arena_size_ = 0;
     std::map<char*, size_t> persistent_;                           // device base -> bytes
     std::map<std::pair<uintptr_t, size_t>, char*> uploads_;        // (host address, bytes) -> device copy
     std::vector<char*> resolved_;                                  // per tensor, during compute
-    cuda::Scratch scratch_;
     cuda::GraphCache graphs_;                                      // instantiated graphs by key
     std::vector<uint64_t> key_;                                    // the key of this compute
     bool capture_failure_logged_ = false;

@@ -2,26 +2,19 @@
 #include "cuda/graph_cache.cuh"
 
 #include <atomic>
-#include <cctype>
 #include <iterator>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "cuda/cuda_graphs.h"
+#include "cuda/kernels.h"
 
 namespace pyspec {
 namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0};
-
-bool env_says_off(const char* v) {
-    if (!v) return false;
-    std::string s(v);
-    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return s == "0" || s == "off" || s == "false" || s == "no";
-}
 
 }  // namespace
 
@@ -30,7 +23,7 @@ void set_cuda_graphs(bool on) { g_mode.store(on ? 1 : 0); }
 bool cuda_graphs_enabled() {
     int m = g_mode.load();
     if (m < 0) {
-        const int from_env = env_says_off(std::getenv("PYSPEC_CUDA_GRAPHS")) ? 0 : 1;
+        const int from_env = cuda::env_switch("PYSPEC_CUDA_GRAPHS") == 0 ? 0 : 1;
         g_mode.compare_exchange_strong(m, from_env);
         m = g_mode.load();
     }
@@ -100,8 +93,11 @@ inline uint32_t fbits(float f) {
 uint64_t graph_exec_key(const Graph& g, const std::vector<char*>& resolved, std::vector<uint64_t>& key) {
     key.clear();
     const int n = g.size();
-    key.reserve(static_cast<size_t>(n) * 18 + 1);
+    key.reserve(static_cast<size_t>(n) * 18 + 2);
     key.push_back(static_cast<uint64_t>(n));
+    // The launch choices read from the environment at each compute: a graph captured under one
+    // setting is never replayed under another.
+    key.push_back((matmul_tc_enabled() ? 1u : 0u) | (matmul_fusion_enabled() ? 2u : 0u));
     for (int id = 0; id < n; ++id) {
         const Tensor& t = g[id];
         key.push_back((static_cast<uint64_t>(t.op) << 16) | (static_cast<uint64_t>(t.flags) << 8) |

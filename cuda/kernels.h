@@ -5,20 +5,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include <cublas_v2.h>
-
 #include "cuda/common.cuh"
 
 namespace pyspec {
 namespace cuda {
-
-// Grow-only device scratch owned by the backend (no op needs it since MUL_MAT left cuBLAS).
-struct Scratch {
-    void* p = nullptr;
-    size_t bytes = 0;
-    void* get(size_t n);  // may reallocate (synchronises the device when it does)
-    ~Scratch();
-};
 
 void launch_cpy(const TDesc& dst, const TDesc& src, cudaStream_t s);
 void launch_get_rows(const TDesc& dst, const TDesc& table, const int32_t* ids, unsigned* err, cudaStream_t s);
@@ -38,13 +28,26 @@ void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                       const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s);
 
-// dst[n, m] = sum_k w[k, n] * x[k, m]: w rows of w_row_bytes, x rows of x_stride floats, y rows of
-// y_stride floats. Batch-invariant (one reduction order per output, fixed by K and the weight
-// type); it no longer uses the cuBLAS handle or the scratch, kept in the signature until the
-// backend stops passing them.
-void launch_matmul(DType wtype, const void* w, int64_t n_rows, int64_t k, size_t w_row_bytes, const float* x,
-                   int64_t x_stride, int64_t m, float* y, int64_t y_stride, cublasHandle_t blas, Scratch& scratch,
-                   cudaStream_t s);
+// dst[n, m] = sum_k w[k, n] * x[k, m] (MUL_MAT) is launch_matmul_group with one part: w rows of
+// row_bytes, x rows of x_stride floats, y rows of y_stride floats. Batch-invariant: one reduction
+// order per output, fixed by K and the weight type.
+// Several weight matrices of one type and K applied to the same activations (q/k/v, gate/up) in
+// one launch: part j writes its n_rows outputs per column to its own y. Each output is reduced
+// exactly as launch_matmul reduces it alone (same order, same bits); only the launch count drops.
+constexpr int kMaxMatmulParts = 3;
+struct MatmulPart {
+    const void* w;
+    int64_t n_rows;
+    size_t row_bytes;
+    float* y;
+    int64_t y_stride;
+};
+void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
+                         int64_t x_stride, int64_t m, cudaStream_t s);
+// Whether the backend groups consecutive MUL_MATs over the same activations into one launch
+// (env PYSPEC_CUDA_FUSE=1; off until a GPU session has validated and measured it). Read at each
+// compute: a backend's captured CUDA graphs keep the launches they were captured with.
+inline bool matmul_fusion_enabled() { return env_switch("PYSPEC_CUDA_FUSE") == 1; }
 
 // MUL_MAT on tensor cores (cuda/matmul_tc.cu), batch-invariant by a fixed per-output mma sequence;
 // launch_matmul uses it for every M when matmul_tc_enabled() (env PYSPEC_CUDA_TC=1, read at each

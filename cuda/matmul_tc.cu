@@ -366,13 +366,7 @@ void tc_typed(const void* w, int64_t n, int64_t k, int64_t rb, bool w_vec, const
 
 }  // namespace
 
-bool matmul_tc_enabled() {
-    const char* v = std::getenv("PYSPEC_CUDA_TC");
-    if (!v) return false;
-    std::string s(v);
-    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return s == "1" || s == "on" || s == "true" || s == "yes";
-}
+bool matmul_tc_enabled() { return env_switch("PYSPEC_CUDA_TC") == 1; }
 
 bool matmul_tc_supports(DType t, int64_t k) {
     switch (t) {

@@ -19,21 +19,6 @@
 namespace pyspec {
 namespace cuda {
 
-void* Scratch::get(size_t n) {
-    if (n > bytes) {
-        if (p) check(cudaFree(p), "cudaFree (scratch)");
-        p = nullptr;
-        bytes = 0;
-        check(cudaMalloc(&p, n), "cudaMalloc (scratch)");
-        bytes = n;
-    }
-    return p;
-}
-
-Scratch::~Scratch() {
-    if (p) cudaFree(p);
-}
-
 namespace {
 
 constexpr int kWarps = 4;  // warps per block; a warp owns R weight rows of the block's tile
@@ -138,22 +123,53 @@ __device__ __forceinline__ void reduce_scatter_level(float (&p)[32], int lane) {
     }
 }
 
-// Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of weight rows
-// [R * kWarps * blockIdx.y, + R * kWarps); warp w of it rows [R * (kWarps * blockIdx.y + w), + R).
-// Rows and columns past the ends are clamped to the last one (computed, never stored), which
-// keeps the inner loop free of branches. kVec: 16-byte loads of float weights and of activations.
+// The weight matrices of one launch, stacked along rows: part j holds global rows
+// [row0[j], row0[j + 1]). One part for a plain MUL_MAT; q/k/v or gate/up of one activation
+// batch as several (launch_matmul_group), so they cost one launch.
+struct Parts {
+    const char* w[kMaxMatmulParts];
+    int64_t rb[kMaxMatmulParts];
+    float* y[kMaxMatmulParts];
+    int64_t ys[kMaxMatmulParts];
+    int64_t row0[kMaxMatmulParts + 1];
+    int n;
+};
+
+__device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
+    int j = 0;
+#pragma unroll
+    for (int i = 1; i < kMaxMatmulParts; ++i) j += (i < p.n && row >= p.row0[i]) ? 1 : 0;
+    return j;
+}
+
+__device__ __forceinline__ void store(const Parts& p, int64_t row, int64_t col, float v) {
+    const int j = part_of(p, row);
+    p.y[j][col * p.ys[j] + (row - p.row0[j])] = v;
+}
+
+// Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of the global weight rows
+// row_base + [R * kWarps * blockIdx.y, + R * kWarps); warp w of it R rows from
+// row_base + R * (kWarps * blockIdx.y + w). Rows and columns past the ends are clamped to the last
+// one (computed, never stored), which keeps the inner loop free of branches. kVec: 16-byte loads
+// of float weights and of activations. The unit loop is unrolled for small tiles so that a lane
+// has several loads in flight; the fmaf chain of every output still runs u = lane, lane + 32, ...
+// in increasing order, so unrolling changes timing, never bits.
 template <DType T, bool kVec, int R, int C>
-__global__ void __launch_bounds__(kWarps * 32) k_mul_mat(const char* w, int64_t n_rows, int64_t k, int64_t row_bytes,
-                                                          const float* x, int64_t x_stride, int64_t m, float* y,
-                                                          int64_t y_stride) {
+__global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_base, int64_t k, const float* x,
+                                                          int64_t x_stride, int64_t m) {
     const int lane = threadIdx.x & 31;
-    const int64_t r0 = (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
+    const int64_t n_rows = p.row0[p.n];
+    const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
     if (r0 >= n_rows) return;
     const char* wr[R];
     const float* xc[C];
 #pragma unroll
-    for (int r = 0; r < R; ++r) wr[r] = w + min(r0 + r, n_rows - 1) * row_bytes;
+    for (int r = 0; r < R; ++r) {
+        const int64_t row = min(r0 + r, n_rows - 1);
+        const int j = part_of(p, row);
+        wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
+    }
 #pragma unroll
     for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
     float acc[R][C];
@@ -163,6 +179,7 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(const char* w, int64_t 
         for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
     }
     const int64_t units = k / 8;
+#pragma unroll(R * C <= 4 ? 4 : 1)
     for (int64_t u = lane; u < units; u += 32) {
         float v[R][8];
         int64_t p0 = 0, p1 = 0;
@@ -188,17 +205,17 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(const char* w, int64_t 
         // instead of 5 per output.
 #pragma unroll
         for (int g = 0; g < R * C / 32; ++g) {
-            float p[32];
+            float q[32];
 #pragma unroll
-            for (int o = 0; o < 32; ++o) p[o] = acc[(32 * g + o) / C][(32 * g + o) % C];
-            reduce_scatter_level<16>(p, lane);
-            reduce_scatter_level<8>(p, lane);
-            reduce_scatter_level<4>(p, lane);
-            reduce_scatter_level<2>(p, lane);
-            reduce_scatter_level<1>(p, lane);
+            for (int o = 0; o < 32; ++o) q[o] = acc[(32 * g + o) / C][(32 * g + o) % C];
+            reduce_scatter_level<16>(q, lane);
+            reduce_scatter_level<8>(q, lane);
+            reduce_scatter_level<4>(q, lane);
+            reduce_scatter_level<2>(q, lane);
+            reduce_scatter_level<1>(q, lane);
             const int o = 32 * g + lane;
             const int64_t row = r0 + o / C, col = c0 + o % C;
-            if (row < n_rows && col < m) y[col * y_stride + row] = p[0];
+            if (row < n_rows && col < m) store(p, row, col, q[0]);
         }
     } else {
 #pragma unroll
@@ -206,7 +223,7 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(const char* w, int64_t 
 #pragma unroll
             for (int c = 0; c < C; ++c) {
                 const float s = warp_sum(acc[r][c]);
-                if (lane == 0 && r0 + r < n_rows && c0 + c < m) y[(c0 + c) * y_stride + r0 + r] = s;
+                if (lane == 0 && r0 + r < n_rows && c0 + c < m) store(p, r0 + r, c0 + c, s);
             }
         }
     }
@@ -232,15 +249,15 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const 
 // Row tiles go on grid.y (at most 65535 per launch), column tiles on grid.x, so the blocks that
 // share a weight tile run next to each other and read it from L2 once.
 template <DType T, bool kVec, int R, int C>
-void mul_mat_tiles(const char* w, int64_t n, int64_t k, int64_t rb, const float* x, int64_t xs, int64_t m, float* y,
-                   int64_t ys, cudaStream_t s) {
+void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
     constexpr int64_t rows_per_block = int64_t{R} * kWarps;
     constexpr int64_t max_rows = rows_per_block * 65535;
+    const int64_t n = p.row0[p.n];
     const unsigned gx = grid_for(m, C);
     for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, n - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
-        k_mul_mat<T, kVec, R, C><<<grid, kWarps * 32, 0, s>>>(w + r0 * rb, nr, k, rb, x, xs, m, y + r0, ys);
+        k_mul_mat<T, kVec, R, C><<<grid, kWarps * 32, 0, s>>>(p, r0, k, x, xs, m);
     }
 }
 
@@ -249,15 +266,12 @@ void mul_mat_tiles(const char* w, int64_t n, int64_t k, int64_t rb, const float*
 // one row per warp, many warps, bandwidth-bound. Larger M: 4 rows x 8 columns per warp, 32 FMAs per
 // activation load and 8 columns per weight load.
 template <DType T, bool kVec>
-void mul_mat_typed(const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m, float* y,
-                   int64_t ys, cudaStream_t s) {
-    const char* wp = static_cast<const char*>(w);
-    const int64_t rbi = static_cast<int64_t>(rb);
-    if (m == 1) return mul_mat_tiles<T, kVec, 1, 1>(wp, n, k, rbi, x, xs, m, y, ys, s);
-    if (m == 2) return mul_mat_tiles<T, kVec, 1, 2>(wp, n, k, rbi, x, xs, m, y, ys, s);
-    if (m <= 4) return mul_mat_tiles<T, kVec, 1, 4>(wp, n, k, rbi, x, xs, m, y, ys, s);
-    if (m <= 16) return mul_mat_tiles<T, kVec, 1, 8>(wp, n, k, rbi, x, xs, m, y, ys, s);
-    return mul_mat_tiles<T, kVec, 4, 8>(wp, n, k, rbi, x, xs, m, y, ys, s);
+void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
+    if (m == 1) return mul_mat_tiles<T, kVec, 1, 1>(p, k, x, xs, m, s);
+    if (m == 2) return mul_mat_tiles<T, kVec, 1, 2>(p, k, x, xs, m, s);
+    if (m <= 4) return mul_mat_tiles<T, kVec, 1, 4>(p, k, x, xs, m, s);
+    if (m <= 16) return mul_mat_tiles<T, kVec, 1, 8>(p, k, x, xs, m, s);
+    return mul_mat_tiles<T, kVec, 4, 8>(p, k, x, xs, m, s);
 }
 
 }  // namespace
@@ -271,50 +285,54 @@ void mul_mat_typed(const void* w, int64_t n, int64_t k, size_t rb, const float* 
 // accumulators) whose per-output order is fixed by K alone (the same k-chunk sequence and the same
 // split for every M, M = 1 padded to the instruction's N), used for all batch sizes. That is
 // cuda/matmul_tc.cu (mma.sync m16n8k16), behind PYSPEC_CUDA_TC=1 until a GPU session validates it.
-void launch_matmul(DType t, const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m,
-                   float* y, int64_t ys, cublasHandle_t, Scratch&, cudaStream_t s) {
-    if (m <= 0 || n <= 0) return;
+void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
+                         int64_t m, cudaStream_t s) {
+    if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
+    if (m <= 0) return;
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
-    // Tensor cores (cuda/matmul_tc.cu), opt-in until validated on the GPU: chosen by the weight type
-    // and K only, never by M, so every batch size of a weight takes the same path.
-    if (matmul_tc_enabled() && matmul_tc_supports(t, k)) return launch_matmul_tc(t, w, n, k, rb, x, xs, m, y, ys, s);
     const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
-    if (float_type && k % 8 != 0) {
-        k_mul_mat_generic<<<grid_for(n, kWarps), kWarps * 32, 0, s>>>(t, static_cast<const char*>(w), n, k,
-                                                                       static_cast<int64_t>(rb), x, xs, m, y, ys);
-        check_launch("mul_mat");
+    // Tensor cores (cuda/matmul_tc.cu), opt-in until validated on the GPU: chosen by the weight type
+    // and K only, never by M, so every batch size of a weight takes the same path. A group runs
+    // there part by part (the order inside an output is the same either way).
+    const bool tc = matmul_tc_enabled() && matmul_tc_supports(t, k);
+    if (tc || (float_type && k % 8 != 0)) {
+        for (int j = 0; j < n_parts; ++j) {
+            const MatmulPart& q = parts[j];
+            if (q.n_rows <= 0) continue;
+            if (tc) {
+                launch_matmul_tc(t, q.w, q.n_rows, k, q.row_bytes, x, xs, m, q.y, q.y_stride, s);
+            } else {
+                k_mul_mat_generic<<<grid_for(q.n_rows, kWarps), kWarps * 32, 0, s>>>(
+                    t, static_cast<const char*>(q.w), q.n_rows, k, static_cast<int64_t>(q.row_bytes), x, xs, m, q.y,
+                    q.y_stride);
+                check_launch("mul_mat");
+            }
+        }
         return;
     }
+    Parts p{};
+    p.n = n_parts;
+    p.row0[0] = 0;
     // 16-byte loads: activations (and float weights) 16-byte aligned at every row. The choice
     // changes how values are loaded, not which values meet in which order.
-    const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
-    const bool w_vec = !float_type || (reinterpret_cast<uintptr_t>(w) % 16 == 0 && rb % 16 == 0);
-    const bool vec = x_vec && w_vec;
+    bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
+    for (int j = 0; j < n_parts; ++j) {
+        const MatmulPart& q = parts[j];
+        p.w[j] = static_cast<const char*>(q.w);
+        p.rb[j] = static_cast<int64_t>(q.row_bytes);
+        p.y[j] = q.y;
+        p.ys[j] = q.y_stride;
+        p.row0[j + 1] = p.row0[j] + std::max<int64_t>(0, q.n_rows);
+        if (float_type) vec = vec && reinterpret_cast<uintptr_t>(q.w) % 16 == 0 && q.row_bytes % 16 == 0;
+    }
+    if (p.row0[n_parts] == 0) return;
     switch (t) {
-        case DType::F32:
-            vec ? mul_mat_typed<DType::F32, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                : mul_mat_typed<DType::F32, false>(w, n, k, rb, x, xs, m, y, ys, s);
-            break;
-        case DType::F16:
-            vec ? mul_mat_typed<DType::F16, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                : mul_mat_typed<DType::F16, false>(w, n, k, rb, x, xs, m, y, ys, s);
-            break;
-        case DType::BF16:
-            vec ? mul_mat_typed<DType::BF16, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                : mul_mat_typed<DType::BF16, false>(w, n, k, rb, x, xs, m, y, ys, s);
-            break;
-        case DType::Q8_0:
-            vec ? mul_mat_typed<DType::Q8_0, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                : mul_mat_typed<DType::Q8_0, false>(w, n, k, rb, x, xs, m, y, ys, s);
-            break;
-        case DType::Q4_0:
-            vec ? mul_mat_typed<DType::Q4_0, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                : mul_mat_typed<DType::Q4_0, false>(w, n, k, rb, x, xs, m, y, ys, s);
-            break;
-        case DType::Q4_1:
-            vec ? mul_mat_typed<DType::Q4_1, true>(w, n, k, rb, x, xs, m, y, ys, s)
-                : mul_mat_typed<DType::Q4_1, false>(w, n, k, rb, x, xs, m, y, ys, s);
-            break;
+        case DType::F32: vec ? mul_mat_typed<DType::F32, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::F32, false>(p, k, x, xs, m, s); break;
+        case DType::F16: vec ? mul_mat_typed<DType::F16, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::F16, false>(p, k, x, xs, m, s); break;
+        case DType::BF16: vec ? mul_mat_typed<DType::BF16, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::BF16, false>(p, k, x, xs, m, s); break;
+        case DType::Q8_0: vec ? mul_mat_typed<DType::Q8_0, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::Q8_0, false>(p, k, x, xs, m, s); break;
+        case DType::Q4_0: vec ? mul_mat_typed<DType::Q4_0, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::Q4_0, false>(p, k, x, xs, m, s); break;
+        case DType::Q4_1: vec ? mul_mat_typed<DType::Q4_1, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::Q4_1, false>(p, k, x, xs, m, s); break;
         default: throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
     }
     check_launch("mul_mat");

@@ -257,6 +257,32 @@ def test_logits_match_the_cpu(model_dir, arch, wt):
 
 
 @gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("wt", list(LOGIT_TOL))
+def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
+    """PYSPEC_CUDA_FUSE=1 (q/k/v and gate/up as one launch each) changes launches, not bits: every
+    batch of the mixed steps (matvec and tiled sizes) gives exactly the logits of one launch per
+    MUL_MAT, with 3 launches fewer per layer on the GPU."""
+    tm, model = tiny(model_dir, arch, wt)
+    kw = dict(n_ctx=N_CTX_SEQ * 4, n_seq_max=4, n_batch=32, check_plans=True)
+    logits, launches = {}, {}
+    for fuse in ("0", "1"):
+        monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
+        ctx = pyspec.Context(model, backend=DEVICE, **kw)   # a fresh backend: no graphs captured yet
+        rng = np.random.default_rng(5)
+        logits[fuse] = [_decode_all(ctx, rows) for rows in _mixed_steps(rng, model.n_vocab)]
+        ctx.kv_clear()
+        ctx._ctx.set_profiling(True)
+        ctx.decode([3, 9, 27])
+        ctx._ctx.set_profiling(False)
+        launches[fuse] = dict((name, calls) for name, _, calls in ctx._ctx.op_profile())["MUL_MAT"]
+    for a, b in zip(logits["0"], logits["1"]):
+        np.testing.assert_array_equal(a, b)
+    if DEVICE == "cuda":
+        assert launches["0"] - launches["1"] == 3 * model.n_layer
+
+
+@gpu
 def test_op_profile_on_the_device(model_dir):
     """The device backend's op profile lists the ops the CPU's lists, with the same call counts
     (one entry per op run), positive times, and profiling leaves the results unchanged."""

@@ -1,7 +1,7 @@
 """Op-level tests of the CUDA backend (issue 8): every op of csrc/core/graph.h's Op enum run through
 pyspec._core.run_graph(..., backend="cuda") and compared with a numpy reference and with the same
 graph on the CPU backend, over the weight and cache types each op accepts, batch sizes M = 1, 4,
-16, 64, 300 (the matvec and the cuBLAS paths), strided views as inputs, and the sampling chain.
+16, 64, 300 (every launch shape of the fixed-order kernel), strided views as inputs, and the sampling chain.
 
 Tolerances fit the type: ops that are single float32 operations (ADD, MUL, SCALE), conversions
 (CPY/GET_ROWS/SET_ROWS to and from F32, F16, BF16), ARGMAX and TOP_K are exact; reductions hold
