@@ -14,8 +14,10 @@ block verification), one request at a time (the latency a user of the CLI sees),
 - spec: with the drafter at each --draft-n-max value.
 Printed per set and mode: mean accepted length per round (accepted drafts + 1), acceptance per
 block position (P[draft k accepted | drafts before it accepted]), tokens/s of both and the ratio.
-Greedy outputs must equal plain greedy (checked). Also the drafter's cost: one drafter pass
-against one single-token target step, from the engine's own timings of a greedy run.
+Greedy outputs must equal plain greedy (checked). Also where a round's time goes (the engines'
+op profiles, greedy, the first set): a plain decode step, and per speculative round the target's
+verify pass and the drafter's passes (its context rows and the drafting pass), the latter as a
+share of a plain step (the issue's "drafter cost per pass").
 
     PYTHONPATH=. python bench/bench_drafter.py --drafter D.gguf [-n 128] [-t 2]
         [--draft-n-max 3,5] [--modes greedy,rejection,block] [--check-data DIR ...] [--json F]
@@ -124,8 +126,9 @@ def check_held_out(llm, sets, data: Sequence[str], window: int = 12) -> int:
     return hits
 
 
-def run_set(engine, prompts, n, temperature, verify, seed0=1):
-    """Runs the prompts one at a time; returns (outputs, decode seconds, totals dict)."""
+def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False):
+    """Runs the prompts one at a time; returns (outputs, decode seconds, totals dict). profile:
+    the engine's op profiles cover each request's decoding (from its first token on)."""
     outs, t_total = [], 0.0
     tot = dict(rounds=0, drafted=0, accepted=0, drafted_at=None, accepted_at=None)
     for i, p in enumerate(prompts):
@@ -139,6 +142,8 @@ def run_set(engine, prompts, n, temperature, verify, seed0=1):
                 if t0 is None and o["tokens"]:
                     t0 = time.perf_counter()     # decode time: from the first token on
                     n_first = len(o["tokens"])
+                    if profile:
+                        engine.set_profiling(True)
                 toks += o["tokens"]
                 if o["finished"]:
                     st = o["stats"]
@@ -154,8 +159,28 @@ def run_set(engine, prompts, n, temperature, verify, seed0=1):
                             m = max(len(cur), len(v))
                             tot[key] = np.pad(cur, (0, m - len(cur))) + np.pad(v, (0, m - len(v)))
         t_total += time.perf_counter() - t0
+        engine.set_profiling(False)
         outs.append((toks, len(toks) - n_first))
     return outs, t_total, tot
+
+
+def profile_seconds(engine) -> Dict[str, float]:
+    prof = engine.op_profile()
+    return {k: sum(sec for _, sec, _ in rows) for k, rows in prof.items()}
+
+
+def cost_split(plain_engine, spec_engine, prompts, n) -> Dict[str, float]:
+    """Time in ops per plain decode step, and per speculative round in the target (verify) and
+    in the drafter (context rows + the drafting pass), greedy, from the engines' op profiles."""
+    p0, s0 = profile_seconds(plain_engine), profile_seconds(spec_engine)
+    plain, _, _ = run_set(plain_engine, prompts, n, 0.0, "greedy", profile=True)
+    _, _, tot = run_set(spec_engine, prompts, n, 0.0, "greedy", profile=True)
+    p1, s1 = profile_seconds(plain_engine), profile_seconds(spec_engine)
+    steps = sum(k for _, k in plain)
+    rounds = max(1, tot["rounds"])
+    step = (p1["target"] - p0["target"]) / max(1, steps)
+    return dict(plain_step_s=step, verify_s=(s1["target"] - s0["target"]) / rounds,
+                drafter_s=(s1["drafter"] - s0["drafter"]) / rounds)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -198,6 +223,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = []
     print(f"target {Path(model_path).name}, drafter {Path(drafter_path).name}, {args.threads} "
           f"threads, {args.n} tokens per prompt, one request at a time")
+    first = next(iter(prompts))
+    costs = {}
+    for g in gammas:
+        c = cost_split(plain_engine, spec_engines[g], prompts[first], args.n)
+        costs[g] = c
+        print(f"cost, n_max {g} ({first} prompts, greedy; time in ops): plain step "
+              f"{c['plain_step_s'] * 1e3:.2f} ms; per round: verify {c['verify_s'] * 1e3:.2f} ms "
+              f"({c['verify_s'] / c['plain_step_s']:.2f} plain steps), drafter "
+              f"{c['drafter_s'] * 1e3:.2f} ms ({100 * c['drafter_s'] / c['plain_step_s']:.0f}% of a "
+              f"plain step)", flush=True)
     for mode in args.modes.split(","):
         temperature, verify = MODES[mode]
         for name, ps in prompts.items():
@@ -224,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"per position [{pos}]  plain {r['plain_tps']:6.1f} tok/s  spec "
                       f"{r['spec_tps']:6.1f} tok/s  x{r['speedup']:.2f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": results, "costs": costs}, indent=1))
     return 0
 
 

@@ -524,6 +524,18 @@ def test_silu_and_swiglu():
     np.testing.assert_allclose(elementwise("SWIGLU", [a, b]), silu64(a) * b, rtol=1e-6, atol=1e-37)
 
 
+def test_silu_does_not_depend_on_where_a_value_sits():
+    """The vector body and the scalar tail give the same bits for the same value: a value's SiLU
+    is the same in a row of 37 (tail) and at the front of a row of 64 (body)."""
+    rng = np.random.default_rng(9)
+    a = (rng.standard_normal((1, 64)) * 6).astype(np.float32)
+    long = elementwise("SILU", [a])
+    short = elementwise("SILU", [np.ascontiguousarray(a[:, 27:])])        # 37: 32 body + 5 tail
+    np.testing.assert_array_equal(short[0], long[0, 27:])
+    shifted = elementwise("SILU", [np.ascontiguousarray(a[:, 59:])])      # 5: all tail
+    np.testing.assert_array_equal(shifted[0], long[0, 59:])
+
+
 @pytest.mark.parametrize("op,fn", [("ADD", np.add), ("MUL", np.multiply)])
 def test_add_mul_exact_with_row_broadcast(op, fn):
     """Single float32 operations are exactly rounded, so the float32 numpy result is the answer."""

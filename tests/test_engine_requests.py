@@ -184,6 +184,30 @@ def test_chosen_target_sequence(loaded):
     assert e.target_seq(4) == 0
 
 
+def test_op_profiles_split_target_and_drafter(loaded):
+    """set_profiling covers both passes while on: the target's verify rows and the drafter's
+    passes land in separate profiles, and nothing is counted while off."""
+    e = engine(loaded)
+    run(e, {1: ([5, 6, 7], 6, {"temperature": 0.0})})
+    assert e.op_profile() == {"target": [], "drafter": []}
+    e.set_profiling(True)
+    out = run(e, {2: ([5, 6, 7], 12, {"temperature": 0.0})})
+    e.set_profiling(False)
+    before = e.op_profile()
+    run(e, {3: ([5, 6, 7], 6, {"temperature": 0.0})})
+    assert e.op_profile() == before
+    target = {name: calls for name, _, calls in before["target"]}
+    drafter = {name: calls for name, _, calls in before["drafter"]}
+    model, dm = loaded
+    # every target pass runs each target layer's attention once, every drafter pass each of the
+    # drafter's: whole passes; a target pass per round at least, a drafter pass per drafting one
+    rounds = out[2]["stats"]["n_rounds"]
+    assert rounds > 0 and target["ATTENTION"] % model.n_layer == 0
+    assert target["ATTENTION"] // model.n_layer >= rounds
+    assert drafter["ATTENTION"] % dm.n_layer == 0
+    assert 0 < drafter["ATTENTION"] // dm.n_layer <= target["ATTENTION"] // model.n_layer
+
+
 def test_bad_processing_options_are_refused(loaded):
     e = engine(loaded, drafter=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -141,6 +141,17 @@ void bind_spec_engine(py::module_& m) {
             "One step over the active requests: a list of {request_id, tokens, finished, stop_reason, n_drafted, "
             "n_prompt_processed, verified (the block verified), stats[, probs: [(id, logprob, [(id, logprob)...])]]} for the requests that ran.")
         .def_property_readonly("has_drafter", &SpecEngine::has_drafter)
+        .def("set_profiling", &SpecEngine::set_profiling, py::arg("on"),
+             "Per-op time profiles of the target's and the drafter's passes while on.")
+        .def(
+            "op_profile",
+            [](const SpecEngine& e) {
+                py::dict d;
+                d["target"] = e.target_op_profile();
+                d["drafter"] = e.draft_op_profile();
+                return d;
+            },
+            "{target, drafter}: [(op name, seconds, calls)] of the passes run while profiling.")
         .def("inject_draft_failure", &SpecEngine::inject_draft_failure, py::arg("request_id"),
              "Test hook: the next drafter pass including this request fails as a broken drafter would.")
         .def_property_readonly("n_ctx_seq", [](const SpecEngine& e) { return e.target_context().n_ctx_seq(); })

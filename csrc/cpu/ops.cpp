@@ -110,7 +110,19 @@ void unary_rows(const Graph& g, int id, int ith, int nth, F f) {
     }
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+// SILU and SWIGLU rows (vec::silu_mul).
+void op_silu(const Graph& g, int id, int ith, int nth, bool gated) {
+    const Tensor& dst = g[id];
+    const Tensor& a = g[dst.src[0]];
+    const Tensor* b = gated ? &g[dst.src[1]] : nullptr;
+    const int64_t n = a.ne[0];
+    if (b && (b->ne[0] != n || (b->nrows() != 1 && b->nrows() != a.nrows()))) unsupported(g, id, "shapes do not broadcast");
+    int64_t r0, r1;
+    split_range(a.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        vec::silu_mul(frow(a, r), b ? frow(*b, b->nrows() == 1 ? 0 : r) : nullptr, frow(dst, r), n);
+    }
+}
 
 // Rotary embedding. Angles are computed in double from the position so that they do not
 // depend on how a position's angle was reached (no recurrences across rows).
@@ -253,8 +265,8 @@ void run_cpu_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
             return unary_rows(g, id, ith, nth, [f](float a) { return a * f; });
         }
         case Op::ROPE: return op_rope(g, id, ith, nth, s);
-        case Op::SILU: return unary_rows(g, id, ith, nth, [](float a) { return silu(a); });
-        case Op::SWIGLU: return binary_rows(g, id, ith, nth, [](float a, float b) { return silu(a) * b; });
+        case Op::SILU: return op_silu(g, id, ith, nth, false);
+        case Op::SWIGLU: return op_silu(g, id, ith, nth, true);
         case Op::SOFTMAX: return op_softmax(g, id, ith, nth);
         case Op::ATTENTION: return attention_op(g, id, ith, nth, s);
         case Op::SET_ROWS: return op_set_rows(g, id, ith, nth, s);

@@ -116,6 +116,34 @@ inline float exp_shift_sum(float* y, int64_t n, float shift) {
     return total;
 }
 
+// SiLU gate: y[i] = silu(a[i]) * b[i] (b == nullptr: silu(a[i])), silu(x) = x / (1 + exp(-x)) with
+// the exp above. Every element takes the same arithmetic wherever it sits (vector body or scalar
+// tail give equal bits), so a row's result does not depend on its length's split.
+inline void silu_mul(const float* a, const float* b, float* y, int64_t n) {
+    int64_t i = 0;
+#if PYSPEC_VEC_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(a + i);
+        __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        if (b) s = _mm512_mul_ps(s, _mm512_loadu_ps(b + i));
+        _mm512_storeu_ps(y + i, s);
+    }
+#elif PYSPEC_VEC_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(a + i);
+        __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        if (b) s = _mm256_mul_ps(s, _mm256_loadu_ps(b + i));
+        _mm256_storeu_ps(y + i, s);
+    }
+#endif
+    for (; i < n; ++i) {
+        const float s = a[i] / (1.0f + exp_scalar(0.0f - a[i]));
+        y[i] = b ? s * b[i] : s;
+    }
+}
+
 // Softmax of n finite-or--inf values in place (all -inf gives zeros).
 inline void softmax(float* y, int64_t n) {
     const float m = max_of(y, n);

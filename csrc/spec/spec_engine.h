@@ -177,6 +177,14 @@ public:
     const DraftContext& draft_context() const;
     const DraftStateRegistry& registry() const;
 
+    // Per-op profiles of the target's and the drafter's passes (Backend::op_profile).
+    void set_profiling(bool on) {
+        ctx_->set_profiling(on);
+        if (dctx_) dctx_->set_profiling(on);
+    }
+    Backend::OpProfile target_op_profile() const { return ctx_->op_profile(); }
+    Backend::OpProfile draft_op_profile() const { return dctx_ ? dctx_->op_profile() : Backend::OpProfile{}; }
+
     // Fault injection for tests of the graceful stop: the next drafter pass that includes this
     // request throws as a failing drafter would (the failure path is the real one).
     void inject_draft_failure(uint64_t id) { get(id).inject_failure = true; }
