@@ -2,6 +2,11 @@
 // for all query heads of its group. A row visits its unmasked cells in ascending order with the
 // same dot/exp/axpy code whatever the span (padding) and whoever shares the batch, so its result
 // is batch-invariant; masked (-inf) cells are skipped entirely.
+//
+// Cache rows are prefetched a few cells ahead: a cell's slice of one kv head is a short read at
+// a large stride (all kv heads share a cell's row), which the hardware prefetcher does not
+// stream, so without it both loops waited on memory latency cell by cell (SmolLM2 at 2k cells:
+// 19 ms of attention per token before, 7.4-8.6 ms after; prefetching changes no value).
 #include "cpu/attention.h"
 
 #include <algorithm>
@@ -17,6 +22,14 @@ namespace {
 
 inline const char* cache_row(const Tensor& c, int64_t cell, int64_t col0) {
     return static_cast<const char*>(c.data) + cell * c.nb[1] + col0 * c.nb[0];
+}
+
+constexpr int64_t kPrefetchCells = 8;
+
+inline void prefetch_row(const Tensor& c, int64_t cell, int64_t col0, int64_t n) {
+    const char* p = cache_row(c, cell, col0);
+    const int64_t bytes = n * static_cast<int64_t>(c.nb[0]);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
 inline void load_row(const Tensor& c, int64_t cell, int64_t col0, int64_t n, float* out) {
@@ -76,6 +89,7 @@ void attention_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         }
         for (int64_t v = 0; v < n_valid; ++v) {
             const int64_t j = valid[v];
+            if (v + kPrefetchCells < n_valid) prefetch_row(kc, base[r] + valid[v + kPrefetchCells], kvh * hd, hd);
             load_row(kc, base[r] + j, kvh * hd, hd, row);
             for (int64_t hr = 0; hr < n_rep; ++hr) scores[hr * span + v] = dot_f32(row, qh[hr], hd) * scale + mrow[j];
         }
@@ -84,6 +98,7 @@ void attention_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
             std::fill(oh[hr], oh[hr] + hd, 0.0f);
         }
         for (int64_t v = 0; v < n_valid; ++v) {
+            if (v + kPrefetchCells < n_valid) prefetch_row(vc, base[r] + valid[v + kPrefetchCells], kvh * hd, hd);
             load_row(vc, base[r] + valid[v], kvh * hd, hd, row);
             for (int64_t hr = 0; hr < n_rep; ++hr) axpy_f32(scores[hr * span + v], row, oh[hr], hd);
         }
