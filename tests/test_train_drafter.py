@@ -517,3 +517,20 @@ def test_engine_simulation_matches_the_engine(smoke):
     eng_len = sum(total["engine"]) / total["engine"][0]
     sim_len = sum(total["sim"]) / total["sim"][0]
     assert abs(eng_len - sim_len) < 0.02, total
+
+
+def test_grouped_attention_equals_sdpa():
+    """The cached decode path's grouped attention (no K/V repeat per query head) gives what
+    scaled_dot_product_attention with enable_gqa gives, masked keys included."""
+    import torch.nn.functional as F
+    from pyspec.train.target import grouped_attention
+    g = torch.Generator().manual_seed(0)
+    B, nh, nkv, T, S, hd = 3, 6, 2, 2, 11, 8
+    q = torch.randn(B, nh, T, hd, generator=g)
+    k = torch.randn(B, nkv, S, hd, generator=g)
+    v = torch.randn(B, nkv, S, hd, generator=g)
+    mask = torch.rand(B, 1, T, S, generator=g) > 0.4
+    mask[..., -1] = True                      # every row sees at least one key
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
+    got = grouped_attention(q, k, v, mask, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

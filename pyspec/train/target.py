@@ -116,6 +116,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     return torch.cat([out.to(x.dtype), rest], dim=-1)
 
 
+# Cached steps of at most this many tokens (decoding) use grouped_attention.
+GROUPED_DECODE_MAX_T = 16
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Attention for a few query tokens over a long KV cache with grouped KV heads, without
+    repeating K and V per query head (what scaled_dot_product_attention's enable_gqa does with
+    a boolean mask): the rep query heads of a KV head become rep x T query rows against it.
+    q [B, nh, T, hd], k/v [B, nkv, S, hd], mask [B, 1, T, S] bool -> [B, nh, T, hd]."""
+    B, nh, T, hd = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    rep = nh // nkv
+    qg = q.reshape(B, nkv, rep * T, hd)                 # head h = kv * rep + r
+    scores = (qg @ k.transpose(-1, -2)).float() * scale
+    m = mask.expand(B, 1, T, S)[:, :, None].expand(B, 1, rep, T, S).reshape(B, 1, rep * T, S)
+    scores = scores.masked_fill(~m, float("-inf"))
+    p = torch.softmax(scores, -1).to(v.dtype)
+    return (p @ v).reshape(B, nh, T, hd)
+
+
 class KVCache:
     """Per-layer K/V [B, n_kv, T_max, hd] for incremental decoding; `valid` [B, T_max] marks real
     (non-padding) cells."""
@@ -211,8 +232,11 @@ class TargetModel(torch.nn.Module):
                 cache.k[il][:, :, n0:S] = k
                 cache.v[il][:, :, n0:S] = v
                 k, v = cache.k[il][:, :, :S], cache.v[il][:, :, :S]
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv,
-                                                 scale=1.0 / math.sqrt(hd))
+            if cache is not None and T <= GROUPED_DECODE_MAX_T:
+                att = grouped_attention(q, k, v, mask, 1.0 / math.sqrt(hd))
+            else:
+                att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv,
+                                                     scale=1.0 / math.sqrt(hd))
             x = x + att.transpose(1, 2).reshape(B, T, nh * hd) @ self.W(p + "attn_output.weight").T
             h = rms_norm(x, self.W(p + "ffn_norm.weight"), hp.rms_eps)
             g = h @ self.W(p + "ffn_gate.weight").T
@@ -254,7 +278,7 @@ def generate(model: TargetModel, prompts: List[List[int]], max_new: int,
     done = torch.zeros(B, dtype=torch.bool, device=device)
     next_pos = pos[:, -1] + 1
     outs = []
-    for _ in range(max_new):
+    for step in range(max_new):
         lg = logits[:, -1].float()
         greedy = lg.argmax(-1)
         probs = torch.softmax(lg / temps.clamp(min=1e-4), -1)
@@ -263,7 +287,9 @@ def generate(model: TargetModel, prompts: List[List[int]], max_new: int,
         tok = torch.where(done, torch.zeros_like(tok), tok)
         outs.append(torch.where(done, torch.full_like(tok, -1), tok))
         done = done | torch.isin(tok, eog_t)
-        if bool(done.all()):
+        # Reading `done` back synchronises with the device: every 8 steps only (steps after
+        # every sequence ended add -1s, which are dropped below).
+        if step % 8 == 7 and bool(done.all()):
             break
         logits, _ = model(tok[:, None], next_pos[:, None], cache=cache,
                           valid=(~done)[:, None] | True, last_only=True)
