@@ -192,8 +192,9 @@ private:
     // --- execution ---------------------------------------------------------------------------
 
     // The pre-pass: resolves the device address of every tensor an op reads or writes (uploading
-    // host externals on first use), so that nothing allocates while a capture is open. False when something failed (the eager run
-    // then meets the same failure and reports it with the op's name).
+    // host externals on first use), so that nothing allocates while a capture is open. False when
+    // something failed (the eager run then meets the same failure and reports it with the op's
+    // name).
     bool resolve_all(const Graph& g) {
         try {
             for (int id = 0; id < g.size(); ++id) {
@@ -262,7 +263,6 @@ private:
         }
     }
 
-    // Executes every computed node in order on the stream (eagerly, or into an open capture).
     // Eager execution with an event before every op and one after the last; after one
     // synchronisation each op's device time is the gap between its event and the next.
     // A fused launch (matmul groups) counts once, under its first node's op.
@@ -291,6 +291,8 @@ private:
         }
     }
 
+    // Executes every computed node in order on the stream (eagerly, or into an open capture);
+    // before(id) runs ahead of each launch.
     void run_ops(Graph& graph) {
         run_ops(graph, [](int) {});
     }
@@ -353,6 +355,10 @@ private:
             spans.emplace_back(b, e);
             parts.push_back(part);
             last = j;
+        }
+        if (parts.empty()) {  // the first output overlaps its activations: never planned so
+            run_node(g, id);
+            return id;
         }
         cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
                                   reinterpret_cast<const float*>(dptr(g, t0.src[1])),

@@ -274,17 +274,24 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
     return mul_mat_tiles<T, kVec, 4, 8>(p, k, x, xs, m, s);
 }
 
+// The 16-byte-load choice is a template parameter: it changes how values are loaded, never which
+// values meet in which order.
+template <DType T>
+void mul_mat_dispatch(bool vec, const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
+    if (vec) {
+        mul_mat_typed<T, true>(p, k, x, xs, m, s);
+    } else {
+        mul_mat_typed<T, false>(p, k, x, xs, m, s);
+    }
+}
+
 }  // namespace
 
-// Speed against the cuBLAS path this replaces (estimates, to be measured on the H200): M <= 16 is
-// unchanged (the same matvec order and loads, now one launch instead of one per 8 columns). Larger
-// M runs on CUDA cores: FP32 FMA peaks near 67 TFLOP/s on the H200 and this kernel is expected at
-// roughly a third to a half of it (activation loads through L1 limit it), against some 500+ TFLOP/s
-// that cuBLAS's F16/BF16 tensor-core GEMMs reach; prefill and 64-sequence batches therefore spend
-// about 10-20x longer in MUL_MAT. What brings it back: a tensor-core GEMM (mma.sync or wgmma, F32
-// accumulators) whose per-output order is fixed by K alone (the same k-chunk sequence and the same
-// split for every M, M = 1 padded to the instruction's N), used for all batch sizes. That is
-// cuda/matmul_tc.cu (mma.sync m16n8k16), behind PYSPEC_CUDA_TC=1 until a GPU session validates it.
+// Speed: larger M runs on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200) instead of tensor
+// cores. Measured on the H200 (2026-11-29, bench_cuda.py): Qwen3-4B F16 pp512 2243 t/s with these
+// kernels and 5048 with cuda/matmul_tc.cu (mma.sync m16n8k16, a per-output order fixed by K alone,
+// PYSPEC_CUDA_TC=1; its tests pass), against llama.cpp's 30.0k. The tensor-core path is the one
+// to make fast for prefill and batches.
 void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
                          int64_t m, cudaStream_t s) {
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
@@ -327,12 +334,12 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
     }
     if (p.row0[n_parts] == 0) return;
     switch (t) {
-        case DType::F32: vec ? mul_mat_typed<DType::F32, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::F32, false>(p, k, x, xs, m, s); break;
-        case DType::F16: vec ? mul_mat_typed<DType::F16, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::F16, false>(p, k, x, xs, m, s); break;
-        case DType::BF16: vec ? mul_mat_typed<DType::BF16, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::BF16, false>(p, k, x, xs, m, s); break;
-        case DType::Q8_0: vec ? mul_mat_typed<DType::Q8_0, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::Q8_0, false>(p, k, x, xs, m, s); break;
-        case DType::Q4_0: vec ? mul_mat_typed<DType::Q4_0, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::Q4_0, false>(p, k, x, xs, m, s); break;
-        case DType::Q4_1: vec ? mul_mat_typed<DType::Q4_1, true>(p, k, x, xs, m, s) : mul_mat_typed<DType::Q4_1, false>(p, k, x, xs, m, s); break;
+        case DType::F32: mul_mat_dispatch<DType::F32>(vec, p, k, x, xs, m, s); break;
+        case DType::F16: mul_mat_dispatch<DType::F16>(vec, p, k, x, xs, m, s); break;
+        case DType::BF16: mul_mat_dispatch<DType::BF16>(vec, p, k, x, xs, m, s); break;
+        case DType::Q8_0: mul_mat_dispatch<DType::Q8_0>(vec, p, k, x, xs, m, s); break;
+        case DType::Q4_0: mul_mat_dispatch<DType::Q4_0>(vec, p, k, x, xs, m, s); break;
+        case DType::Q4_1: mul_mat_dispatch<DType::Q4_1>(vec, p, k, x, xs, m, s); break;
         default: throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
     }
     check_launch("mul_mat");
