@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On a GPU machine (the workplace's device tool), from the repo root: build the CUDA core in
+# place, run the CUDA test files three ways (as is; with MUL_MAT groups, PYSPEC_CUDA_FUSE=1; with
+# the tensor-core MUL_MAT, PYSPEC_CUDA_TC=1), then bench/bench_cuda.py with its profile. Prints a
+# summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
+#
+#   bash tools/device/cuda_check.sh            # about 4 minutes on an H200, bench included
+#   SKIP_BENCH=1 bash tools/device/cuda_check.sh
+set -u
+out=${OUT:-device-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+ls build/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps build/wheels/*.whl
+cmake -S . -B build/cuda -G Ninja -DPYSPEC_CUDA=ON -DPYSPEC_INPLACE=ON \
+  -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" > "$out/build.log" 2>&1 &&
+  cmake --build build/cuda -j"$(nproc)" --target _core >> "$out/build.log" 2>&1 ||
+  { tail -30 "$out/build.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+
+tests="tests/test_cuda_ops.py tests/test_cuda_models.py tests/test_cuda_graphs.py"
+for mode in plain fuse tc; do
+  case $mode in
+    plain) envs=() ;;
+    fuse) envs=(PYSPEC_CUDA_FUSE=1) ;;
+    tc) envs=(PYSPEC_CUDA_TC=1) ;;
+  esac
+  # shellcheck disable=SC2086
+  timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
+  echo "tests ($mode): $(tail -1 "$out/tests-$mode.log")"
+done
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  for mode in plain fuse; do
+    envs=()
+    [ $mode = fuse ] && envs=(PYSPEC_CUDA_FUSE=1)
+    timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats 2 \
+      --profile --json "$out/bench-$mode.json" > "$out/bench-$mode.log" 2>&1
+    echo "bench ($mode):"
+    sed -n '/^pyspec (CUDA) vs/,$p' "$out/bench-$mode.log"
+  done
+  grep -A14 "profile, decode step" "$out/bench-plain.log" | head -32
+fi

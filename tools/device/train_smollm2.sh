@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On a GPU machine (the workplace's device tool), from the repo root: train SmolLM2's DSpark
+# drafter on carried data shards, resuming when a run is already there, and copy what comes back
+# (hf/ checkpoint shards, validation log) to $OUT. The target GGUF (98 MB) is more than one call
+# may carry, so it travels in parts (build/device_a/part_a, build/device_b/part_b, made with
+# head/tail -c): the first call that has both joins them into /tmp/smol.gguf, and later calls of
+# the same held machine reuse it. Convert the returned hf/ here with
+# pyspec-convert --target-model-dir (the GGUF exceeds what one returned file may be).
+#
+#   DATA="build-carry/gen-gpu-s202/data build-carry/gen-gpu-s303/data" TIME=500 \
+#     bash tools/device/train_smollm2.sh [extra pyspec-train-drafter flags]
+set -u
+out=${OUT:-device-out}
+run=${RUN:-/tmp/run}
+mkdir -p "$out" "$run"
+export PYTHONUNBUFFERED=1
+ls build/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps build/wheels/*.whl
+if [ ! -s /tmp/smol.gguf ]; then
+  if [ -f build/device_a/part_a ] && [ -f build/device_b/part_b ]; then
+    cat build/device_a/part_a build/device_b/part_b > /tmp/smol.gguf
+  else
+    echo "no /tmp/smol.gguf and not both parts here (build/device_a/part_a, build/device_b/part_b)"
+    exit 2
+  fi
+fi
+python3 -c "import pyspec" 2>/dev/null || {
+  cmake -S . -B build/cpu -G Ninja -DPYSPEC_INPLACE=ON -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >/dev/null &&
+    cmake --build build/cpu -j"$(nproc)" --target _core > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+}
+resume=()
+[ -f "$run/train_state.pt" ] && resume=(--resume)
+# shellcheck disable=SC2086
+python3 -m pyspec.train.cli --target /tmp/smol.gguf --out "$run" --data ${DATA:?set DATA to shard dirs} \
+  --device cuda --time-limit "${TIME:-500}" --hf-dtype bf16 --max-shard-mib 15 --no-progress \
+  ${resume[@]+"${resume[@]}"} "$@" 2>&1 | grep -v -i warning | tee "$out/train.log" | tail -25
+[ -d "$run/hf" ] && cp -r "$run/hf" "$out/hf"
+[ -f "$run/eval_log.jsonl" ] && cp "$run/eval_log.jsonl" "$out/"
+ls -la "$out" "$out/hf" 2>/dev/null
