@@ -85,21 +85,6 @@ __device__ __forceinline__ uint16_t f2bf(float f) {
     return static_cast<uint16_t>((x + (0x7fffu + ((x >> 16) & 1u))) >> 16);
 }
 
-// dtype_unit_bytes for device code.
-__host__ __device__ __forceinline__ size_t unit_bytes(DType t) {
-    switch (t) {
-        case DType::F32: return 4;
-        case DType::F16:
-        case DType::BF16: return 2;
-        case DType::Q8_0: return sizeof(BlockQ8_0);
-        case DType::Q4_0: return sizeof(BlockQ4_0);
-        case DType::Q4_1: return sizeof(BlockQ4_1);
-        case DType::I32: return 4;
-        case DType::I64: return 8;
-        default: return 0;
-    }
-}
-
 // Unaligned-safe 16-bit load (blocks are 2-byte aligned only).
 __device__ __forceinline__ uint16_t ld16(const char* p) { return *reinterpret_cast<const uint16_t*>(p); }
 

@@ -83,7 +83,7 @@ __global__ void k_cpy_elem(TDesc dst, TDesc src) {
 
 __global__ void k_cpy_quant(TDesc dst, TDesc src) {
     const int64_t nbk = src.ne[0] / QK, total = nbk * src.nrows();
-    const int64_t unit = static_cast<int64_t>(unit_bytes(dst.dtype));
+    const int64_t unit = static_cast<int64_t>(dtype_unit_bytes(dst.dtype));
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t r = e / nbk, b = e % nbk;
@@ -128,7 +128,7 @@ __global__ void k_set_rows_elem(TDesc dst, TDesc rows, const int32_t* ids, unsig
 
 __global__ void k_set_rows_quant(TDesc dst, TDesc rows, const int32_t* ids, unsigned* err) {
     const int64_t nbk = rows.ne[0] / QK, total = nbk * rows.nrows();
-    const int64_t unit = static_cast<int64_t>(unit_bytes(dst.dtype));
+    const int64_t unit = static_cast<int64_t>(dtype_unit_bytes(dst.dtype));
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t r = e / nbk, b = e % nbk;

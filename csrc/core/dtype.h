@@ -50,7 +50,8 @@ inline int dtype_block_size(DType t) {
     }
     return 1;
 }
-inline size_t dtype_unit_bytes(DType t) {
+// constexpr: the CUDA kernels call it too (nvcc --expt-relaxed-constexpr).
+constexpr size_t dtype_unit_bytes(DType t) {
     switch (t) {
         case DType::F32: return 4;
         case DType::F16: return 2;
