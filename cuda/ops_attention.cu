@@ -1,22 +1,30 @@
 // Fused attention (decode and prefill): one block of kWarps warps per (query head, row). Row r
 // attends cells base[r] + j, j < span, with mask[r][j] added to the score; masked (-inf) cells are
-// skipped, as on the CPU. Warp w walks the cells whose absolute index is w mod kWarps, in increasing
-// order, with an online softmax (running max, running sum, running weighted V in registers: head
-// dim up to 32 * kMaxPerLane), then the warps' partial states are merged in the order w = 0..3.
-// Batch invariance (design.md invariant 7): which warp sees a cell, and in what order, depends on
-// the cell's index in the cache alone, never on base[r] or on the span (the batch's padding), and
-// masked cells are skipped outright, so a row's bits depend only on its own query, its unmasked
-// cells and their mask values, whatever rows share the batch. GQA: query head h reads kv head
-// h / (n_head / n_kv_head). K/V are F16 or F32 (the cache tensors' dtype), read through their row
-// stride (cache views).
+// skipped, as on the CPU. GQA: query head h reads kv head h / (n_head / n_kv_head). K/V are F16 or
+// F32 (the cache tensors' dtype), read through their row stride (cache views).
+//
+// The cells are cut into chunks of 32 by absolute cell index (chunk c holds cells 32c .. 32c + 31)
+// and chunk c belongs to warp c mod kWarps. In a chunk, lane i scores cell 32c + i on its own (a
+// sequential dot product over the head dim, q from shared memory), so 32 cells are in flight at
+// once rather than one: a decode step used to wait on one cell's load and warp reduction after
+// another. The warp then folds the chunk into its online-softmax state (running max over the
+// chunk, p = exp(s - max), the chunk's p summed by a fixed butterfly, V rows added in cell order,
+// lanes over the head dim), and at the end the warps' states merge in the order w = 0 .. kWarps-1.
+//
+// Batch invariance (design.md invariant 7): which warp sees a cell, the lane it sits in and the
+// order of every sum depend on the cell's absolute index alone, never on base[r] or on the span
+// (the batch's padding). A masked or out-of-range cell has p = 0 exactly and its V row is never
+// read; a chunk with no unmasked cell leaves the state untouched. So a row's bits depend only on its
+// own query, its unmasked cells and their mask values, whatever rows share the batch.
 #include "cuda/kernels.h"
 
 namespace pyspec {
 namespace cuda {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kMaxPerLane = 8;  // head_dim <= 256
+constexpr int kWarps = 8;
+constexpr int kChunk = 32;       // cells per chunk: one per lane
+constexpr int kMaxPerLane = 8;   // head_dim <= 256
 
 template <typename T>
 __device__ __forceinline__ float kv_load(const char* p);
@@ -25,10 +33,38 @@ __device__ __forceinline__ float kv_load<float>(const char* p) { return *reinter
 template <>
 __device__ __forceinline__ float kv_load<uint16_t>(const char* p) { return h2f(*reinterpret_cast<const uint16_t*>(p)); }
 
-template <typename T>
+// q . k over the head dim, in order d = 0 .. hd-1. kVec: the row is contiguous and 16-byte
+// aligned, read 16 bytes at a time (the same fmaf sequence, so the same bits).
+template <typename T, bool kVec>
+__device__ __forceinline__ float dot_row(const float* qs, const char* krow, int64_t nb0, int hd) {
+    float dot = 0.0f;
+    if (kVec) {
+        constexpr int kPer = 16 / sizeof(T);
+        const uint4* kp = reinterpret_cast<const uint4*>(krow);
+        for (int d0 = 0; d0 < hd; d0 += kPer) {
+            const uint4 raw = kp[d0 / kPer];
+            if (sizeof(T) == 2) {
+                const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
+#pragma unroll
+                for (int e = 0; e < kPer; ++e) dot = fmaf(qs[d0 + e], h2f(hv[e]), dot);
+            } else {
+                const float* fv = reinterpret_cast<const float*>(&raw);
+#pragma unroll
+                for (int e = 0; e < kPer; ++e) dot = fmaf(qs[d0 + e], fv[e], dot);
+            }
+        }
+    } else {
+#pragma unroll 8
+        for (int d = 0; d < hd; ++d) dot = fmaf(qs[d], kv_load<T>(krow + d * nb0), dot);
+    }
+    return dot;
+}
+
+template <typename T, bool kVec>
 __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
                                                              const int32_t* base, int n_kv_head, float scale,
                                                              unsigned* err) {
+    __shared__ float s_q[32 * kMaxPerLane];
     __shared__ float s_acc[kWarps][32 * kMaxPerLane];
     __shared__ float s_m[kWarps], s_l[kWarps];
     const int h = blockIdx.x;
@@ -40,54 +76,52 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
     const int kvh = h / n_rep;
     const int64_t span = mask.ne[0];
     const int64_t b0 = base[r];
+    float* o = reinterpret_cast<float*>(dst.data + h * dst.nb[1] + r * dst.nb[2]);
     if (b0 < 0 || b0 + span > kc.ne[1]) {
         if (threadIdx.x == 0) atomicOr(err, kErrAttentionSpan);
-        float* o = reinterpret_cast<float*>(dst.data + h * dst.nb[1] + r * dst.nb[2]);
         for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = 0.0f;
         return;
     }
     const float* qr = reinterpret_cast<const float*>(q.data + h * q.nb[1] + r * q.nb[2]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) s_q[d] = qr[d];
+    __syncthreads();
     const float* mrow = reinterpret_cast<const float*>(mask.data + r * mask.nb[1]);
-    float qv[kMaxPerLane], acc[kMaxPerLane];
-#pragma unroll
-    for (int c = 0; c < kMaxPerLane; ++c) {
-        const int d = lane + 32 * c;
-        qv[c] = d < hd ? qr[d] : 0.0f;
-        acc[c] = 0.0f;
-    }
     const int64_t col0 = static_cast<int64_t>(kvh) * hd;
-    float m = -INFINITY, l = 0.0f;
-    // The first j >= 0 whose cell b0 + j is this warp's (b0 >= 0 here).
-    const int64_t j0 = (warp - b0 % kWarps + kWarps) % kWarps;
-    for (int64_t j = j0; j < span; j += kWarps) {
-        const float mj = mrow[j];
-        if (mj == -INFINITY) continue;
-        const int64_t cell = b0 + j;
-        const char* krow = kc.data + cell * kc.nb[1] + col0 * kc.nb[0];
-        float dot = 0.0f;
+    float acc[kMaxPerLane];
 #pragma unroll
-        for (int c = 0; c < kMaxPerLane; ++c) {
-            const int d = lane + 32 * c;
-            if (d < hd) dot = fmaf(qv[c], kv_load<T>(krow + d * kc.nb[0]), dot);
-        }
-        const float s = warp_sum(dot) * scale + mj;
-        const char* vrow = vc.data + cell * vc.nb[1] + col0 * vc.nb[0];
-        float p;
-        if (s > m) {
-            const float corr = expf(m - s);  // m = -inf -> 0
-            l *= corr;
+    for (int c = 0; c < kMaxPerLane; ++c) acc[c] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    if (span > 0) {
+        const int64_t c_first = b0 / kChunk, c_last = (b0 + span - 1) / kChunk;
+        for (int64_t ch = c_first + (warp - c_first % kWarps + kWarps) % kWarps; ch <= c_last; ch += kWarps) {
+            const int64_t cell = ch * kChunk + lane;
+            const int64_t j = cell - b0;
+            float s = -INFINITY;
+            if (j >= 0 && j < span) {
+                const float mj = mrow[j];
+                if (mj != -INFINITY) {
+                    const char* krow = kc.data + cell * kc.nb[1] + col0 * kc.nb[0];
+                    s = dot_row<T, kVec>(s_q, krow, kc.nb[0], hd) * scale + mj;
+                }
+            }
+            const float mc = fmaxf(m, warp_max(s));
+            if (mc == -INFINITY) continue;  // nothing unmasked yet (warp-uniform)
+            const float p = s == -INFINITY ? 0.0f : expf(s - mc);
+            const float corr = expf(m - mc);  // m = -inf -> 0
+            l = l * corr + warp_sum(p);
+            m = mc;
 #pragma unroll
             for (int c = 0; c < kMaxPerLane; ++c) acc[c] *= corr;
-            m = s;
-            p = 1.0f;
-        } else {
-            p = expf(s - m);
-        }
-        l += p;
+            for (int i = 0; i < kChunk; ++i) {
+                const float pi = __shfl_sync(0xffffffffu, p, i);
+                if (pi == 0.0f) continue;  // masked, out of range or underflowed: adds nothing
+                const char* vrow = vc.data + (ch * kChunk + i) * vc.nb[1] + col0 * vc.nb[0];
 #pragma unroll
-        for (int c = 0; c < kMaxPerLane; ++c) {
-            const int d = lane + 32 * c;
-            if (d < hd) acc[c] = fmaf(p, kv_load<T>(vrow + d * vc.nb[0]), acc[c]);
+                for (int c = 0; c < kMaxPerLane; ++c) {
+                    const int d = lane + 32 * c;
+                    if (d < hd) acc[c] = fmaf(pi, kv_load<T>(vrow + d * vc.nb[0]), acc[c]);
+                }
+            }
         }
     }
 #pragma unroll
@@ -108,7 +142,6 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
         total += s_l[w] * wsc[w];
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    float* o = reinterpret_cast<float*>(dst.data + h * dst.nb[1] + r * dst.nb[2]);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float v = 0.0f;
 #pragma unroll
@@ -129,10 +162,18 @@ void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TD
     if (q.ne[2] == 0 || q.ne[1] == 0) return;
     if (q.ne[2] > 65535) throw std::runtime_error("cuda backend: attention: more than 65535 rows");
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]));
+    // 16-byte K rows: every row of the view starts 16-byte aligned and is contiguous. A property
+    // of the cache's layout, the same for every batch, so it cannot change a row's bits (both
+    // paths run the same fmaf sequence anyway).
+    const size_t el = k.dtype == DType::F16 ? 2 : 4;
+    const bool vec = static_cast<size_t>(k.nb[0]) == el && (reinterpret_cast<uintptr_t>(k.data) % 16) == 0 &&
+                     k.nb[1] % 16 == 0 && (q.ne[0] * el) % 16 == 0;
     if (k.dtype == DType::F16) {
-        k_attention<uint16_t><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        if (vec) k_attention<uint16_t, true><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        else k_attention<uint16_t, false><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
     } else {
-        k_attention<float><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        if (vec) k_attention<float, true><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        else k_attention<float, false><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
     }
 }
 

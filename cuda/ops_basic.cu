@@ -159,6 +159,25 @@ __global__ void k_rms_norm(TDesc dst, TDesc x, const float* w, float eps) {
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? xr[i] * inv * w[i] : xr[i] * inv;
 }
 
+// Short rows (Qwen3's per-head q/k norms: 32 or 8 rows of 128): one warp per row, eight rows per
+// block, no block-wide barrier. Which kernel runs depends on the row length alone, never on the
+// number of rows, so a row's bits do not depend on its batch.
+constexpr int64_t kWarpNormMax = 256;
+
+__global__ void k_rms_norm_warp(TDesc dst, TDesc x, const float* w, float eps) {
+    const int64_t r = blockIdx.x * static_cast<int64_t>(kThreads / 32) + (threadIdx.x >> 5);
+    if (r >= x.nrows()) return;
+    const int lane = threadIdx.x & 31;
+    const int64_t n = x.ne[0];
+    const float* xr = reinterpret_cast<const float*>(x.row(r));
+    float* yr = reinterpret_cast<float*>(dst.row(r));
+    float acc = 0.0f;
+    for (int64_t i = lane; i < n; i += 32) acc = fmaf(xr[i], xr[i], acc);
+    const float mean_sq = warp_sum(acc) / static_cast<float>(n);
+    const float inv = 1.0f / sqrtf(mean_sq + eps);
+    for (int64_t i = lane; i < n; i += 32) yr[i] = w ? xr[i] * inv * w[i] : xr[i] * inv;
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
 __global__ void k_binary(int kind, TDesc dst, TDesc a, TDesc b) {
@@ -187,37 +206,40 @@ __global__ void k_unary(int kind, TDesc dst, TDesc a, float f) {
     }
 }
 
-// One thread per (token t, pair i) computes the angle exactly as the CPU does (in double, from the
-// position) and rotates that pair in every head; threads past the pairs copy the unrotated tail.
+// One block per token (grid-stride over tokens): the block's threads first compute the token's
+// angles exactly as the CPU does (in double, from the position), one per pair, into shared memory;
+// then every thread rotates (head, pair) elements of the token, and copies the unrotated tail.
+// A decode step used to run one thread per pair, each rotating that pair in every head in turn.
 __global__ void k_rope(TDesc dst, TDesc x, const int32_t* pos, const float* factors, int n_rot, int neox,
                        double base, double fscale) {
+    extern __shared__ float s_rope[];  // cos[half], sin[half]
     const int half = n_rot / 2;
-    const int64_t hd = x.ne[0];
-    const int64_t per_t = half + (hd - n_rot);
-    const int64_t total = per_t * x.ne[2];
-    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t t = e / per_t, j = e % per_t;
-        if (j < half) {
-            const int i = static_cast<int>(j);
+    const int64_t hd = x.ne[0], n_head = x.ne[1];
+    const int64_t per_h = half + (hd - n_rot);
+    for (int64_t t = blockIdx.x; t < x.ne[2]; t += gridDim.x) {
+        __syncthreads();  // the previous token's angles are no longer read
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
             double theta = fscale * pos[t] * pow(base, -2.0 * i / n_rot);
             if (factors) theta /= factors[i];
-            const float cs = static_cast<float>(cos(theta));
-            const float sn = static_cast<float>(sin(theta));
-            const int i0 = neox ? i : 2 * i;
-            const int i1 = neox ? i + half : 2 * i + 1;
-            for (int64_t h = 0; h < x.ne[1]; ++h) {
-                const float* xr = reinterpret_cast<const float*>(x.row(t * x.ne[1] + h));
-                float* yr = reinterpret_cast<float*>(dst.row(t * x.ne[1] + h));
+            s_rope[i] = static_cast<float>(cos(theta));
+            s_rope[half + i] = static_cast<float>(sin(theta));
+        }
+        __syncthreads();
+        for (int64_t e = threadIdx.x; e < n_head * per_h; e += blockDim.x) {
+            const int64_t h = e / per_h, j = e % per_h;
+            const float* xr = reinterpret_cast<const float*>(x.row(t * n_head + h));
+            float* yr = reinterpret_cast<float*>(dst.row(t * n_head + h));
+            if (j < half) {
+                const int i = static_cast<int>(j);
+                const float cs = s_rope[i], sn = s_rope[half + i];
+                const int i0 = neox ? i : 2 * i;
+                const int i1 = neox ? i + half : 2 * i + 1;
                 const float a = xr[i0], b = xr[i1];
                 yr[i0] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
                 yr[i1] = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
-            }
-        } else {
-            const int64_t i = n_rot + (j - half);
-            for (int64_t h = 0; h < x.ne[1]; ++h) {
-                reinterpret_cast<float*>(dst.row(t * x.ne[1] + h))[i] =
-                    reinterpret_cast<const float*>(x.row(t * x.ne[1] + h))[i];
+            } else {
+                const int64_t i = n_rot + (j - half);
+                yr[i] = xr[i];
             }
         }
     }
@@ -377,7 +399,12 @@ void launch_set_rows(const TDesc& dst, const TDesc& rows, const int32_t* ids, un
 
 void launch_rms_norm(const TDesc& dst, const TDesc& x, const float* w, float eps, cudaStream_t s) {
     if (x.nrows() == 0) return;
-    k_rms_norm<<<static_cast<unsigned>(x.nrows()), kThreads, 0, s>>>(dst, x, w, eps);
+    if (x.ne[0] <= kWarpNormMax) {
+        const int64_t per_block = kThreads / 32;
+        k_rms_norm_warp<<<grid_for(x.nrows(), static_cast<int>(per_block)), kThreads, 0, s>>>(dst, x, w, eps);
+    } else {
+        k_rms_norm<<<static_cast<unsigned>(x.nrows()), kThreads, 0, s>>>(dst, x, w, eps);
+    }
 }
 
 void launch_binary(int kind, const TDesc& dst, const TDesc& a, const TDesc& b, cudaStream_t s) {
@@ -390,10 +417,11 @@ void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStrea
 
 void launch_rope(const TDesc& dst, const TDesc& x, const int32_t* pos, const float* factors, int n_rot, bool neox,
                  float freq_base, float freq_scale, cudaStream_t s) {
-    const int64_t per_t = n_rot / 2 + (x.ne[0] - n_rot);
-    k_rope<<<elems_grid(per_t * x.ne[2]), kThreads, 0, s>>>(dst, x, pos, factors, n_rot, neox ? 1 : 0,
-                                                             static_cast<double>(freq_base),
-                                                             static_cast<double>(freq_scale));
+    if (x.ne[2] == 0 || x.ne[1] == 0) return;
+    const unsigned grid = static_cast<unsigned>(x.ne[2] < 65535 * 16 ? x.ne[2] : 65535 * 16);
+    k_rope<<<grid, kThreads, static_cast<size_t>(n_rot) * sizeof(float), s>>>(dst, x, pos, factors, n_rot, neox ? 1 : 0,
+                                                                        static_cast<double>(freq_base),
+                                                                        static_cast<double>(freq_scale));
 }
 
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s) {

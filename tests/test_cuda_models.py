@@ -260,9 +260,9 @@ def test_logits_match_the_cpu(model_dir, arch, wt):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("wt", list(LOGIT_TOL))
 def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
-    """PYSPEC_CUDA_FUSE=1 (q/k/v and gate/up as one launch each) changes launches, not bits: every
-    batch of the mixed steps (matvec and tiled sizes) gives exactly the logits of one launch per
-    MUL_MAT, with 3 launches fewer per layer on the GPU."""
+    """MUL_MAT groups (q/k/v and gate/up as one launch each; PYSPEC_CUDA_FUSE=0 turns them off)
+    change launches, not bits: every batch of the mixed steps (matvec and tiled sizes) gives
+    exactly the logits of one launch per MUL_MAT, with 3 launches fewer per layer on the GPU."""
     tm, model = tiny(model_dir, arch, wt)
     kw = dict(n_ctx=N_CTX_SEQ * 4, n_seq_max=4, n_batch=32, check_plans=True)
     logits, launches = {}, {}
@@ -286,7 +286,7 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
 def test_op_profile_on_the_device(model_dir, monkeypatch):
     """The device backend's op profile lists the ops the CPU's lists, with the same call counts
     (one entry per op run), positive times, and profiling leaves the results unchanged."""
-    monkeypatch.delenv("PYSPEC_CUDA_FUSE", raising=False)   # one launch per MUL_MAT, as the CPU
+    monkeypatch.setenv("PYSPEC_CUDA_FUSE", "0")   # one launch per MUL_MAT, as the CPU
     tm, model = tiny(model_dir, "llama", "F16")
     kw = dict(n_ctx=N_CTX_SEQ, n_seq_max=1, n_batch=32)
     plain = pyspec.Context(model, backend=DEVICE, **kw).decode([3, 9, 27, 81]).logits

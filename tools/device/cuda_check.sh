@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine (the workplace's device tool), from the repo root: build the CUDA core in
-# place, run the CUDA test files three ways (as is; with MUL_MAT groups, PYSPEC_CUDA_FUSE=1; with
+# place, run the CUDA test files three ways (as is; without MUL_MAT groups, PYSPEC_CUDA_FUSE=0; with
 # the tensor-core MUL_MAT, PYSPEC_CUDA_TC=1), then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -18,10 +18,10 @@ cmake -S . -B build/cuda -G Ninja -DPYSPEC_CUDA=ON -DPYSPEC_INPLACE=ON \
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
 tests="tests/test_cuda_ops.py tests/test_cuda_models.py tests/test_cuda_graphs.py"
-for mode in plain fuse tc; do
+for mode in plain nofuse tc; do
   case $mode in
     plain) envs=() ;;
-    fuse) envs=(PYSPEC_CUDA_FUSE=1) ;;
+    nofuse) envs=(PYSPEC_CUDA_FUSE=0) ;;
     tc) envs=(PYSPEC_CUDA_TC=1) ;;
   esac
   # shellcheck disable=SC2086
@@ -30,9 +30,9 @@ for mode in plain fuse tc; do
 done
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  for mode in plain fuse; do
+  for mode in plain tc; do
     envs=()
-    [ $mode = fuse ] && envs=(PYSPEC_CUDA_FUSE=1)
+    [ $mode = tc ] && envs=(PYSPEC_CUDA_TC=1)
     timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats 2 \
       --profile --json "$out/bench-$mode.json" > "$out/bench-$mode.log" 2>&1
     echo "bench ($mode):"
