@@ -300,6 +300,7 @@ private:
     template <typename BeforeOp>
     void run_ops(Graph& graph, BeforeOp before) {
         const bool fuse = cuda::matmul_fusion_enabled();
+        if (fuse) count_uses(graph);
         for (int id = 0; id < graph.size(); ++id) {
             const Tensor& t = graph[id];
             if (t.op == Op::NONE || t.op == Op::VIEW) continue;
@@ -308,6 +309,8 @@ private:
             try {
                 if (fuse && t.op == Op::MUL_MAT) {
                     last = run_mul_mat_group(graph, id);
+                } else if (fuse && (t.op == Op::ROPE || t.op == Op::SET_ROWS || t.op == Op::RMS_NORM)) {
+                    last = run_op_pair(graph, id);
                 } else {
                     run_node(graph, id);
                 }
@@ -360,10 +363,173 @@ private:
             run_node(g, id);
             return id;
         }
+        if (parts.size() == 1) {
+            const int add = residual_add_after(g, id, parts[0]);
+            if (add >= 0) last = add;
+        }
         cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
                                   reinterpret_cast<const float*>(dptr(g, t0.src[1])),
                                   static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], stream_);
         return last;
+    }
+
+    // --- row-wise ops, alone or in pairs -----------------------------------------------------
+
+    // The job of a ROPE, RMS_NORM or SET_ROWS node (SET_ROWS writes its source 0, the cache),
+    // after the checks that op gets.
+    cuda::OpJob op_job(const Graph& g, int id) {
+        const Tensor& t = g[id];
+        cuda::OpJob job;
+        if (t.op == Op::SET_ROWS) {
+            const Tensor& dst = g[t.src[0]];
+            require(!dtype_is_integer(dst.dtype), t, "integer destination");
+            require(!dtype_is_quantized(dst.dtype) || g[t.src[1]].ne[0] % QK == 0, t,
+                    "row not a multiple of the block size");
+            job.dst = desc(g, t.src[0]);
+            job.src = desc(g, t.src[1]);
+            return job;
+        }
+        if (t.op == Op::ROPE) {
+            require(t.iparams[0] >= 0 && t.iparams[0] <= g[t.src[0]].ne[0] && t.iparams[0] % 2 == 0, t, "bad n_rot");
+        }
+        job.dst = desc(g, id);
+        job.src = desc(g, t.src[0]);
+        if (t.op == Op::RMS_NORM && t.src[1] >= 0) job.w = reinterpret_cast<const float*>(dptr(g, t.src[1]));
+        return job;
+    }
+
+    // One launch of n jobs of node id's op, with id's parameters (a pair shares them).
+    void launch_jobs(const Graph& g, int id, const cuda::OpJob* jobs, int n) {
+        const Tensor& t = g[id];
+        switch (t.op) {
+            case Op::RMS_NORM: cuda::launch_rms_norm(jobs, n, t.fparams[0], stream_); return;
+            case Op::ROPE: {
+                const float* ff = t.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, t.src[2])) : nullptr;
+                cuda::launch_rope(jobs, n, reinterpret_cast<const int32_t*>(dptr(g, t.src[1])), ff, t.iparams[0],
+                                  t.iparams[1] == 2, t.fparams[0], t.fparams[1], stream_);
+                return;
+            }
+            case Op::SET_ROWS:
+                cuda::launch_set_rows(jobs, n, reinterpret_cast<const int32_t*>(dptr(g, t.src[2])), err_, stream_);
+                return;
+            default: throw std::logic_error("cuda backend: launch_jobs: not a row-wise op");
+        }
+    }
+
+    // Bytes [first, second) a tensor spans on the device.
+    std::pair<const char*, const char*> span(const Graph& g, int id) {
+        const char* b = dptr(g, id);
+        return {b, b + g[id].nbytes()};
+    }
+
+    // The node at id and the next computed one as one launch when that one is the same op with
+    // the same parameters (q/k RoPE over the same positions, K/V SET_ROWS into the same cells,
+    // Qwen3's q/k norms) and neither touches what the other writes: the second reads nothing
+    // the first writes, and neither writes what the other reads or writes. The spans are checked
+    // on the device addresses, so no plan can make the pair unsafe. Returns the last node run.
+    int run_op_pair(const Graph& g, int id) {
+        int b = id + 1;
+        while (b < g.size() && (g[b].op == Op::NONE || g[b].op == Op::VIEW)) ++b;
+        if (b >= g.size() || !pairable(g, id, b)) {
+            run_node(g, id);
+            return id;
+        }
+        const cuda::OpJob jobs[2] = {op_job(g, id), op_job(g, b)};
+        launch_jobs(g, id, jobs, 2);
+        return b;
+    }
+
+    bool pairable(const Graph& g, int ia, int ib) {
+        const Tensor& a = g[ia];
+        const Tensor& b = g[ib];
+        if (b.op != a.op) return false;
+        switch (a.op) {
+            case Op::ROPE:  // the same positions and frequency factors
+                if (b.src[1] != a.src[1] || b.src[2] != a.src[2] || b.iparams[0] != a.iparams[0] || b.iparams[1] != a.iparams[1] || b.fparams[0] != a.fparams[0] ||
+                    b.fparams[1] != a.fparams[1] || g[b.src[0]].ne[2] != g[a.src[0]].ne[2] ||
+                    b.iparams[0] > g[b.src[0]].ne[0] || b.iparams[0] % 2 != 0) {
+                    return false;
+                }
+                break;
+            case Op::RMS_NORM:
+                // the same row length: the same kernel, so both jobs fit one launch
+                if (b.fparams[0] != a.fparams[0] || g[b.src[0]].ne[0] != g[a.src[0]].ne[0]) return false;
+                break;
+            case Op::SET_ROWS:  // the same cells
+                if (b.src[2] != a.src[2] || dtype_is_quantized(g[a.src[0]].dtype) != dtype_is_quantized(g[b.src[0]].dtype) ||
+                    dtype_is_integer(g[b.src[0]].dtype) || g[a.src[1]].nrows() != g[b.src[1]].nrows() ||
+                    (dtype_is_quantized(g[b.src[0]].dtype) && g[b.src[1]].ne[0] % QK != 0)) {
+                    return false;
+                }
+                break;
+            default: return false;
+        }
+        const auto written = [&](int i) { return g[i].op == Op::SET_ROWS ? span(g, g[i].src[0]) : span(g, i); };
+        const auto overlap = [](std::pair<const char*, const char*> x, std::pair<const char*, const char*> y) {
+            return x.first < y.second && y.first < x.second;
+        };
+        const auto wa = written(ia), wb = written(ib);
+        if (overlap(wa, wb)) return false;
+        for (int s : b.src) {
+            if (s >= 0 && overlap(span(g, s), wa)) return false;
+        }
+        for (int s : a.src) {
+            if (s >= 0 && overlap(span(g, s), wb)) return false;
+        }
+        return true;
+    }
+
+    // How many nodes read each tensor (as a source or as a view's base), for run_mul_mat_group.
+    void count_uses(const Graph& g) {
+        uses_.assign(static_cast<size_t>(g.size()), 0);
+        for (int j = 0; j < g.size(); ++j) {
+            const Tensor& t = g[j];
+            for (int s : t.src) {
+                if (s >= 0) ++uses_[static_cast<size_t>(s)];
+            }
+            if (t.view_src >= 0) ++uses_[static_cast<size_t>(t.view_src)];
+        }
+    }
+
+    // The residual epilogue: when the next computed node after MUL_MAT id is an ADD of its product
+    // and a residual of the same shape, and nothing else reads the product (not an output, no
+    // view of it), part is changed to store product + residual straight into the ADD's output and
+    // the ADD's id is returned (it runs with the MUL_MAT); else -1 and part is left alone. The
+    // ADD's output must not overlap the activations (still being read); it may be the residual
+    // itself (each output reads its own residual element before storing), or apart from it.
+    int residual_add_after(const Graph& g, int id, cuda::MatmulPart& part) {
+        const Tensor& mm = g[id];
+        const Tensor& w = g[mm.src[0]];
+        if (!cuda::matmul_add_epilogue(w.dtype, w.ne[0])) return -1;
+        if (mm.has(kOutput) || mm.has(kPinned) || uses_[static_cast<size_t>(id)] != 1) return -1;
+        int a = id + 1;
+        while (a < g.size() && (g[a].op == Op::NONE || g[a].op == Op::VIEW)) ++a;
+        if (a >= g.size() || g[a].op != Op::ADD) return -1;
+        const Tensor& add = g[a];
+        int other = -1;
+        if (add.src[0] == id && add.src[1] != id) other = add.src[1];
+        if (add.src[1] == id && add.src[0] != id) other = add.src[0];
+        if (other < 0) return -1;
+        const Tensor& r = g[other];
+        for (int d = 0; d < 4; ++d) {
+            if (r.ne[d] != mm.ne[d] || add.ne[d] != mm.ne[d]) return -1;
+        }
+        if (r.dtype != DType::F32 || add.dtype != DType::F32 || r.nb[0] != sizeof(float) ||
+            add.nb[0] != sizeof(float) || r.nb[1] % sizeof(float) != 0 || add.nb[1] % sizeof(float) != 0) {
+            return -1;
+        }
+        const char* ob = dptr(g, a);
+        const char* oe = ob + add.nbytes();
+        const char* xb = dptr(g, mm.src[1]);
+        if (ob < xb + g[mm.src[1]].nbytes() && xb < oe) return -1;
+        const char* rb = dptr(g, other);
+        const bool same = rb == ob && r.nb[1] == add.nb[1];
+        if (!same && ob < rb + r.nbytes() && rb < oe) return -1;
+        part.y = reinterpret_cast<float*>(dptr(g, a));
+        part.y_stride = static_cast<int64_t>(add.nb[1] / sizeof(float));
+        part.add = reinterpret_cast<const float*>(rb);
+        part.add_stride = static_cast<int64_t>(r.nb[1] / sizeof(float));
+        return a;
     }
 
     // A MUL_MAT node's launch parameters, after the checks every MUL_MAT gets.
@@ -507,9 +673,11 @@ private:
                                           static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], stream_);
                 return;
             }
-            case Op::RMS_NORM: {
-                const float* w = src(1) >= 0 ? reinterpret_cast<const float*>(dptr(g, src(1))) : nullptr;
-                cuda::launch_rms_norm(desc(g, id), desc(g, src(0)), w, t.fparams[0], stream_);
+            case Op::RMS_NORM:
+            case Op::ROPE:
+            case Op::SET_ROWS: {
+                const cuda::OpJob job = op_job(g, id);
+                launch_jobs(g, id, &job, 1);
                 return;
             }
             case Op::ADD:
@@ -524,28 +692,12 @@ private:
             }
             case Op::SCALE: cuda::launch_unary(0, desc(g, id), desc(g, src(0)), t.fparams[0], stream_); return;
             case Op::SILU: cuda::launch_unary(1, desc(g, id), desc(g, src(0)), 0.0f, stream_); return;
-            case Op::ROPE: {
-                const float* ff = src(2) >= 0 ? reinterpret_cast<const float*>(dptr(g, src(2))) : nullptr;
-                require(t.iparams[0] >= 0 && t.iparams[0] <= g[src(0)].ne[0] && t.iparams[0] % 2 == 0, t, "bad n_rot");
-                cuda::launch_rope(desc(g, id), desc(g, src(0)), reinterpret_cast<const int32_t*>(dptr(g, src(1))), ff,
-                                  t.iparams[0], t.iparams[1] == 2, t.fparams[0], t.fparams[1], stream_);
-                return;
-            }
             case Op::SOFTMAX: cuda::launch_softmax(desc(g, id), desc(g, src(0)), t.fparams[0], stream_); return;
             case Op::ATTENTION:
                 cuda::launch_attention(desc(g, id), desc(g, src(0)), desc(g, src(1)), desc(g, src(2)), desc(g, src(3)),
                                        reinterpret_cast<const int32_t*>(dptr(g, src(4))), t.iparams[0], t.fparams[0],
                                        err_, stream_);
                 return;
-            case Op::SET_ROWS: {
-                const Tensor& dst = g[src(0)];
-                require(!dtype_is_integer(dst.dtype), t, "integer destination");
-                require(!dtype_is_quantized(dst.dtype) || g[src(1)].ne[0] % QK == 0, t,
-                        "row not a multiple of the block size");
-                cuda::launch_set_rows(desc(g, src(0)), desc(g, src(1)), reinterpret_cast<const int32_t*>(dptr(g, src(2))),
-                                      err_, stream_);
-                return;
-            }
             case Op::ARGMAX: cuda::launch_argmax(desc(g, id), desc(g, src(0)), stream_); return;
             case Op::TOP_K: cuda::launch_top_k(desc(g, id), desc(g, src(0)), stream_); return;
             case Op::SUM: cuda::launch_sum(desc(g, id), desc(g, src(0)), stream_); return;
@@ -561,6 +713,7 @@ private:
     std::map<char*, size_t> persistent_;                           // device base -> bytes
     std::map<std::pair<uintptr_t, size_t>, char*> uploads_;        // (host address, bytes) -> device copy
     std::vector<char*> resolved_;                                  // per tensor, during compute
+    std::vector<int> uses_;                                        // readers per tensor (count_uses)
     cuda::GraphCache graphs_;                                      // instantiated graphs by key
     std::vector<uint64_t> key_;                                    // the key of this compute
     bool capture_failure_logged_ = false;

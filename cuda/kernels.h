@@ -12,13 +12,24 @@ namespace cuda {
 
 void launch_cpy(const TDesc& dst, const TDesc& src, cudaStream_t s);
 void launch_get_rows(const TDesc& dst, const TDesc& table, const int32_t* ids, unsigned* err, cudaStream_t s);
-void launch_set_rows(const TDesc& dst, const TDesc& rows, const int32_t* ids, unsigned* err, cudaStream_t s);
-void launch_rms_norm(const TDesc& dst, const TDesc& x, const float* w, float eps, cudaStream_t s);
+
+// Row-wise ops that take a list of jobs: one node, or a pair of independent nodes of the same op
+// and parameters run as one launch (job i on blockIdx.y = i). Each job is computed exactly as it
+// would be alone.
+constexpr int kMaxOpJobs = 2;
+struct OpJob {
+    TDesc dst;
+    TDesc src;
+    const float* w = nullptr;  // RMS_NORM's weight, or nullptr
+};
+void launch_set_rows(const OpJob* jobs, int n, const int32_t* ids, unsigned* err, cudaStream_t s);
+void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s);
+
 // kind: 0 add, 1 mul, 2 swiglu (silu(a) * b)
 void launch_binary(int kind, const TDesc& dst, const TDesc& a, const TDesc& b, cudaStream_t s);
 // kind: 0 scale (by f), 1 silu
 void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStream_t s);
-void launch_rope(const TDesc& dst, const TDesc& x, const int32_t* pos, const float* factors, int n_rot, bool neox,
+void launch_rope(const OpJob* jobs, int n, const int32_t* pos, const float* factors, int n_rot, bool neox,
                  float freq_base, float freq_scale, cudaStream_t s);
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s);
 void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s);
@@ -35,13 +46,19 @@ void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TD
 // one launch: part j writes its n_rows outputs per column to its own y. Each output is reduced
 // exactly as launch_matmul reduces it alone (same order, same bits); only the launch count drops.
 constexpr int kMaxMatmulParts = 3;
+// add (optional): a residual added to each output before it is stored, y = w x + add, rows of
+// add_stride floats (the graph's MUL_MAT -> ADD, one launch; fp32 addition commutes, so the bits
+// are the ADD's whichever side the product was on). Only where matmul_add_epilogue(wtype, k).
 struct MatmulPart {
     const void* w;
     int64_t n_rows;
     size_t row_bytes;
     float* y;
     int64_t y_stride;
+    const float* add = nullptr;
+    int64_t add_stride = 0;
 };
+bool matmul_add_epilogue(DType wtype, int64_t k);
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
                          int64_t x_stride, int64_t m, cudaStream_t s);
 // Whether the backend groups consecutive MUL_MATs over the same activations into one launch

@@ -24,6 +24,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kChunk = 32;       // cells per chunk: one per lane
+constexpr int kVBatch = 8;       // V rows whose loads are issued together
 constexpr int kMaxPerLane = 8;   // head_dim <= 256
 
 template <typename T>
@@ -41,6 +42,7 @@ __device__ __forceinline__ float dot_row(const float* qs, const char* krow, int6
     if (kVec) {
         constexpr int kPer = 16 / sizeof(T);
         const uint4* kp = reinterpret_cast<const uint4*>(krow);
+#pragma unroll 8
         for (int d0 = 0; d0 < hd; d0 += kPer) {
             const uint4 raw = kp[d0 / kPer];
             if (sizeof(T) == 2) {
@@ -60,12 +62,13 @@ __device__ __forceinline__ float dot_row(const float* qs, const char* krow, int6
     return dot;
 }
 
-template <typename T, bool kVec>
+// NC: head dims per lane (hd <= 32 * NC), so registers hold exactly what the head needs.
+template <typename T, bool kVec, int NC>
 __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
                                                              const int32_t* base, int n_kv_head, float scale,
                                                              unsigned* err) {
-    __shared__ float s_q[32 * kMaxPerLane];
-    __shared__ float s_acc[kWarps][32 * kMaxPerLane];
+    __shared__ float s_q[32 * NC];
+    __shared__ float s_acc[kWarps][32 * NC];
     __shared__ float s_m[kWarps], s_l[kWarps];
     const int h = blockIdx.x;
     const int64_t r = blockIdx.y;
@@ -87,9 +90,9 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
     __syncthreads();
     const float* mrow = reinterpret_cast<const float*>(mask.data + r * mask.nb[1]);
     const int64_t col0 = static_cast<int64_t>(kvh) * hd;
-    float acc[kMaxPerLane];
+    float acc[NC];
 #pragma unroll
-    for (int c = 0; c < kMaxPerLane; ++c) acc[c] = 0.0f;
+    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     if (span > 0) {
         const int64_t c_first = b0 / kChunk, c_last = (b0 + span - 1) / kChunk;
@@ -111,21 +114,36 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
             l = l * corr + warp_sum(p);
             m = mc;
 #pragma unroll
-            for (int c = 0; c < kMaxPerLane; ++c) acc[c] *= corr;
-            for (int i = 0; i < kChunk; ++i) {
-                const float pi = __shfl_sync(0xffffffffu, p, i);
-                if (pi == 0.0f) continue;  // masked, out of range or underflowed: adds nothing
-                const char* vrow = vc.data + (ch * kChunk + i) * vc.nb[1] + col0 * vc.nb[0];
+            for (int c = 0; c < NC; ++c) acc[c] *= corr;
+            // V rows in cell order. Loads go out kVBatch rows at a time, before their fmafs, so
+            // the warp waits once per batch rather than once per row. A row with p = 0 (masked,
+            // out of range or underflowed) is neither read nor added.
+            const char* vchunk = vc.data + (ch * kChunk) * vc.nb[1] + col0 * vc.nb[0];
 #pragma unroll
-                for (int c = 0; c < kMaxPerLane; ++c) {
-                    const int d = lane + 32 * c;
-                    if (d < hd) acc[c] = fmaf(pi, kv_load<T>(vrow + d * vc.nb[0]), acc[c]);
+            for (int i0 = 0; i0 < kChunk; i0 += kVBatch) {
+                float pv[kVBatch], vv[kVBatch][NC];
+#pragma unroll
+                for (int b = 0; b < kVBatch; ++b) {
+                    pv[b] = __shfl_sync(0xffffffffu, p, i0 + b);
+                    const char* vrow = vchunk + (i0 + b) * vc.nb[1];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        const int d = lane + 32 * c;
+                        vv[b][c] = pv[b] != 0.0f && d < hd ? kv_load<T>(vrow + d * vc.nb[0]) : 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < kVBatch; ++b) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        if (pv[b] != 0.0f) acc[c] = fmaf(pv[b], vv[b][c], acc[c]);
+                    }
                 }
             }
         }
     }
 #pragma unroll
-    for (int c = 0; c < kMaxPerLane; ++c) s_acc[warp][lane + 32 * c] = acc[c];
+    for (int c = 0; c < NC; ++c) s_acc[warp][lane + 32 * c] = acc[c];
     if (lane == 0) {
         s_m[warp] = m;
         s_l[warp] = l;
@@ -150,6 +168,19 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
     }
 }
 
+template <typename T, bool kVec>
+void launch_typed(const dim3& grid, const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
+                  const TDesc& mask, const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s) {
+    // The per-lane width follows head_dim alone, never the batch: a row's bits cannot depend on it.
+    if (q.ne[0] <= 64) {
+        k_attention<T, kVec, 2><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+    } else if (q.ne[0] <= 128) {
+        k_attention<T, kVec, 4><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+    } else {
+        k_attention<T, kVec, 8><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+    }
+}
+
 }  // namespace
 
 void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
@@ -169,11 +200,11 @@ void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TD
     const bool vec = static_cast<size_t>(k.nb[0]) == el && (reinterpret_cast<uintptr_t>(k.data) % 16) == 0 &&
                      k.nb[1] % 16 == 0 && (q.ne[0] * el) % 16 == 0;
     if (k.dtype == DType::F16) {
-        if (vec) k_attention<uint16_t, true><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
-        else k_attention<uint16_t, false><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        if (vec) launch_typed<uint16_t, true>(grid, dst, q, k, v, mask, base, n_kv_head, scale, err, s);
+        else launch_typed<uint16_t, false>(grid, dst, q, k, v, mask, base, n_kv_head, scale, err, s);
     } else {
-        if (vec) k_attention<float, true><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
-        else k_attention<float, false><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        if (vec) launch_typed<float, true>(grid, dst, q, k, v, mask, base, n_kv_head, scale, err, s);
+        else launch_typed<float, false>(grid, dst, q, k, v, mask, base, n_kv_head, scale, err, s);
     }
 }
 

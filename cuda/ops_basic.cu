@@ -1,6 +1,7 @@
 // Row-wise and element-wise ops: cpy, get_rows, set_rows, rms_norm, add/mul/swiglu, scale/silu,
 // rope, softmax, argmax, top_k, sum. Each follows the CPU kernel in cpu/ops.cpp: rows are walked
 // through their byte strides (views are common inputs), values inside a row are contiguous.
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 
@@ -11,6 +12,12 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+
+// The jobs of one launch of a row-wise op: one, or a pair of independent nodes of the same op
+// and parameters (q/k RoPE, K/V SET_ROWS, q/k norms), job blockIdx.y.
+struct Jobs {
+    OpJob j[kMaxOpJobs];
+};
 
 // ggml's reference quantizers (cpu/quant_rows.cpp), one 32-value block; __fmul_rn keeps the
 // products that the CPU rounds on their own from being fused.
@@ -112,7 +119,9 @@ __global__ void k_get_rows(TDesc dst, TDesc table, const int32_t* ids, unsigned*
     }
 }
 
-__global__ void k_set_rows_elem(TDesc dst, TDesc rows, const int32_t* ids, unsigned* err) {
+__global__ void k_set_rows_elem(const __grid_constant__ Jobs jobs, const int32_t* ids, unsigned* err) {
+    const TDesc& dst = jobs.j[blockIdx.y].dst;
+    const TDesc& rows = jobs.j[blockIdx.y].src;
     const int64_t n0 = rows.ne[0], total = n0 * rows.nrows();
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -126,7 +135,9 @@ __global__ void k_set_rows_elem(TDesc dst, TDesc rows, const int32_t* ids, unsig
     }
 }
 
-__global__ void k_set_rows_quant(TDesc dst, TDesc rows, const int32_t* ids, unsigned* err) {
+__global__ void k_set_rows_quant(const __grid_constant__ Jobs jobs, const int32_t* ids, unsigned* err) {
+    const TDesc& dst = jobs.j[blockIdx.y].dst;
+    const TDesc& rows = jobs.j[blockIdx.y].src;
     const int64_t nbk = rows.ne[0] / QK, total = nbk * rows.nrows();
     const int64_t unit = static_cast<int64_t>(dtype_unit_bytes(dst.dtype));
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
@@ -146,9 +157,13 @@ __global__ void k_set_rows_quant(TDesc dst, TDesc rows, const int32_t* ids, unsi
 
 // ---------------------------------------------------------------------------------------------
 
-__global__ void k_rms_norm(TDesc dst, TDesc x, const float* w, float eps) {
+__global__ void k_rms_norm(const __grid_constant__ Jobs jobs, float eps) {
     __shared__ float red[32];
+    const TDesc& dst = jobs.j[blockIdx.y].dst;
+    const TDesc& x = jobs.j[blockIdx.y].src;
+    const float* w = jobs.j[blockIdx.y].w;
     const int64_t r = blockIdx.x;
+    if (r >= x.nrows()) return;  // a pair's shorter job
     const int64_t n = x.ne[0];
     const float* xr = reinterpret_cast<const float*>(x.row(r));
     float* yr = reinterpret_cast<float*>(dst.row(r));
@@ -164,7 +179,10 @@ __global__ void k_rms_norm(TDesc dst, TDesc x, const float* w, float eps) {
 // number of rows, so a row's bits do not depend on its batch.
 constexpr int64_t kWarpNormMax = 256;
 
-__global__ void k_rms_norm_warp(TDesc dst, TDesc x, const float* w, float eps) {
+__global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
+    const TDesc& dst = jobs.j[blockIdx.y].dst;
+    const TDesc& x = jobs.j[blockIdx.y].src;
+    const float* w = jobs.j[blockIdx.y].w;
     const int64_t r = blockIdx.x * static_cast<int64_t>(kThreads / 32) + (threadIdx.x >> 5);
     if (r >= x.nrows()) return;
     const int lane = threadIdx.x & 31;
@@ -210,8 +228,10 @@ __global__ void k_unary(int kind, TDesc dst, TDesc a, float f) {
 // angles exactly as the CPU does (in double, from the position), one per pair, into shared memory;
 // then every thread rotates (head, pair) elements of the token, and copies the unrotated tail.
 // A decode step used to run one thread per pair, each rotating that pair in every head in turn.
-__global__ void k_rope(TDesc dst, TDesc x, const int32_t* pos, const float* factors, int n_rot, int neox,
-                       double base, double fscale) {
+__global__ void k_rope(const __grid_constant__ Jobs jobs, const int32_t* pos, const float* factors, int n_rot,
+                       int neox, double base, double fscale) {
+    const TDesc& dst = jobs.j[blockIdx.y].dst;
+    const TDesc& x = jobs.j[blockIdx.y].src;
     extern __shared__ float s_rope[];  // cos[half], sin[half]
     const int half = n_rot / 2;
     const int64_t hd = x.ne[0], n_head = x.ne[1];
@@ -389,21 +409,34 @@ void launch_get_rows(const TDesc& dst, const TDesc& table, const int32_t* ids, u
     k_get_rows<<<elems_grid(dst.ne[0] * dst.ne[1]), kThreads, 0, s>>>(dst, table, ids, err);
 }
 
-void launch_set_rows(const TDesc& dst, const TDesc& rows, const int32_t* ids, unsigned* err, cudaStream_t s) {
-    if (dtype_is_quantized(dst.dtype)) {
-        k_set_rows_quant<<<elems_grid(rows.nrows() * (rows.ne[0] / QK)), kThreads, 0, s>>>(dst, rows, ids, err);
+Jobs make_jobs(const OpJob* jobs, int n) {
+    if (n < 1 || n > kMaxOpJobs) throw std::logic_error("cuda backend: bad job count");
+    Jobs j{};
+    for (int i = 0; i < n; ++i) j.j[i] = jobs[i];
+    return j;
+}
+
+void launch_set_rows(const OpJob* jobs, int n, const int32_t* ids, unsigned* err, cudaStream_t s) {
+    const Jobs j = make_jobs(jobs, n);
+    int64_t most = 0;
+    for (int i = 0; i < n; ++i) most = std::max(most, jobs[i].src.nrows() * jobs[i].src.ne[0]);
+    if (dtype_is_quantized(jobs[0].dst.dtype)) {
+        k_set_rows_quant<<<dim3(elems_grid(most / QK), n), kThreads, 0, s>>>(j, ids, err);
     } else {
-        k_set_rows_elem<<<elems_grid(rows.nrows() * rows.ne[0]), kThreads, 0, s>>>(dst, rows, ids, err);
+        k_set_rows_elem<<<dim3(elems_grid(most), n), kThreads, 0, s>>>(j, ids, err);
     }
 }
 
-void launch_rms_norm(const TDesc& dst, const TDesc& x, const float* w, float eps, cudaStream_t s) {
-    if (x.nrows() == 0) return;
-    if (x.ne[0] <= kWarpNormMax) {
+void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s) {
+    const Jobs j = make_jobs(jobs, n);
+    int64_t rows = 0;
+    for (int i = 0; i < n; ++i) rows = std::max(rows, jobs[i].src.nrows());
+    if (rows == 0) return;
+    if (jobs[0].src.ne[0] <= kWarpNormMax) {
         const int64_t per_block = kThreads / 32;
-        k_rms_norm_warp<<<grid_for(x.nrows(), static_cast<int>(per_block)), kThreads, 0, s>>>(dst, x, w, eps);
+        k_rms_norm_warp<<<dim3(grid_for(rows, static_cast<int>(per_block)), n), kThreads, 0, s>>>(j, eps);
     } else {
-        k_rms_norm<<<static_cast<unsigned>(x.nrows()), kThreads, 0, s>>>(dst, x, w, eps);
+        k_rms_norm<<<dim3(static_cast<unsigned>(rows), n), kThreads, 0, s>>>(j, eps);
     }
 }
 
@@ -415,13 +448,14 @@ void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStrea
     k_unary<<<elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s>>>(kind, dst, a, f);
 }
 
-void launch_rope(const TDesc& dst, const TDesc& x, const int32_t* pos, const float* factors, int n_rot, bool neox,
+void launch_rope(const OpJob* jobs, int n, const int32_t* pos, const float* factors, int n_rot, bool neox,
                  float freq_base, float freq_scale, cudaStream_t s) {
-    if (x.ne[2] == 0 || x.ne[1] == 0) return;
-    const unsigned grid = static_cast<unsigned>(x.ne[2] < 65535 * 16 ? x.ne[2] : 65535 * 16);
-    k_rope<<<grid, kThreads, static_cast<size_t>(n_rot) * sizeof(float), s>>>(dst, x, pos, factors, n_rot, neox ? 1 : 0,
-                                                                        static_cast<double>(freq_base),
-                                                                        static_cast<double>(freq_scale));
+    const Jobs j = make_jobs(jobs, n);
+    const int64_t tokens = jobs[0].src.ne[2];
+    if (tokens == 0 || jobs[0].src.ne[1] == 0) return;
+    const unsigned grid = static_cast<unsigned>(tokens < 65535 * 16 ? tokens : 65535 * 16);
+    k_rope<<<dim3(grid, n), kThreads, static_cast<size_t>(n_rot) * sizeof(float), s>>>(
+        j, pos, factors, n_rot, neox ? 1 : 0, static_cast<double>(freq_base), static_cast<double>(freq_scale));
 }
 
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s) {

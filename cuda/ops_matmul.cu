@@ -131,6 +131,8 @@ struct Parts {
     int64_t rb[kMaxMatmulParts];
     float* y[kMaxMatmulParts];
     int64_t ys[kMaxMatmulParts];
+    const float* add[kMaxMatmulParts];  // residual added before the store, or nullptr
+    int64_t as[kMaxMatmulParts];
     int64_t row0[kMaxMatmulParts + 1];
     int n;
 };
@@ -144,7 +146,9 @@ __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
 
 __device__ __forceinline__ void store(const Parts& p, int64_t row, int64_t col, float v) {
     const int j = part_of(p, row);
-    p.y[j][col * p.ys[j] + (row - p.row0[j])] = v;
+    const int64_t i = row - p.row0[j];
+    if (p.add[j]) v += p.add[j][col * p.as[j] + i];
+    p.y[j][col * p.ys[j] + i] = v;
 }
 
 // Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of the global weight rows
@@ -287,6 +291,13 @@ void mul_mat_dispatch(bool vec, const Parts& p, int64_t k, const float* x, int64
 
 }  // namespace
 
+// The residual epilogue lives in k_mul_mat's store; the tensor-core and generic paths have none.
+bool matmul_add_epilogue(DType t, int64_t k) {
+    const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
+    return !(matmul_tc_enabled() && matmul_tc_supports(t, k)) && !(float_type && k % 8 != 0) &&
+           k % dtype_block_size(t) == 0;
+}
+
 // Speed: larger M runs on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200) instead of tensor
 // cores. Measured on the H200 (2026-11-29, bench_cuda.py): Qwen3-4B F16 pp512 2243 t/s with these
 // kernels and 5048 with cuda/matmul_tc.cu (mma.sync m16n8k16, a per-output order fixed by K alone,
@@ -303,6 +314,9 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
     // there part by part (the order inside an output is the same either way).
     const bool tc = matmul_tc_enabled() && matmul_tc_supports(t, k);
     if (tc || (float_type && k % 8 != 0)) {
+        for (int j = 0; j < n_parts; ++j) {
+            if (parts[j].add) throw std::logic_error("cuda backend: mul_mat: an add epilogue on a path without one");
+        }
         for (int j = 0; j < n_parts; ++j) {
             const MatmulPart& q = parts[j];
             if (q.n_rows <= 0) continue;
@@ -329,6 +343,8 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         p.rb[j] = static_cast<int64_t>(q.row_bytes);
         p.y[j] = q.y;
         p.ys[j] = q.y_stride;
+        p.add[j] = q.add;
+        p.as[j] = q.add_stride;
         p.row0[j + 1] = p.row0[j] + std::max<int64_t>(0, q.n_rows);
         if (float_type) vec = vec && reinterpret_cast<uintptr_t>(q.w) % 16 == 0 && q.row_bytes % 16 == 0;
     }

@@ -260,9 +260,11 @@ def test_logits_match_the_cpu(model_dir, arch, wt):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("wt", list(LOGIT_TOL))
 def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
-    """MUL_MAT groups (q/k/v and gate/up as one launch each; PYSPEC_CUDA_FUSE=0 turns them off)
-    change launches, not bits: every batch of the mixed steps (matvec and tiled sizes) gives
-    exactly the logits of one launch per MUL_MAT, with 3 launches fewer per layer on the GPU."""
+    """The backend's fusions (PYSPEC_CUDA_FUSE=0 turns them off) change launches, not bits: MUL_MAT
+    groups (q/k/v and gate/up as one launch each), the residual ADD in the o/down MUL_MAT's store,
+    and pairs of row-wise ops (q/k RoPE, K/V SET_ROWS, q/k norms). Every batch of the mixed steps
+    (matvec and tiled sizes) gives exactly the unfused logits, with 3 MUL_MAT launches fewer per
+    layer on the GPU."""
     tm, model = tiny(model_dir, arch, wt)
     kw = dict(n_ctx=N_CTX_SEQ * 4, n_seq_max=4, n_batch=32, check_plans=True)
     logits, launches = {}, {}

@@ -4,8 +4,10 @@
 # the tensor-core MUL_MAT, PYSPEC_CUDA_TC=1), then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
-#   bash tools/device/cuda_check.sh            # about 4 minutes on an H200, bench included
+#   bash tools/device/cuda_check.sh            # about 5 minutes on an H200, bench included
 #   SKIP_BENCH=1 bash tools/device/cuda_check.sh
+#   MODES="plain nofuse" BENCH_MODES=plain bash tools/device/cuda_check.sh   # fewer runs
+#   KERNEL_TIMES=1 ...                          # also per-kernel times by ncu (tools/device/kernel_times.py)
 set -u
 out=${OUT:-device-out}
 mkdir -p "$out"
@@ -18,7 +20,7 @@ cmake -S . -B build/cuda -G Ninja -DPYSPEC_CUDA=ON -DPYSPEC_INPLACE=ON \
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
 tests="tests/test_cuda_ops.py tests/test_cuda_models.py tests/test_cuda_graphs.py"
-for mode in plain nofuse tc; do
+for mode in ${MODES:-plain nofuse tc}; do
   case $mode in
     plain) envs=() ;;
     nofuse) envs=(PYSPEC_CUDA_FUSE=0) ;;
@@ -30,13 +32,23 @@ for mode in plain nofuse tc; do
 done
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  for mode in plain tc; do
+  for mode in ${BENCH_MODES:-plain tc}; do
     envs=()
-    [ $mode = tc ] && envs=(PYSPEC_CUDA_TC=1)
-    timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats 2 \
-      --profile --json "$out/bench-$mode.json" > "$out/bench-$mode.log" 2>&1
+    only=tg128,pp512,par64
+    # the tensor-core MUL_MAT is for prefill and batches (it is slow at one row)
+    prof=--profile
+    [ $mode = tc ] && envs=(PYSPEC_CUDA_TC=1) && only=pp512,par64 && prof=
+    timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats 2 --only $only \
+      $prof --json "$out/bench-$mode.json" > "$out/bench-$mode.log" 2>&1
     echo "bench ($mode):"
     sed -n '/^pyspec (CUDA) vs/,$p' "$out/bench-$mode.log"
   done
   grep -A14 "profile, decode step" "$out/bench-plain.log" | head -32
+fi
+if [ -n "${KERNEL_TIMES:-}" ]; then
+  for m in /tmp/pyspec-models/smollm2-135m-q4_1.gguf /tmp/pyspec-models/qwen3-4b-f16.gguf; do
+    for step in decode par64 pp512; do
+      timeout 120 python3 tools/device/kernel_times.py "$m" --step $step --top 12 2>&1 | tee -a "$out/kernel-times.log"
+    done
+  done
 fi

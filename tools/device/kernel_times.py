@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Per-kernel device time of one pyspec step on the CUDA backend, measured by Nsight Compute.
+
+The backend's own op profile (bench_cuda.py --profile) puts an event before every launch, and on
+small kernels that event costs more than the kernel. This runs the step under `ncu` instead, which
+times each kernel alone (gpu__time_duration), graph-replayed kernels included, and prints the
+kernels by total time.
+
+    python3 tools/device/kernel_times.py MODEL.gguf [--step decode|par64|pp512] [--top 20]
+
+Needs ncu on the PATH and a GPU that lets it read counters (the H200 machines on Firecracker).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+INNER = "PYSPEC_KERNEL_TIMES_INNER"
+
+
+def run_step(path: str, step: str, gpu: bool = True) -> None:
+    """Inside ncu: warm the step up (graphs captured), then profile exactly one more of it."""
+    import ctypes
+
+    import numpy as np
+
+    sys.path.insert(0, os.getcwd())
+    import pyspec
+
+    model = pyspec.Model(path, n_gpu_layers="all" if gpu else 0)
+    ids = [(i * 7919) % 1000 + 10 for i in range(512)]
+    if step == "pp512":
+        ctx = pyspec.Context(model, n_ctx=1024, n_seq_max=1, n_batch=512)
+
+        def once():
+            ctx.kv_clear()
+            ctx.decode(ids)
+    elif step == "par64":
+        n = 64
+        ctx = pyspec.Context(model, n_ctx=160 * n, n_seq_max=n, n_batch=512)
+        for s in range(n):
+            ctx.decode(ids[s:s + 16], seq_ids=[s] * 16)
+        state = {"pos": np.full(n, 16, np.int32)}
+
+        def once():
+            ctx.decode(np.full(n, 11, np.int32), positions=state["pos"], seq_ids=np.arange(n, dtype=np.int32),
+                       output=np.ones(n, np.bool_))
+            state["pos"] += 1
+    else:
+        ctx = pyspec.Context(model, n_ctx=1024, n_seq_max=1, n_batch=512)
+        ctx.decode(ids[:64])
+        state = {"tok": 11}
+
+        def once():
+            state["tok"] = int(np.argmax(ctx.decode([state["tok"]]).logits[-1]))
+    for _ in range(3):
+        once()
+    if not gpu:
+        return once()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    once()
+    cuda.cuProfilerStop()
+
+
+def short_name(name: str) -> str:
+    """'void pyspec::cuda::(anonymous namespace)::k_mul_mat<(DType)8, true, 1, 1>(TDesc, ...)' ->
+    'k_mul_mat<(DType)8, true, 1, 1>'."""
+    if name.startswith("void "):
+        name = name[5:]
+    depth, end = 0, len(name)
+    for i, ch in enumerate(name):       # the argument list: the first '(' outside <...> and
+        if ch == "<":                   # after the qualified name's last '::'
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0 and not name.startswith("(anonymous", i):
+            end = i
+            break
+    head = name[:end]
+    base, sep, args = head.partition("<")
+    return base.rsplit("::", 1)[-1] + sep + args
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--step", choices=["decode", "par64", "pp512"], default="decode")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true", help="run the step on the CPU, no ncu (checks the script)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        run_step(args.model, args.step, gpu=False)
+        print(f"{args.step} ran on the CPU")
+        return 0
+    if os.environ.get(INNER):
+        run_step(args.model, args.step)
+        return 0
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--metrics",
+           "gpu__time_duration.sum", "--csv", "--print-units", "base",
+           sys.executable, os.path.abspath(__file__), args.model, "--step", args.step]
+    res = subprocess.run(cmd, env=dict(os.environ, **{INNER: "1"}), capture_output=True, text=True)
+    rows = [line for line in res.stdout.splitlines() if line.startswith('"')]
+    if res.returncode != 0 or not rows:
+        print(res.stdout[-3000:], res.stderr[-3000:], sep="\n", file=sys.stderr)
+        return 1
+    per = defaultdict(lambda: [0, 0.0])
+    for rec in csv.DictReader(io.StringIO("\n".join(rows))):
+        if rec.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        k = per[short_name(rec["Kernel Name"])]
+        k[0] += 1
+        k[1] += float(rec["Metric Value"].replace(",", "")) * 1e-3   # ns -> us
+    total = sum(v[1] for v in per.values())
+    n = sum(v[0] for v in per.values())
+    print(f"{os.path.basename(args.model)} {args.step}: {n} kernels, {total:.1f} us of kernel time "
+          f"(ncu, each kernel alone)")
+    for name, (calls, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:args.top]:
+        print(f"  {us:9.1f} us  {calls:5d} x {us / calls:7.2f} us  {100 * us / total:5.1f}%  {name[:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
