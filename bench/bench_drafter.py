@@ -126,14 +126,14 @@ def check_held_out(llm, sets, data: Sequence[str], window: int = 12) -> int:
     return hits
 
 
-def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False):
+def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False, prune=None):
     """Runs the prompts one at a time; returns (outputs, decode seconds, totals dict). profile:
     the engine's op profiles cover each request's decoding (from its first token on)."""
     outs, t_total = [], 0.0
     tot = dict(rounds=0, drafted=0, accepted=0, drafted_at=None, accepted_at=None)
     for i, p in enumerate(prompts):
         engine.add_request(i, p, max_tokens=n, temperature=temperature, seed=seed0 + i,
-                           verify=verify)
+                           verify=verify, **(prune or {}))
         toks: List[int] = []
         t0 = None
         while engine.n_requests:

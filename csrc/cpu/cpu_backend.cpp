@@ -41,7 +41,11 @@ void run_mul_mat(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>&
 
 void CpuBackend::FreeDeleter::operator()(void* p) const { std::free(p); }
 
-CpuBackend::CpuBackend(int n_threads) : pool_(n_threads), scratch_(static_cast<size_t>(pool_.size())) {}
+CpuBackend::CpuBackend(int n_threads) : CpuBackend(std::make_shared<ThreadPool>(n_threads)) {}
+
+CpuBackend::CpuBackend(std::shared_ptr<ThreadPool> pool)
+    : pool_(pool ? std::move(pool) : throw std::invalid_argument("CpuBackend: no thread pool")),
+      scratch_(static_cast<size_t>(pool_->size())) {}
 
 CpuBackend::~CpuBackend() = default;
 
@@ -85,10 +89,10 @@ void CpuBackend::compute(Graph& graph) {
         if (op == Op::NONE || op == Op::VIEW) continue;
         const clock::time_point t0 = profiling_ ? clock::now() : clock::time_point();
         if (op == Op::MUL_MAT) {
-            run_mul_mat(graph, id, pool_, matmul_scratch_);
+            run_mul_mat(graph, id, *pool_, matmul_scratch_);
         } else {
             const Graph& g = graph;
-            pool_.run([&](int ith, int nth) { run_cpu_op(g, id, ith, nth, scratch_[static_cast<size_t>(ith)]); });
+            pool_->run([&](int ith, int nth) { run_cpu_op(g, id, ith, nth, scratch_[static_cast<size_t>(ith)]); });
         }
         if (profiling_) {
             op_seconds_[static_cast<size_t>(op)] += std::chrono::duration<double>(clock::now() - t0).count();

@@ -16,6 +16,10 @@ namespace pyspec {
 class CpuBackend final : public Backend {
 public:
     explicit CpuBackend(int n_threads);
+    // On a pool shared with other backends that never compute at the same time (a speculative
+    // engine's target and drafter): one set of worker threads, so the idle backend's workers
+    // do not spin on the cores the busy one needs.
+    explicit CpuBackend(std::shared_ptr<ThreadPool> pool);
     ~CpuBackend() override;
 
     const char* name() const override { return "CPU"; }
@@ -32,7 +36,7 @@ public:
     // values.
     void set_poison(bool on) { poison_ = on; }
 
-    ThreadPool& pool() { return pool_; }
+    ThreadPool& pool() { return *pool_; }
 
     // Per-op wall time, accumulated while profiling is on (indexed by Op).
     void set_profiling(bool on) override { profiling_ = on; }
@@ -42,7 +46,7 @@ private:
     struct FreeDeleter {
         void operator()(void* p) const;
     };
-    ThreadPool pool_;
+    std::shared_ptr<ThreadPool> pool_;
     std::unique_ptr<uint8_t, FreeDeleter> arena_;
     size_t arena_size_ = 0;
     // Persistent buffers (KV caches) are anonymous mappings: zero pages that the kernel commits
