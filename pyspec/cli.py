@@ -73,12 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep generating past end-of-generation tokens")
     p.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
                    metavar="FNAME", help="DFlash/DSpark drafter GGUF for speculative decoding")
-    p.add_argument("--spec-type", choices=("draft-dflash", "draft-dspark"), default=None,
-                   help="speculative decoding type (default: from the drafter file)")
+    p.add_argument("--spec-type", choices=("none", "draft-dflash", "draft-dspark"), default=None,
+                   help="speculative decoding type (default: from the drafter file); none: no "
+                        "speculative decoding (also not with the default model's embedded "
+                        "drafter)")
     p.add_argument("--draft-max", "--spec-draft-n-max", "--draft-n", dest="draft_max", type=int,
                    default=None, metavar="N",
                    help="drafted tokens per round, clamped to the drafter's block "
-                        "(default: the drafter's maximum)")
+                        "(default: the drafter's maximum; 2 with the embedded drafter)")
     p.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float,
                    default=0.0, metavar="P",
                    help="stop a draft at the first position whose confidence (DSpark: the "
@@ -175,6 +177,31 @@ def _emit(text: str) -> None:
     else:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+
+def _resolve_drafter(args) -> None:
+    """The default model (no -m) speculates with its embedded drafter when decoding greedily
+    (--temp 0) or asked to (--spec-type draft-dspark), unless -md names another drafter or
+    --spec-type none turns speculation off; args.embedded_drafter says which happened."""
+    from .model import DEFAULT_DRAFTER_N_MAX, default_drafter_path
+
+    args.embedded_drafter = False
+    if args.spec_type == "none":
+        if args.model_draft is not None:
+            _log("main: --spec-type none: the draft model is not used")
+        args.model_draft, args.spec_type = None, None
+        return
+    if args.model is None and args.model_draft is None:
+        path = default_drafter_path()
+        if path is not None and args.temp > 0 and args.spec_type is None:
+            # It measured slower than plain decoding when sampling (pyspec.model's note).
+            _log("main: the embedded drafter is used for greedy decoding (--temp 0); "
+                 "--spec-type draft-dspark uses it when sampling too")
+            return
+        args.model_draft = path
+        args.embedded_drafter = path is not None
+        if args.embedded_drafter and args.draft_max is None:
+            args.draft_max = DEFAULT_DRAFTER_N_MAX
 
 
 def _check_args(args) -> None:
@@ -368,6 +395,7 @@ def _prompt_text(args) -> Optional[str]:
 
 def _run(args) -> int:
     start = time.perf_counter()
+    _resolve_drafter(args)
     _check_args(args)
     prompt = _prompt_text(args)
     conversation = args.conversation or prompt is None
@@ -382,6 +410,10 @@ def _run(args) -> int:
     _log(f"load: '{m.path}': {m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, "
          f"vocab {m.n_vocab}, loaded in {perf.load_seconds * 1e3:.0f} ms")
     _log(f"load: backend {_backend_line(m.backend, args.n_gpu_layers)}")
+    if args.embedded_drafter:
+        _log(f"load: speculative decoding with the default model's embedded drafter "
+             f"'{args.model_draft}', up to {args.draft_max} drafts per round (--spec-type none "
+             f"turns it off)")
     if llm.speculative is not None:
         _log(f"load: drafter backend "
              f"{_backend_line(llm.speculative.drafter.backend, args.n_gpu_layers_draft)}")

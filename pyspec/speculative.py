@@ -94,6 +94,8 @@ class SpecStats:
     draft_n_accepted: int = 0    # drafted tokens kept
     drafted_at: List[int] = field(default_factory=list)   # rounds that drafted position i
     accepted_at: List[int] = field(default_factory=list)  # rounds that accepted position i
+    prompt_seconds: float = 0.0  # the prompt's prefill (all but its last token, which the
+                                 # first verify pass reads)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     zero_q: int = 0              # verifier events that consistent inputs never produce
@@ -248,7 +250,7 @@ class SpeculativeGenerator:
         if len(prompt) > 1:
             t = time.perf_counter()
             self._commit(prompt[:-1], 0, len(prompt) - 1)
-            stats.verify_seconds += time.perf_counter() - t
+            stats.prompt_seconds += time.perf_counter() - t
         id_last, pos0, n_out = prompt[-1], len(prompt) - 1, 0
         while max_tokens is None or n_out < max_tokens:
             if pos0 >= n_ctx:

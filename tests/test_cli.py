@@ -23,7 +23,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared/data"
 CASES = json.loads((DATA / "smollm2_greedy_reference.json").read_text())["cases"]
 FRANCE = CASES[0]
 N_EXACT = 4     # leading greedy tokens every reference case shares with llama.cpp (see test_llm)
-BASE = ["-t", "2", "-c", "256", "--temp", "0"]
+# Plain decoding (the default model otherwise speculates with its embedded drafter; tested below).
+BASE = ["-t", "2", "-c", "256", "--temp", "0", "--spec-type", "none"]
 
 
 def run_cli(*args, stdin=None, timeout=120):
@@ -50,6 +51,27 @@ def test_prompt_is_echoed_then_the_greedy_continuation(llm):
     assert re.search(r" eval time = +[\d.]+ ms / +15 runs +\( *[\d.]+ ms per token, +[\d.]+ "
                      r"tokens per second\)", r.stderr), r.stderr
     assert "sampler seed: " in r.stderr and "stopped by token limit" in r.stderr
+
+
+def test_the_default_model_speculates_with_its_embedded_drafter(llm):
+    """No -m: the embedded DSpark drafter drafts (2 per round), the greedy text is plain
+    decoding's, and the perf lines report the prompt and the acceptance; --spec-type none turns
+    it off."""
+    if pyspec.model.default_drafter_path() is None:
+        pytest.skip("this install has no embedded drafter")
+    r = run_cli("-p", FRANCE["prompt"], "-n", "16", *BASE[:-2])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == FRANCE["prompt"] + llm.generate(FRANCE["prompt"], max_tokens=16, temperature=0) + "\n"
+    assert "embedded drafter" in r.stderr and "up to 2 drafts per round" in r.stderr, r.stderr
+    assert re.search(r"prompt eval time = +[\d.]+ ms / +5 tokens", r.stderr), r.stderr
+    m = re.search(r"draft acceptance = [\d.]+ \((\d+) accepted / (\d+) generated\), mean len = "
+                  r"([\d.]+) over (\d+) rounds", r.stderr)
+    assert m, r.stderr
+    accepted, drafted, rounds = int(m[1]), int(m[2]), int(m[4])
+    assert 0 < drafted <= 2 * rounds and rounds + accepted >= 16
+    off = run_cli("-p", FRANCE["prompt"], "-n", "16", *BASE)
+    assert off.returncode == 0 and off.stdout == r.stdout
+    assert "draft acceptance" not in off.stderr and "embedded drafter" not in off.stderr
 
 
 def test_no_display_prompt_and_prompt_file(llm, tmp_path):

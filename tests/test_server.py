@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+import pyspec  # noqa: E402
 from server_process import ServerProcess
 from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -225,6 +226,22 @@ def test_metrics_move_by_the_requests(tiny):
     per_pos = sum(v for k, v in after.items()
                   if k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total"))
     assert per_pos == after["llamacpp:spec_decode_num_accepted_tokens_total"]
+
+
+def test_the_default_model_drafts_greedy_requests_with_its_embedded_drafter(smol):
+    """No -m: the embedded DSpark drafter drafts for greedy requests (timings.draft_n, the same
+    text as plain decoding) and not for sampled ones (it measured slower there)."""
+    if pyspec.model.default_drafter_path() is None:
+        pytest.skip("this install has no embedded drafter")
+    prompt = "The three primary colours are"
+    greedy = complete(smol, prompt, n=24)
+    assert greedy["timings"].get("draft_n", 0) > 0, greedy["timings"]
+    plain = pyspec.LLM(n_ctx=256, n_threads=1).generate(prompt, max_tokens=24, temperature=0,
+                                                         ignore_eos=True)
+    assert greedy["content"] == plain
+    sampled = complete(smol, prompt, n=24, temperature=0.8, seed=7)
+    assert "draft_n" not in sampled["timings"], sampled["timings"]
+    assert smol.get("/slots").json()[0]["speculative"] is True
 
 
 # --- prompt cache (cache_prompt) --------------------------------------------------------------

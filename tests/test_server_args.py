@@ -22,7 +22,7 @@ def test_defaults_are_llama_servers():
     assert (c.temp, c.top_k, c.top_p, c.min_p, c.seed) == (0.8, 40, 0.95, 0.05, -1)
     assert (c.repeat_last_n, c.repeat_penalty, c.presence_penalty, c.frequency_penalty) == \
         (64, 1.0, 0.0, 0.0)
-    assert (c.spec_draft_n_max, c.spec_draft_n_min, c.spec_draft_p_min) == (3, 0, 0.0)
+    assert (c.spec_draft_n_max, c.spec_draft_n_min, c.spec_draft_p_min) == (None, 0, 0.0)
     assert c.slots and c.jinja and c.cache_prompt and c.cont_batching
     assert not (c.metrics or c.props or c.offline or c.verbose)
     assert c.kv_unified is None and c.api_keys == [] and c.alias == [] and c.warnings == []
@@ -195,7 +195,7 @@ def test_harness_flags_are_all_classified():
     (["--seed", "-2"], "--seed"), (["--top-p", "2"], "top_p"),
     (["--temp", "nan"], "--temp"), (["--port"], "--port"),
     (["--metrics=1"], "--metrics"), (["--spec-verify", "fast"], "--spec-verify"),
-    (["--spec-type", "draft-dflash"], "draft model"),
+    (["-m", "m.gguf", "--spec-type", "draft-dflash"], "draft model"),
     (["-ctk", "f32"], "same cache type"),
 ])
 def test_bad_values(argv, message):
@@ -274,3 +274,27 @@ def test_slot_prompt_similarity():
     assert parse_args(["--slot-prompt-similarity", "0"], environ={}).slot_prompt_similarity == 0.0
     with pytest.raises(ArgError, match="slot-prompt-similarity"):
         parse_args(["-sps", "1.5"], environ={})
+
+
+def test_the_default_model_comes_with_its_embedded_drafter():
+    """No -m / -hf: the default model and, unless --spec-type none or another drafter is named,
+    its embedded DSpark drafter with 2 drafts per round (3, llama-server's default, otherwise;
+    an explicit --spec-draft-n-max always wins)."""
+    from pyspec.model import default_drafter_path, default_model_path
+    from pyspec.server.main import default_n_max, resolve_paths
+
+    embedded = default_drafter_path()
+    if embedded is None:
+        pytest.skip("this install has no embedded drafter")
+    c = parse()
+    assert resolve_paths(c) == (default_model_path(), embedded, True)
+    assert default_n_max(c, True) == 2
+    assert resolve_paths(parse("--spec-type", "none")) == (default_model_path(), None, False)
+    assert resolve_paths(parse("-md", "d.gguf")) == (default_model_path(), "d.gguf", False)
+    assert resolve_paths(parse("-m", "m.gguf")) == ("m.gguf", None, False)
+    assert default_n_max(parse("-m", "m.gguf", "-md", "d.gguf"), False) == 3
+    assert default_n_max(parse("--spec-draft-n-max", "5"), True) == 5
+    # asking for DSpark speculation needs no -md with the default model (its drafter is one)
+    assert resolve_paths(parse("--spec-type", "draft-dspark")) == (default_model_path(), embedded, True)
+    with pytest.raises(ArgError):
+        parse("-m", "m.gguf", "--spec-type", "draft-dspark")

@@ -1,5 +1,7 @@
 #include "core/thread_pool.h"
 
+#include <map>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -49,11 +51,25 @@ void ThreadPool::run_part(int ith) {
     }
 }
 
+std::shared_ptr<ThreadPool> ThreadPool::shared(int n_threads) {
+    static std::mutex mutex;
+    static std::map<int, std::weak_ptr<ThreadPool>> pools;
+    const int n = n_threads < 1 ? 1 : n_threads;
+    std::lock_guard<std::mutex> lock(mutex);
+    std::shared_ptr<ThreadPool> pool = pools[n].lock();
+    if (!pool) {
+        pool = std::make_shared<ThreadPool>(n);
+        pools[n] = pool;
+    }
+    return pool;
+}
+
 void ThreadPool::run(const std::function<void(int, int)>& fn) {
     if (n_threads_ == 1) {
         fn(0, 1);
         return;
     }
+    std::lock_guard<std::mutex> serial(run_mutex_);
     error_ = nullptr;
     {
         std::lock_guard<std::mutex> lock(mutex_);

@@ -41,11 +41,8 @@ void run_mul_mat(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>&
 
 void CpuBackend::FreeDeleter::operator()(void* p) const { std::free(p); }
 
-CpuBackend::CpuBackend(int n_threads) : CpuBackend(std::make_shared<ThreadPool>(n_threads)) {}
-
-CpuBackend::CpuBackend(std::shared_ptr<ThreadPool> pool)
-    : pool_(pool ? std::move(pool) : throw std::invalid_argument("CpuBackend: no thread pool")),
-      scratch_(static_cast<size_t>(pool_->size())) {}
+CpuBackend::CpuBackend(int n_threads)
+    : pool_(ThreadPool::shared(n_threads)), scratch_(static_cast<size_t>(pool_->size())) {}
 
 CpuBackend::~CpuBackend() = default;
 

@@ -15,11 +15,8 @@ namespace pyspec {
 
 class CpuBackend final : public Backend {
 public:
+    // Runs on the process's shared pool of n_threads workers (ThreadPool::shared).
     explicit CpuBackend(int n_threads);
-    // On a pool shared with other backends that never compute at the same time (a speculative
-    // engine's target and drafter): one set of worker threads, so the idle backend's workers
-    // do not spin on the cores the busy one needs.
-    explicit CpuBackend(std::shared_ptr<ThreadPool> pool);
     ~CpuBackend() override;
 
     const char* name() const override { return "CPU"; }

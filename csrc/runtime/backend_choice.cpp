@@ -33,14 +33,13 @@ std::string backend_string(const BackendChoice& c) {
     return c.kind == BackendKind::Cpu ? std::string("cpu") : "cuda:" + std::to_string(c.device);
 }
 
-std::unique_ptr<Backend> make_backend(const BackendChoice& c, int n_threads, bool poison,
-                                      std::shared_ptr<ThreadPool> pool) {
+std::unique_ptr<Backend> make_backend(const BackendChoice& c, int n_threads, bool poison) {
     if (c.kind == BackendKind::Cuda) {
         std::string why;
         if (!cuda_available(&why)) throw std::runtime_error("the CUDA backend cannot be used: " + why);
         return make_cuda_backend(c.device);
     }
-    auto cpu = pool ? std::make_unique<CpuBackend>(std::move(pool)) : std::make_unique<CpuBackend>(n_threads);
+    auto cpu = std::make_unique<CpuBackend>(n_threads);
     cpu->set_poison(poison);
     return cpu;
 }

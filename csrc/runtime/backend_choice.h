@@ -14,7 +14,6 @@
 #include <string>
 
 #include "core/backend.h"
-#include "core/thread_pool.h"
 
 namespace pyspec {
 
@@ -35,9 +34,6 @@ std::string backend_string(const BackendChoice& choice);
 // A new backend. CPU: a CpuBackend with n_threads workers, poisoning its arena when `poison`
 // (tests). CUDA: make_cuda_backend(device), which throws std::runtime_error with the reason when
 // CUDA was not built in or no usable device is visible.
-// pool (optional): the CPU backend runs on this pool (shared with another backend that never
-// computes at the same time) instead of starting n_threads workers of its own.
-std::unique_ptr<Backend> make_backend(const BackendChoice& choice, int n_threads, bool poison,
-                                      std::shared_ptr<ThreadPool> pool = nullptr);
+std::unique_ptr<Backend> make_backend(const BackendChoice& choice, int n_threads, bool poison);
 
 }  // namespace pyspec

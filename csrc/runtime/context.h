@@ -44,7 +44,6 @@ struct ContextParams {
     bool check_plans = false; // verify every allocation plan and poison the arena (tests)
     DType kv_dtype = DType::F16;
     BackendChoice backend;    // CPU (default) or a CUDA device: weights, KV cache and compute there
-    std::shared_ptr<ThreadPool> pool;  // CPU: run on this shared pool (n_threads ignored); null: own
 };
 
 class Context {

@@ -27,7 +27,6 @@ struct DraftContextParams {
     bool check_plans = false;  // verify allocation plans and poison the arena (tests)
     int64_t n_candidates = 8;  // top-k of each sampling chain; 1 <= n_candidates <= n_vocab
     BackendChoice backend;     // CPU (default) or a CUDA device
-    std::shared_ptr<ThreadPool> pool;  // CPU: run on this shared pool (n_threads ignored); null: own
 };
 
 // How the draft slots are drawn (design.md invariant 5, verification.md §4-§6). T = 0: the argmax

@@ -10,9 +10,8 @@ namespace pyspec {
 
 namespace {
 
-ContextParams target_params(const SpecEngineParams& p, std::shared_ptr<ThreadPool> pool) {
+ContextParams target_params(const SpecEngineParams& p) {
     ContextParams c;
-    c.pool = std::move(pool);
     c.n_ctx = p.n_ctx;
     c.n_seq_max = p.n_seq_max;
     c.n_batch = p.n_batch;
@@ -22,10 +21,9 @@ ContextParams target_params(const SpecEngineParams& p, std::shared_ptr<ThreadPoo
     return c;
 }
 
-DraftContextParams draft_params(const SpecEngineParams& p, std::shared_ptr<ThreadPool> pool) {
+DraftContextParams draft_params(const SpecEngineParams& p) {
     if (p.n_draft_slots < 1) throw std::invalid_argument("n_draft_slots must be at least 1");
     DraftContextParams d;
-    d.pool = std::move(pool);
     d.n_seq_max = p.n_draft_slots;
     d.n_batch = p.draft_n_batch;
     d.n_threads = p.n_threads;
@@ -53,17 +51,13 @@ SpecEngine::SpecEngine(const Model& target, const DraftModel* drafter, const Spe
         throw std::invalid_argument("the drafter was loaded for another target model");
     }
     if (params_.prefill_chunk < 1) throw std::invalid_argument("prefill_chunk must be at least 1");
-    // The target and the drafter take turns within a step, so on the CPU they share one pool:
-    // two pools would leave one's workers spinning on the cores the other's need.
-    std::shared_ptr<ThreadPool> pool;
-    if (params_.backend.kind == BackendKind::Cpu) pool = std::make_shared<ThreadPool>(params_.n_threads);
-    ctx_ = std::make_unique<Context>(target_, target_params(params_, pool));
+    ctx_ = std::make_unique<Context>(target_, target_params(params_));
     seq_used_.assign(static_cast<size_t>(params_.n_seq_max), 0);
     cached_.assign(static_cast<size_t>(params_.n_seq_max), {});
     n_embd_ = target_.hparams().n_embd;
     n_vocab_ = target_.hparams().n_vocab;
     if (!drafter_) return;
-    dctx_ = std::make_unique<DraftContext>(*drafter_, draft_params(params_, pool));
+    dctx_ = std::make_unique<DraftContext>(*drafter_, draft_params(params_));
     registry_ = std::make_unique<DraftStateRegistry>(static_cast<int32_t>(params_.n_draft_slots));
     const DraftHparams& hp = drafter_->hparams();
     layers_ = hp.target_layers;

@@ -67,7 +67,7 @@ class ServerConfig:
     model_draft: Optional[str] = None
     # speculative decoding
     spec_type: Optional[str] = None      # None: from the drafter file
-    spec_draft_n_max: int = 3
+    spec_draft_n_max: Optional[int] = None   # None: 3, or the embedded drafter's tuned value
     spec_draft_n_min: int = 0
     spec_draft_p_min: float = 0.0
     spec_verify: Optional[str] = None    # None: greedy at T=0, rejection at T>0
@@ -284,7 +284,8 @@ _OPTIONS: Tuple[_Opt, ...] = (
          "speculative decoding type: none|draft-dflash|draft-dspark (default: from the drafter)",
          env="LLAMA_ARG_SPEC_TYPE", metavar="TYPE"),
     _Opt(("--spec-draft-n-max",), "spec_draft_n_max", _int,
-         "max drafted tokens per round (default: 3)", env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
+         "max drafted tokens per round (default: 3; 2 with the embedded drafter)",
+         env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
     _Opt(("--spec-draft-n-min",), "spec_draft_n_min", _int,
          "min drafted tokens to use a draft (default: 0)", env="LLAMA_ARG_SPEC_DRAFT_N_MIN"),
     _Opt(("-sps", "--slot-prompt-similarity"), "slot_prompt_similarity", _float,
@@ -660,7 +661,8 @@ def _validate(c: ServerConfig) -> None:
     c.threads_batch = c.threads_batch if c.threads_batch > 0 else -1
     need(c.timeout >= 0, f"--timeout must be >= 0, got {c.timeout}")
     need(c.seed == -1 or 0 <= c.seed < 2 ** 32, f"--seed must be -1 or in [0, 2^32), got {c.seed}")
-    need(c.spec_draft_n_max >= 0, f"--spec-draft-n-max must be >= 0, got {c.spec_draft_n_max}")
+    need(c.spec_draft_n_max is None or c.spec_draft_n_max >= 0,
+         f"--spec-draft-n-max must be >= 0, got {c.spec_draft_n_max}")
     need(c.spec_draft_n_min >= 0, f"--spec-draft-n-min must be >= 0, got {c.spec_draft_n_min}")
     need(0.0 <= c.slot_prompt_similarity <= 1.0,
          f"--slot-prompt-similarity must be in [0, 1], got {c.slot_prompt_similarity}")
@@ -674,7 +676,7 @@ def _validate(c: ServerConfig) -> None:
     need(not (c.chat_template and c.chat_template_file),
          "give --chat-template or --chat-template-file, not both")
     need(not (c.spec_type in ("draft-dflash", "draft-dspark")
-              and c.model_draft is None and c.hf_repo_draft is None),
+              and c.model_draft is None and c.hf_repo_draft is None and (c.model or c.hf_repo)),
          f"--spec-type {c.spec_type} needs a draft model (-md or -hfd)")
     need(not (c.hf_file and not c.hf_repo), "--hf-file needs --hf-repo")
     need(not c.host.endswith(".sock"),

@@ -21,9 +21,11 @@ def _mib(n: float) -> str:
 
 
 def resolve_paths(cfg: ServerConfig):
-    """(target path, draft path or None): -m / -hf / the embedded default; -md / -hfd."""
+    """(target path, draft path or None, whether the draft is the embedded one): -m / -hf / the
+    embedded default; -md / -hfd, or with the default model its embedded drafter (issue 9);
+    --spec-type none: no drafter."""
     from ..hub import download_gguf
-    from ..model import default_model_path
+    from ..model import default_drafter_path, default_model_path
 
     if cfg.model:
         model = cfg.model
@@ -34,9 +36,23 @@ def resolve_paths(cfg: ServerConfig):
     draft = cfg.model_draft
     if draft is None and cfg.hf_repo_draft:
         draft = download_gguf(cfg.hf_repo_draft, None, cfg.hf_token, cfg.offline)
+    embedded = False
+    if draft is None and not cfg.model and not cfg.hf_repo and cfg.spec_type != "none":
+        draft = default_drafter_path()
+        embedded = draft is not None
     if cfg.spec_type == "none":
         draft = None
-    return model, draft
+    return model, draft, embedded
+
+
+def default_n_max(cfg: ServerConfig, embedded: bool) -> int:
+    """--spec-draft-n-max, or when not given llama-server's 3 (the embedded drafter: its tuned
+    pyspec.model.DEFAULT_DRAFTER_N_MAX)."""
+    from ..model import DEFAULT_DRAFTER_N_MAX
+
+    if cfg.spec_draft_n_max is not None:
+        return cfg.spec_draft_n_max
+    return DEFAULT_DRAFTER_N_MAX if embedded else 3
 
 
 class Loaded:
@@ -51,7 +67,9 @@ class Loaded:
         from .params import generation_settings
         from .scheduler import Scheduler, SchedulerConfig
 
-        self.model_path, draft_path = resolve_paths(cfg)
+        self.model_path, draft_path, self.embedded_drafter = resolve_paths(cfg)
+        # The embedded drafter drafts for sampled requests only when asked (pyspec.model's note).
+        self.draft_sampled = not self.embedded_drafter or cfg.spec_type is not None
         n_threads = cfg.threads if cfg.threads > 0 else None
         # -ngl: not given = the CPU; "auto" = the GPU when CUDA can be used (a log line says
         # which); "all" / N >= n_layer = the GPU or an error with the reason; partial offload is
@@ -84,9 +102,10 @@ class Loaded:
         sc = SchedulerConfig(
             n_slots=n_slots, n_ctx_slot=n_ctx_slot, n_batch=min(cfg.batch_size, cfg.ubatch_size),
             n_threads=m.n_threads, kv_type=cfg.cache_type_k,
-            draft_n_max=cfg.spec_draft_n_max, draft_n_min=cfg.spec_draft_n_min,
+            draft_n_max=default_n_max(cfg, self.embedded_drafter), draft_n_min=cfg.spec_draft_n_min,
             draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify,
-            slot_prompt_similarity=cfg.slot_prompt_similarity, backend=self.backend)
+            slot_prompt_similarity=cfg.slot_prompt_similarity, backend=self.backend,
+            draft_sampled=self.draft_sampled)
         eog = sorted(self.tokenizer.eog_ids)
         types = [self.spec_type] if self.spec_type else []
         self.scheduler = Scheduler(
@@ -101,8 +120,12 @@ class Loaded:
                  self.model_path, m.arch, m.n_layer, m.n_embd, m.n_vocab, m.n_ctx_train,
                  m.n_threads)
         if self.drafter is not None:
-            log.info("drafter: %s (%s, block %d, up to %d drafts per round)", self.draft_path,
-                     self.spec_type, int(self.drafter.block_size), self.scheduler.draft_n_max)
+            log.info("drafter: %s (%s, block %d, up to %d drafts per round)%s", self.draft_path,
+                     self.spec_type, int(self.drafter.block_size), self.scheduler.draft_n_max,
+                     "; the default model's embedded drafter, for greedy requests (temperature "
+                     "0; --spec-type draft-dspark: every request; --spec-type none: off)"
+                     if not self.draft_sampled else
+                     "; the default model's embedded drafter" if self.embedded_drafter else "")
         else:
             log.info("speculative decoding: off (no drafter; -md FILE turns it on)")
         log.info("backend: %s", "CUDA (all layers on the GPU; weights uploaded on first use)"
@@ -155,19 +178,19 @@ def run(cfg: ServerConfig) -> int:
     def load() -> None:
         try:
             loaded = Loaded(cfg)
-        except Exception as exc:  # a bad file or flag: say so and stop serving
+            settings.model_path = loaded.model_path
+            settings.tokenizer = loaded.tokenizer
+            settings.chat_template = loaded.chat_template
+            settings.model_meta = loaded.model_meta()
+            if not cfg.model and not cfg.alias and not cfg.hf_repo:
+                settings.model_name = os.path.basename(loaded.model_path)
+            loaded.log_summary()
+            loaded.scheduler.start()
+        except Exception as exc:  # a bad file or flag (or a bug): say so and stop serving
             failed.append(str(exc))
             log.error("failed to load the model: %s", exc)
             server.should_exit = True
             return
-        settings.model_path = loaded.model_path
-        settings.tokenizer = loaded.tokenizer
-        settings.chat_template = loaded.chat_template
-        settings.model_meta = loaded.model_meta()
-        if not cfg.model and not cfg.alias and not cfg.hf_repo:
-            settings.model_name = os.path.basename(loaded.model_path)
-        loaded.log_summary()
-        loaded.scheduler.start()
         state["loaded"] = loaded
         state["scheduler"] = loaded.scheduler
         log.info("server is listening on http://%s:%d - all slots are idle", cfg.host,
