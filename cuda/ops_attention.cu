@@ -16,14 +16,13 @@
 // (the batch's padding). A masked or out-of-range cell has p = 0 exactly and its V row is never
 // read; a chunk with no unmasked cell leaves the state untouched. So a row's bits depend only on its
 // own query, its unmasked cells and their mask values, whatever rows share the batch.
+#include "cuda/attention_common.cuh"
 #include "cuda/kernels.h"
 
 namespace pyspec {
 namespace cuda {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kChunk = 32;       // cells per chunk: one per lane
 constexpr int kVBatch = 8;       // V rows whose loads are issued together
 constexpr int kMaxPerLane = 8;   // head_dim <= 256
 
@@ -104,14 +103,14 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
                 const float mj = mrow[j];
                 if (mj != -INFINITY) {
                     const char* krow = kc.data + cell * kc.nb[1] + col0 * kc.nb[0];
-                    s = dot_row<T, kVec>(s_q, krow, kc.nb[0], hd) * scale + mj;
+                    s = fmaf(dot_row<T, kVec>(s_q, krow, kc.nb[0], hd), scale, mj);
                 }
             }
             const float mc = fmaxf(m, warp_max(s));
             if (mc == -INFINITY) continue;  // nothing unmasked yet (warp-uniform)
             const float p = s == -INFINITY ? 0.0f : expf(s - mc);
             const float corr = expf(m - mc);  // m = -inf -> 0
-            l = l * corr + warp_sum(p);
+            l = fmaf(l, corr, warp_sum(p));
             m = mc;
 #pragma unroll
             for (int c = 0; c < NC; ++c) acc[c] *= corr;
@@ -157,13 +156,13 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
         wsc[w] = s_m[w] == -INFINITY ? 0.0f : expf(s_m[w] - mm);
-        total += s_l[w] * wsc[w];
+        total = fmaf(s_l[w], wsc[w], total);
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float v = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) v += s_acc[w][d] * wsc[w];
+        for (int w = 0; w < kWarps; ++w) v = fmaf(s_acc[w][d], wsc[w], v);
         o[d] = v * inv;
     }
 }
@@ -192,6 +191,12 @@ void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TD
     }
     if (q.ne[2] == 0 || q.ne[1] == 0) return;
     if (q.ne[2] > 65535) throw std::runtime_error("cuda backend: attention: more than 65535 rows");
+    // Batches of rows may take the row-tiled kernel: the same bits per row (ops_attention_tiled.cu),
+    // K/V read once per kv head and tile instead of once per query head and row.
+    if (q.ne[2] > 1 && attention_tiled_enabled() && attention_tiled_supports(q, k, v, n_kv_head)) {
+        launch_attention_tiled(dst, q, k, v, mask, base, n_kv_head, scale, err, s);
+        return;
+    }
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]));
     // 16-byte K rows: every row of the view starts 16-byte aligned and is contiguous. A property
     // of the cache's layout, the same for every batch, so it cannot change a row's bits (both
