@@ -191,7 +191,7 @@ void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TD
     }
     if (q.ne[2] == 0 || q.ne[1] == 0) return;
     if (q.ne[2] > 65535) throw std::runtime_error("cuda backend: attention: more than 65535 rows");
-    // Batches of rows may take the row-tiled kernel: the same bits per row (ops_attention_tiled.cu),
+    // Batches of rows take the row-tiled kernel: the same bits per row (ops_attention_tiled.cu),
     // K/V read once per kv head and tile instead of once per query head and row.
     if (q.ne[2] > 1 && attention_tiled_enabled() && attention_tiled_supports(q, k, v, n_kv_head)) {
         launch_attention_tiled(dst, q, k, v, mask, base, n_kv_head, scale, err, s);

@@ -214,7 +214,7 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
 
 }  // namespace
 
-bool attention_tiled_enabled() { return env_switch("PYSPEC_CUDA_ATT_TILED") == 1; }
+bool attention_tiled_enabled() { return env_switch("PYSPEC_CUDA_ATT_TILED") != 0; }
 
 bool attention_tiled_supports(const TDesc& q, const TDesc& k, const TDesc& v, int n_kv_head) {
     const int64_t hd = q.ne[0];

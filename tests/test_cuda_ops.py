@@ -549,10 +549,10 @@ def test_attention_row_is_batch_invariant(seed, cache_dtype):
                          ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
 @pytest.mark.parametrize("seed", range(3))
 def test_row_tiled_attention_gives_the_per_row_kernels_bits(monkeypatch, heads, seed):
-    """PYSPEC_CUDA_ATT_TILED=1 (cuda/ops_attention_tiled.cu: a kv head's query heads over a tile
+    """The row-tiled kernel (cuda/ops_attention_tiled.cu: a kv head's query heads over a tile
     of rows per block, K/V staged once) gives every row exactly the bits of the per-row kernel:
     random bases, spans, masks and batch sizes (1 .. 300 rows, the tile's rows reaching chunks
-    outside each other's spans), and a row alone."""
+    outside each other's spans), and a row alone. PYSPEC_CUDA_ATT_TILED=0: the per-row kernel."""
     n_head, n_kv, hd = heads
     rng = np.random.default_rng(4000 + seed * 7 + hd)
     n_cells = 400
@@ -560,7 +560,7 @@ def test_row_tiled_attention_gives_the_per_row_kernels_bits(monkeypatch, heads, 
     v = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
     start, row_mask = cpu.random_row(rng)
     q_row = rng.standard_normal((1, n_head, hd)).astype(np.float32)
-    monkeypatch.delenv("PYSPEC_CUDA_ATT_TILED", raising=False)
+    monkeypatch.setenv("PYSPEC_CUDA_ATT_TILED", "0")
     alone = cpu.attention_run(q_row, k, v, row_mask[None], np.array([start]), n_kv, 0.125, "F16",
                               backend=DEVICE)
     for n_rows in (2, 3, 8, 33, 300):
@@ -568,7 +568,7 @@ def test_row_tiled_attention_gives_the_per_row_kernels_bits(monkeypatch, heads, 
         # spread the rows over the cache so tiles reach chunks far from some rows' spans
         base = np.where(np.arange(n_rows) == at, base,
                         rng.integers(0, n_cells - mask.shape[1], n_rows)).astype(np.int32)
-        monkeypatch.delenv("PYSPEC_CUDA_ATT_TILED", raising=False)
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_TILED", "0")
         per_row = cpu.attention_run(q, k, v, mask, base, n_kv, 0.125, "F16", backend=DEVICE)
         monkeypatch.setenv("PYSPEC_CUDA_ATT_TILED", "1")
         tiled = cpu.attention_run(q, k, v, mask, base, n_kv, 0.125, "F16", backend=DEVICE)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine (the workplace's device tool), from the repo root: build the CUDA core in
 # place, run the CUDA test files four ways (as is; without fusions, PYSPEC_CUDA_FUSE=0; with the
-# tensor-core MUL_MAT, PYSPEC_CUDA_TC=1; with the row-tiled attention, PYSPEC_CUDA_ATT_TILED=1),
+# tensor-core MUL_MAT, PYSPEC_CUDA_TC=1; without the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -21,11 +21,11 @@ cmake -S . -B build/cuda -G Ninja -DPYSPEC_CUDA=ON -DPYSPEC_INPLACE=ON \
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
 tests="tests/test_cuda_ops.py tests/test_cuda_models.py tests/test_cuda_graphs.py"
-for mode in ${MODES:-plain nofuse tc tiled}; do
+for mode in ${MODES:-plain nofuse tc notiled}; do
   case $mode in
     plain) envs=() ;;
     nofuse) envs=(PYSPEC_CUDA_FUSE=0) ;;
-    tiled) envs=(PYSPEC_CUDA_ATT_TILED=1) ;;
+    notiled) envs=(PYSPEC_CUDA_ATT_TILED=0) ;;
     tc) envs=(PYSPEC_CUDA_TC=1) ;;
   esac
   # shellcheck disable=SC2086
@@ -34,14 +34,14 @@ for mode in ${MODES:-plain nofuse tc tiled}; do
 done
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  for mode in ${BENCH_MODES:-plain tc tiled}; do
+  for mode in ${BENCH_MODES:-plain tc}; do
     envs=()
     only=tg128,pp512,par64
     # the tensor-core MUL_MAT is for prefill and batches (it is slow at one row)
     prof=--profile
     [ $mode = tc ] && envs=(PYSPEC_CUDA_TC=1) && only=pp512,par64 && prof=
-    # the row-tiled attention serves batches (pp, par64); the same bits as the per-row kernel
-    [ $mode = tiled ] && envs=(PYSPEC_CUDA_ATT_TILED=1) && only=pp512,par64 && prof=
+    # without the row-tiled attention for batches (pp, par64; the same bits as the per-row kernel)
+    [ $mode = notiled ] && envs=(PYSPEC_CUDA_ATT_TILED=0) && only=pp512,par64 && prof=
     timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats 2 --only $only \
       $prof --json "$out/bench-$mode.json" > "$out/bench-$mode.log" 2>&1
     echo "bench ($mode):"
