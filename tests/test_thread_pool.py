@@ -5,7 +5,11 @@ cores the other needs. Contexts used from different threads at the same time mus
 correctly: the pool runs one task at a time, whoever asks.
 """
 
+import hashlib
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -57,3 +61,38 @@ def test_contexts_on_the_shared_pool_compute_the_same_from_two_threads(model):
         for a, b in zip(alone, got):
             for x, y in zip(a, b):
                 np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_its_own_pool(model):
+    """A child forked after the parent started a pool (none of whose workers exist in the child)
+    decodes with a fresh one, to the parent's bits, instead of waiting forever on the parent's."""
+    ctx = pyspec.Context(model, n_ctx=128, n_seq_max=1, n_batch=32)
+    want = _logits(ctx, PROMPTS[0])[-1]
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: report the last logits' checksum, then leave without pytest
+        status = 1
+        try:
+            got = _logits(pyspec.Context(model, n_ctx=128, n_seq_max=1, n_batch=32), PROMPTS[0])[-1]
+            os.write(write_fd, hashlib.sha256(got.tobytes()).digest())   # fits the pipe
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child never finished decoding")
+    data = b""
+    while chunk := os.read(read_fd, 1 << 20):
+        data += chunk
+    os.close(read_fd)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert data == hashlib.sha256(want.tobytes()).digest()

@@ -1,6 +1,10 @@
 #include "core/thread_pool.h"
 
+#include <pthread.h>
+
+#include <cstdint>
 #include <map>
+#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -51,15 +55,41 @@ void ThreadPool::run_part(int ith) {
     }
 }
 
+namespace {
+
+// The shared pools by thread count. A forked child has none of the parent's worker threads, so
+// it must not be handed the parent's pools: fork bumps the generation (in the child) and the
+// registry's lock is held across fork, so the child never inherits it locked.
+struct PoolRegistry {
+    std::mutex mutex;
+    uint64_t generation = 0;
+    std::map<std::pair<uint64_t, int>, std::weak_ptr<ThreadPool>> pools;
+};
+
+PoolRegistry& registry() {
+    static PoolRegistry* r = [] {
+        auto* reg = new PoolRegistry();  // never destroyed: pools may outlive static destruction
+        pthread_atfork([] { registry().mutex.lock(); }, [] { registry().mutex.unlock(); },
+                       [] {
+                           registry().generation += 1;
+                           registry().mutex.unlock();
+                       });
+        return reg;
+    }();
+    return *r;
+}
+
+}  // namespace
+
 std::shared_ptr<ThreadPool> ThreadPool::shared(int n_threads) {
-    static std::mutex mutex;
-    static std::map<int, std::weak_ptr<ThreadPool>> pools;
+    PoolRegistry& reg = registry();
     const int n = n_threads < 1 ? 1 : n_threads;
-    std::lock_guard<std::mutex> lock(mutex);
-    std::shared_ptr<ThreadPool> pool = pools[n].lock();
+    std::lock_guard<std::mutex> lock(reg.mutex);
+    std::weak_ptr<ThreadPool>& slot = reg.pools[{reg.generation, n}];
+    std::shared_ptr<ThreadPool> pool = slot.lock();
     if (!pool) {
         pool = std::make_shared<ThreadPool>(n);
-        pools[n] = pool;
+        slot = pool;
     }
     return pool;
 }

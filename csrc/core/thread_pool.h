@@ -30,7 +30,7 @@ public:
     int size() const { return n_threads_; }
 
     // The process's pool of n_threads workers, started on first use and kept while any holder
-    // keeps it.
+    // keeps it. A forked child starts its own (the parent's workers do not exist there).
     static std::shared_ptr<ThreadPool> shared(int n_threads);
 
     // Runs fn(ith, nth) for ith in [0, nth) with nth = size(), and returns when all are done.
