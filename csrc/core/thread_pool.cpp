@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <thread>
 #include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -23,12 +24,20 @@ inline void cpu_relax() {
 #endif
 }
 
-// Waits between ops. An op follows the previous one within microseconds, and a sched_yield
-// round trip costs about as much as a small op (the profile of a SmolLM2 decode step on 2 cores
-// had a fifth of all samples in sched_yield), so a waiting thread first spins in user space,
-// then yields (another process may need the core), and only then sleeps.
-constexpr int kPauseSpins = 256;     // a few microseconds
+// Waits between ops. The next op usually follows within microseconds, so a waiting thread
+// first spins in user space (a few microseconds: seeing the new task costs a cache-line round
+// trip, not a system call), then yields (another process may need the core), then sleeps.
+constexpr int kPauseSpins = 256;
 constexpr int kYieldSpins = 20000;
+
+// Step `spin` of a wait loop.
+inline void wait_step(int spin) {
+    if (spin < kPauseSpins) {
+        cpu_relax();
+    } else {
+        std::this_thread::yield();
+    }
+}
 
 }  // namespace
 
@@ -109,13 +118,7 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
     }
     wake_.notify_all();
     run_part(0);
-    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
-        if (spin < kPauseSpins) {
-            cpu_relax();
-        } else {
-            std::this_thread::yield();
-        }
-    }
+    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) wait_step(spin);
     if (error_) {
         std::exception_ptr e = error_;
         error_ = nullptr;
@@ -128,11 +131,7 @@ void ThreadPool::worker(int ith) {
     for (;;) {
         uint64_t gen = generation_.load(std::memory_order_acquire);
         for (int spin = 0; gen == seen && spin < kPauseSpins + kYieldSpins; ++spin) {
-            if (spin < kPauseSpins) {
-                cpu_relax();
-            } else {
-                std::this_thread::yield();
-            }
+            wait_step(spin);
             gen = generation_.load(std::memory_order_acquire);
         }
         if (gen == seen) {
