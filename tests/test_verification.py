@@ -843,3 +843,25 @@ def test_counted_events_never_nan():
 def test_bad_input_is_a_value_error(call):
     with pytest.raises(ValueError):
         call()
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 31, 64, 1000, 49152])
+def test_greedy_argmax_is_the_first_index_of_the_maximum(n):
+    """T = 0 (verify_greedy's and the drafts' argmax, vectorised): the first index of the row's
+    maximum, whatever the ties, -inf entries, signed zeros or the row length's remainder; a NaN
+    anywhere is an error naming it."""
+    rng = np.random.default_rng(n)
+    for trial in range(20):
+        logits = rng.integers(-3, 4, n).astype(np.float32)      # many ties
+        if trial % 4 == 1:
+            logits[rng.random(n) < 0.5] = -np.inf
+        if trial % 4 == 2:
+            logits[:] = -np.inf
+        if trial % 4 == 3:
+            logits = np.where(rng.random(n) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+        assert spec.gumbel_max(logits, 0.0, 1, 0, 0) == int(np.argmax(logits)), (n, trial)
+        at = int(rng.integers(0, n))
+        bad = logits.copy()
+        bad[at] = np.nan
+        with pytest.raises(ValueError, match=f"NaN at token {at}"):
+            spec.gumbel_max(bad, 0.0, 1, 0, 0)
