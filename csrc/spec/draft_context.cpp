@@ -181,7 +181,8 @@ DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int6
     return std::move(draft_many({DraftRequest{seq, id_last, pos0, sampling}}, n_block).front());
 }
 
-std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest>& requests, int64_t n_block) {
+std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest>& requests, int64_t n_block,
+                                                  bool with_logits) {
     const DraftHparams& hp = model_.hparams();
     if (requests.empty()) return {};
     if (n_block < 1 || n_block > hp.block_size) {
@@ -303,12 +304,20 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     backend_->write(g[bg.chain_rows], chain_rows.data(), chain_rows.size() * sizeof(int32_t));
     backend_->compute(g);
 
-    std::vector<float> all_logits(n_rows * v);
-    backend_->read(g[bg.final_logits], all_logits.data(), all_logits.size() * sizeof(float));
+    // DFlash draws T > 0 slots on the host from the logits, so it reads them whatever is asked.
+    bool need_logits = with_logits;
+    for (const DraftRequest& r : requests) need_logits = need_logits || (!hp.is_dspark && r.sampling.temperature > 0.0f);
+    std::vector<float> all_logits;
+    if (need_logits) {
+        all_logits.resize(n_rows * v);
+        backend_->read(g[bg.final_logits], all_logits.data(), all_logits.size() * sizeof(float));
+    }
     std::vector<float> base_d, conf_h;
     if (hp.is_dspark) {
-        base_d.resize(n_rows * vd);
-        backend_->read(g[bg.logits], base_d.data(), base_d.size() * sizeof(float));
+        if (with_logits) {
+            base_d.resize(n_rows * vd);
+            backend_->read(g[bg.logits], base_d.data(), base_d.size() * sizeof(float));
+        }
         if (hp.has_confidence_head) {
             conf_h.resize(n_rows);
             backend_->read(g[bg.conf_h], conf_h.data(), conf_h.size() * sizeof(float));
@@ -323,8 +332,10 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         DraftOutput& out = outs[b];
         out.n_vocab = hp.n_vocab;
         out.n_block = n_block;
-        out.logits.assign(all_logits.begin() + static_cast<std::ptrdiff_t>(b * blk * v),
-                          all_logits.begin() + static_cast<std::ptrdiff_t>((b + 1) * blk * v));
+        if (need_logits) {
+            out.logits.assign(all_logits.begin() + static_cast<std::ptrdiff_t>(b * blk * v),
+                              all_logits.begin() + static_cast<std::ptrdiff_t>((b + 1) * blk * v));
+        }
         out.n_candidates = bg.n_candidates;
         out.tokens.resize(blk);
         out.candidates.resize(blk * k);
@@ -351,13 +362,15 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         }
         if (!hp.is_dspark) continue;
         // Backbone logits over the target vocabulary (scattered through d2t on the host).
-        const float* bd = base_d.data() + b * blk * vd;
-        if (model_.d2t.empty()) {
-            out.base_logits.assign(bd, bd + blk * vd);
-        } else {
-            out.base_logits.assign(blk * v, -std::numeric_limits<float>::infinity());
-            for (size_t r = 0; r < blk; ++r) {
-                for (size_t d = 0; d < vd; ++d) out.base_logits[r * v + static_cast<size_t>(model_.d2t[d])] = bd[r * vd + d];
+        if (with_logits) {
+            const float* bd = base_d.data() + b * blk * vd;
+            if (model_.d2t.empty()) {
+                out.base_logits.assign(bd, bd + blk * vd);
+            } else {
+                out.base_logits.assign(blk * v, -std::numeric_limits<float>::infinity());
+                for (size_t r = 0; r < blk; ++r) {
+                    for (size_t d = 0; d < vd; ++d) out.base_logits[r * v + static_cast<size_t>(model_.d2t[d])] = bd[r * vd + d];
+                }
             }
         }
         if (out.temperature > 0.0f) out.q.assign(blk * v, 0.0f);

@@ -114,7 +114,11 @@ public:
     // requests[b].seq bound to block b's rows. Returns, in request order, exactly what drafting
     // each sequence alone returns (invariant 7: the kernels are batch invariant). All requests
     // are checked before anything changes; throws std::invalid_argument on a bad or repeated seq.
-    std::vector<DraftOutput> draft_many(const std::vector<DraftRequest>& requests, int64_t n_block);
+    // with_logits = false: DraftOutput::logits and base_logits stay empty (the speculative engine
+    // uses the tokens, candidates, q and confidences only), sparing the host two copies and a
+    // scatter of [n_block, n_vocab] floats per block; everything else is the same.
+    std::vector<DraftOutput> draft_many(const std::vector<DraftRequest>& requests, int64_t n_block,
+                                        bool with_logits = true);
 
     // Removes absolute positions [p0, p1) of a sequence (p1 < 0: to the end).
     void remove(int32_t seq, int64_t p0, int64_t p1);

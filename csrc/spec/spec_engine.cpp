@@ -333,7 +333,7 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
                 throw std::runtime_error("injected drafter failure");
             }
         }
-        return dctx_->draft_many(rs, block);
+        return dctx_->draft_many(rs, block, /*with_logits=*/false);
     };
     std::vector<Request*> owners;
     for (const auto& w : who) owners.push_back(w.first);
