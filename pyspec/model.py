@@ -41,7 +41,8 @@ def default_model_path() -> str:
 # sampled requests use it only with --spec-type draft-dspark. --spec-type none turns it off.
 DEFAULT_DRAFTER_FILE = "SmolLM2-135M-Instruct-DSpark.Q4_1.gguf"
 # Drafts per round with it unless the user asks otherwise: the fastest on 2 CPU threads
-# (bench/bench_drafter.py, greedy: n_max 2 x1.13-1.25 over plain decoding, n_max 3 x1.01-1.15).
+# (bench/bench_drafter.py, greedy, chat / code / prose: n_max 2 x1.07 / x1.18 / x1.13 over plain
+# decoding, n_max 3 x0.99 / x1.08 / x1.06).
 DEFAULT_DRAFTER_N_MAX = 2
 
 
