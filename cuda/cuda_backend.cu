@@ -346,15 +346,15 @@ private:
             members.push_back(j);
         }
         std::vector<cuda::MatmulPart> parts;
-        std::vector<std::pair<const char*, const char*>> spans{{dptr(g, t0.src[1]), dptr(g, t0.src[1]) + x.nbytes()}};
+        std::vector<Span> spans{span(g, t0.src[1])};
         int last = id;
         for (int j : members) {
             const cuda::MatmulPart part = matmul_part(g, j);
             const char* b = reinterpret_cast<const char*>(part.y);
             const char* e = b + g[j].nbytes();
-            bool overlaps = false;
-            for (const auto& sp : spans) overlaps = overlaps || (b < sp.second && sp.first < e);
-            if (overlaps) break;
+            bool hit = false;
+            for (const Span& sp : spans) hit = hit || overlaps({b, e}, sp);
+            if (hit) break;
             spans.emplace_back(b, e);
             parts.push_back(part);
             last = j;
@@ -416,11 +416,14 @@ private:
         }
     }
 
-    // Bytes [first, second) a tensor spans on the device.
-    std::pair<const char*, const char*> span(const Graph& g, int id) {
+    // Bytes [first, second) a tensor spans on the device, and whether two spans share a byte: the
+    // fusions' safety checks.
+    using Span = std::pair<const char*, const char*>;
+    Span span(const Graph& g, int id) {
         const char* b = dptr(g, id);
         return {b, b + g[id].nbytes()};
     }
+    static bool overlaps(const Span& x, const Span& y) { return x.first < y.second && y.first < x.second; }
 
     // The node at id and the next computed one as one launch when that one is the same op with
     // the same parameters (q/k RoPE over the same positions, K/V SET_ROWS into the same cells,
@@ -465,16 +468,13 @@ private:
             default: return false;
         }
         const auto written = [&](int i) { return g[i].op == Op::SET_ROWS ? span(g, g[i].src[0]) : span(g, i); };
-        const auto overlap = [](std::pair<const char*, const char*> x, std::pair<const char*, const char*> y) {
-            return x.first < y.second && y.first < x.second;
-        };
         const auto wa = written(ia), wb = written(ib);
-        if (overlap(wa, wb)) return false;
+        if (overlaps(wa, wb)) return false;
         for (int s : b.src) {
-            if (s >= 0 && overlap(span(g, s), wa)) return false;
+            if (s >= 0 && overlaps(span(g, s), wa)) return false;
         }
         for (int s : a.src) {
-            if (s >= 0 && overlap(span(g, s), wb)) return false;
+            if (s >= 0 && overlaps(span(g, s), wb)) return false;
         }
         return true;
     }
@@ -518,13 +518,11 @@ private:
             add.nb[0] != sizeof(float) || r.nb[1] % sizeof(float) != 0 || add.nb[1] % sizeof(float) != 0) {
             return -1;
         }
-        const char* ob = dptr(g, a);
-        const char* oe = ob + add.nbytes();
-        const char* xb = dptr(g, mm.src[1]);
-        if (ob < xb + g[mm.src[1]].nbytes() && xb < oe) return -1;
-        const char* rb = dptr(g, other);
-        const bool same = rb == ob && r.nb[1] == add.nb[1];
-        if (!same && ob < rb + r.nbytes() && rb < oe) return -1;
+        const Span out = span(g, a), res = span(g, other);
+        if (overlaps(out, span(g, mm.src[1]))) return -1;
+        const bool same = res.first == out.first && r.nb[1] == add.nb[1];
+        if (!same && overlaps(out, res)) return -1;
+        const char* rb = res.first;
         part.y = reinterpret_cast<float*>(dptr(g, a));
         part.y_stride = static_cast<int64_t>(add.nb[1] / sizeof(float));
         part.add = reinterpret_cast<const float*>(rb);
