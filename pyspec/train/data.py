@@ -139,6 +139,7 @@ HELD_OUT_MARKERS = (
     "capital of france", "once upon a time", "def fibonacci", "the best way to learn",
     "in 1969, the first", "water boils at", "my favourite colour", "haiku about autumn",
     "python software foundation license", "psf license", "license agreement",
+    "palindrome", "class stack", "binary_search", "count_words", "class temperature",
 )
 
 EVERYDAY_TOPICS = (
@@ -212,6 +213,58 @@ MATH_TEMPLATES = (
     "A recipe for {b} people needs {a} grams of flour. How much for {c} people?",
     "Split a bill of {a} dollars between {c} friends, with a {b} percent tip.",
 )
+# Everyday programming requests (the bench's code tasks - Fibonacci, palindromes, a Stack class,
+# binary search, word counts, a temperature class - are held out above and absent here).
+PROGRAMMING_TASKS = (
+    "reverses a list without using reversed()", "counts the vowels in a string",
+    "returns the largest of three numbers", "removes duplicates from a list but keeps the order",
+    "checks whether a year is a leap year", "converts a Roman numeral to an integer",
+    "merges two sorted lists", "flattens a nested list", "returns the factorial of n",
+    "checks whether a number is prime", "finds the second largest number in a list",
+    "capitalises the first letter of every word", "reads a CSV file and prints its rows",
+    "computes the average of a list of numbers", "swaps the keys and values of a dictionary",
+    "returns the greatest common divisor of two numbers", "generates a random password",
+    "counts how often each character appears in a string", "sorts a list of tuples by their "
+    "second item", "rotates a list by k positions", "checks whether two strings are anagrams",
+    "converts a decimal number to binary", "sums the digits of an integer",
+    "returns all the even numbers from a list", "finds the longest word in a sentence",
+    "splits a list into chunks of size n", "checks whether brackets in a string are balanced",
+    "transposes a matrix given as a list of lists", "returns the n-th triangular number",
+    "finds common elements of two lists", "computes compound interest",
+    "validates an email address with a regular expression", "implements bubble sort",
+    "implements insertion sort", "implements a simple queue with two lists",
+    "parses a date string like 2024-05-17 into a date object", "downloads a web page and "
+    "counts its links", "writes a dictionary to a JSON file", "renames all .txt files in a "
+    "folder", "measures how long another function takes", "retries a function three times "
+    "if it raises an exception", "computes the distance between two points",
+    "converts miles to kilometres", "returns the median of a list",
+    "groups words by their first letter", "counts the lines of a text file",
+    "checks whether a list is sorted", "returns the intersection of two sets of words",
+    "finds the most common element of a list", "clamps a number between a minimum and a maximum",
+)
+PROGRAMMING_TEMPLATES = (
+    "Write a Python function that {t}.", "Write a Python function that {t}, with a docstring.",
+    "Write a Python function that {t}, and show an example.", "How can I write code that {t} "
+    "in Python?", "Write a short Python script that {t}.", "Can you write a function that {t}? "
+    "Please explain how it works.", "Write a Python function that {t}. Add type hints.",
+    "Write a JavaScript function that {t}.", "Write a Python function that {t} and a test for it.",
+)
+PROGRAMMING_QUESTIONS = (
+    "What is the difference between a list and a tuple in Python?", "How do I read a file line "
+    "by line in Python?", "What does the yield keyword do?", "How do decorators work in Python?",
+    "What is a Python dictionary? Give an example.", "How do I handle exceptions in Python?",
+    "What is recursion? Show a small example.", "How do I install a package with pip?",
+    "What is the difference between == and is in Python?", "Explain Python's with statement.",
+    "How do I sort a dictionary by value?", "What are *args and **kwargs?",
+    "How do I make a virtual environment?", "What is a lambda function?",
+    "Explain classes and objects in Python with an example.", "What is a generator?",
+    "How do I format a string with f-strings?", "What is the difference between a set and a list?",
+    "How do I convert a string to an integer safely?", "What is an API?",
+    "Explain what Git is and why developers use it.", "What is the time complexity of looking "
+    "up a key in a dictionary?", "How do I loop over a dictionary's keys and values?",
+)
+
+
 FOLLOW_UPS = (
     "Can you make that shorter?", "Thanks! Can you give me an example?",
     "Now explain it as if I were five.", "What would be a good title for that?",
@@ -261,13 +314,19 @@ def _held_out(text: str) -> bool:
 
 def conversation_request(rng: random.Random) -> str:
     """One synthesised conversational request: a templated question or task over an everyday
-    topic (sometimes two), an arithmetic word problem, or an edit of a documentation sentence."""
+    topic (sometimes two), an arithmetic word problem, a programming task or question, or an edit
+    of a documentation sentence."""
     topics = conversation_topics()
     u = rng.random()
     if u < 0.12:
         a, b, c = rng.randint(2, 999), rng.randint(2, 99), rng.randint(2, 12)
         return rng.choice(MATH_TEMPLATES).format(a=a, b=b, c=c)
-    if u < 0.2:
+    if u < 0.32:
+        return rng.choice(PROGRAMMING_TEMPLATES).format(t=rng.choice(PROGRAMMING_TASKS)) + \
+            rng.choice(STYLE_SUFFIXES)
+    if u < 0.35:
+        return rng.choice(PROGRAMMING_QUESTIONS) + rng.choice(STYLE_SUFFIXES)
+    if u < 0.43:
         kind, text = rng.choice(stdlib_snippets())
         while kind != "doc":
             kind, text = rng.choice(stdlib_snippets())
