@@ -2,9 +2,10 @@
 # On a GPU machine (the workplace's device tool), from the repo root: train SmolLM2's DSpark
 # drafter on carried data shards, resuming when a run is already there, and copy what comes back
 # (hf/ checkpoint shards, validation log) to $OUT. The target GGUF (98 MB) is more than one call
-# may carry, so it travels in parts (build/device_a/part_a, build/device_b/part_b, made with
-# head/tail -c): the first call that has both joins them into /tmp/smol.gguf, and later calls of
-# the same held machine reuse it. Convert the returned hf/ here with
+# may carry next to the tracked tree (19 MiB with the shipped drafter; 64 MiB per call), so it
+# travels in three parts (build/dev_p1/p1, build/dev_p2/p2, build/dev_p3/p3, 40 + 40 + 18 MB
+# made with head/tail -c), one or two per call: the first call that has all three joins them
+# into /tmp/smol.gguf, and later calls of the same held machine reuse it. Convert the returned hf/ here with
 # pyspec-convert --target-model-dir (the GGUF exceeds what one returned file may be).
 #
 #   DATA="build-carry/gen-gpu-s202/data build-carry/gen-gpu-s303/data" TIME=500 \
@@ -16,10 +17,10 @@ mkdir -p "$out" "$run"
 export PYTHONUNBUFFERED=1
 ls build/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps build/wheels/*.whl
 if [ ! -s /tmp/smol.gguf ]; then
-  if [ -f build/device_a/part_a ] && [ -f build/device_b/part_b ]; then
-    cat build/device_a/part_a build/device_b/part_b > /tmp/smol.gguf
+  if [ -f build/dev_p1/p1 ] && [ -f build/dev_p2/p2 ] && [ -f build/dev_p3/p3 ]; then
+    cat build/dev_p1/p1 build/dev_p2/p2 build/dev_p3/p3 > /tmp/smol.gguf
   else
-    echo "no /tmp/smol.gguf and not both parts here (build/device_a/part_a, build/device_b/part_b)"
+    echo "no /tmp/smol.gguf and not all three parts here (build/dev_p{1,2,3}/p{1,2,3})"
     exit 2
   fi
 fi
