@@ -191,6 +191,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--drafter", required=True, help="drafter GGUF (pyspec-train-drafter's output)")
     ap.add_argument("-n", type=int, default=128, help="tokens per prompt")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-ngl", "--n-gpu-layers", default="0",
+                    help="llama.cpp's -ngl for the target and the drafter: 0 (CPU) or all (the CUDA backend)")
     ap.add_argument("--draft-n-max", default="3,5", help="comma-separated values to measure")
     ap.add_argument("--modes", default="greedy,rejection,block")
     ap.add_argument("--sets", default="chat,code,prose")
@@ -210,13 +212,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("error: some bench prompts occur in the training data", file=sys.stderr)
             return 1
     prompts = encode_prompts(llm, sets)
-    model = pyspec.Model(model_path, n_threads=args.threads)
+    model = pyspec.Model(model_path, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     dm = _core.DraftModel(drafter_path, model._model)
     gammas = [int(g) for g in args.draft_n_max.split(",")]
 
     def engine(drafter, gamma):
         return _core.SpecEngine(model._model, drafter, n_ctx=2048, n_seq_max=1, n_draft_slots=1,
-                                n_threads=args.threads, draft_n_max=gamma, prefill_chunk=512)
+                                n_threads=args.threads, draft_n_max=gamma, prefill_chunk=512,
+                                backend=model.backend)
 
     plain_engine = engine(None, -1)
     spec_engines = {g: engine(dm, g) for g in gammas}
@@ -225,8 +228,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_set(e, prompts[next(iter(prompts))][:1], 16, 0.0, "greedy")
 
     results = []
-    print(f"target {Path(model_path).name}, drafter {Path(drafter_path).name}, {args.threads} "
-          f"threads, {args.n} tokens per prompt, one request at a time")
+    where = f"{args.threads} threads" if model.backend == "cpu" else model.backend
+    print(f"target {Path(model_path).name}, drafter {Path(drafter_path).name}, {where}, "
+          f"{args.n} tokens per prompt, one request at a time")
     first = next(iter(prompts))
     costs = {}
     for g in gammas:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_dflash import features, make_drafter, target
+from test_dflash import features, make_drafter, rewrite, target
 from pyspec import _core
 
 
@@ -102,3 +102,40 @@ def test_candidate_count_is_checked(root):
     feats = features(tmodel, np.arange(5, 10), dm.target_layers)
     dc.inject(0, np.arange(5, dtype=np.int32), feats)
     check_chains(dc.draft_logits(0, 3, 5, 4), tm.n_vocab)
+
+
+
+def test_reduced_vocabulary_chains_in_either_d2t_order(root):
+    """With an ascending d2t (what the converter and pyspec-train-drafter write) the chains run
+    over draft ids and the host maps their ids through d2t; in any other order they run over the
+    scattered target-vocabulary row. The same drafter with its draft ids permuted (d2t, the head's
+    and W2's rows alike) takes the other path: both must give the chains numpy gives over the
+    target-vocabulary logits, and the same tokens and candidates as each other."""
+    import gguf
+    tm, _, tmodel = target(root, "qwen3")
+    vd, k = 40, 5
+    _, path = make_drafter(root, "chain-d2t", tm, kind="speculators", seed=73, draft_vocab=vd)
+    t = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(path)).tensors}
+    perm = np.random.default_rng(3).permutation(vd)
+    permuted = rewrite(path, root / "chain-d2t-permuted.gguf",
+                       drop_tensors=("d2t", "output.weight", "markov_w2.weight"),
+                       add_tensors={"d2t": t["d2t"][perm], "output.weight": t["output.weight"][perm],
+                                    "markov_w2.weight": t["markov_w2.weight"][perm]})
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, tm.n_vocab, 20)
+    outs = []
+    for p, ascending in ((path, True), (permuted, False)):
+        dm = _core.DraftModel(str(p), tmodel)
+        assert bool((np.diff(dm.d2t) > 0).all()) == ascending
+        feats = features(tmodel, tokens, dm.target_layers)
+        dc = _core.DraftContext(dm, n_seq_max=2, n_batch=64, n_threads=2, check_plans=True, n_candidates=k)
+        dc.inject(0, np.arange(16, dtype=np.int32), feats[:16])
+        out = dc.draft_logits(0, int(tokens[16]), 16, dm.block_size)
+        check_chains(out, k)
+        assert set(out["candidates"].ravel()) <= set(dm.d2t)
+        outside = np.setdiff1d(np.arange(tm.n_vocab), dm.d2t)
+        assert np.all(np.isneginf(out["logits"][:, outside]))
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1]["tokens"], outs[0]["tokens"])
+    np.testing.assert_array_equal(outs[1]["candidates"], outs[0]["candidates"])
+    np.testing.assert_allclose(outs[1]["logits"], outs[0]["logits"], rtol=1e-5, atol=1e-5)

@@ -68,7 +68,13 @@ void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGra
     x = g.rms_norm(x, add_weight(g, model.output_norm), model.hparams().rms_eps);
     dg.logits = g.mul_mat(add_weight(g, model.output), x);
     g.set_name(dg.logits, "logits");
-    g.set_output(dg.logits);
+    if (p.argmax) {
+        dg.argmax = g.argmax(dg.logits);
+        g.set_name(dg.argmax, "argmax");
+        g.set_output(dg.argmax);
+    } else {
+        g.set_output(dg.logits);
+    }
 }
 
 }  // namespace pyspec

@@ -23,6 +23,9 @@ struct DecoderGraphParams {
     int64_t n_outputs = 0;       // rows that want logits (0: no logits computed)
     int64_t span = 0;            // attention span: mask columns per row
     std::vector<int> layer_ids;  // layer inputs to return (0 = embeddings, n_layer = final residual)
+    // Output rows return their greedy token (ARGMAX: the first maximum) instead of logits, so a
+    // greedy step copies n_outputs ids from the backend rather than n_outputs x n_vocab floats.
+    bool argmax = false;
 };
 
 // Tensor ids of the graph's inputs (all I32 except the F32 mask).
@@ -38,7 +41,8 @@ struct DecoderGraphInputs {
 struct DecoderGraph {
     Graph graph;
     DecoderGraphInputs in;
-    int logits = -1;                               // F32 [n_vocab, n_outputs]
+    int logits = -1;                               // F32 [n_vocab, n_outputs] (an output unless argmax)
+    int argmax = -1;                               // I32 [n_outputs] with DecoderGraphParams::argmax
     std::vector<std::pair<int, int>> layer_inputs; // (layer id, F32 [n_embd, n_rows] tensor)
 };
 

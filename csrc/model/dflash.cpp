@@ -8,6 +8,7 @@
 // bias and applies the sigmoid (there is no concat or sigmoid op, and it is B scalars).
 #include "model/dflash.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -186,6 +187,7 @@ void DraftModel::load_d2t() {
         seen[static_cast<size_t>(id)] = true;
         d2t[static_cast<size_t>(d)] = static_cast<int32_t>(id);
     }
+    d2t_ascending = std::is_sorted(d2t.begin(), d2t.end());  // injective, so strictly increasing
     hp_.n_vocab_draft = vd;
 }
 
@@ -431,7 +433,8 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         }
     }
 
-    if (d2t_free(model)) {
+    bg.chain_draft_ids = !d2t_free(model) && model.d2t_ascending && n_candidates <= vd;
+    if (d2t_free(model) || bg.chain_draft_ids) {
         bg.final_logits = final_d;
     } else {
         // d2t scatter (reference §1.4): each draft logit goes to its target id in a row that is
@@ -447,13 +450,14 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
     // Backend sampling chains, one per slot, bound to rows through chain_rows.
     bg.n_candidates = n_candidates;
     bg.chain_rows = g.input(DType::I32, {n_chain_slots, 1, 1, 1}, "inp_chain_rows");
-    const int rows = g.get_rows(bg.final_logits, bg.chain_rows);  // F32 [V, n_chain_slots]
-    const size_t row_bytes = static_cast<size_t>(v) * sizeof(float);
+    const int64_t vc = bg.chain_draft_ids ? vd : v;  // the chains' vocabulary
+    const int rows = g.get_rows(bg.final_logits, bg.chain_rows);  // F32 [vc, n_chain_slots]
+    const size_t row_bytes = static_cast<size_t>(vc) * sizeof(float);
     for (int64_t j = 0; j < n_chain_slots; ++j) {
         const size_t off = static_cast<size_t>(j) * row_bytes;
-        const int row = g.view(rows, {v, 1, 1, 1}, {sizeof(float), row_bytes, row_bytes, row_bytes}, off);
+        const int row = g.view(rows, {vc, 1, 1, 1}, {sizeof(float), row_bytes, row_bytes, row_bytes}, off);
         // The same row as a table of one-element rows, for GET_ROWS at the candidate ids.
-        const int table = g.view(rows, {1, v, 1, 1}, {sizeof(float), sizeof(float), row_bytes, row_bytes}, off);
+        const int table = g.view(rows, {1, vc, 1, 1}, {sizeof(float), sizeof(float), row_bytes, row_bytes}, off);
         const int cand = g.top_k(row, static_cast<int>(n_candidates));
         const int cand_logits = g.get_rows(table, g.reshape(cand, {n_candidates, 1, 1, 1}));
         const int probs = g.softmax(g.reshape(cand_logits, {n_candidates, 1, 1, 1}), 1.0f);

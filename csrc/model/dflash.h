@@ -75,6 +75,10 @@ public:
     // Reduced draft vocabulary (reference §1.4): d2t[d] is the target id of draft id d (the GGUF
     // stores absolute ids; the converter added arange to the HF offsets). Empty: Vd = V.
     std::vector<int32_t> d2t;
+    // d2t strictly increasing (pyspec-train-drafter's maps are): then the first maximum and the
+    // top-k order (ties: lower id first) are the same over draft ids as over the scattered
+    // target-vocabulary row, so the sampling chains can run over the draft vocabulary.
+    bool d2t_ascending = false;
     Weight markov_w1, markov_w2;        // DSpark: W1 {R, V} (target ids), W2 {R, Vd}
     // W1's rows at d2t (W1[d2t[d]] for draft id d), so the Markov chain, which passes on draft
     // ids between slots, embeds the right target token; markov_w1 itself without d2t.
@@ -118,7 +122,14 @@ struct DraftBlockGraph {
     int logits = -1;      // F32 [n_vocab_draft, n_rows] backbone logits of every slot (draft ids)
     // F32 [n_vocab, n_rows]: the logits each slot drafts from, over the target vocabulary
     // (DSpark draft slots: Markov-biased; with d2t: scattered, -inf outside the draft vocabulary).
+    // With chain_draft_ids: F32 [n_vocab_draft, n_rows] over draft ids, never scattered in the
+    // graph; the host scatters what it reads.
     int final_logits = -1;
+    // The sampling chains run over draft ids (d2t ascending and n_candidates <= n_vocab_draft):
+    // their candidates and drawn tokens are draft ids, which the host maps through d2t. The same
+    // outputs as chains over the scattered row, without the scatter (an [n_vocab, n_rows] -inf
+    // fill uploaded per pass) and with TOP_K/ARGMAX over Vd entries instead of V.
+    bool chain_draft_ids = false;
     int markov_rows = -1;  // DSpark: I32 [n_blocks, n_markov_slots]; column k = rows of slot
                            // draft_offset + k (b * block + slot), where its biased logits go
     int fill = -1;         // d2t: F32 [n_vocab, n_rows] input, -inf; the scatter's destination

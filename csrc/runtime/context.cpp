@@ -116,6 +116,7 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
     gp.n_outputs = static_cast<int64_t>(out_rows.size());
     gp.span = std::min(kv_->n_ctx_seq(), (max_pos + kSpanPadding) / kSpanPadding * kSpanPadding);
     gp.layer_ids = layer_ids;
+    gp.argmax = b.argmax_only;
 
     // Rows see their own sequence's cells up to their position, including the rows of this
     // chunk (their K/V are written before attention runs).
@@ -151,7 +152,12 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
         if (dg.in.out_rows >= 0) backend_->write(g[dg.in.out_rows], out_rows.data(), out_rows.size() * sizeof(int32_t));
         backend_->compute(g);
 
-        if (dg.logits >= 0) {
+        if (dg.argmax >= 0) {
+            const size_t old = out.argmax.size();
+            out.argmax.resize(old + out_rows.size());
+            backend_->read(g[dg.argmax], out.argmax.data() + old, out_rows.size() * sizeof(int32_t));
+            for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(begin) + r);
+        } else if (dg.logits >= 0) {
             const size_t old = out.logits.size();
             const size_t bytes = out_rows.size() * static_cast<size_t>(out.n_vocab) * sizeof(float);
             out.logits.resize(old + out_rows.size() * static_cast<size_t>(out.n_vocab));

@@ -24,6 +24,9 @@ struct Batch {
     std::vector<int32_t> positions;
     std::vector<int32_t> seq_ids;
     std::vector<uint8_t> output;  // nonzero: the row wants logits
+    // Output rows get their greedy token (DecodeOutput::argmax, the first maximum of the row, as
+    // argmax_first) in place of their logits: what greedy decoding and verification need.
+    bool argmax_only = false;
     size_t size() const { return tokens.size(); }
 };
 
@@ -31,7 +34,8 @@ struct DecodeOutput {
     int64_t n_vocab = 0;
     int64_t n_embd = 0;
     std::vector<int32_t> output_rows;  // batch rows with logits, in batch order
-    std::vector<float> logits;         // [output_rows.size(), n_vocab]
+    std::vector<float> logits;         // [output_rows.size(), n_vocab]; empty with argmax_only
+    std::vector<int32_t> argmax;       // [output_rows.size()] with Batch::argmax_only
     // (layer id, [n_rows, n_embd]) for every requested layer input, rows in batch order
     std::vector<std::pair<int, std::vector<float>>> layer_inputs;
 };

@@ -308,7 +308,14 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     bool need_logits = with_logits;
     for (const DraftRequest& r : requests) need_logits = need_logits || (!hp.is_dspark && r.sampling.temperature > 0.0f);
     std::vector<float> all_logits;
-    if (need_logits) {
+    if (need_logits && bg.chain_draft_ids) {  // over draft ids: scattered here, -inf elsewhere
+        std::vector<float> draft(n_rows * vd);
+        backend_->read(g[bg.final_logits], draft.data(), draft.size() * sizeof(float));
+        all_logits.assign(n_rows * v, -std::numeric_limits<float>::infinity());
+        for (size_t r = 0; r < n_rows; ++r) {
+            for (size_t d = 0; d < vd; ++d) all_logits[r * v + static_cast<size_t>(model_.d2t[d])] = draft[r * vd + d];
+        }
+    } else if (need_logits) {
         all_logits.resize(n_rows * v);
         backend_->read(g[bg.final_logits], all_logits.data(), all_logits.size() * sizeof(float));
     }
@@ -347,6 +354,10 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
             backend_->read(g[bg.chain_candidates[j]], out.candidates.data() + i * k, k * sizeof(int32_t));
             backend_->read(g[bg.chain_logits[j]], out.candidate_logits.data() + i * k, k * sizeof(float));
             backend_->read(g[bg.chain_probs[j]], out.candidate_probs.data() + i * k, k * sizeof(float));
+        }
+        if (bg.chain_draft_ids) {  // draft ids -> target ids
+            for (int32_t& t : out.tokens) t = model_.d2t[static_cast<size_t>(t)];
+            for (int32_t& c : out.candidates) c = model_.d2t[static_cast<size_t>(c)];
         }
         out.temperature = requests[b].sampling.temperature;
         if (out.temperature > 0.0f && !hp.is_dspark) {

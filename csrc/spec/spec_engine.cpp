@@ -456,6 +456,14 @@ std::vector<StepOutput> SpecEngine::step() {
         }
         span_of.emplace(r->id, sp);
     }
+    // A step whose rows all verify greedily, with nothing that reads the logits themselves (logit
+    // processing, token probabilities), takes each row's greedy token from the graph's ARGMAX:
+    // n ids cross from the backend instead of n x n_vocab floats (on a GPU with a large
+    // vocabulary, the copy is a large part of a step). Same tokens: ARGMAX is argmax_first.
+    batch.argmax_only = std::all_of(run.begin(), run.end(), [](const Request* r) {
+        return !r->generating ||
+               (r->params.temperature <= 0.0 && !r->params.processing.active() && r->params.n_probs == 0);
+    });
     const DecodeOutput out = ctx_->decode(batch, layers_);
     std::vector<int64_t> logits_row(batch.size(), -1);
     for (size_t i = 0; i < out.output_rows.size(); ++i) logits_row[static_cast<size_t>(out.output_rows[i])] = static_cast<int64_t>(i);
@@ -481,7 +489,7 @@ std::vector<StepOutput> SpecEngine::step() {
         } else {
             const int gamma = static_cast<int>(r->drafts.size());
             so.verified = r->drafts;
-            const float* logits = out.logits.data() + logits_row[sp.row0] * n_vocab_;
+            const float* logits = batch.argmax_only ? nullptr : out.logits.data() + logits_row[sp.row0] * n_vocab_;
             // Row j is what the request would sample from after committing drafts[0..j).
             const float* rows = logits;
             const LogitProcessing& lp = r->params.processing;
@@ -493,7 +501,9 @@ std::vector<StepOutput> SpecEngine::step() {
                 rows = processed.data();
             }
             VerifyResult vr;
-            if (r->params.temperature <= 0.0) {
+            if (batch.argmax_only) {
+                vr = verify_greedy_ids(out.argmax.data() + logits_row[sp.row0], n_vocab_, r->drafts.data(), gamma);
+            } else if (r->params.temperature <= 0.0) {
                 vr = verify_greedy(ProbRows{rows, gamma + 1, n_vocab_}, r->drafts.data(), gamma);
             } else {
                 const std::vector<float> p = target_law(rows, gamma + 1, n_vocab_, r->params);

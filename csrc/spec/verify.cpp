@@ -276,16 +276,36 @@ int32_t argmax_first(const float* x, int64_t n) {
     return 0;  // every entry -inf compares equal to m = -inf above; not reached
 }
 
-VerifyResult verify_greedy(const ProbRows& p, const int32_t* drafts, int gamma) {
-    const int n = checked_draft_count(p, nullptr, drafts, gamma);
+namespace {
+
+// Greedy acceptance over the target's tokens target(0), target(1), ...: the leading drafts equal
+// to them, then the target's own token (the bonus token when every draft was accepted).
+template <typename TargetToken>
+VerifyResult accept_greedy(int n, const int32_t* drafts, TargetToken target) {
     VerifyResult r;
     for (int i = 0; i <= n; ++i) {
-        const int32_t a = argmax_first(p.row(i), p.n_vocab);
+        const int32_t a = target(i);
         r.tokens.push_back(a);
         if (i == n || drafts[i] != a) break;
         ++r.accepted;
     }
     return r;
+}
+
+}  // namespace
+
+VerifyResult verify_greedy(const ProbRows& p, const int32_t* drafts, int gamma) {
+    const int n = checked_draft_count(p, nullptr, drafts, gamma);
+    return accept_greedy(n, drafts, [&p](int i) { return argmax_first(p.row(i), p.n_vocab); });
+}
+
+VerifyResult verify_greedy_ids(const int32_t* argmax, int64_t n_vocab, const int32_t* drafts, int gamma) {
+    const int n = checked_draft_count(ProbRows{nullptr, gamma + 1, n_vocab}, nullptr, drafts, gamma);
+    for (int i = 0; i <= n; ++i) {
+        if (argmax[i] < 0 || argmax[i] >= n_vocab)
+            throw std::invalid_argument("target token " + std::to_string(argmax[i]) + " outside the vocabulary");
+    }
+    return accept_greedy(n, drafts, [argmax](int i) { return argmax[i]; });
 }
 
 VerifyResult verify_rejection(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,

@@ -70,6 +70,9 @@ void processed_law(const float* logits, int64_t n, double temperature, int64_t t
 // disagrees, or of p_{γ+1}. Rows may hold probabilities or logits (only the argmax matters); no
 // noise is used. q is not needed.
 VerifyResult verify_greedy(const ProbRows& p, const int32_t* drafts, int gamma);
+// The same decision from each row's greedy token (argmax[i] = argmax_first of row i, computed
+// where the logits live: the decode graph's ARGMAX), for steps that copy no logits.
+VerifyResult verify_greedy_ids(const int32_t* argmax, int64_t n_vocab, const int32_t* drafts, int gamma);
 
 // Token-level rejection sampling: accept x_i iff u_i < p_i(x_i) / q_i(x_i); on the first
 // rejection draw from norm(max(0, p_i - q_i)); if all are accepted, the bonus from p_{γ+1}.
