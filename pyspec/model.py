@@ -37,12 +37,13 @@ def default_model_path() -> str:
 # The DSpark drafter trained for the default model (pyspec-train-drafter on SmolLM2's own
 # generations, docs/training.md), shipped in pyspec/data/. pyspec-cli and pyspec-server use it
 # when no model is given, for greedy decoding: at temperature 0.8 it measured slower than plain
-# decoding on chat and prose (x0.81-0.90 with llama-server's sampler, x1.04-1.09 on code), so
-# sampled requests use it only with --spec-type draft-dspark. --spec-type none turns it off.
+# decoding (run s2: x0.81-0.90 on chat and prose with llama-server's sampler, x1.04-1.09 on code;
+# s3, rejection, chat: x0.80), so sampled requests use it only with --spec-type draft-dspark.
+# --spec-type none turns it off.
 DEFAULT_DRAFTER_FILE = "SmolLM2-135M-Instruct-DSpark.Q4_1.gguf"
 # Drafts per round with it unless the user asks otherwise: the fastest on 2 CPU threads
-# (bench/bench_drafter.py, greedy, chat / code / prose: n_max 2 x1.07 / x1.18 / x1.13 over plain
-# decoding, n_max 3 x0.99 / x1.08 / x1.06).
+# (bench/bench_drafter.py, run s3, greedy, chat / code / prose: n_max 2 x1.08 / x1.35 / x1.17 over
+# plain decoding, n_max 3 x1.04 / x1.32 / x1.12).
 DEFAULT_DRAFTER_N_MAX = 2
 
 

@@ -9,6 +9,9 @@
 #   SKIP_BENCH=1 bash tools/device/cuda_check.sh
 #   MODES="plain nofuse" BENCH_MODES=plain bash tools/device/cuda_check.sh   # fewer runs
 #   KERNEL_TIMES=1 ...                          # also per-kernel times by ncu (tools/device/kernel_times.py)
+#   SPEC_BENCH=/tmp/smol.gguf ...               # also bench/bench_drafter.py on the GPU: the real
+#                                               # SmolLM2 target (carried, see train_smollm2.sh)
+#                                               # with the shipped drafter, greedy
 set -u
 out=${OUT:-device-out}
 mkdir -p "$out"
@@ -48,6 +51,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     sed -n '/^pyspec (CUDA) vs/,$p' "$out/bench-$mode.log"
   done
   grep -A14 "profile, decode step" "$out/bench-plain.log" | head -32
+fi
+if [ -n "${SPEC_BENCH:-}" ]; then
+  timeout 300 python3 bench/bench_drafter.py --model "$SPEC_BENCH" -ngl all \
+    --drafter pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf --draft-n-max "${SPEC_N_MAX:-2,3,4}" \
+    --modes greedy --repeats 2 --json "$out/bench-drafter-gpu.json" > "$out/bench-drafter-gpu.log" 2>&1
+  echo "speculative decoding on the GPU:"
+  cat "$out/bench-drafter-gpu.log" | tail -14
 fi
 if [ -n "${KERNEL_TIMES:-}" ]; then
   for m in /tmp/pyspec-models/smollm2-135m-q4_1.gguf /tmp/pyspec-models/qwen3-4b-f16.gguf; do
