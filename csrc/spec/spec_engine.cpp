@@ -459,7 +459,8 @@ std::vector<StepOutput> SpecEngine::step() {
     // A step whose rows all verify greedily, with nothing that reads the logits themselves (logit
     // processing, token probabilities), takes each row's greedy token from the graph's ARGMAX:
     // n ids cross from the backend instead of n x n_vocab floats (on a GPU with a large
-    // vocabulary, the copy is a large part of a step). Same tokens: ARGMAX is argmax_first.
+    // vocabulary, the copy is a large part of a step). Same tokens: ARGMAX is argmax_first's first
+    // maximum; only a row holding NaN, which argmax_first refuses, is not reported here.
     batch.argmax_only = std::all_of(run.begin(), run.end(), [](const Request* r) {
         return !r->generating ||
                (r->params.temperature <= 0.0 && !r->params.processing.active() && r->params.n_probs == 0);
