@@ -26,6 +26,11 @@ namespace {
 constexpr int kVBatch = 8;       // V rows whose loads are issued together
 constexpr int kMaxPerLane = 8;   // head_dim <= 256
 
+// Asks for the 128-byte line at p to be brought into L1 ahead of its load; no value changes.
+__device__ __forceinline__ void prefetch_l1(const char* p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 template <typename T>
 __device__ __forceinline__ float kv_load(const char* p);
 template <>
@@ -102,6 +107,13 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
             if (j >= 0 && j < span) {
                 const float mj = mrow[j];
                 if (mj != -INFINITY) {
+                    // This cell's V row is read after the chunk's scores: its lines start
+                    // arriving now, behind the K loads, instead of after them (decode is bound
+                    // by these round trips, not by bandwidth). A contiguous row only.
+                    if (kVec) {
+                        const char* vrow = vc.data + cell * vc.nb[1] + col0 * vc.nb[0];
+                        for (int64_t off = 0; off < static_cast<int64_t>(hd) * vc.nb[0]; off += 128) prefetch_l1(vrow + off);
+                    }
                     const char* krow = kc.data + cell * kc.nb[1] + col0 * kc.nb[0];
                     s = fmaf(dot_row<T, kVec>(s_q, krow, kc.nb[0], hd), scale, mj);
                 }
