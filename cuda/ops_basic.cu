@@ -157,8 +157,37 @@ __global__ void k_set_rows_quant(const __grid_constant__ Jobs jobs, const int32_
 
 // ---------------------------------------------------------------------------------------------
 
+// One row, values i = first, first + stride, ... (< n), held in registers: x and the weights are
+// both loaded before the reduction (a decode step's norms wait on memory, not on arithmetic), and
+// x is not read twice. The same operations in the same order as the plain loops below, so the
+// same bits. R: values per thread; the caller checks n <= R * stride.
+template <int R, typename Sum>
+__device__ __forceinline__ void rms_norm_regs(const float* xr, const float* w, float* yr, int64_t n, int first,
+                                              int stride, float eps, Sum sum) {
+    float xv[R], wv[R];
+#pragma unroll
+    for (int c = 0; c < R; ++c) {
+        const int64_t i = first + static_cast<int64_t>(c) * stride;
+        xv[c] = i < n ? xr[i] : 0.0f;
+        wv[c] = w && i < n ? w[i] : 0.0f;
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int c = 0; c < R; ++c) {
+        if (first + static_cast<int64_t>(c) * stride < n) acc = fmaf(xv[c], xv[c], acc);
+    }
+    const float mean_sq = sum(acc) / static_cast<float>(n);
+    const float inv = 1.0f / sqrtf(mean_sq + eps);
+#pragma unroll
+    for (int c = 0; c < R; ++c) {
+        const int64_t i = first + static_cast<int64_t>(c) * stride;
+        if (i < n) yr[i] = w ? xv[c] * inv * wv[c] : xv[c] * inv;
+    }
+}
+
+constexpr int kNormRegs = 16;  // rows up to kThreads * 16 = 4096 values keep them in registers
+
 __global__ void k_rms_norm(const __grid_constant__ Jobs jobs, float eps) {
-    __shared__ float red[32];
     const TDesc& dst = jobs.j[blockIdx.y].dst;
     const TDesc& x = jobs.j[blockIdx.y].src;
     const float* w = jobs.j[blockIdx.y].w;
@@ -167,6 +196,15 @@ __global__ void k_rms_norm(const __grid_constant__ Jobs jobs, float eps) {
     const int64_t n = x.ne[0];
     const float* xr = reinterpret_cast<const float*>(x.row(r));
     float* yr = reinterpret_cast<float*>(dst.row(r));
+    if (n <= static_cast<int64_t>(kNormRegs) * blockDim.x) {
+        rms_norm_regs<kNormRegs>(xr, w, yr, n, threadIdx.x, blockDim.x, eps,
+                                 [](float v) {
+                                     __shared__ float red[32];
+                                     return block_sum(v, red);
+                                 });
+        return;
+    }
+    __shared__ float red[32];
     float acc = 0.0f;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc = fmaf(xr[i], xr[i], acc);
     const float mean_sq = block_sum(acc, red) / static_cast<float>(n);
@@ -186,14 +224,10 @@ __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
     const int64_t r = blockIdx.x * static_cast<int64_t>(kThreads / 32) + (threadIdx.x >> 5);
     if (r >= x.nrows()) return;
     const int lane = threadIdx.x & 31;
-    const int64_t n = x.ne[0];
+    const int64_t n = x.ne[0];  // <= kWarpNormMax (launch_rms_norm)
     const float* xr = reinterpret_cast<const float*>(x.row(r));
     float* yr = reinterpret_cast<float*>(dst.row(r));
-    float acc = 0.0f;
-    for (int64_t i = lane; i < n; i += 32) acc = fmaf(xr[i], xr[i], acc);
-    const float mean_sq = warp_sum(acc) / static_cast<float>(n);
-    const float inv = 1.0f / sqrtf(mean_sq + eps);
-    for (int64_t i = lane; i < n; i += 32) yr[i] = w ? xr[i] * inv * w[i] : xr[i] * inv;
+    rms_norm_regs<kWarpNormMax / 32>(xr, w, yr, n, lane, 32, eps, [](float v) { return warp_sum(v); });
 }
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
