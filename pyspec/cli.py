@@ -115,6 +115,7 @@ class _Perf:
     n_prompt: int = 0
     prompt_seconds: float = 0.0
     n_decoded: int = 0
+    n_decode_tokens: int = 0
     decode_seconds: float = 0.0
     n_sampled: int = 0
     sample_seconds: float = 0.0
@@ -132,6 +133,7 @@ class _Perf:
         self.n_prompt += stats.n_prompt if stats.prompt_seconds > 0 else 0
         self.prompt_seconds += stats.prompt_seconds
         self.n_decoded += stats.n_decoded
+        self.n_decode_tokens += stats.n_decode_tokens
         self.decode_seconds += stats.decode_seconds
         self.n_sampled += stats.n_generated
         self.sample_seconds += stats.sample_seconds
@@ -139,7 +141,13 @@ class _Perf:
     def report(self, total_seconds: float) -> None:
         sampling = _rate(self.sample_seconds, self.n_sampled, "runs  ")
         prompt = _rate(self.prompt_seconds, self.n_prompt, "tokens")
-        decode = _rate(self.decode_seconds, self.n_decoded, "runs  ")
+        # llama.cpp's line counts single-token runs, one token each. A speculative round yields
+        # several tokens, so there the line counts tokens, and its rates are per token; the
+        # acceptance line below gives the rounds.
+        if self.n_rounds:
+            decode = _rate(self.decode_seconds, self.n_decode_tokens, "tokens")
+        else:
+            decode = _rate(self.decode_seconds, self.n_decoded, "runs  ")
         _log(f"pyspec_perf:    sampling time = {sampling}")
         _log(f"pyspec_perf:        load time = {self.load_seconds * 1e3:10.2f} ms")
         _log(f"pyspec_perf: prompt eval time = {prompt}")
@@ -150,7 +158,7 @@ class _Perf:
                  f"{self.draft_n} generated), mean len = "
                  f"{1 + self.draft_n_accepted / self.n_rounds:.3f} over {self.n_rounds} rounds")
         _log(f"pyspec_perf:       total time = {total_seconds * 1e3:10.2f} ms / "
-             f"{self.n_prompt + self.n_decoded:6d} tokens")
+             f"{self.n_prompt + self.n_decode_tokens:6d} tokens")
 
 
 def _rate(seconds: float, n: int, unit: str) -> str:

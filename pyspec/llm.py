@@ -33,7 +33,8 @@ class GenerationStats:
     n_prompt: int = 0
     prompt_seconds: float = 0.0
     n_generated: int = 0        # tokens returned (an end-of-generation token is not counted)
-    n_decoded: int = 0          # single-token decode calls after the prompt
+    n_decoded: int = 0          # single-token decode calls after the prompt (speculating: rounds)
+    n_decode_tokens: int = 0    # tokens those calls produced (plain decoding: one per call)
     decode_seconds: float = 0.0
     sample_seconds: float = 0.0
     seed: int = 0
@@ -54,7 +55,7 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return self.n_decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return self.n_decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 class LLM:
@@ -322,6 +323,7 @@ class LLM:
                 logits = ctx.decode([tok]).logits[-1]
                 stats.decode_seconds += time.perf_counter() - t
                 stats.n_decoded += 1
+                stats.n_decode_tokens += 1
         except KeyboardInterrupt:
             stats.stop_reason = "interrupted"
             raise
@@ -347,6 +349,8 @@ class LLM:
             stats.prompt_seconds = spec.prompt_seconds
             stats.decode_seconds = spec.draft_seconds + spec.verify_seconds
             stats.n_decoded = spec.n_rounds
+            # Every token comes out of a round (the first round verifies at the prompt's end).
+            stats.n_decode_tokens = stats.n_generated
         if not stats.stop_reason:
             if max_tokens is not None and stats.n_generated >= max_tokens:
                 stats.stop_reason = "length"

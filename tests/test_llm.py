@@ -111,7 +111,7 @@ def test_generation_stops_when_the_context_is_full(llm):
     text = small.generate(ids, max_tokens=None, temperature=0, ignore_eos=True)
     stats = small.last_stats
     assert stats.stop_reason == "context" and stats.n_generated == 64 - 57
-    assert text and stats.n_decoded == stats.n_generated - 1
+    assert text and stats.n_decoded == stats.n_decode_tokens == stats.n_generated - 1
 
 
 def test_max_tokens_zero_and_one_generation_at_a_time(llm):

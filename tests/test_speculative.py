@@ -341,6 +341,9 @@ def test_llm_speculates_losslessly_with_consistent_stats(pairs):
         assert st.n_generated == 30 and st.stop_reason == "length"
         assert st.draft_n_accepted <= st.draft_n <= 4 * st.spec.n_rounds
         assert st.n_generated == st.spec.draft_n_accepted + st.spec.n_rounds
+        # The decode rate is per token, not per round.
+        assert st.n_decoded == st.spec.n_rounds and st.n_decode_tokens == st.n_generated
+        assert st.decode_tokens_per_second == pytest.approx(st.n_generated / st.decode_seconds)
         assert sum(st.spec.accepted_at) == st.draft_n_accepted
         # Every round but the last drafts (the last has room for one token only).
         assert st.spec.drafted_at[0] >= st.spec.n_rounds - 1
