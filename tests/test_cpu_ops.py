@@ -581,13 +581,26 @@ def test_argmax_first_index_on_ties(n):
         assert np.array_equal(got, np.argmax(x, axis=1))  # numpy returns the first maximum
 
 
+def test_argmax_skips_nan_as_one_comparing_scan_does():
+    """ARGMAX is what a scan keeping i when x[i] > x[best] gives: NaN never wins, except at index
+    0, which nothing compares greater than (vectorised passes must keep that)."""
+    for n in (5, 8, 40, 257):
+        x = np.random.default_rng(n).standard_normal((3, n)).astype(np.float32)
+        x[0, n // 2] = np.nan          # ignored
+        x[1, 0] = np.nan               # nothing beats it
+        x[2, :] = NEG_INF
+        x[2, n - 1] = np.nan
+        got = reduce_run("ARGMAX", x)[:, 0]
+        assert got[0] == np.nanargmax(x[0]) and got[1] == 0 and got[2] == 0
+
+
 def top_k_ref(x, k):
     """Descending by value; equal values in ascending index order."""
     idx = np.arange(x.shape[1])
     return np.stack([np.lexsort((idx, -row.astype(np.float64)))[:k] for row in x])
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (40, 1), (40, 8), (40, 40), (257, 16)])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (40, 1), (40, 8), (40, 40), (257, 16), (300, 32), (300, 33)])
 def test_top_k_descending_ties_keep_lower_index(n, k):
     rng = np.random.default_rng(n * 100 + k)
     for x in (tie_heavy_rows(rng, 6, n), rng.standard_normal((6, n)).astype(np.float32)):

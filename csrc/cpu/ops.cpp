@@ -205,13 +205,36 @@ void op_argmax(const Graph& g, int id, int ith, int nth) {
     const Tensor& a = g[dst.src[0]];
     int64_t r0, r1;
     split_range(a.nrows(), ith, nth, r0, r1);
+    // What one scan keeping i when ar[i] > ar[best] gives: the first index of the largest non-NaN
+    // value, or 0 when ar[0] is NaN (nothing compares greater than it); two vectorised passes.
     for (int64_t r = r0; r < r1; ++r) {
         const float* ar = frow(a, r);
         int64_t best = 0;
-        for (int64_t i = 1; i < a.ne[0]; ++i) {
-            if (ar[i] > ar[best]) best = i;
-        }
+        if (!std::isnan(ar[0])) best = vec::first_index_of(ar, a.ne[0], vec::max_skipping_nan(ar, a.ne[0], nullptr));
         dst.as<int32_t>()[r] = static_cast<int32_t>(best);
+    }
+}
+
+// Up to this many candidates, top-k keeps a sorted list in one pass over the row (most values
+// lose one comparison against the current k-th) instead of sorting a full index array.
+constexpr int64_t kInsertionTopK = 32;
+
+// The k (<= kInsertionTopK) largest of ar[0..n) into out, in the order below. An entry enters
+// only when it beats the current k-th strictly: a later equal value has the higher index.
+void top_k_insertion(const float* ar, int64_t n, int64_t k, int32_t* out) {
+    float val[kInsertionTopK];
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const float x = ar[i];
+        if (have == k && !(x > val[k - 1])) continue;
+        int64_t j = have < k ? have++ : k - 1;   // the slot it takes, then moves up
+        while (j > 0 && x > val[j - 1]) {
+            val[j] = val[j - 1];
+            out[j] = out[j - 1];
+            --j;
+        }
+        val[j] = x;
+        out[j] = static_cast<int32_t>(i);
     }
 }
 
@@ -221,9 +244,17 @@ void op_top_k(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     const Tensor& a = g[dst.src[0]];
     const int64_t n = a.ne[0];
     const int64_t k = std::min<int64_t>(dst.ne[0], n);
-    s.idx.resize(static_cast<size_t>(n));
     int64_t r0, r1;
     split_range(a.nrows(), ith, nth, r0, r1);
+    if (k <= kInsertionTopK) {
+        for (int64_t r = r0; r < r1; ++r) {
+            int32_t* out = reinterpret_cast<int32_t*>(row_ptr(dst, r));
+            top_k_insertion(frow(a, r), n, k, out);
+            std::fill(out + k, out + dst.ne[0], -1);  // k > n: no candidate
+        }
+        return;
+    }
+    s.idx.resize(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
         const float* ar = frow(a, r);
         std::iota(s.idx.begin(), s.idx.end(), 0);

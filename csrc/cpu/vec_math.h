@@ -74,6 +74,43 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+// The largest non-NaN entry of x[0..n) (-inf when there is none; -0 and +0 compare equal, so
+// either may come back), and whether any entry is NaN. AVX2 where built.
+inline float max_skipping_nan(const float* x, int64_t n, bool* saw_nan) {
+    float m = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+    int64_t t = 0;
+#if defined(__AVX2__)
+    if (n >= 8) {
+        __m256 vm = _mm256_set1_ps(m);
+        __m256 vnan = _mm256_setzero_ps();
+        for (; t + 8 <= n; t += 8) {
+            const __m256 v = _mm256_loadu_ps(x + t);
+            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            vm = _mm256_max_ps(v, vm);  // a NaN v gives the second operand: vm
+        }
+        nan = _mm256_movemask_ps(vnan) != 0;
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, vm);
+        for (float l : lanes) m = l > m ? l : m;
+    }
+#endif
+    for (; t < n; ++t) {
+        nan = nan || std::isnan(x[t]);
+        m = x[t] > m ? x[t] : m;
+    }
+    if (saw_nan) *saw_nan = nan;
+    return m;
+}
+
+// The first i with x[i] == v, or -1.
+inline int64_t first_index_of(const float* x, int64_t n, float v) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (x[i] == v) return i;
+    }
+    return -1;
+}
+
 inline float max_of(const float* x, int64_t n) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) m = std::fmax(m, x[i]);

@@ -6,9 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "cpu/vec_math.h"
 
 namespace pyspec {
 
@@ -243,37 +241,14 @@ void processed_law(const float* logits, int64_t n, double temperature, int64_t t
 // as a scalar loop cost about 40 us per 49k-entry row).
 int32_t argmax_first(const float* x, int64_t n) {
     if (n < 1) throw std::invalid_argument("argmax of an empty row");
-    float m = -std::numeric_limits<float>::infinity();
     bool nan = false;
-    int64_t t = 0;
-#if defined(__AVX2__)
-    if (n >= 8) {
-        __m256 vm = _mm256_set1_ps(m);
-        __m256 vnan = _mm256_setzero_ps();
-        for (; t + 8 <= n; t += 8) {
-            const __m256 v = _mm256_loadu_ps(x + t);
-            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            vm = _mm256_max_ps(vm, v);
-        }
-        nan = _mm256_movemask_ps(vnan) != 0;
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, vm);
-        for (float l : lanes) m = l > m ? l : m;
-    }
-#endif
-    for (; t < n; ++t) {
-        nan = nan || std::isnan(x[t]);
-        m = x[t] > m ? x[t] : m;
-    }
+    const float m = vec::max_skipping_nan(x, n, &nan);
     if (nan) {
         for (int64_t i = 0; i < n; ++i) {
             if (std::isnan(x[i])) throw std::invalid_argument("row has NaN at token " + std::to_string(i));
         }
     }
-    for (int64_t i = 0; i < n; ++i) {
-        if (x[i] == m) return static_cast<int32_t>(i);
-    }
-    return 0;  // every entry -inf compares equal to m = -inf above; not reached
+    return static_cast<int32_t>(vec::first_index_of(x, n, m));  // found: no NaN, so m is an entry
 }
 
 namespace {
