@@ -812,6 +812,31 @@ def test_mul_mat_rows_are_batch_and_thread_invariant(dtype):
     assert np.array_equal(big1, big2)
 
 
+@pytest.mark.parametrize("dtype", ["F16", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_mul_mats_sharing_activations_run_as_one_group_with_their_own_bits(dtype, m):
+    """Consecutive MUL_MATs of the same activations (q/k/v, gate/up) run as one group through
+    the pool; each product keeps the bits it has alone, on one thread or two, with a member of
+    another type or K ending the group and the odd row counts that leave partial panels."""
+    rng = np.random.default_rng(16)
+    k = 128
+    shapes = [(40, dtype, k), (24, dtype, k), (17, dtype, k), (33, "F32", k)]
+    ws = [encode(rng.standard_normal((n, kk)), dt) for n, dt, kk in shapes]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    alone = [matmul_run(w, dt, x, n) for w, (n, dt, _) in zip(ws, shapes)]
+    for n_threads in (1, 2):
+        g = core.Graph()
+        tx = g.input("F32", [k, m], "x")
+        feeds, outs = {tx: x}, []
+        for i, (w, (n, dt, kk)) in enumerate(zip(ws, shapes)):
+            tw = g.external(dt, [kk, n], f"w{i}")
+            feeds[tw] = w
+            outs.append(node(g, "MUL_MAT", "F32", [n, m], [tw, tx]))
+        got = run(g, feeds, outs, n_threads)
+        for i, (n, _, _) in enumerate(shapes):
+            assert np.array_equal(got[i].reshape(m, n), alone[i]), (i, n_threads)
+
+
 # --------------------------------------------------------------------------------------------
 # graph-allocator.md §4.2 at compute level: multi-sequence top-k sampling chains
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ void* aligned_zeroed(size_t bytes) {
     return p;
 }
 
-void run_mul_mat(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>& scratch) {
+MatmulPart matmul_part(const Graph& g, int id) {
     const Tensor& dst = g[id];
     const Tensor& w = g[dst.src[0]];
     const Tensor& x = g[dst.src[1]];
@@ -32,9 +32,41 @@ void run_mul_mat(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>&
     if (x.ne[2] != 1 || x.ne[3] != 1 || x.nb[0] != sizeof(float)) {
         throw std::logic_error("mul_mat: activations must be 2-D F32 rows");
     }
-    WeightMatrix wm{w.dtype, w.data, w.ne[1], w.ne[0], w.nb[1]};
-    matmul(wm, x.as<float>(), static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], dst.as<float>(),
-           static_cast<int64_t>(dst.nb[1] / sizeof(float)), pool, scratch);
+    return MatmulPart{WeightMatrix{w.dtype, w.data, w.ne[1], w.ne[0], w.nb[1]}, dst.as<float>(),
+                      static_cast<int64_t>(dst.nb[1] / sizeof(float))};
+}
+
+bool bytes_overlap(const Tensor& a, const Tensor& b) {
+    const char* pa = static_cast<const char*>(a.data);
+    const char* pb = static_cast<const char*>(b.data);
+    return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+// The MUL_MAT at id and the ones right after it (only leaves and views between) that read the
+// same activations with weights of the same type and K: q/k/v, gate/up. They run as one
+// matmul_group (one pass through the pool, activations prepared once). Running the later ones
+// early is safe: no node computes in between, and a member whose output overlaps the activations
+// or an earlier member's output (never planned so) ends the group. Returns the last node run.
+int run_mul_mat_group(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>& scratch) {
+    const Tensor& t0 = g[id];
+    const Tensor& x = g[t0.src[1]];
+    const Tensor& w0 = g[t0.src[0]];
+    MatmulPart parts[kMaxMatmulParts];
+    int n = 0, last = id;
+    for (int j = id; j < g.size() && n < kMaxMatmulParts; ++j) {
+        const Tensor& t = g[j];
+        if (t.op == Op::NONE || t.op == Op::VIEW) continue;
+        if (t.op != Op::MUL_MAT || t.src[1] != t0.src[1]) break;
+        const Tensor& w = g[t.src[0]];
+        if (w.dtype != w0.dtype || w.ne[0] != w0.ne[0]) break;
+        bool clash = j != id && bytes_overlap(t, x);
+        for (int i = id; i < j && !clash; ++i) clash = g[i].op == Op::MUL_MAT && bytes_overlap(t, g[i]);
+        if (clash) break;
+        parts[n++] = matmul_part(g, j);
+        last = j;
+    }
+    matmul_group(parts, n, x.as<float>(), static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], pool, scratch);
+    return last;
 }
 
 // Ops on at most this many values run on the calling thread alone. Handing an op to the pool and
@@ -104,8 +136,9 @@ void CpuBackend::compute(Graph& graph) {
         const Op op = graph[id].op;
         if (op == Op::NONE || op == Op::VIEW) continue;
         const clock::time_point t0 = profiling_ ? clock::now() : clock::time_point();
+        int last = id;
         if (op == Op::MUL_MAT) {
-            run_mul_mat(graph, id, *pool_, matmul_scratch_);
+            last = run_mul_mat_group(graph, id, *pool_, matmul_scratch_);
         } else if (op != Op::ATTENTION && op_values(graph, graph[id]) <= kInlineValues) {
             run_cpu_op(graph, id, 0, 1, scratch_[0]);
         } else {
@@ -114,8 +147,9 @@ void CpuBackend::compute(Graph& graph) {
         }
         if (profiling_) {
             op_seconds_[static_cast<size_t>(op)] += std::chrono::duration<double>(clock::now() - t0).count();
-            ++op_calls_[static_cast<size_t>(op)];
+            for (int j = id; j <= last; ++j) op_calls_[static_cast<size_t>(op)] += graph[j].op == op;  // a group's members
         }
+        id = last;
     }
 }
 

@@ -32,29 +32,49 @@ void check(const WeightMatrix& w, int64_t m) {
 
 void matmul(const WeightMatrix& w, const float* x, int64_t x_stride, int64_t m, float* y, int64_t y_stride,
             ThreadPool& pool, std::vector<uint8_t>& scratch) {
-    check(w, m);
-    if (m == 0 || w.n_rows == 0) return;
-    const int64_t k = w.n_cols;
-    const int64_t units = (w.n_rows + kRowUnit - 1) / kRowUnit;
+    const MatmulPart part{w, y, y_stride};
+    matmul_group(&part, 1, x, x_stride, m, pool, scratch);
+}
+
+void matmul_group(const MatmulPart* parts, int n_parts, const float* x, int64_t x_stride, int64_t m,
+                  ThreadPool& pool, std::vector<uint8_t>& scratch) {
+    if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::invalid_argument("matmul: 1 to 4 weight matrices per group");
+    const WeightMatrix& w0 = parts[0].w;
+    // The parts' row units one after another: a thread's share is a contiguous run of them, and
+    // a part's rows are cut into panels from its own row 0 as when it runs alone.
+    int64_t first_unit[kMaxMatmulParts + 1] = {0};
+    for (int i = 0; i < n_parts; ++i) {
+        const WeightMatrix& w = parts[i].w;
+        check(w, m);
+        if (w.dtype != w0.dtype || w.n_cols != w0.n_cols) throw std::invalid_argument("matmul: a group's weights differ in type or K");
+        first_unit[i + 1] = first_unit[i] + (w.n_rows + kRowUnit - 1) / kRowUnit;
+    }
+    const int64_t units = first_unit[n_parts];
+    if (m == 0 || units == 0) return;
+    const int64_t k = w0.n_cols;
     auto multiply = [&](const void* act, size_t act_stride, int ith, int nth) {
         int64_t u0, u1;
         split_range(units, ith, nth, u0, u1);
-        const int64_t r0 = u0 * kRowUnit, r1 = std::min(u1 * kRowUnit, w.n_rows);
-        if (r0 >= r1) return;
-        dot_rows(w.dtype, static_cast<const uint8_t*>(w.data) + r0 * w.row_bytes, w.row_bytes, r1 - r0, act, act_stride,
-                 m, k, y + r0, y_stride);
+        for (int i = 0; i < n_parts; ++i) {
+            const int64_t a = std::max(u0, first_unit[i]), b = std::min(u1, first_unit[i + 1]);
+            if (a >= b) continue;
+            const WeightMatrix& w = parts[i].w;
+            const int64_t r0 = (a - first_unit[i]) * kRowUnit, r1 = std::min((b - first_unit[i]) * kRowUnit, w.n_rows);
+            dot_rows(w.dtype, static_cast<const uint8_t*>(w.data) + r0 * w.row_bytes, w.row_bytes, r1 - r0, act,
+                     act_stride, m, k, parts[i].y + r0, parts[i].y_stride);
+        }
     };
-    if (!dtype_is_quantized(w.dtype)) {  // float weights take the activations as they are
+    if (!dtype_is_quantized(w0.dtype)) {  // float weights take the activations as they are
         pool.run([&](int ith, int nth) { multiply(x, static_cast<size_t>(x_stride) * sizeof(float), ith, nth); });
         return;
     }
-    const size_t act_row = activation_row_bytes(w.dtype, k);
+    const size_t act_row = activation_row_bytes(w0.dtype, k);
     const int n_threads = pool.size();
     if (n_threads == 1 || m * k <= kPrivatePrepareValues) {
         scratch.resize(static_cast<size_t>(n_threads) * static_cast<size_t>(m) * act_row);
         pool.run([&](int ith, int nth) {
             uint8_t* act = scratch.data() + static_cast<size_t>(ith) * static_cast<size_t>(m) * act_row;
-            for (int64_t r = 0; r < m; ++r) prepare_activation_row(w.dtype, x + r * x_stride, act + r * act_row, k);
+            for (int64_t r = 0; r < m; ++r) prepare_activation_row(w0.dtype, x + r * x_stride, act + r * act_row, k);
             multiply(act, act_row, ith, nth);
         });
         return;
@@ -63,7 +83,7 @@ void matmul(const WeightMatrix& w, const float* x, int64_t x_stride, int64_t m, 
     pool.run([&](int ith, int nth) {
         int64_t r0, r1;
         split_range(m, ith, nth, r0, r1);
-        for (int64_t r = r0; r < r1; ++r) prepare_activation_row(w.dtype, x + r * x_stride, scratch.data() + r * act_row, k);
+        for (int64_t r = r0; r < r1; ++r) prepare_activation_row(w0.dtype, x + r * x_stride, scratch.data() + r * act_row, k);
     });
     pool.run([&](int ith, int nth) { multiply(scratch.data(), act_row, ith, nth); });
 }

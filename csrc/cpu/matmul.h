@@ -24,6 +24,20 @@ struct WeightMatrix {
 void matmul(const WeightMatrix& w, const float* x, int64_t x_stride, int64_t m, float* y,
             int64_t y_stride, ThreadPool& pool, std::vector<uint8_t>& scratch);
 
+// One weight matrix of a group and where its product goes.
+struct MatmulPart {
+    WeightMatrix w;
+    float* y;
+    int64_t y_stride;
+};
+constexpr int kMaxMatmulParts = 4;
+
+// Several products of the same activations (q/k/v, gate/up) in one pass through the pool: the
+// weights must share their type and K; the activations are prepared once. Each Y element has the
+// bits matmul gives it alone (its weight rows are cut into the same panels).
+void matmul_group(const MatmulPart* parts, int n_parts, const float* x, int64_t x_stride, int64_t m,
+                  ThreadPool& pool, std::vector<uint8_t>& scratch);
+
 // The same product by the scalar definitions (prepare_activation_row_reference,
 // dot_row_reference), one thread; tests hold matmul to it bit for bit.
 void matmul_reference(const WeightMatrix& w, const float* x, int64_t x_stride, int64_t m, float* y,
