@@ -69,15 +69,16 @@ int run_mul_mat_group(const Graph& g, int id, ThreadPool& pool, std::vector<uint
     return last;
 }
 
-// Ops on at most this many values run on the calling thread alone. Handing an op to the pool and
-// waiting for its barrier costs ~1.5-2 us (measured: a decode step's ~300 norms, adds, RoPEs and
-// K/V writes took 1.5-2.7 us each, for well under 1 us of work); a 135M-parameter decode step
-// has ~300 of them. Every CPU kernel computes each output element the same way whatever the
-// thread count, so where an op runs never changes its bits.
-constexpr int64_t kInlineValues = 16384;
+// Small ops run on the calling thread alone: those of at most this many values, and those whose
+// kernel has a single unit (row, token) to share out. Handing an op to the pool and waiting for
+// its barrier costs ~1.5-2 us, more than a decode step's norms, adds, RoPEs and K/V writes take
+// (~300 of them per step of a 135M-parameter model). Larger batches keep the pool: three rows
+// of SWIGLU at 1536 measured 5x slower inline than shared. Every CPU kernel computes each output
+// element the same way whatever the thread count, so where an op runs never changes its bits.
+constexpr int64_t kInlineValues = 4096;
 
 // The values an op reads or writes, as a measure of its work: the rows it writes for SET_ROWS
-// (its destination is the whole cache), the row it scans for reductions, else its output.
+// (its destination is the whole cache), the rows it scans for reductions, else its output.
 int64_t op_values(const Graph& g, const Tensor& t) {
     switch (t.op) {
         case Op::SET_ROWS: return g[t.src[1]].nelements();
@@ -86,6 +87,22 @@ int64_t op_values(const Graph& g, const Tensor& t) {
         case Op::SUM: return g[t.src[0]].nelements();
         default: return t.nelements();
     }
+}
+
+// The units an op's kernel (cpu/ops.cpp) splits among threads.
+int64_t op_units(const Graph& g, const Tensor& t) {
+    switch (t.op) {
+        case Op::ROPE: return t.ne[2];  // tokens
+        case Op::SET_ROWS: return g[t.src[1]].nrows();
+        case Op::ARGMAX:
+        case Op::TOP_K: return g[t.src[0]].nrows();
+        case Op::SUM: return 1;
+        default: return t.nrows();
+    }
+}
+
+bool run_inline(const Graph& g, const Tensor& t) {
+    return t.op != Op::ATTENTION && (op_values(g, t) <= kInlineValues || op_units(g, t) == 1);
 }
 
 }  // namespace
@@ -139,7 +156,7 @@ void CpuBackend::compute(Graph& graph) {
         int last = id;
         if (op == Op::MUL_MAT) {
             last = run_mul_mat_group(graph, id, *pool_, matmul_scratch_);
-        } else if (op != Op::ATTENTION && op_values(graph, graph[id]) <= kInlineValues) {
+        } else if (run_inline(graph, graph[id])) {
             run_cpu_op(graph, id, 0, 1, scratch_[0]);
         } else {
             const Graph& g = graph;
