@@ -327,8 +327,8 @@ private:
     }
 
     // The MUL_MAT at id and the next ones (up to kMaxMatmulParts) that read the same activations
-    // with weights of the same type and K, with nothing but leaves and views between them (q/k/v,
-    // gate/up), as one launch. Running them early is safe: no node computes between them, so no
+    // with weights of the same type and K (matmuls_sharing_activations: q/k/v, gate/up), as one
+    // launch. Running them early is safe: no node computes between them, so no
     // tensor dies there whose memory a later member's output could have been planned into; and
     // member outputs that overlap the activations or each other (never planned so) end the
     // group. Returns the last node run.
@@ -336,19 +336,13 @@ private:
         const Tensor& t0 = g[id];
         const Tensor& w0 = g[t0.src[0]];
         const Tensor& x = g[t0.src[1]];
-        std::vector<int> members{id};
-        for (int j = id + 1; j < g.size() && static_cast<int>(members.size()) < cuda::kMaxMatmulParts; ++j) {
-            const Tensor& t = g[j];
-            if (t.op == Op::NONE || t.op == Op::VIEW) continue;
-            if (t.op != Op::MUL_MAT || t.src[1] != t0.src[1]) break;
-            const Tensor& w = g[t.src[0]];
-            if (w.dtype != w0.dtype || w.ne[0] != w0.ne[0]) break;
-            members.push_back(j);
-        }
+        int members[cuda::kMaxMatmulParts];
+        const int n_members = matmuls_sharing_activations(g, id, members, cuda::kMaxMatmulParts);
         std::vector<cuda::MatmulPart> parts;
         std::vector<Span> spans{span(g, t0.src[1])};
         int last = id;
-        for (int j : members) {
+        for (int m = 0; m < n_members; ++m) {
+            const int j = members[m];
             const cuda::MatmulPart part = matmul_part(g, j);
             const char* b = reinterpret_cast<const char*>(part.y);
             const char* e = b + g[j].nbytes();

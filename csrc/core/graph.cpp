@@ -227,4 +227,19 @@ int Graph::top_k(int a, int k) {
 
 int Graph::sum(int a) { return add_node(Op::SUM, DType::F32, {1, 1, 1, 1}, {a}); }
 
+int matmuls_sharing_activations(const Graph& g, int id, int* out, int max_parts) {
+    const Tensor& t0 = g[id];
+    const Tensor& w0 = g[t0.src[0]];
+    int n = 0;
+    for (int j = id; j < g.size() && n < max_parts; ++j) {
+        const Tensor& t = g[j];
+        if (t.op == Op::NONE || t.op == Op::VIEW) continue;
+        if (t.op != Op::MUL_MAT || t.src[1] != t0.src[1]) break;
+        const Tensor& w = g[t.src[0]];
+        if (w.dtype != w0.dtype || w.ne[0] != w0.ne[0]) break;
+        out[n++] = j;
+    }
+    return n;
+}
+
 }  // namespace pyspec

@@ -137,4 +137,11 @@ private:
 
 std::array<size_t, kMaxDims> contiguous_strides(DType dtype, const Shape& ne);
 
+// The MUL_MAT at id and the ones right after it (only leaves and views between) that multiply
+// the same activations by weights of the same type and K (q/k/v, gate/up): what a backend may
+// run as one grouped product. Writes up to max_parts node ids to out and returns how many. A
+// backend still checks the members' memory (their outputs against the activations and each
+// other) before running them together.
+int matmuls_sharing_activations(const Graph& g, int id, int* out, int max_parts);
+
 }  // namespace pyspec

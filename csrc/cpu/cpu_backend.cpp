@@ -42,28 +42,24 @@ bool bytes_overlap(const Tensor& a, const Tensor& b) {
     return pa < pb + b.nbytes() && pb < pa + a.nbytes();
 }
 
-// The MUL_MAT at id and the ones right after it (only leaves and views between) that read the
-// same activations with weights of the same type and K: q/k/v, gate/up. They run as one
-// matmul_group (one pass through the pool, activations prepared once). Running the later ones
-// early is safe: no node computes in between, and a member whose output overlaps the activations
-// or an earlier member's output (never planned so) ends the group. Returns the last node run.
+// The MUL_MAT at id and those that share its activations (matmuls_sharing_activations: q/k/v,
+// gate/up) as one matmul_group (one pass through the pool, activations prepared once). Running
+// the later ones early is safe: no node computes in between, and a member whose output overlaps
+// the activations or an earlier member's output (never planned so) ends the group. Returns the
+// last node run.
 int run_mul_mat_group(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>& scratch) {
-    const Tensor& t0 = g[id];
-    const Tensor& x = g[t0.src[1]];
-    const Tensor& w0 = g[t0.src[0]];
+    const Tensor& x = g[g[id].src[1]];
+    int members[kMaxMatmulParts];
+    const int n_members = matmuls_sharing_activations(g, id, members, kMaxMatmulParts);
     MatmulPart parts[kMaxMatmulParts];
     int n = 0, last = id;
-    for (int j = id; j < g.size() && n < kMaxMatmulParts; ++j) {
-        const Tensor& t = g[j];
-        if (t.op == Op::NONE || t.op == Op::VIEW) continue;
-        if (t.op != Op::MUL_MAT || t.src[1] != t0.src[1]) break;
-        const Tensor& w = g[t.src[0]];
-        if (w.dtype != w0.dtype || w.ne[0] != w0.ne[0]) break;
-        bool clash = j != id && bytes_overlap(t, x);
-        for (int i = id; i < j && !clash; ++i) clash = g[i].op == Op::MUL_MAT && bytes_overlap(t, g[i]);
+    for (int m = 0; m < n_members; ++m) {
+        const Tensor& t = g[members[m]];
+        bool clash = m > 0 && bytes_overlap(t, x);
+        for (int i = 0; i < m && !clash; ++i) clash = bytes_overlap(t, g[members[i]]);
         if (clash) break;
-        parts[n++] = matmul_part(g, j);
-        last = j;
+        parts[n++] = matmul_part(g, members[m]);
+        last = members[m];
     }
     matmul_group(parts, n, x.as<float>(), static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], pool, scratch);
     return last;

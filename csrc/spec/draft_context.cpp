@@ -33,6 +33,16 @@ void softmax_scatter(const float* z, size_t vd, const std::vector<int32_t>& d2t,
     }
 }
 
+// Rows of draft-vocabulary logits [n_rows, vd] as target-vocabulary rows [n_rows, v]: each
+// value at its target id d2t[d], -inf elsewhere.
+void scatter_draft_rows(const float* src, size_t n_rows, size_t vd, const std::vector<int32_t>& d2t, size_t v,
+                        std::vector<float>& out) {
+    out.assign(n_rows * v, -std::numeric_limits<float>::infinity());
+    for (size_t r = 0; r < n_rows; ++r) {
+        for (size_t d = 0; d < vd; ++d) out[r * v + static_cast<size_t>(d2t[d])] = src[r * vd + d];
+    }
+}
+
 }  // namespace
 
 DraftContext::DraftContext(const DraftModel& model, const DraftContextParams& params)
@@ -311,10 +321,7 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     if (need_logits && bg.chain_draft_ids) {  // over draft ids: scattered here, -inf elsewhere
         std::vector<float> draft(n_rows * vd);
         backend_->read(g[bg.final_logits], draft.data(), draft.size() * sizeof(float));
-        all_logits.assign(n_rows * v, -std::numeric_limits<float>::infinity());
-        for (size_t r = 0; r < n_rows; ++r) {
-            for (size_t d = 0; d < vd; ++d) all_logits[r * v + static_cast<size_t>(model_.d2t[d])] = draft[r * vd + d];
-        }
+        scatter_draft_rows(draft.data(), n_rows, vd, model_.d2t, v, all_logits);
     } else if (need_logits) {
         all_logits.resize(n_rows * v);
         backend_->read(g[bg.final_logits], all_logits.data(), all_logits.size() * sizeof(float));
@@ -378,10 +385,7 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
             if (model_.d2t.empty()) {
                 out.base_logits.assign(bd, bd + blk * vd);
             } else {
-                out.base_logits.assign(blk * v, -std::numeric_limits<float>::infinity());
-                for (size_t r = 0; r < blk; ++r) {
-                    for (size_t d = 0; d < vd; ++d) out.base_logits[r * v + static_cast<size_t>(model_.d2t[d])] = bd[r * vd + d];
-                }
+                scatter_draft_rows(bd, blk, vd, model_.d2t, v, out.base_logits);
             }
         }
         if (out.temperature > 0.0f) out.q.assign(blk * v, 0.0f);
