@@ -67,14 +67,24 @@ void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int6
 // launches they were captured with.
 inline bool matmul_fusion_enabled() { return env_switch("PYSPEC_CUDA_FUSE") != 0; }
 
-// MUL_MAT on tensor cores (cuda/matmul_tc.cu), batch-invariant by a fixed per-output mma sequence;
-// launch_matmul uses it for every M when matmul_tc_enabled() (env PYSPEC_CUDA_TC=1, read at each
-// call: a backend's captured CUDA graphs keep the kernel they were captured with) and
-// matmul_tc_supports(wtype, k) (F16/BF16 with K % 8 == 0, Q8_0/Q4_0/Q4_1); F32 weights never.
-bool matmul_tc_enabled();
+// MUL_MAT on tensor cores, batch-invariant by a fixed per-output mma sequence (cuda/matmul_tc.cu);
+// launch_matmul_group uses it for every M of a weight when matmul_tc_used(wtype, k): the type is
+// supported (matmul_tc_supports: F16/BF16 with K % 8 == 0, Q8_0/Q4_0/Q4_1; F32 never) and chosen by
+// PYSPEC_CUDA_TC (1: every supported type; 0: none; unset: the default types, see matmul_tc.cu),
+// read at each call (a backend's captured CUDA graphs keep the kernel they were captured with;
+// matmul_tc_setting() is part of their key).
+// Two kernels compute it, with the same bits for every output: the wide one (one part per call)
+// and, for M <= kMatmulTcNarrowMaxM, the narrow one (cuda/matmul_tc_narrow.cu: a deep cp.async
+// pipeline per 16 weight rows, a whole group per launch), which returns false where the rows'
+// alignment does not suit it.
+int matmul_tc_setting();
+bool matmul_tc_used(DType wtype, int64_t k);
 bool matmul_tc_supports(DType wtype, int64_t k);
-void launch_matmul_tc(DType wtype, const void* w, int64_t n_rows, int64_t k, size_t w_row_bytes, const float* x,
-                      int64_t x_stride, int64_t m, float* y, int64_t y_stride, cudaStream_t s);
+constexpr int64_t kMatmulTcNarrowMaxM = 16;
+void launch_matmul_tc_wide(DType wtype, const MatmulPart& part, int64_t k, const float* x, int64_t x_stride,
+                           int64_t m, cudaStream_t s);
+bool launch_matmul_tc_narrow(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
+                             int64_t x_stride, int64_t m, cudaStream_t s);
 
 }  // namespace cuda
 }  // namespace pyspec

@@ -1,6 +1,7 @@
 // MUL_MAT on tensor cores, batch-invariant (design.md invariant 7), behind PYSPEC_CUDA_TC=1 (off by
-// default: launch_matmul keeps the CUDA-core kernels of ops_matmul.cu until a GPU session has
-// validated this path; see matmul_tc_enabled).
+// default: validated on the H200, faster for prefill, slower for decode; see matmul_tc_used). This
+// file is the wide kernel (M > 16, or rows the narrow kernel cannot copy); cuda/matmul_tc_narrow.cu
+// computes the same outputs for M <= 16.
 //
 // What is computed. dst[n, m] = sum_k w[k, n] * x[k, m] with one mma.sync.m16n8k16 family (F32
 // accumulators): the weight rows are the mma's A (rows = n, "row" layout, k contiguous), the
@@ -36,159 +37,17 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/kernels.h"
+#include "cuda/matmul_tc_common.cuh"
 
 namespace pyspec {
 namespace cuda {
 
 namespace {
 
+using namespace tc;
+
 constexpr int kBK = 32;          // k per block tile: two m16n8k16 chunks, in increasing k
 constexpr int kLd = kBK + 8;     // shared-memory row in halves: 80 bytes, ldmatrix conflict-free
-
-// One 8-value weight chunk as loaded from global memory, converted to 8 halves when it is stored
-// to shared memory (after the tile's mmas, so the loads' latency hides behind them).
-// F16/BF16: the 8 halves. Q*: a, b = the 8 quant bytes, c = d (| m << 16 for Q4_1).
-struct WRaw {
-    uint32_t a, b, c, d;
-};
-
-__device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
-    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
-
-__device__ __forceinline__ uint32_t ld8x2(const char* p) {  // 4 bytes at a 2-byte aligned address
-    return pack2(ld16(p), ld16(p + 2));
-}
-
-// Chunk kc8 (values 8 kc8 .. 8 kc8 + 7) of a weight row; !valid (past K) gives zeros.
-template <DType T>
-__device__ __forceinline__ WRaw load_w(const char* row, int64_t kc8, bool valid, bool vec) {
-    WRaw r{0u, 0u, 0u, 0u};
-    if constexpr (T == DType::F16 || T == DType::BF16) {
-        if (!valid) return r;
-        const char* p = row + kc8 * 16;
-        if (vec) {
-            const uint4 v = *reinterpret_cast<const uint4*>(p);
-            r.a = v.x; r.b = v.y; r.c = v.z; r.d = v.w;
-        } else {
-            r.a = ld8x2(p); r.b = ld8x2(p + 4); r.c = ld8x2(p + 8); r.d = ld8x2(p + 12);
-        }
-    } else {
-        (void)valid;  // K is a multiple of 32 for block types: every chunk is inside the row
-        (void)vec;
-        const int64_t b = kc8 >> 2;
-        const int part = static_cast<int>(kc8 & 3);
-        if constexpr (T == DType::Q8_0) {
-            const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ8_0));
-            const char* q = blk + 2 + part * 8;
-            r.a = ld8x2(q); r.b = ld8x2(q + 4); r.c = ld16(blk);
-        } else if constexpr (T == DType::Q4_0) {
-            const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ4_0));
-            const char* q = blk + 2 + (part & 1) * 8;  // values j < 16: low nibbles of qs[j]; j >= 16: high of qs[j - 16]
-            r.a = ld8x2(q); r.b = ld8x2(q + 4); r.c = ld16(blk);
-        } else {  // Q4_1
-            const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ4_1));
-            const char* q = blk + 4 + (part & 1) * 8;
-            r.a = ld8x2(q); r.b = ld8x2(q + 4); r.c = pack2(ld16(blk), ld16(blk + 2));
-        }
-    }
-    return r;
-}
-
-// The 8 halves (F16, or BF16 for BF16 weights) of a chunk; part = kc8 & 3 (which quarter of the
-// 32-value block: Q4 nibble choice).
-template <DType T>
-__device__ __forceinline__ uint4 w_halves(const WRaw& r, int part) {
-    if constexpr (T == DType::F16 || T == DType::BF16) {
-        (void)part;
-        return make_uint4(r.a, r.b, r.c, r.d);
-    } else {
-        const uint32_t bytes[2] = {r.a, r.b};
-        float v[8];
-        if constexpr (T == DType::Q8_0) {
-            (void)part;
-            const float d = h2f(static_cast<uint16_t>(r.c & 0xffffu));
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-                const int8_t q = static_cast<int8_t>((bytes[t >> 2] >> (8 * (t & 3))) & 0xffu);
-                v[t] = static_cast<float>(q) * d;
-            }
-        } else {
-            const float d = h2f(static_cast<uint16_t>(r.c & 0xffffu));
-            const int shift = part < 2 ? 0 : 4;
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-                const int q = static_cast<int>((bytes[t >> 2] >> (8 * (t & 3) + shift)) & 15u);
-                if constexpr (T == DType::Q4_0) {
-                    v[t] = d * static_cast<float>(q - 8);
-                } else {
-                    const float mn = h2f(static_cast<uint16_t>(r.c >> 16));
-                    v[t] = __fmul_rn(d, static_cast<float>(q)) + mn;
-                }
-            }
-        }
-        return make_uint4(pack2(f2h(v[0]), f2h(v[1])), pack2(f2h(v[2]), f2h(v[3])), pack2(f2h(v[4]), f2h(v[5])),
-                          pack2(f2h(v[6]), f2h(v[7])));
-    }
-}
-
-// 4 activations -> 4 halves (BF16 for BF16 weights, F16 otherwise), round to nearest even.
-template <DType T>
-__device__ __forceinline__ uint2 x_halves(const float4 v) {
-    if constexpr (T == DType::BF16) {
-        return make_uint2(pack2(f2bf(v.x), f2bf(v.y)), pack2(f2bf(v.z), f2bf(v.w)));
-    } else {
-        return make_uint2(pack2(f2h(v.x), f2h(v.y)), pack2(f2h(v.z), f2h(v.w)));
-    }
-}
-
-__device__ __forceinline__ float4 load_x4(const float* col, int64_t k0, bool valid, bool vec) {
-    if (!valid) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (vec) return *reinterpret_cast<const float4*>(col + k0);
-    return make_float4(col[k0], col[k0 + 1], col[k0 + 2], col[k0 + 3]);
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(smem_addr(p))
-                 : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(r0), "=r"(r1)
-                 : "r"(smem_addr(p))
-                 : "memory");
-}
-
-// D += A * B, m16n8k16, F32 accumulate; the one instruction every output of every M goes through.
-template <bool kBF16>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if constexpr (kBF16) {
-        asm(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    } else {
-        asm(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-#else
-    (void)d; (void)a; (void)b;
-    __trap();  // built for a GPU without m16n8k16 (sm_80+ only); the host never selects it there
-#endif
-}
 
 // Block tile: BN = WN * TN * 16 weight rows x BM = WM * TM * 8 activation columns x kBK, WN x WM
 // warps, warp (wn, wm) owning TN x TM mma tiles (rows wn * TN * 16 .., columns wm * TM * 8 ..).
@@ -198,7 +57,8 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 template <DType T, int WN, int WM, int TN, int TM>
 __global__ void __launch_bounds__(WN * WM * 32)
     k_mul_mat_tc(const char* __restrict__ w, int64_t n, int64_t k, int64_t rb, bool w_vec, const float* __restrict__ x,
-                 int64_t xs, bool x_vec, int64_t m, float* __restrict__ y, int64_t ys) {
+                 int64_t xs, bool x_vec, int64_t m, float* __restrict__ y, int64_t ys, const float* __restrict__ add,
+                 int64_t as) {
     constexpr int kThreads = WN * WM * 32;
     constexpr int BN = WN * TN * 16, BM = WM * TM * 8;
     constexpr int kWChunks = BN * (kBK / 8), kXChunks = BM * (kBK / 4);
@@ -319,7 +179,7 @@ __global__ void __launch_bounds__(WN * WM * 32)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int64_t r = row + (e >> 1) * 8, c = col + (e & 1);
-                if (r < n && c < m) y[c * ys + r] = acc[i][j][e];
+                if (r < n && c < m) y[c * ys + r] = add ? acc[i][j][e] + add[c * as + r] : acc[i][j][e];
             }
         }
     }
@@ -328,45 +188,41 @@ __global__ void __launch_bounds__(WN * WM * 32)
 // Weight-row tiles on grid.y (at most 65535 per launch), column tiles on grid.x, so the blocks that
 // share a weight tile run next to each other and read it from L2 once.
 template <DType T, int WN, int WM, int TN, int TM>
-void tc_tiles(const char* w, int64_t n, int64_t k, int64_t rb, bool w_vec, const float* x, int64_t xs, bool x_vec,
-              int64_t m, float* y, int64_t ys, cudaStream_t s) {
+void tc_tiles(const MatmulPart& p, int64_t k, bool w_vec, const float* x, int64_t xs, bool x_vec, int64_t m,
+              cudaStream_t s) {
     constexpr int64_t BN = int64_t{WN} * TN * 16, BM = int64_t{WM} * TM * 8;
     constexpr int64_t max_rows = BN * 65535;
     const unsigned gx = grid_for(m, static_cast<int>(BM));
-    for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
-        const int64_t nr = std::min(max_rows, n - r0);
+    const char* w = static_cast<const char*>(p.w);
+    const int64_t rb = static_cast<int64_t>(p.row_bytes);
+    for (int64_t r0 = 0; r0 < p.n_rows; r0 += max_rows) {
+        const int64_t nr = std::min(max_rows, p.n_rows - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + BN - 1) / BN));
-        k_mul_mat_tc<T, WN, WM, TN, TM>
-            <<<grid, WN * WM * 32, 0, s>>>(w + r0 * rb, nr, k, rb, w_vec, x, xs, x_vec, m, y + r0, ys);
+        k_mul_mat_tc<T, WN, WM, TN, TM><<<grid, WN * WM * 32, 0, s>>>(w + r0 * rb, nr, k, rb, w_vec, x, xs, x_vec, m,
+                                                                      p.y + r0, p.y_stride,
+                                                                      p.add ? p.add + r0 : nullptr, p.add_stride);
     }
 }
 
-// Expected speed (estimates, to be measured on the H200): the 128 x 64 shape holds 171-184
-// registers (no spills), 30 KB shared memory, 2 blocks (8 warps) per SM; mma.sync peaks near
-// 600-660 TFLOP/s on Hopper (wgmma ~990), and this register-staged, two-stage, one-barrier-per-32-k
-// kernel is expected at ~150-300 TFLOP/s on prefill-sized GEMMs (Qwen3-4B pp512 needs ~240 in
-// MUL_MAT to match llama.cpp's 30.0k t/s). Next steps, all order-preserving: cp.async/TMA 3-4
-// stages with kBK = 64, 128 x 128 tiles of 8 warps, a grid-filling shape for small n (SmolLM2's
-// n = 576 gives only 40 blocks at 128 x 64), wgmma (sm_90a) with one fixed N for every M, and for
-// M <= 8 a deep (8-stage) pipeline of narrow row tiles: the 64 x 8 shape keeps too few bytes in
-// flight to stream weights at HBM speed, so with the switch on, decode (which must take this same
-// path, one path for every M) is expected slower than the CUDA-core matvec until then.
-// Launch shape by batch size: speed only (every shape runs the same per-output mma sequence).
-//   M <= 8   (decode, small verify): 64 x 8 tiles, 4 warps of 16 x 8, more blocks for bandwidth.
+// Speed (H200, 2026-11-29): Qwen3-4B F16 pp512 5048 t/s with this kernel against llama.cpp's 30.0k.
+// The 128 x 64 shape holds 171-184 registers (no spills), 30 KB shared memory, 2 blocks (8 warps)
+// per SM; mma.sync peaks near 600-660 TFLOP/s on Hopper (wgmma ~990). Next steps, all
+// order-preserving: cp.async 3-4 stages with kBK = 64, 128 x 128 tiles of 8 warps, a grid-filling
+// shape for small n (SmolLM2's n = 576 gives only 40 blocks at 128 x 64), wgmma (sm_90a).
+// Launch shape by batch size: speed only (every shape runs the same per-output mma sequence; M <= 16
+// runs cuda/matmul_tc_narrow.cu, the same sequence again).
 //   M <= 32: 128 x 32 tiles, 4 warps of 32 x 32.
 //   larger:  128 x 64 tiles, 4 warps of 64 x 32 (16 mmas per 4 A + 2 B ldmatrix per k-chunk).
 template <DType T>
-void tc_typed(const void* w, int64_t n, int64_t k, int64_t rb, bool w_vec, const float* x, int64_t xs, bool x_vec,
-              int64_t m, float* y, int64_t ys, cudaStream_t s) {
-    const char* wp = static_cast<const char*>(w);
-    if (m <= 8) return tc_tiles<T, 4, 1, 1, 1>(wp, n, k, rb, w_vec, x, xs, x_vec, m, y, ys, s);
-    if (m <= 32) return tc_tiles<T, 4, 1, 2, 4>(wp, n, k, rb, w_vec, x, xs, x_vec, m, y, ys, s);
-    return tc_tiles<T, 2, 2, 4, 4>(wp, n, k, rb, w_vec, x, xs, x_vec, m, y, ys, s);
+void tc_typed(const MatmulPart& p, int64_t k, bool w_vec, const float* x, int64_t xs, bool x_vec, int64_t m,
+              cudaStream_t s) {
+    if (m <= 32) return tc_tiles<T, 4, 1, 2, 4>(p, k, w_vec, x, xs, x_vec, m, s);
+    return tc_tiles<T, 2, 2, 4, 4>(p, k, w_vec, x, xs, x_vec, m, s);
 }
 
 }  // namespace
 
-bool matmul_tc_enabled() { return env_switch("PYSPEC_CUDA_TC") == 1; }
+int matmul_tc_setting() { return env_switch("PYSPEC_CUDA_TC"); }
 
 bool matmul_tc_supports(DType t, int64_t k) {
     switch (t) {
@@ -379,20 +235,29 @@ bool matmul_tc_supports(DType t, int64_t k) {
     }
 }
 
-void launch_matmul_tc(DType t, const void* w, int64_t n, int64_t k, size_t rb, const float* x, int64_t xs, int64_t m,
-                      float* y, int64_t ys, cudaStream_t s) {
-    if (m <= 0 || n <= 0) return;
+// No type by default. Measured on the H200 (2026-11-30, bench_cuda.py, PYSPEC_CUDA_TC=1 against
+// unset): Qwen3-4B F16 pp512 6155 against 2457 t/s, but tg128 147 against 203 and par64 1833
+// against 2100; SmolLM2 Q4_1 tg128 337 against 530. At one row the narrow kernel's warp carries 16
+// rows over all of K in one accumulator chain (30.6 us per Qwen3 MUL_MAT against 18.3 on CUDA
+// cores, which split K 32 ways per row), and a row's order must be the same at every M.
+bool matmul_tc_used(DType t, int64_t k) {
+    if (!matmul_tc_supports(t, k)) return false;
+    return matmul_tc_setting() == 1;
+}
+
+void launch_matmul_tc_wide(DType t, const MatmulPart& p, int64_t k, const float* x, int64_t xs, int64_t m,
+                           cudaStream_t s) {
+    if (m <= 0 || p.n_rows <= 0) return;
     if (!matmul_tc_supports(t, k)) throw std::runtime_error("cuda backend: mul_mat (tensor cores): unsupported type or K");
     // 16-byte loads where aligned; the choice changes how values are loaded, never which values.
     const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
-    const bool w_vec = reinterpret_cast<uintptr_t>(w) % 16 == 0 && rb % 16 == 0;
-    const int64_t rbi = static_cast<int64_t>(rb);
+    const bool w_vec = reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && p.row_bytes % 16 == 0;
     switch (t) {
-        case DType::F16: tc_typed<DType::F16>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
-        case DType::BF16: tc_typed<DType::BF16>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
-        case DType::Q8_0: tc_typed<DType::Q8_0>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
-        case DType::Q4_0: tc_typed<DType::Q4_0>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
-        case DType::Q4_1: tc_typed<DType::Q4_1>(w, n, k, rbi, w_vec, x, xs, x_vec, m, y, ys, s); break;
+        case DType::F16: tc_typed<DType::F16>(p, k, w_vec, x, xs, x_vec, m, s); break;
+        case DType::BF16: tc_typed<DType::BF16>(p, k, w_vec, x, xs, x_vec, m, s); break;
+        case DType::Q8_0: tc_typed<DType::Q8_0>(p, k, w_vec, x, xs, x_vec, m, s); break;
+        case DType::Q4_0: tc_typed<DType::Q4_0>(p, k, w_vec, x, xs, x_vec, m, s); break;
+        case DType::Q4_1: tc_typed<DType::Q4_1>(p, k, w_vec, x, xs, x_vec, m, s); break;
         default: break;
     }
     check_launch("mul_mat (tensor cores)");

@@ -105,18 +105,19 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
             const int64_t j = cell - b0;
             float s = -INFINITY;
             if (j >= 0 && j < span) {
-                const float mj = mrow[j];
-                if (mj != -INFINITY) {
-                    // This cell's V row is read after the chunk's scores: its lines start
-                    // arriving now, behind the K loads, instead of after them (decode is bound
-                    // by these round trips, not by bandwidth). A contiguous row only.
-                    if (kVec) {
-                        const char* vrow = vc.data + cell * vc.nb[1] + col0 * vc.nb[0];
-                        for (int64_t off = 0; off < static_cast<int64_t>(hd) * vc.nb[0]; off += 128) prefetch_l1(vrow + off);
-                    }
-                    const char* krow = kc.data + cell * kc.nb[1] + col0 * kc.nb[0];
-                    s = fmaf(dot_row<T, kVec>(s_q, krow, kc.nb[0], hd), scale, mj);
+                // The K row is read and scored before the mask value is known, so the two loads
+                // overlap instead of following each other (decode is bound by these round trips,
+                // not by bandwidth); a masked cell's score is dropped unused (its cell may hold
+                // anything). This cell's V row is read after the chunk's scores: its lines start
+                // arriving now, behind the K loads. A contiguous row only.
+                if (kVec) {
+                    const char* vrow = vc.data + cell * vc.nb[1] + col0 * vc.nb[0];
+                    for (int64_t off = 0; off < static_cast<int64_t>(hd) * vc.nb[0]; off += 128) prefetch_l1(vrow + off);
                 }
+                const char* krow = kc.data + cell * kc.nb[1] + col0 * kc.nb[0];
+                const float mj = mrow[j];
+                const float dot = dot_row<T, kVec>(s_q, krow, kc.nb[0], hd);
+                if (mj != -INFINITY) s = fmaf(dot, scale, mj);
             }
             const float mc = fmaxf(m, warp_max(s));
             if (mc == -INFINITY) continue;  // nothing unmasked yet (warp-uniform)

@@ -291,44 +291,43 @@ void mul_mat_dispatch(bool vec, const Parts& p, int64_t k, const float* x, int64
 
 }  // namespace
 
-// The residual epilogue lives in k_mul_mat's store; the tensor-core and generic paths have none.
+// The residual epilogue lives in k_mul_mat's store and in both tensor-core kernels' stores; the
+// generic path has none.
 bool matmul_add_epilogue(DType t, int64_t k) {
+    if (matmul_tc_used(t, k)) return true;
     const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
-    return !(matmul_tc_enabled() && matmul_tc_supports(t, k)) && !(float_type && k % 8 != 0) &&
-           k % dtype_block_size(t) == 0;
+    return !(float_type && k % 8 != 0) && k % dtype_block_size(t) == 0;
 }
 
-// Speed: larger M runs on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200) instead of tensor
-// cores. Measured on the H200 (2026-11-29, bench_cuda.py): Qwen3-4B F16 pp512 2243 t/s with these
-// kernels and 5048 with cuda/matmul_tc.cu (mma.sync m16n8k16, a per-output order fixed by K alone,
-// PYSPEC_CUDA_TC=1; its tests pass), against llama.cpp's 30.0k. The tensor-core path is the one
-// to make fast for prefill and batches.
+// Speed: by default every M runs on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200). Measured
+// on the H200 (2026-11-30, bench_cuda.py): Qwen3-4B F16 pp512 2457 t/s here and 6155 on tensor
+// cores (PYSPEC_CUDA_TC=1), against llama.cpp's 30.0k; decode goes the other way (tg128 203 here,
+// 147 there). The tensor-core path is the one to make fast for prefill, batches and decode alike.
 void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
                          int64_t m, cudaStream_t s) {
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
     if (m <= 0) return;
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
     const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
-    // Tensor cores (cuda/matmul_tc.cu), opt-in: its tests pass on the H200 and it speeds up prefill
-    // (pp512 x1.2-2.1), but one row runs 2-4x slower than here. Chosen by the weight type and K
-    // only, never by M, so every batch size of a weight takes the same path. A group runs
-    // there part by part (the order inside an output is the same either way).
-    const bool tc = matmul_tc_enabled() && matmul_tc_supports(t, k);
-    if (tc || (float_type && k % 8 != 0)) {
+    // Tensor cores: chosen by the weight type and K only, never by M, so every batch size of a
+    // weight takes the same computation; narrow batches run it on the narrow kernel (a whole group
+    // per launch), the rest part by part on the wide one (the same bits either way).
+    if (matmul_tc_used(t, k)) {
+        if (m <= kMatmulTcNarrowMaxM && launch_matmul_tc_narrow(t, parts, n_parts, k, x, xs, m, s)) return;
+        for (int j = 0; j < n_parts; ++j) launch_matmul_tc_wide(t, parts[j], k, x, xs, m, s);
+        return;
+    }
+    if (float_type && k % 8 != 0) {
         for (int j = 0; j < n_parts; ++j) {
             if (parts[j].add) throw std::logic_error("cuda backend: mul_mat: an add epilogue on a path without one");
         }
         for (int j = 0; j < n_parts; ++j) {
             const MatmulPart& q = parts[j];
             if (q.n_rows <= 0) continue;
-            if (tc) {
-                launch_matmul_tc(t, q.w, q.n_rows, k, q.row_bytes, x, xs, m, q.y, q.y_stride, s);
-            } else {
-                k_mul_mat_generic<<<grid_for(q.n_rows, kWarps), kWarps * 32, 0, s>>>(
-                    t, static_cast<const char*>(q.w), q.n_rows, k, static_cast<int64_t>(q.row_bytes), x, xs, m, q.y,
-                    q.y_stride);
-                check_launch("mul_mat");
-            }
+            k_mul_mat_generic<<<grid_for(q.n_rows, kWarps), kWarps * 32, 0, s>>>(
+                t, static_cast<const char*>(q.w), q.n_rows, k, static_cast<int64_t>(q.row_bytes), x, xs, m, q.y,
+                q.y_stride);
+            check_launch("mul_mat");
         }
         return;
     }

@@ -30,6 +30,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     nofuse) envs=(PYSPEC_CUDA_FUSE=0) ;;
     notiled) envs=(PYSPEC_CUDA_ATT_TILED=0) ;;
     tc) envs=(PYSPEC_CUDA_TC=1) ;;
+    cores) envs=(PYSPEC_CUDA_TC=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -40,12 +41,12 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   for mode in ${BENCH_MODES:-plain tc}; do
     envs=()
     only=tg128,pp512,par64
-    # the tensor-core MUL_MAT is for prefill and batches (it is slow at one row)
     prof=--profile
-    [ $mode = tc ] && envs=(PYSPEC_CUDA_TC=1) && only=pp512,par64 && prof=
+    [ $mode = tc ] && envs=(PYSPEC_CUDA_TC=1)
+    [ $mode = cores ] && envs=(PYSPEC_CUDA_TC=0)
     # without the row-tiled attention for batches (pp, par64; the same bits as the per-row kernel)
     [ $mode = notiled ] && envs=(PYSPEC_CUDA_ATT_TILED=0) && only=pp512,par64 && prof=
-    timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats 2 --only $only \
+    timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats ${REPEATS:-2} --only $only \
       $prof --json "$out/bench-$mode.json" > "$out/bench-$mode.log" 2>&1
     echo "bench ($mode):"
     sed -n '/^pyspec (CUDA) vs/,$p' "$out/bench-$mode.log"
@@ -61,7 +62,7 @@ if [ -n "${SPEC_BENCH:-}" ]; then
 fi
 if [ -n "${KERNEL_TIMES:-}" ]; then
   for m in /tmp/pyspec-models/smollm2-135m-q4_1.gguf /tmp/pyspec-models/qwen3-4b-f16.gguf; do
-    for step in decode par64 pp512; do
+    for step in ${KT_STEPS:-decode par64 pp512}; do
       timeout 120 python3 tools/device/kernel_times.py "$m" --step $step --top 12 2>&1 | tee -a "$out/kernel-times.log"
     done
   done
