@@ -77,16 +77,15 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// Shared memory of one block: ns stages, each the 16 rows' raw bytes (a row's pitch of SB + 16
+// Shared memory of one block: kStages stages, each the 16 rows' raw bytes (a row's pitch of SB + 16
 // keeps 16-byte alignment and puts the 8 rows of an ldmatrix on distinct banks) and the m
 // activation columns' SK floats.
 template <DType T>
 constexpr int w_pitch() { return stage_bytes<T>() + 16; }
 template <DType T>
-size_t narrow_smem_bytes(int ns, int64_t m) {
-    return static_cast<size_t>(ns) * (kRows * w_pitch<T>() + static_cast<size_t>(m) * stage_k<T>() * 4);
+size_t narrow_smem_bytes(int64_t m) {
+    return static_cast<size_t>(kStages) * (kRows * w_pitch<T>() + static_cast<size_t>(m) * stage_k<T>() * 4);
 }
-constexpr size_t kMaxBlockSmem = 200 * 1024;  // of the H100/H200's 227 KiB per block
 
 // The A fragment of mma chunk ks of a stage of block-type rows, dequantized straight from the raw
 // blocks: a[0] = row g, chunk columns 2t, 2t + 1; a[1] = row g + 8, same columns; a[2], a[3] = the
@@ -127,8 +126,8 @@ __device__ __forceinline__ void a_from_blocks(uint32_t (&a)[4], const unsigned c
 }
 
 // One block = one warp = 16 rows of one part and NT tiles of 8 activation columns (m <= 8 NT).
-// G: the weight copies' size; XG: the activation copies' size; NS: stages in flight.
-template <DType T, int G, int XG, int NT, int NS>
+// G: the weight copies' size; XG: the activation copies' size.
+template <DType T, int G, int XG, int NT>
 __global__ void __launch_bounds__(32) k_mul_mat_tc_narrow(NarrowParts p, int64_t k, const float* __restrict__ x,
                                                           int64_t xs, int m) {
     constexpr bool kFloat = float_weights<T>();
@@ -138,8 +137,8 @@ __global__ void __launch_bounds__(32) k_mul_mat_tc_narrow(NarrowParts p, int64_t
     constexpr int kXPieces = SK * 4 / XG;  // activation copies per column and stage
     static_assert(SB % G == 0, "a stage is whole copies");
     extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char* wring = smem;                                                  // [NS][kRows][kPitch]
-    float* xring = reinterpret_cast<float*>(smem + NS * kRows * kPitch);    // [NS][m][SK]
+    unsigned char* wring = smem;                                                  // [kStages][kRows][kPitch]
+    float* xring = reinterpret_cast<float*>(smem + kStages * kRows * kPitch);    // [kStages][m][SK]
 
     const int lane = threadIdx.x;
     const int64_t tile = blockIdx.x;
@@ -155,7 +154,7 @@ __global__ void __launch_bounds__(32) k_mul_mat_tc_narrow(NarrowParts p, int64_t
     // Rows past n are clamped to the last (loaded, computed, never stored); k past K is zeros.
     auto issue = [&](int64_t st) {
         if (st < n_stages) {
-            unsigned char* ws = wring + (st % NS) * (kRows * kPitch);
+            unsigned char* ws = wring + (st % kStages) * (kRows * kPitch);
 #pragma unroll
             for (int q = 0; q < kPerLane; ++q) {
                 const int i = lane + 32 * q;
@@ -166,7 +165,7 @@ __global__ void __launch_bounds__(32) k_mul_mat_tc_narrow(NarrowParts p, int64_t
                 const char* src = w + min(n0 + r, n - 1) * rb + (valid ? off : 0);
                 cp_async<G>(ws + r * kPitch + c * G, src, valid);
             }
-            float* xst = xring + (st % NS) * m * SK;
+            float* xst = xring + (st % kStages) * m * SK;
             for (int i = lane; i < m * kXPieces; i += 32) {
                 const int col = i / kXPieces, c = i % kXPieces;
                 const int64_t k0 = st * SK + c * (XG / 4);
@@ -192,13 +191,13 @@ __global__ void __launch_bounds__(32) k_mul_mat_tc_narrow(NarrowParts p, int64_t
     }
 
 #pragma unroll
-    for (int st = 0; st < NS - 1; ++st) issue(st);
+    for (int st = 0; st < kStages - 1; ++st) issue(st);
     for (int64_t st = 0; st < n_stages; ++st) {
-        issue(st + NS - 1);
-        cp_async_wait<NS - 1>();  // this lane's copies of stage st have landed
+        issue(st + kStages - 1);
+        cp_async_wait<kStages - 1>();  // this lane's copies of stage st have landed
         __syncwarp();                  // and every lane's
-        const unsigned char* ws = wring + (st % NS) * (kRows * kPitch);
-        const float* xst = xring + (st % NS) * m * SK;
+        const unsigned char* ws = wring + (st % kStages) * (kRows * kPitch);
+        const float* xst = xring + (st % kStages) * m * SK;
         // All operands of the stage first, then its mma chain: a chunk's loads never wait on the
         // chunk before (the chain of one accumulator is the path a warp cannot shorten). Only the
         // last stage may hold chunks past the wide kernel's count; they are skipped, not added
@@ -253,23 +252,17 @@ __global__ void __launch_bounds__(32) k_mul_mat_tc_narrow(NarrowParts p, int64_t
     }
 }
 
-template <DType T, int G, int XG, int NT, int NS>
-void narrow_launch_ns(const NarrowParts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
-    // Above 48 KiB a kernel must ask for its dynamic shared memory; ask once for the most it takes.
-    static std::once_flag once;
-    std::call_once(once, [] {
-        const size_t most = std::min(kMaxBlockSmem, narrow_smem_bytes<T>(NS, kMatmulTcNarrowMaxM));
-        check(cudaFuncSetAttribute(k_mul_mat_tc_narrow<T, G, XG, NT, NS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(most)),
-              "mul_mat (tensor cores, narrow): cudaFuncSetAttribute");
-    });
-    k_mul_mat_tc_narrow<T, G, XG, NT, NS><<<static_cast<unsigned>(p.tile0[p.np]), 32, narrow_smem_bytes<T>(NS, m), s>>>(
-        p, k, x, xs, static_cast<int>(m));
-}
-
 template <DType T, int G, int XG, int NT>
 void narrow_launch(const NarrowParts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
-    narrow_launch_ns<T, G, XG, NT, kStages>(p, k, x, xs, m, s);
+    // Above 48 KiB a kernel must ask for its dynamic shared memory; ask once for the most (m = 16).
+    static std::once_flag once;
+    std::call_once(once, [] {
+        check(cudaFuncSetAttribute(k_mul_mat_tc_narrow<T, G, XG, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(narrow_smem_bytes<T>(kMatmulTcNarrowMaxM))),
+              "mul_mat (tensor cores, narrow): cudaFuncSetAttribute");
+    });
+    k_mul_mat_tc_narrow<T, G, XG, NT><<<static_cast<unsigned>(p.tile0[p.np]), 32, narrow_smem_bytes<T>(m), s>>>(
+        p, k, x, xs, static_cast<int>(m));
 }
 
 template <DType T, int G>
