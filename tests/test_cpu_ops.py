@@ -207,6 +207,44 @@ def test_attention_matches_numpy(pattern, heads, cache_dtype):
     assert np.array_equal(got, attention_run(q, k, v, mask, base, n_kv, scale, cache_dtype, n_threads=2))
 
 
+@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 9, 3), (64, 8, 2), (64, 16, 2), (128, 8, 2), (128, 6, 2), (32, 4, 2)])
+@pytest.mark.parametrize("cache_dtype", ["F16", "F32"])
+def test_attention_value_sum_is_the_axpy_chain(hd, n_head, n_kv, cache_dtype):
+    """The output is sum over the unmasked cells, in ascending order, of p * V row as axpy_f32's fma
+    chain from +0, bit for bit, whatever grouping of heads the kernel keeps in registers (head dims
+    64 and 128 take the register path, 32 the row-by-row one). The probabilities p are read back
+    from the op itself: with one-hot V rows (cell v's row is the unit vector e_v) each output
+    element is one probability exactly; the same q, K and mask with random V then must give the
+    chain over those p."""
+    rng = np.random.default_rng(hd + n_head)
+    n_rows, n_cells = 2, min(40, hd)   # one unit vector per cell
+    span = n_cells
+    q = rng.standard_normal((n_rows, n_head, hd)).astype(np.float32)
+    k = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float32)
+    mask = np.zeros((n_rows, span), np.float32)
+    mask[0, 5:9] = NEG_INF                     # a gap splits the unmasked cells into two runs
+    mask[1, ::3] = NEG_INF
+    mask[1, 1] = -2.5
+    base = np.zeros(n_rows, np.int32)
+    onehot = np.zeros((n_cells, n_kv * hd), np.float32)
+    for c in range(n_cells):
+        for g in range(n_kv):
+            onehot[c, g * hd + c] = 1.0
+    v = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float32)
+    store = (lambda a: a.astype(np.float16)) if cache_dtype == "F16" else (lambda a: a)
+    probs = attention_run(q, store(k), store(onehot), mask, base, n_kv, 0.125, cache_dtype)
+    got = attention_run(q, store(k), store(v), mask, base, n_kv, 0.125, cache_dtype)
+    v32 = store(v).astype(np.float32)
+    rep = n_head // n_kv
+    for r in range(n_rows):
+        for h in range(n_head):
+            g = h // rep
+            want = np.zeros(hd, np.float32)
+            for c in np.flatnonzero(mask[r] != NEG_INF):
+                want = core.kernels.axpy_f32(float(probs[r, h, c]), v32[c, g * hd:(g + 1) * hd], want)
+            assert np.array_equal(got[r, h], want), (r, h)
+
+
 def test_attention_block_mask_differs_from_causal():
     # Negative control for the mask: the first row of a block sees later block cells only under
     # the block mask, so the two results must differ there and agree on the last row.

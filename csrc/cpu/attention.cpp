@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "core/thread_pool.h"
+#include "cpu/kernel_internal.h"
 #include "cpu/quants.h"
 #include "cpu/vec_math.h"
 
@@ -39,6 +40,64 @@ inline void load_row(const Tensor& c, int64_t cell, int64_t col0, int64_t n, flo
     } else {
         std::copy_n(reinterpret_cast<const float*>(p), n, out);
     }
+}
+
+// out[h] = sum over the unmasked cells v, ascending, of p[h][v] * V[v]: the fma chain axpy_f32
+// runs per element (from +0, y = fma(p, v, y)), with NH heads' rows held in registers across the
+// cells instead of loaded and stored per cell, and each V row converted once for them. The same
+// operations on every element in the same order, so the same bits. AVX-512, head_dim 64 or 128;
+// false (nothing done) elsewhere.
+#if PYSPEC_AVX512
+template <int D, int NH>
+void weighted_v_tile(const Tensor& vc, int64_t b0, const int32_t* valid, int64_t n_valid, int64_t col0,
+                     const float* p, int64_t span, float* const* out) {
+    __m512 acc[NH][D];
+    for (int h = 0; h < NH; ++h)
+        for (int d = 0; d < D; ++d) acc[h][d] = _mm512_setzero_ps();
+    const bool f16 = vc.dtype == DType::F16;
+    for (int64_t v = 0; v < n_valid; ++v) {
+        if (v + kPrefetchCells < n_valid) prefetch_row(vc, b0 + valid[v + kPrefetchCells], col0, 16 * D);
+        const char* row = cache_row(vc, b0 + valid[v], col0);
+        __m512 x[D];
+        for (int d = 0; d < D; ++d) {
+            x[d] = f16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row) + d))
+                       : _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * d);
+        }
+        for (int h = 0; h < NH; ++h) {
+            const __m512 a = _mm512_set1_ps(p[h * span + v]);
+            for (int d = 0; d < D; ++d) acc[h][d] = _mm512_fmadd_ps(a, x[d], acc[h][d]);
+        }
+    }
+    for (int h = 0; h < NH; ++h)
+        for (int d = 0; d < D; ++d) _mm512_storeu_ps(out[h] + 16 * d, acc[h][d]);
+}
+
+template <int D, int NH>
+void weighted_v_heads(const Tensor& vc, int64_t b0, const int32_t* valid, int64_t n_valid, int64_t col0,
+                      const float* p, int64_t span, float* const* out, int64_t n_heads) {
+    int64_t h = 0;
+    for (; h + NH <= n_heads; h += NH) weighted_v_tile<D, NH>(vc, b0, valid, n_valid, col0, p + h * span, span, out + h);
+    for (; h < n_heads; ++h) weighted_v_tile<D, 1>(vc, b0, valid, n_valid, col0, p + h * span, span, out + h);
+}
+#endif
+
+bool weighted_v_sums(const Tensor& vc, int64_t b0, const int32_t* valid, int64_t n_valid, int64_t col0, int64_t hd,
+                     const float* p, int64_t span, float* const* out, int64_t n_heads) {
+#if PYSPEC_AVX512
+    if (hd == 64) {  // 4 heads: 16 accumulators and 4 row registers
+        if (n_heads % 4 == 0 || n_heads > 4) weighted_v_heads<4, 4>(vc, b0, valid, n_valid, col0, p, span, out, n_heads);
+        else if (n_heads == 3) weighted_v_tile<4, 3>(vc, b0, valid, n_valid, col0, p, span, out);
+        else weighted_v_heads<4, 2>(vc, b0, valid, n_valid, col0, p, span, out, n_heads);
+        return true;
+    }
+    if (hd == 128) {  // 2 heads: 16 accumulators and 8 row registers
+        weighted_v_heads<8, 2>(vc, b0, valid, n_valid, col0, p, span, out, n_heads);
+        return true;
+    }
+#else
+    (void)vc, (void)b0, (void)valid, (void)n_valid, (void)col0, (void)hd, (void)p, (void)span, (void)out, (void)n_heads;
+#endif
+    return false;
 }
 
 }  // namespace
@@ -81,22 +140,37 @@ void attention_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         }
         const float* qh[64];
         float* oh[64];
+        const size_t q_head_stride = static_cast<size_t>(q.nb[1]) / sizeof(float);  // the group's heads, in floats
         if (n_rep > 64) throw std::logic_error("attention: more than 64 query heads per kv head");
         for (int64_t hr = 0; hr < n_rep; ++hr) {
             const int64_t h = kvh * n_rep + hr;
             qh[hr] = reinterpret_cast<const float*>(static_cast<const char*>(q.data) + h * q.nb[1] + r * q.nb[2]);
             oh[hr] = reinterpret_cast<float*>(static_cast<char*>(dst.data) + h * dst.nb[1] + r * dst.nb[2]);
         }
-        for (int64_t v = 0; v < n_valid; ++v) {
-            const int64_t j = valid[v];
-            if (v + kPrefetchCells < n_valid) prefetch_row(kc, base[r] + valid[v + kPrefetchCells], kvh * hd, hd);
-            load_row(kc, base[r] + j, kvh * hd, hd, row);
-            for (int64_t hr = 0; hr < n_rep; ++hr) scores[hr * span + v] = dot_f32(row, qh[hr], hd) * scale + mrow[j];
+        // Scores: each run of consecutive unmasked cells against the group's query heads as one
+        // float_dot_rows call (K rows as the weights, converted in registers; the query heads
+        // as the activations), which gives every (cell, head) the bits of dot_f32 on the
+        // converted row: the same 32-lane fma order whatever the tile.
+        for (int64_t v = 0; v < n_valid;) {
+            int64_t run = 1;
+            while (v + run < n_valid && valid[v + run] == valid[v] + run) ++run;
+            const uint8_t* k0 = reinterpret_cast<const uint8_t*>(cache_row(kc, base[r] + valid[v], kvh * hd));
+            if (kc.dtype == DType::F16) {
+                float_dot_rows<DType::F16>(k0, kc.nb[1], run, qh[0], q_head_stride, n_rep, hd, scores + v, span);
+            } else {
+                float_dot_rows<DType::F32>(k0, kc.nb[1], run, qh[0], q_head_stride, n_rep, hd, scores + v, span);
+            }
+            v += run;
+        }
+        for (int64_t hr = 0; hr < n_rep; ++hr) {
+            float* sc = scores + hr * span;
+            for (int64_t v = 0; v < n_valid; ++v) sc[v] = sc[v] * scale + mrow[valid[v]];
         }
         for (int64_t hr = 0; hr < n_rep; ++hr) {
             vec::softmax(scores + hr * span, n_valid);
             std::fill(oh[hr], oh[hr] + hd, 0.0f);
         }
+        if (weighted_v_sums(vc, base[r], valid, n_valid, kvh * hd, hd, scores, span, oh, n_rep)) continue;
         for (int64_t v = 0; v < n_valid; ++v) {
             if (v + kPrefetchCells < n_valid) prefetch_row(vc, base[r] + valid[v + kPrefetchCells], kvh * hd, hd);
             load_row(vc, base[r] + valid[v], kvh * hd, hd, row);
