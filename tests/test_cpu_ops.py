@@ -422,34 +422,6 @@ def test_rope_with_frequency_factors(mode):
     assert np.abs(got - rope_ref(x, pos, n_rot, mode, 10000.0, 1.0)).max() > 0.1  # factors matter
 
 
-@pytest.mark.parametrize("n_threads", [1, 2])
-def test_rope_tables_are_reused_only_for_equal_positions_and_parameters(n_threads):
-    """A thread keeps RoPE's cos/sin table from one ROPE op to the next (a graph's q and k of every
-    layer share it). Ops that differ in base, factor values or positions, one after another in a
-    graph, each still match the reference: a reused table is never stale."""
-    rng = np.random.default_rng(3)
-    hd, n_head, n_rows, n_rot = 32, 2, 5, 32
-    x = rng.standard_normal((n_rows, n_head, hd)).astype(np.float32)
-    factors = rng.uniform(1.0, 8.0, n_rot // 2).astype(np.float32)
-    pos1 = np.array([3, 4, 5, 6, 7], np.int32)
-    pos2 = np.array([3, 4, 5, 6, 8], np.int32)  # one position differs
-    variants = [(10000.0, None, 1), (500000.0, None, 1), (10000.0, factors, 1), (10000.0, None, 1),
-                (10000.0, None, 2), (10000.0, factors * 2, 2), (10000.0, factors, 2), (10000.0, None, 1)]
-    g = core.Graph()
-    tx = g.input("F32", [hd, n_head, n_rows], "x")
-    tp = {1: g.input("I32", [n_rows], "pos1"), 2: g.input("I32", [n_rows], "pos2")}
-    tf1 = g.external("F32", [n_rot // 2], "f1")
-    tf2 = g.external("F32", [n_rot // 2], "f2")
-    outs = []
-    for base, f, p in variants:
-        srcs = [tx, tp[p]] + ([] if f is None else [tf1 if f is factors else tf2])
-        outs.append(node(g, "ROPE", "F32", [hd, n_head, n_rows], srcs, [n_rot, 0], [base, 1.0]))
-    got = run(g, {tx: x, tp[1]: pos1, tp[2]: pos2, tf1: factors, tf2: factors * 2}, outs, n_threads=n_threads)
-    for (base, f, p), y in zip(variants, got):
-        want = rope_ref(x, pos1 if p == 1 else pos2, n_rot, 0, base, 1.0, f)
-        np.testing.assert_allclose(y.reshape(n_rows, n_head, hd), want, rtol=1e-5, atol=1e-5)
-
-
 def test_rope_modes_rotate_different_pairs():
     # Negative control: with n_rot < hd the two modes must disagree (a swapped mode would pass a
     # test that only ran one of them against a reference with the same swap).

@@ -126,52 +126,29 @@ void op_silu(const Graph& g, int id, int ith, int nth, bool gated) {
 
 // Rotary embedding. Angles are computed in double from the position so that they do not
 // depend on how a position's angle was reached (no recurrences across rows).
-const RopeAngles& rope_angles(KernelScratch& s, const int32_t* pos, int64_t n_pos, int n_rot, double base,
-                              double fscale, const float* factors) {
-    const int half = n_rot / 2;
-    for (const RopeAngles& a : s.rope) {
-        if (a.n_rot == n_rot && a.base == base && a.fscale == fscale && static_cast<int64_t>(a.pos.size()) == n_pos &&
-            std::equal(a.pos.begin(), a.pos.end(), pos) && a.factors.empty() == (factors == nullptr) &&
-            (!factors || std::equal(a.factors.begin(), a.factors.end(), factors))) {
-            return a;
-        }
-    }
-    RopeAngles& a = s.rope[s.rope_next];
-    s.rope_next = (s.rope_next + 1) % 2;
-    a.n_rot = n_rot;
-    a.base = base;
-    a.fscale = fscale;
-    a.factors.assign(factors, factors ? factors + half : factors);
-    a.pos.assign(pos, pos + n_pos);
-    a.cs_sn.resize(static_cast<size_t>(n_pos) * static_cast<size_t>(n_rot));
-    for (int64_t t = 0; t < n_pos; ++t) {
-        float* cs = a.cs_sn.data() + t * n_rot;
-        for (int i = 0; i < half; ++i) {
-            double theta = fscale * pos[t] * std::pow(base, -2.0 * i / n_rot);
-            if (factors) theta /= factors[i];
-            cs[i] = static_cast<float>(std::cos(theta));
-            cs[half + i] = static_cast<float>(std::sin(theta));
-        }
-    }
-    return a;
-}
-
 void op_rope(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     const Tensor& dst = g[id];
     const Tensor& x = g[dst.src[0]];
     const int32_t* pos = g[dst.src[1]].as<int32_t>();
     const int n_rot = dst.iparams[0];
     const bool neox = dst.iparams[1] == 2;
+    const double base = dst.fparams[0];
+    const double fscale = dst.fparams[1];
     const float* factors = dst.src[2] >= 0 ? g[dst.src[2]].as<float>() : nullptr;
     const int64_t hd = x.ne[0];
     const int half = n_rot / 2;
+    s.f.resize(static_cast<size_t>(2 * half));
+    float* cs = s.f.data();
+    float* sn = cs + half;
     int64_t t0, t1;
     split_range(x.ne[2], ith, nth, t0, t1);
-    if (t0 >= t1) return;
-    const RopeAngles& angles = rope_angles(s, pos + t0, t1 - t0, n_rot, dst.fparams[0], dst.fparams[1], factors);
     for (int64_t t = t0; t < t1; ++t) {
-        const float* cs = angles.cs_sn.data() + (t - t0) * n_rot;
-        const float* sn = cs + half;
+        for (int i = 0; i < half; ++i) {
+            double theta = fscale * pos[t] * std::pow(base, -2.0 * i / n_rot);
+            if (factors) theta /= factors[i];
+            cs[i] = static_cast<float>(std::cos(theta));
+            sn[i] = static_cast<float>(std::sin(theta));
+        }
         for (int64_t h = 0; h < x.ne[1]; ++h) {
             const float* xr = frow(x, t * x.ne[1] + h);
             float* yr = frow(dst, t * x.ne[1] + h);
