@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -44,15 +45,20 @@ int checked_draft_count(const ProbRows& p, const ProbRows* q, const int32_t* dra
 }
 
 void check_prob_row(const float* row, int64_t n, const char* what, int64_t index, bool need_mass) {
-    double sum = 0.0;
+    // Entries finite and >= 0 have mass iff one is positive; flags rather than a running sum keep
+    // the scan free of a chain from entry to entry (a 49k-entry row is checked every round).
+    bool bad = false, mass = false;
     for (int64_t t = 0; t < n; ++t) {
+        bad |= !(row[t] >= 0.0f && row[t] <= std::numeric_limits<float>::max());
+        mass |= row[t] > 0.0f;
+    }
+    for (int64_t t = 0; bad && t < n; ++t) {
         if (!(row[t] >= 0.0f) || !std::isfinite(row[t]))
             throw std::invalid_argument(std::string(what) + " row " + std::to_string(index) + " has entry " +
                                         std::to_string(row[t]) + " at token " + std::to_string(t) +
                                         "; probabilities must be finite and >= 0");
-        sum += row[t];
     }
-    if (need_mass && !(sum > 0.0))
+    if (need_mass && !mass)
         throw std::invalid_argument(std::string(what) + " row " + std::to_string(index) + " has no probability mass");
 }
 
@@ -69,14 +75,24 @@ int32_t sample_weights(const float* p, const float* q, double scale, int64_t n, 
     int32_t best = -1;
     double best_val = 0.0;
     for (int64_t base = 0; base < n; base += 4) {
-        const PhiloxCounter block = noise_block(key, static_cast<uint32_t>(base >> 2));
-        for (int64_t j = 0; j < 4 && base + j < n; ++j) {
+        // Token t's noise is word t % 4 of block t / 4, drawn only for blocks with a positive
+        // weight (with top-k 40, 10-40 blocks of a 49k-entry row's 12k): the same values where
+        // they are used.
+        const int m = static_cast<int>(std::min<int64_t>(4, n - base));
+        double w[4];
+        bool any = false;
+        for (int j = 0; j < m; ++j) {
             const int64_t t = base + j;
-            const double w = q ? scale * p[t] - q[t] : static_cast<double>(p[t]);
-            if (!(w > 0.0)) continue;
-            const double val = w / -std::log(static_cast<double>(u01_open(block[j])));
+            w[j] = q ? scale * p[t] - q[t] : static_cast<double>(p[t]);
+            any |= w[j] > 0.0;
+        }
+        if (!any) continue;
+        const PhiloxCounter block = noise_block(key, static_cast<uint32_t>(base >> 2));
+        for (int j = 0; j < m; ++j) {
+            if (!(w[j] > 0.0)) continue;
+            const double val = w[j] / -std::log(static_cast<double>(u01_open(block[j])));
             if (best < 0 || val > best_val) {
-                best = static_cast<int32_t>(t);
+                best = static_cast<int32_t>(base + j);
                 best_val = val;
             }
         }
@@ -144,6 +160,39 @@ BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* 
 
 }  // namespace
 
+namespace {
+
+// Ids that contain the k best of z (any order): the entries >= the k-th largest of the maxima of
+// 256-entry chunks, which k distinct entries reach, so everything below it is outside the k best.
+// A 49k-entry row keeps a few hundred, and sorting those instead of the whole row is what makes
+// a sampled token's law cheap (llama-server's default top-k 40). All ids when k >= n or the row
+// has fewer than k chunks.
+std::vector<int32_t> top_k_superset(const double* z, int64_t n, int64_t k) {
+    constexpr int64_t kChunk = 256;
+    const int64_t n_chunks = (n + kChunk - 1) / kChunk;
+    std::vector<int32_t> ids;
+    if (k < n && k >= 1 && n_chunks >= k) {
+        std::vector<double> cmax(static_cast<size_t>(n_chunks));
+        for (int64_t c = 0; c < n_chunks; ++c) {
+            const int64_t end = std::min(n, (c + 1) * kChunk);
+            double m = z[c * kChunk];
+            for (int64_t v = c * kChunk + 1; v < end; ++v) m = std::max(m, z[v]);
+            cmax[static_cast<size_t>(c)] = m;
+        }
+        std::nth_element(cmax.begin(), cmax.begin() + (k - 1), cmax.end(), std::greater<double>());
+        const double floor = cmax[static_cast<size_t>(k - 1)];
+        for (int64_t v = 0; v < n; ++v) {
+            if (z[v] >= floor) ids.push_back(static_cast<int32_t>(v));
+        }
+        return ids;
+    }
+    ids.resize(static_cast<size_t>(n));
+    for (int64_t v = 0; v < n; ++v) ids[static_cast<size_t>(v)] = static_cast<int32_t>(v);
+    return ids;
+}
+
+}  // namespace
+
 void processed_candidates(const double* z, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
                           std::vector<int32_t>* ids, std::vector<double>* probs) {
     if (n < 1) throw std::invalid_argument("cannot sample from empty logits");
@@ -151,11 +200,18 @@ void processed_candidates(const double* z, int64_t n, double temperature, int64_
     if (!(min_p >= 0.0 && min_p <= 1.0)) throw std::invalid_argument("min_p must be in [0, 1]");
     ids->clear();
     probs->clear();
-    int64_t best = 0;
+    // The first index of the maximum, as a scan keeping z[v] > z[best] finds it, in two passes
+    // (the maximum, then where it first occurs) that carry no dependency from one entry to the
+    // next: the scan's chain through z[best] cost ~150 us on a 49k-entry row.
+    bool nan = false;
+    double top = z[0];
     for (int64_t v = 0; v < n; ++v) {
-        if (std::isnan(z[v])) throw std::invalid_argument("NaN logit");
-        if (z[v] > z[best]) best = v;
+        nan |= std::isnan(z[v]);
+        top = z[v] > top ? z[v] : top;
     }
+    if (nan) throw std::invalid_argument("NaN logit");
+    int64_t best = 0;
+    while (z[best] != top) ++best;
     if (temperature <= 0.0) {
         ids->push_back(static_cast<int32_t>(best));
         probs->push_back(1.0);
@@ -167,12 +223,11 @@ void processed_candidates(const double* z, int64_t n, double temperature, int64_
         for (int64_t v = 0; v < n; ++v) (*ids)[static_cast<size_t>(v)] = static_cast<int32_t>(v);
     } else {
         auto before = [z](int32_t a, int32_t b) { return z[a] != z[b] ? z[a] > z[b] : a < b; };
-        std::vector<int32_t> order(static_cast<size_t>(n));
-        for (int64_t v = 0; v < n; ++v) order[static_cast<size_t>(v)] = static_cast<int32_t>(v);
+        const int64_t n_k = use_k ? std::min(top_k, n) : n;  // what top-k keeps
+        std::vector<int32_t> order = top_k_superset(z, n, use_k ? n_k : n);
         const double zmax = z[best];
         // Only what can survive is sorted: top-k's k best; min-p's survivors are a prefix of the
         // sorted order (logit >= the best + log(min_p)) whose length needs no sort.
-        const int64_t n_k = use_k ? std::min(top_k, n) : n;  // what top-k keeps
         int64_t limit = n_k;
         if (use_min) {
             const double floor = zmax + std::log(min_p);
@@ -363,13 +418,21 @@ int32_t gumbel_max(const float* logits, int64_t n, float temperature, const Nois
     int32_t best = -1;
     float best_val = 0.0f;
     for (int64_t base = 0; base < n; base += 4) {
+        // The block's noise only where one of its logits is finite (see sample_weights).
+        const int m = static_cast<int>(std::min<int64_t>(4, n - base));
+        bool any = false;
+        for (int j = 0; j < m; ++j) {
+            const float l = logits[base + j];
+            if (std::isnan(l) || l == std::numeric_limits<float>::infinity())
+                throw std::invalid_argument("logit " + std::to_string(l) + " at token " + std::to_string(base + j) +
+                                            "; logits must be finite or -inf");
+            any |= l != -std::numeric_limits<float>::infinity();
+        }
+        if (!any) continue;
         const PhiloxCounter block = noise_block(key, static_cast<uint32_t>(base >> 2));
-        for (int64_t j = 0; j < 4 && base + j < n; ++j) {
+        for (int j = 0; j < m; ++j) {
             const int64_t t = base + j;
             const float l = logits[t];
-            if (std::isnan(l) || l == std::numeric_limits<float>::infinity())
-                throw std::invalid_argument("logit " + std::to_string(l) + " at token " + std::to_string(t) +
-                                            "; logits must be finite or -inf");
             if (l == -std::numeric_limits<float>::infinity()) continue;
             const float z = scaled_logit(l, temperature);
             if (!std::isfinite(z))
