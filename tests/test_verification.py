@@ -805,6 +805,30 @@ def test_no_drafts_draws_the_bonus_from_p():
         assert chi2_pvalue(np.bincount([t[0] for _, t, _ in draws], minlength=3), p[0]) > ALPHA
 
 
+def test_bonus_draw_is_the_exponential_race_over_the_positive_entries():
+    """The bonus token is argmax p(t) / -log u(t) over the tokens with p(t) > 0, u the Target-stream
+    uniforms of the round: exactly, on sparse rows (a sampled law keeps 1-40 of 49k tokens) whose
+    zero runs the sampler skips without drawing their noise. The reference draws every uniform."""
+    rng = np.random.default_rng(8)
+    n = 1000
+    q = np.zeros((0, n), np.float32)
+    for case in range(60):
+        p = np.zeros(n, np.float32)
+        k = int(rng.choice([1, 2, 5, 40]))
+        idx = rng.choice(n, size=k, replace=False)
+        if case % 3 == 0:
+            idx[0] = n - 1                      # the row's last entry, in a partial vector step
+        p[idx] = rng.uniform(0.1, 1.0, k).astype(np.float32)
+        p /= p.sum()
+        seed, offset = int(rng.integers(1 << 40)), int(rng.integers(1 << 20))
+        u = spec.uniforms(seed, offset, 0, n, 0).astype(np.float64)   # position 0 (no drafts), Target
+        vals = np.where(p > 0, p.astype(np.float64) / -np.log(u), -np.inf)
+        want = int(np.argmax(vals))
+        for fn in (spec.verify_rejection, spec.verify_block):
+            tau, tokens, _ = fn(p[None, :], q, np.zeros(0, np.int32), seed, offset)
+            assert tau == 0 and list(tokens) == [want], (case, fn.__name__)
+
+
 def test_counted_events_never_nan():
     # q(x) = 0 for a drafted token: an inconsistent q; counted, the ratio is taken as unbounded.
     p = np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]], np.float32)

@@ -103,12 +103,63 @@ inline float max_skipping_nan(const float* x, int64_t n, bool* saw_nan) {
     return m;
 }
 
-// The first i with x[i] == v, or -1.
+// The first i with x[i] == v, or -1. AVX2 where built: 8 comparisons per step, the first match
+// found from the step's mask.
 inline int64_t first_index_of(const float* x, int64_t n, float v) {
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 vv = _mm256_set1_ps(v);
+    for (; i + 8 <= n; i += 8) {
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vv, _CMP_EQ_OQ));
+        if (mask) return i + __builtin_ctz(static_cast<unsigned>(mask));
+    }
+#endif
+    for (; i < n; ++i) {
         if (x[i] == v) return i;
     }
     return -1;
+}
+
+// The first i with x[i] > 0, or n (NaN is not > 0). AVX2 where built.
+inline int64_t first_positive(const float* x, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), zero, _CMP_GT_OQ));
+        if (mask) return i + __builtin_ctz(static_cast<unsigned>(mask));
+    }
+#endif
+    for (; i < n; ++i) {
+        if (x[i] > 0.0f) return i;
+    }
+    return n;
+}
+
+// Whether every entry of x[0..n) is finite and >= 0 (*any_positive: whether one is > 0). AVX2
+// where built.
+inline bool all_finite_nonnegative(const float* x, int64_t n, bool* any_positive) {
+    bool ok = true, pos = false;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+    __m256 vbad = _mm256_setzero_ps(), vpos = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 in_range = _mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ), _mm256_cmp_ps(v, big, _CMP_LE_OQ));
+        vbad = _mm256_or_ps(vbad, _mm256_xor_ps(in_range, _mm256_castsi256_ps(_mm256_set1_epi32(-1))));
+        vpos = _mm256_or_ps(vpos, _mm256_cmp_ps(v, zero, _CMP_GT_OQ));
+    }
+    ok = _mm256_movemask_ps(vbad) == 0;
+    pos = _mm256_movemask_ps(vpos) != 0;
+#endif
+    for (; i < n; ++i) {
+        ok = ok && x[i] >= 0.0f && x[i] <= std::numeric_limits<float>::max();
+        pos = pos || x[i] > 0.0f;
+    }
+    if (any_positive) *any_positive = pos;
+    return ok;
 }
 
 inline float max_of(const float* x, int64_t n) {

@@ -6,6 +6,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cpu/vec_math.h"
 
@@ -47,11 +48,8 @@ int checked_draft_count(const ProbRows& p, const ProbRows* q, const int32_t* dra
 void check_prob_row(const float* row, int64_t n, const char* what, int64_t index, bool need_mass) {
     // Entries finite and >= 0 have mass iff one is positive; flags rather than a running sum keep
     // the scan free of a chain from entry to entry (a 49k-entry row is checked every round).
-    bool bad = false, mass = false;
-    for (int64_t t = 0; t < n; ++t) {
-        bad |= !(row[t] >= 0.0f && row[t] <= std::numeric_limits<float>::max());
-        mass |= row[t] > 0.0f;
-    }
+    bool mass = false;
+    const bool bad = !vec::all_finite_nonnegative(row, n, &mass);
     for (int64_t t = 0; bad && t < n; ++t) {
         if (!(row[t] >= 0.0f) || !std::isfinite(row[t]))
             throw std::invalid_argument(std::string(what) + " row " + std::to_string(index) + " has entry " +
@@ -77,7 +75,12 @@ int32_t sample_weights(const float* p, const float* q, double scale, int64_t n, 
     for (int64_t base = 0; base < n; base += 4) {
         // Token t's noise is word t % 4 of block t / 4, drawn only for blocks with a positive
         // weight (with top-k 40, 10-40 blocks of a 49k-entry row's 12k): the same values where
-        // they are used.
+        // they are used. Without q, runs of zero weights are skipped by a vector search.
+        if (!q) {
+            base = vec::first_positive(p + base, n - base) + base;
+            if (base >= n) break;
+            base &= ~int64_t{3};
+        }
         const int m = static_cast<int>(std::min<int64_t>(4, n - base));
         double w[4];
         bool any = false;
@@ -167,22 +170,48 @@ namespace {
 // A 49k-entry row keeps a few hundred, and sorting those instead of the whole row is what makes
 // a sampled token's law cheap (llama-server's default top-k 40). All ids when k >= n or the row
 // has fewer than k chunks.
-std::vector<int32_t> top_k_superset(const double* z, int64_t n, int64_t k) {
+// The maximum of z[0..n) (no NaN; which zero when +0 and -0 tie does not matter to the callers,
+// which compare with ==, >= and >) in 8 independent lanes: one running maximum is a chain of
+// dependent max instructions, 4 cycles an entry.
+template <typename T>
+T max_of(const T* z, int64_t n) {
+    T lane[8];
+    for (int j = 0; j < 8; ++j) lane[j] = z[0];
+    int64_t v = 0;
+    for (; v + 8 <= n; v += 8) {
+        for (int j = 0; j < 8; ++j) lane[j] = z[v + j] > lane[j] ? z[v + j] : lane[j];
+    }
+    for (; v < n; ++v) lane[0] = z[v] > lane[0] ? z[v] : lane[0];
+    T m = lane[0];
+    for (int j = 1; j < 8; ++j) m = lane[j] > m ? lane[j] : m;
+    return m;
+}
+
+// Ids that contain the k best of z (any order), in ascending order: the entries >= the k-th
+// largest of the maxima of 256-entry chunks, which k distinct entries reach, so everything below
+// it is outside the k best (only chunks whose maximum reaches it are scanned). A 49k-entry row
+// keeps a few hundred, and sorting those instead of the whole row is what makes a sampled
+// token's law cheap (llama-server's default top-k 40). All ids when k >= n or the row has fewer
+// than k chunks.
+template <typename T>
+std::vector<int32_t> top_k_superset(const T* z, int64_t n, int64_t k) {
     constexpr int64_t kChunk = 256;
     const int64_t n_chunks = (n + kChunk - 1) / kChunk;
     std::vector<int32_t> ids;
     if (k < n && k >= 1 && n_chunks >= k) {
-        std::vector<double> cmax(static_cast<size_t>(n_chunks));
+        std::vector<T> cmax(static_cast<size_t>(n_chunks));
         for (int64_t c = 0; c < n_chunks; ++c) {
-            const int64_t end = std::min(n, (c + 1) * kChunk);
-            double m = z[c * kChunk];
-            for (int64_t v = c * kChunk + 1; v < end; ++v) m = std::max(m, z[v]);
-            cmax[static_cast<size_t>(c)] = m;
+            cmax[static_cast<size_t>(c)] = max_of(z + c * kChunk, std::min(n, (c + 1) * kChunk) - c * kChunk);
         }
-        std::nth_element(cmax.begin(), cmax.begin() + (k - 1), cmax.end(), std::greater<double>());
-        const double floor = cmax[static_cast<size_t>(k - 1)];
-        for (int64_t v = 0; v < n; ++v) {
-            if (z[v] >= floor) ids.push_back(static_cast<int32_t>(v));
+        std::vector<T> ranked = cmax;
+        std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(), std::greater<T>());
+        const T floor = ranked[static_cast<size_t>(k - 1)];
+        for (int64_t c = 0; c < n_chunks; ++c) {
+            if (!(cmax[static_cast<size_t>(c)] >= floor)) continue;
+            const int64_t end = std::min(n, (c + 1) * kChunk);
+            for (int64_t v = c * kChunk; v < end; ++v) {
+                if (z[v] >= floor) ids.push_back(static_cast<int32_t>(v));
+            }
         }
         return ids;
     }
@@ -191,10 +220,12 @@ std::vector<int32_t> top_k_superset(const double* z, int64_t n, int64_t k) {
     return ids;
 }
 
-}  // namespace
-
-void processed_candidates(const double* z, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
-                          std::vector<int32_t>* ids, std::vector<double>* probs) {
+// processed_candidates over logits of type T (double, or float read as its exact double value:
+// every comparison and every difference below is the same on either, so the engine's float rows
+// need no widened copy).
+template <typename T>
+void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                   std::vector<int32_t>* ids, std::vector<double>* probs) {
     if (n < 1) throw std::invalid_argument("cannot sample from empty logits");
     if (!(top_p >= 0.0 && top_p <= 1.0)) throw std::invalid_argument("top_p must be in [0, 1]");
     if (!(min_p >= 0.0 && min_p <= 1.0)) throw std::invalid_argument("min_p must be in [0, 1]");
@@ -204,14 +235,18 @@ void processed_candidates(const double* z, int64_t n, double temperature, int64_
     // (the maximum, then where it first occurs) that carry no dependency from one entry to the
     // next: the scan's chain through z[best] cost ~150 us on a 49k-entry row.
     bool nan = false;
-    double top = z[0];
-    for (int64_t v = 0; v < n; ++v) {
-        nan |= std::isnan(z[v]);
-        top = z[v] > top ? z[v] : top;
-    }
-    if (nan) throw std::invalid_argument("NaN logit");
+    T top;
     int64_t best = 0;
-    while (z[best] != top) ++best;
+    if constexpr (std::is_same_v<T, float>) {  // the engine's rows: vectorised passes
+        top = vec::max_skipping_nan(z, n, &nan);
+        if (nan) throw std::invalid_argument("NaN logit");
+        best = vec::first_index_of(z, n, top);
+    } else {
+        for (int64_t v = 0; v < n; ++v) nan |= z[v] != z[v];
+        if (nan) throw std::invalid_argument("NaN logit");
+        top = max_of(z, n);
+        while (z[best] != top) ++best;
+    }
     if (temperature <= 0.0) {
         ids->push_back(static_cast<int32_t>(best));
         probs->push_back(1.0);
@@ -280,12 +315,18 @@ void processed_candidates(const double* z, int64_t n, double temperature, int64_
     for (double& x : *probs) x /= sum;
 }
 
+}  // namespace
+
+void processed_candidates(const double* z, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                          std::vector<int32_t>* ids, std::vector<double>* probs) {
+    candidates_of(z, n, temperature, top_k, top_p, min_p, ids, probs);
+}
+
 void processed_law(const float* logits, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
                    float* out) {
-    std::vector<double> z(logits, logits + n);
     std::vector<int32_t> ids;
     std::vector<double> probs;
-    processed_candidates(z.data(), n, temperature, top_k, top_p, min_p, &ids, &probs);
+    candidates_of(logits, n, temperature, top_k, top_p, min_p, &ids, &probs);
     std::fill(out, out + n, 0.0f);
     for (size_t i = 0; i < ids.size(); ++i) out[ids[i]] = static_cast<float>(probs[i]);
 }
