@@ -128,14 +128,14 @@ def check_held_out(llm, sets, data: Sequence[str], window: int = 12) -> int:
     return hits
 
 
-def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False, prune=None):
+def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False, prune=None, sampler=None):
     """Runs the prompts one at a time; returns (outputs, decode seconds, totals dict). profile:
     the engine's op profiles cover each request's decoding (from its first token on)."""
     outs, t_total = [], 0.0
     tot = dict(rounds=0, drafted=0, accepted=0, drafted_at=None, accepted_at=None)
     for i, p in enumerate(prompts):
         engine.add_request(i, p, max_tokens=n, temperature=temperature, seed=seed0 + i,
-                           verify=verify, **(prune or {}))
+                           verify=verify, **(prune or {}), **(sampler or {}))
         toks: List[int] = []
         t0 = None
         while engine.n_requests:
@@ -195,6 +195,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="llama.cpp's -ngl for the target and the drafter: 0 (CPU) or all (the CUDA backend)")
     ap.add_argument("--draft-n-max", default="3,5", help="comma-separated values to measure")
     ap.add_argument("--modes", default="greedy,rejection,block")
+    ap.add_argument("--sampler", choices=["temperature", "server"], default="temperature",
+                    help="sampled modes: temperature alone, or llama-server's default chain "
+                         "(top-k 40, top-p 0.95, min-p 0.05) before it")
     ap.add_argument("--sets", default="chat,code,prose")
     ap.add_argument("--check-data", nargs="+", default=None, metavar="DIR",
                     help="training data shard sets to prove the prompts held out against")
@@ -230,7 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = []
     where = f"{args.threads} threads" if model.backend == "cpu" else model.backend
     print(f"target {Path(model_path).name}, drafter {Path(drafter_path).name}, {where}, "
-          f"{args.n} tokens per prompt, one request at a time")
+          f"{args.n} tokens per prompt, one request at a time, sampled modes: "
+          f"{'top-k 40, top-p 0.95, min-p 0.05, then ' if args.sampler == 'server' else ''}temperature")
     first = next(iter(prompts))
     costs = {}
     for g in gammas:
@@ -244,8 +248,10 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"({c['verify_s'] / c['plain_step_s']:.2f} plain steps), drafter "
               f"{c['drafter_s'] * 1e3:.2f} ms ({100 * c['drafter_s'] / c['plain_step_s']:.0f}% of a "
               f"plain step)", flush=True)
+    sampler = dict(top_k=40, top_p=0.95, min_p=0.05) if args.sampler == "server" else None
     for mode in args.modes.split(","):
         temperature, verify = MODES[mode]
+        chain = sampler if temperature > 0 else None
         for name, ps in prompts.items():
             # Plain and speculative runs alternate, --repeats times, and each side keeps its best
             # time: on a shared machine a single pair of runs drifts by +-10-15%.
@@ -253,10 +259,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             t_spec = {g: math.inf for g in gammas}
             spec_runs = {}
             for _ in range(args.repeats):
-                plain, t, _ = run_set(plain_engine, ps, args.n, temperature, verify)
+                plain, t, _ = run_set(plain_engine, ps, args.n, temperature, verify, sampler=chain)
                 t_plain = min(t_plain, t)
                 for g in gammas:
-                    spec_runs[g] = run_set(spec_engines[g], ps, args.n, temperature, verify)
+                    spec_runs[g] = run_set(spec_engines[g], ps, args.n, temperature, verify, sampler=chain)
                     t_spec[g] = min(t_spec[g], spec_runs[g][1])
             n_plain = sum(k for _, k in plain)
             for g in gammas:
