@@ -139,3 +139,37 @@ def test_reduced_vocabulary_chains_in_either_d2t_order(root):
     np.testing.assert_array_equal(outs[1]["tokens"], outs[0]["tokens"])
     np.testing.assert_array_equal(outs[1]["candidates"], outs[0]["candidates"])
     np.testing.assert_allclose(outs[1]["logits"], outs[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_reduced_vocabulary_sampled_draws_use_the_target_ids_noise(root):
+    """At T > 0 a DSpark Markov slot over a reduced vocabulary draws argmax(z / T + g) with g the
+    draft noise of the TARGET vocabulary at each draft id's target id (d2t), exactly as over the
+    scattered row: the host draws that noise for the draft ids alone, in d2t's order, ascending
+    or permuted."""
+    import gguf
+    tm, _, tmodel = target(root, "qwen3")
+    vd = 40
+    _, path = make_drafter(root, "chain-d2t-sampled", tm, kind="speculators", seed=74, draft_vocab=vd)
+    t = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(path)).tensors}
+    perm = np.random.default_rng(4).permutation(vd)
+    permuted = rewrite(path, root / "chain-d2t-sampled-permuted.gguf",
+                       drop_tensors=("d2t", "output.weight", "markov_w2.weight"),
+                       add_tensors={"d2t": t["d2t"][perm], "output.weight": t["output.weight"][perm],
+                                    "markov_w2.weight": t["markov_w2.weight"][perm]})
+    tokens = np.random.default_rng(10).integers(0, tm.n_vocab, 20)
+    T, seed = 0.7, 5
+    inv = np.float32(1.0 / T)
+    for p in (path, permuted):
+        dm = _core.DraftModel(str(p), tmodel)
+        feats = features(tmodel, tokens, dm.target_layers)
+        dc = _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=2, check_plans=True)
+        dc.inject(0, np.arange(16, dtype=np.int32), feats[:16])
+        off, n_block = dm.draft_offset, dm.block_size
+        for o in range(20):
+            out = dc.draft_logits(0, int(tokens[16]), 16, n_block, temperature=T, seed=seed, offset=1000 + o)
+            for k in range(n_block - off):
+                i = off + k
+                z = out["logits"][i].astype(np.float32) * inv
+                g = _core.spec.gumbel(seed, 1000 + o, 16 + 1 + k, tm.n_vocab)
+                assert out["tokens"][i] == int(np.argmax(z + g)), (str(p), o, k)
+                assert out["tokens"][i] in set(dm.d2t)

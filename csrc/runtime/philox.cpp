@@ -26,4 +26,18 @@ void fill_uniforms(const NoiseKey& key, float* out, size_t n) {
 
 void fill_gumbel(const NoiseKey& key, float* out, size_t n) { fill_noise(key, out, n, gumbel_from_u01); }
 
+void fill_gumbel_at(const NoiseKey& key, const int32_t* ids, size_t n, float* out) {
+    PhiloxCounter block{};
+    int64_t have = -1;  // the block index `block` holds
+    for (size_t i = 0; i < n; ++i) {
+        if (ids[i] < 0) throw std::invalid_argument("fill_gumbel_at: negative element index");
+        const int64_t b = ids[i] >> 2;
+        if (b != have) {
+            block = noise_block(key, static_cast<uint32_t>(b));
+            have = b;
+        }
+        out[i] = gumbel_from_u01(u01_open(block[static_cast<size_t>(ids[i] & 3)]));
+    }
+}
+
 }  // namespace pyspec

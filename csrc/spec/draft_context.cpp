@@ -278,16 +278,21 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     };
     if (bg.gumbel >= 0) {  // DSpark: each block's 1/T and the Gumbel noise of its Markov slots (0 at T = 0)
         const size_t n_markov = static_cast<size_t>(n_block - hp.draft_offset());
-        std::vector<float> inv(nb * vd), noise(n_markov * nb * vd, 0.0f), full(v);
+        std::vector<float> inv(nb * vd), noise(n_markov * nb * vd, 0.0f);
         for (size_t b = 0; b < nb; ++b) {
             const float temp = requests[b].sampling.temperature;
             std::fill(inv.begin() + static_cast<std::ptrdiff_t>(b * vd), inv.begin() + static_cast<std::ptrdiff_t>((b + 1) * vd),
                       temp > 0.0f ? 1.0f / temp : 1.0f);
             if (temp <= 0.0f) continue;
+            // The noise of the draft ids only: the target-vocabulary vector's entries at d2t.
             for (size_t k = 0; k < n_markov; ++k) {
-                fill_gumbel(draft_key(requests[b], static_cast<int64_t>(k)), full.data(), v);
                 float* dst = noise.data() + (k * nb + b) * vd;
-                for (size_t d = 0; d < vd; ++d) dst[d] = model_.d2t.empty() ? full[d] : full[static_cast<size_t>(model_.d2t[d])];
+                const NoiseKey key = draft_key(requests[b], static_cast<int64_t>(k));
+                if (model_.d2t.empty()) {
+                    fill_gumbel(key, dst, vd);
+                } else {
+                    fill_gumbel_at(key, model_.d2t.data(), vd, dst);
+                }
             }
         }
         backend_->write(g[bg.inv_temp], inv.data(), inv.size() * sizeof(float));
