@@ -188,9 +188,9 @@ def _emit(text: str) -> None:
 
 
 def _resolve_drafter(args) -> None:
-    """The default model (no -m) speculates with its embedded drafter when decoding greedily
-    (--temp 0) or asked to (--spec-type draft-dspark), unless -md names another drafter or
-    --spec-type none turns speculation off; args.embedded_drafter says which happened."""
+    """The default model (no -m) speculates with its embedded drafter unless -md names another
+    drafter or --spec-type none turns speculation off; args.embedded_drafter says which
+    happened."""
     from .model import DEFAULT_DRAFTER_N_MAX, default_drafter_path
 
     args.embedded_drafter = False
@@ -201,11 +201,6 @@ def _resolve_drafter(args) -> None:
         return
     if args.model is None and args.model_draft is None:
         path = default_drafter_path()
-        if path is not None and args.temp > 0 and args.spec_type is None:
-            # It measured slower than plain decoding when sampling (pyspec.model's note).
-            _log("main: the embedded drafter is used for greedy decoding (--temp 0); "
-                 "--spec-type draft-dspark uses it when sampling too")
-            return
         args.model_draft = path
         args.embedded_drafter = path is not None
         if args.embedded_drafter and args.draft_max is None:

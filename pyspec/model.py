@@ -36,10 +36,11 @@ def default_model_path() -> str:
 
 # The DSpark drafter trained for the default model (pyspec-train-drafter on SmolLM2's own
 # generations, docs/training.md), shipped in pyspec/data/. pyspec-cli and pyspec-server use it
-# when no model is given, for greedy decoding: at temperature 0.8 it measured slower than plain
-# decoding (run s2: x0.81-0.90 on chat and prose with llama-server's sampler, x1.04-1.09 on code;
-# s3, rejection, chat: x0.80), so sampled requests use it only with --spec-type draft-dspark.
-# --spec-type none turns it off.
+# when no model is given, for every request: greedy (run s3, n_max 2: x1.20 / x1.35 / x1.21 on
+# chat / code / prose) and, since the host sampling work of 2026-11-29, sampled with
+# llama-server's default chain at T 0.8 (rejection, two runs: x1.05 / x1.21 / x0.99 and
+# x1.01 / x1.30 / x1.04; it had measured x0.81-0.93 on chat and prose before). --spec-type none
+# turns it off.
 DEFAULT_DRAFTER_FILE = "SmolLM2-135M-Instruct-DSpark.Q4_1.gguf"
 # Drafts per round with it unless the user asks otherwise: the fastest on 2 CPU threads
 # (bench/bench_drafter.py, run s3, greedy, chat / code / prose: n_max 2 x1.08 / x1.35 / x1.17 over

@@ -55,8 +55,8 @@ def test_prompt_is_echoed_then_the_greedy_continuation(llm):
 
 def test_the_default_model_speculates_with_its_embedded_drafter(llm):
     """No -m: the embedded DSpark drafter drafts (2 per round), the greedy text is plain
-    decoding's, and the perf lines report the prompt and the acceptance; --spec-type none turns
-    it off."""
+    decoding's, and the perf lines report the prompt and the acceptance; sampling drafts too;
+    --spec-type none turns it off."""
     if pyspec.model.default_drafter_path() is None:
         pytest.skip("this install has no embedded drafter")
     r = run_cli("-p", FRANCE["prompt"], "-n", "16", *BASE[:-2])
@@ -75,6 +75,10 @@ def test_the_default_model_speculates_with_its_embedded_drafter(llm):
     off = run_cli("-p", FRANCE["prompt"], "-n", "16", *BASE)
     assert off.returncode == 0 and off.stdout == r.stdout
     assert "draft acceptance" not in off.stderr and "embedded drafter" not in off.stderr
+    # Sampling speculates too (llama-cli's default chain at T 0.8).
+    sampled = run_cli("-p", FRANCE["prompt"], "-n", "16", "-t", "2", "-c", "256", "--temp", "0.8", "-s", "3")
+    assert sampled.returncode == 0, sampled.stderr
+    assert "embedded drafter" in sampled.stderr and "draft acceptance" in sampled.stderr, sampled.stderr
 
 
 def test_no_display_prompt_and_prompt_file(llm, tmp_path):

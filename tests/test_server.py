@@ -228,9 +228,10 @@ def test_metrics_move_by_the_requests(tiny):
     assert per_pos == after["llamacpp:spec_decode_num_accepted_tokens_total"]
 
 
-def test_the_default_model_drafts_greedy_requests_with_its_embedded_drafter(smol):
+def test_the_default_model_drafts_with_its_embedded_drafter(smol):
     """No -m: the embedded DSpark drafter drafts for greedy requests (timings.draft_n, the same
-    text as plain decoding) and not for sampled ones (it measured slower there)."""
+    text as plain decoding) and for sampled ones (llama-server's default chain at T 0.8, where it
+    measured x0.99-1.30 after the host sampling work)."""
     if pyspec.model.default_drafter_path() is None:
         pytest.skip("this install has no embedded drafter")
     prompt = "The three primary colours are"
@@ -240,7 +241,7 @@ def test_the_default_model_drafts_greedy_requests_with_its_embedded_drafter(smol
                                                          ignore_eos=True)
     assert greedy["content"] == plain
     sampled = complete(smol, prompt, n=24, temperature=0.8, seed=7)
-    assert "draft_n" not in sampled["timings"], sampled["timings"]
+    assert sampled["timings"].get("draft_n", 0) > 0, sampled["timings"]
     assert smol.get("/slots").json()[0]["speculative"] is True
 
 

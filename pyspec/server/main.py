@@ -68,8 +68,6 @@ class Loaded:
         from .scheduler import Scheduler, SchedulerConfig
 
         self.model_path, draft_path, self.embedded_drafter = resolve_paths(cfg)
-        # The embedded drafter drafts for sampled requests only when asked (pyspec.model's note).
-        self.draft_sampled = not self.embedded_drafter or cfg.spec_type is not None
         n_threads = cfg.threads if cfg.threads > 0 else None
         # -ngl: not given = the CPU; "auto" = the GPU when CUDA can be used (a log line says
         # which); "all" / N >= n_layer = the GPU or an error with the reason; partial offload is
@@ -104,8 +102,7 @@ class Loaded:
             n_threads=m.n_threads, kv_type=cfg.cache_type_k,
             draft_n_max=default_n_max(cfg, self.embedded_drafter), draft_n_min=cfg.spec_draft_n_min,
             draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify,
-            slot_prompt_similarity=cfg.slot_prompt_similarity, backend=self.backend,
-            draft_sampled=self.draft_sampled)
+            slot_prompt_similarity=cfg.slot_prompt_similarity, backend=self.backend)
         eog = sorted(self.tokenizer.eog_ids)
         types = [self.spec_type] if self.spec_type else []
         self.scheduler = Scheduler(
@@ -122,10 +119,8 @@ class Loaded:
         if self.drafter is not None:
             log.info("drafter: %s (%s, block %d, up to %d drafts per round)%s", self.draft_path,
                      self.spec_type, int(self.drafter.block_size), self.scheduler.draft_n_max,
-                     "; the default model's embedded drafter, for greedy requests (temperature "
-                     "0; --spec-type draft-dspark: every request; --spec-type none: off)"
-                     if not self.draft_sampled else
-                     "; the default model's embedded drafter" if self.embedded_drafter else "")
+                     "; the default model's embedded drafter (--spec-type none: off)"
+                     if self.embedded_drafter else "")
         else:
             log.info("speculative decoding: off (no drafter; -md FILE turns it on)")
         log.info("backend: %s", "CUDA (all layers on the GPU; weights uploaded on first use)"

@@ -56,8 +56,6 @@ class SchedulerConfig:
     draft_n_min: int = 0
     draft_p_min: float = 0.0
     verify: Optional[str] = None    # rejection (None) or block at T > 0; T = 0 is greedy matching
-    draft_sampled: bool = True      # False: requests with T > 0 decode plainly (the embedded
-                                    # drafter measured slower than plain decoding there)
     slot_prompt_similarity: float = 0.1  # llama-server's -sps: reuse a slot above this overlap
     backend: str = "cpu"            # target and drafter contexts: "cpu" or "cuda" (-ngl / -ngld)
 
@@ -358,8 +356,7 @@ class Scheduler:
             presence_penalty=float(req.presence_penalty),
             frequency_penalty=float(req.frequency_penalty),
             n_probs=max(0, int(req.n_probs)), seq=slot.id,
-            draft=bool(req.speculative) and self.speculative and (
-                temperature == 0.0 or self.config.draft_sampled),
+            draft=bool(req.speculative) and self.speculative,
             keep_cache=bool(req.cache_prompt), reuse_cache=bool(req.cache_prompt))
         task.n_cached = int(self.engine.stats(h.id)["n_cached"])
         h.id_slot = slot.id
