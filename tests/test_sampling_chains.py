@@ -105,22 +105,29 @@ def test_candidate_count_is_checked(root):
 
 
 
+def reduced_vocabulary_drafters(root, name, tm, seed, draft_vocab, perm_seed):
+    """A DSpark drafter over a reduced vocabulary (ascending d2t, as the converter writes it) and
+    the same drafter with its draft ids permuted (d2t, the head's and W2's rows alike)."""
+    import gguf
+    _, path = make_drafter(root, name, tm, kind="speculators", seed=seed, draft_vocab=draft_vocab)
+    t = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(path)).tensors}
+    perm = np.random.default_rng(perm_seed).permutation(draft_vocab)
+    permuted = rewrite(path, root / f"{name}-permuted.gguf",
+                       drop_tensors=("d2t", "output.weight", "markov_w2.weight"),
+                       add_tensors={"d2t": t["d2t"][perm], "output.weight": t["output.weight"][perm],
+                                    "markov_w2.weight": t["markov_w2.weight"][perm]})
+    return path, permuted
+
+
 def test_reduced_vocabulary_chains_in_either_d2t_order(root):
     """With an ascending d2t (what the converter and pyspec-train-drafter write) the chains run
     over draft ids and the host maps their ids through d2t; in any other order they run over the
     scattered target-vocabulary row. The same drafter with its draft ids permuted (d2t, the head's
     and W2's rows alike) takes the other path: both must give the chains numpy gives over the
     target-vocabulary logits, and the same tokens and candidates as each other."""
-    import gguf
     tm, _, tmodel = target(root, "qwen3")
     vd, k = 40, 5
-    _, path = make_drafter(root, "chain-d2t", tm, kind="speculators", seed=73, draft_vocab=vd)
-    t = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(path)).tensors}
-    perm = np.random.default_rng(3).permutation(vd)
-    permuted = rewrite(path, root / "chain-d2t-permuted.gguf",
-                       drop_tensors=("d2t", "output.weight", "markov_w2.weight"),
-                       add_tensors={"d2t": t["d2t"][perm], "output.weight": t["output.weight"][perm],
-                                    "markov_w2.weight": t["markov_w2.weight"][perm]})
+    path, permuted = reduced_vocabulary_drafters(root, "chain-d2t", tm, seed=73, draft_vocab=vd, perm_seed=3)
     rng = np.random.default_rng(9)
     tokens = rng.integers(0, tm.n_vocab, 20)
     outs = []
@@ -146,16 +153,9 @@ def test_reduced_vocabulary_sampled_draws_use_the_target_ids_noise(root):
     draft noise of the TARGET vocabulary at each draft id's target id (d2t), exactly as over the
     scattered row: the host draws that noise for the draft ids alone, in d2t's order, ascending
     or permuted."""
-    import gguf
     tm, _, tmodel = target(root, "qwen3")
-    vd = 40
-    _, path = make_drafter(root, "chain-d2t-sampled", tm, kind="speculators", seed=74, draft_vocab=vd)
-    t = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(path)).tensors}
-    perm = np.random.default_rng(4).permutation(vd)
-    permuted = rewrite(path, root / "chain-d2t-sampled-permuted.gguf",
-                       drop_tensors=("d2t", "output.weight", "markov_w2.weight"),
-                       add_tensors={"d2t": t["d2t"][perm], "output.weight": t["output.weight"][perm],
-                                    "markov_w2.weight": t["markov_w2.weight"][perm]})
+    path, permuted = reduced_vocabulary_drafters(root, "chain-d2t-sampled", tm, seed=74, draft_vocab=40,
+                                                 perm_seed=4)
     tokens = np.random.default_rng(10).integers(0, tm.n_vocab, 20)
     T, seed = 0.7, 5
     inv = np.float32(1.0 / T)
