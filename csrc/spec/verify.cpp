@@ -161,32 +161,6 @@ BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* 
     return th;
 }
 
-}  // namespace
-
-namespace {
-
-// Ids that contain the k best of z (any order): the entries >= the k-th largest of the maxima of
-// 256-entry chunks, which k distinct entries reach, so everything below it is outside the k best.
-// A 49k-entry row keeps a few hundred, and sorting those instead of the whole row is what makes
-// a sampled token's law cheap (llama-server's default top-k 40). All ids when k >= n or the row
-// has fewer than k chunks.
-// The maximum of z[0..n) (no NaN; which zero when +0 and -0 tie does not matter to the callers,
-// which compare with ==, >= and >) in 8 independent lanes: one running maximum is a chain of
-// dependent max instructions, 4 cycles an entry.
-template <typename T>
-T max_of(const T* z, int64_t n) {
-    T lane[8];
-    for (int j = 0; j < 8; ++j) lane[j] = z[0];
-    int64_t v = 0;
-    for (; v + 8 <= n; v += 8) {
-        for (int j = 0; j < 8; ++j) lane[j] = z[v + j] > lane[j] ? z[v + j] : lane[j];
-    }
-    for (; v < n; ++v) lane[0] = z[v] > lane[0] ? z[v] : lane[0];
-    T m = lane[0];
-    for (int j = 1; j < 8; ++j) m = lane[j] > m ? lane[j] : m;
-    return m;
-}
-
 // Ids that contain the k best of z (any order), in ascending order: the entries >= the k-th
 // largest of the maxima of 256-entry chunks, which k distinct entries reach, so everything below
 // it is outside the k best (only chunks whose maximum reaches it are scanned). A 49k-entry row
@@ -201,7 +175,7 @@ std::vector<int32_t> top_k_superset(const T* z, int64_t n, int64_t k) {
     if (k < n && k >= 1 && n_chunks >= k) {
         std::vector<T> cmax(static_cast<size_t>(n_chunks));
         for (int64_t c = 0; c < n_chunks; ++c) {
-            cmax[static_cast<size_t>(c)] = max_of(z + c * kChunk, std::min(n, (c + 1) * kChunk) - c * kChunk);
+            cmax[static_cast<size_t>(c)] = vec::max_of(z + c * kChunk, std::min(n, (c + 1) * kChunk) - c * kChunk);
         }
         std::vector<T> ranked = cmax;
         std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(), std::greater<T>());
@@ -244,7 +218,7 @@ void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, dou
     } else {
         for (int64_t v = 0; v < n; ++v) nan |= z[v] != z[v];
         if (nan) throw std::invalid_argument("NaN logit");
-        top = max_of(z, n);
+        top = vec::max_of(z, n);
         while (z[best] != top) ++best;
     }
     if (temperature <= 0.0) {
