@@ -807,8 +807,9 @@ def test_no_drafts_draws_the_bonus_from_p():
 
 def test_bonus_draw_is_the_exponential_race_over_the_positive_entries():
     """The bonus token is argmax p(t) / -log u(t) over the tokens with p(t) > 0, u the Target-stream
-    uniforms of the round: exactly, on sparse rows (a sampled law keeps 1-40 of 49k tokens) whose
-    zero runs the sampler skips without drawing their noise. The reference draws every uniform."""
+    uniforms of the round, and a correction the same race over max(0, p - q) with the Correction
+    stream: exactly, on sparse rows (a sampled law keeps 1-40 of 49k tokens) whose zero runs the
+    sampler skips without drawing their noise. The reference draws every uniform."""
     rng = np.random.default_rng(8)
     n = 1000
     q = np.zeros((0, n), np.float32)
@@ -827,6 +828,17 @@ def test_bonus_draw_is_the_exponential_race_over_the_positive_entries():
         for fn in (spec.verify_rejection, spec.verify_block):
             tau, tokens, _ = fn(p[None, :], q, np.zeros(0, np.int32), seed, offset)
             assert tau == 0 and list(tokens) == [want], (case, fn.__name__)
+        # A rejected draft x (p(x) = 0, q one-hot at x): the correction is the same race over
+        # max(0, p - q) with the Correction stream's uniforms of slot 0.
+        x = int(np.flatnonzero(p == 0)[case % 7])
+        qx = np.zeros((1, n), np.float32)
+        qx[0, x] = 1.0
+        uc = spec.uniforms(seed, offset, 0, n, 3).astype(np.float64)
+        resid = np.maximum(0.0, p.astype(np.float64) - qx[0])
+        want_c = int(np.argmax(np.where(resid > 0, resid / -np.log(uc), -np.inf)))
+        p2 = np.stack([p, p])
+        tau, tokens, _ = spec.verify_rejection(p2, qx, np.array([x], np.int32), seed, offset)
+        assert tau == 0 and list(tokens) == [want_c], case
 
 
 def test_counted_events_never_nan():

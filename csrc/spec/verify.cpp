@@ -75,12 +75,11 @@ int32_t sample_weights(const float* p, const float* q, double scale, int64_t n, 
     for (int64_t base = 0; base < n; base += 4) {
         // Token t's noise is word t % 4 of block t / 4, drawn only for blocks with a positive
         // weight (with top-k 40, 10-40 blocks of a 49k-entry row's 12k): the same values where
-        // they are used. Without q, runs of zero weights are skipped by a vector search.
-        if (!q) {
-            base = vec::first_positive(p + base, n - base) + base;
-            if (base >= n) break;
-            base &= ~int64_t{3};
-        }
+        // they are used. A weight can be positive only where p is (scale >= 0, q >= 0: the rows
+        // are checked), so runs of p = 0 are skipped by a vector search.
+        base = vec::first_positive(p + base, n - base) + base;
+        if (base >= n) break;
+        base &= ~int64_t{3};
         const int m = static_cast<int>(std::min<int64_t>(4, n - base));
         double w[4];
         bool any = false;
