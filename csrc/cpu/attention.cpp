@@ -138,13 +138,14 @@ void attention_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         for (int64_t j = 0; j < span; ++j) {
             if (mrow[j] != -std::numeric_limits<float>::infinity()) valid[n_valid++] = static_cast<int32_t>(j);
         }
-        const float* qh[64];
+        // The group's query heads, rows of q.nb[1] bytes from q0; their output rows.
+        const float* q0 = reinterpret_cast<const float*>(static_cast<const char*>(q.data) + kvh * n_rep * q.nb[1] +
+                                                         r * q.nb[2]);
+        const size_t q_head_stride = static_cast<size_t>(q.nb[1]) / sizeof(float);
         float* oh[64];
-        const size_t q_head_stride = static_cast<size_t>(q.nb[1]) / sizeof(float);  // the group's heads, in floats
         if (n_rep > 64) throw std::logic_error("attention: more than 64 query heads per kv head");
         for (int64_t hr = 0; hr < n_rep; ++hr) {
             const int64_t h = kvh * n_rep + hr;
-            qh[hr] = reinterpret_cast<const float*>(static_cast<const char*>(q.data) + h * q.nb[1] + r * q.nb[2]);
             oh[hr] = reinterpret_cast<float*>(static_cast<char*>(dst.data) + h * dst.nb[1] + r * dst.nb[2]);
         }
         // Scores: each run of consecutive unmasked cells against the group's query heads as one
@@ -156,9 +157,9 @@ void attention_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
             while (v + run < n_valid && valid[v + run] == valid[v] + run) ++run;
             const uint8_t* k0 = reinterpret_cast<const uint8_t*>(cache_row(kc, base[r] + valid[v], kvh * hd));
             if (kc.dtype == DType::F16) {
-                float_dot_rows<DType::F16>(k0, kc.nb[1], run, qh[0], q_head_stride, n_rep, hd, scores + v, span);
+                float_dot_rows<DType::F16>(k0, kc.nb[1], run, q0, q_head_stride, n_rep, hd, scores + v, span);
             } else {
-                float_dot_rows<DType::F32>(k0, kc.nb[1], run, qh[0], q_head_stride, n_rep, hd, scores + v, span);
+                float_dot_rows<DType::F32>(k0, kc.nb[1], run, q0, q_head_stride, n_rep, hd, scores + v, span);
             }
             v += run;
         }
@@ -166,11 +167,9 @@ void attention_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
             float* sc = scores + hr * span;
             for (int64_t v = 0; v < n_valid; ++v) sc[v] = sc[v] * scale + mrow[valid[v]];
         }
-        for (int64_t hr = 0; hr < n_rep; ++hr) {
-            vec::softmax(scores + hr * span, n_valid);
-            std::fill(oh[hr], oh[hr] + hd, 0.0f);
-        }
+        for (int64_t hr = 0; hr < n_rep; ++hr) vec::softmax(scores + hr * span, n_valid);
         if (weighted_v_sums(vc, base[r], valid, n_valid, kvh * hd, hd, scores, span, oh, n_rep)) continue;
+        for (int64_t hr = 0; hr < n_rep; ++hr) std::fill(oh[hr], oh[hr] + hd, 0.0f);
         for (int64_t v = 0; v < n_valid; ++v) {
             if (v + kPrefetchCells < n_valid) prefetch_row(vc, base[r] + valid[v + kPrefetchCells], kvh * hd, hd);
             load_row(vc, base[r] + valid[v], kvh * hd, hd, row);
