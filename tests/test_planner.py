@@ -401,6 +401,52 @@ def test_view_keeps_root_alive_until_its_last_consumer():
     assert py_check(g, plan) == []
 
 
+def _overlap(plan, g, a, b):
+    oa, ob = plan.offsets[a], plan.offsets[b]
+    return oa < ob + g.nbytes(b) and ob < oa + g.nbytes(a)
+
+
+def test_matmul_activations_outlive_the_consumer_right_after_it():
+    """A MUL_MAT's activations stay live through the next node when it consumes the product: a
+    backend may fuse the pair (CUDA's residual and SwiGLU epilogues store the consumer's output
+    while the matmul still reads its activations). Without the rule the ADD takes the slot the
+    activations just freed."""
+    g = core.Graph()
+    x = g.input("F32", [64, 2], "x")
+    w = g.external("F32", [64, 64], "w")
+    act = g.add_node("SCALE", "F32", [64, 2], [x], "act")
+    mm = g.add_node("MUL_MAT", "F32", [64, 2], [w, act], "mm")
+    mmv = g.reshape(mm, [128])                      # consumed through a view
+    res = g.reshape(x, [128])
+    add = g.add_node("ADD", "F32", [128], [mmv, res], "add")
+    g.set_output(add)
+    plan = core.make_plan(g, 64)
+    assert not _overlap(plan, g, add, act)
+    assert py_check(g, plan) == []
+    # gate and up read h; SWIGLU follows up: h must outlive it
+    g = core.Graph()
+    x = g.input("F32", [64], "x")
+    wg = g.external("F32", [64, 64], "wg")
+    wu = g.external("F32", [64, 64], "wu")
+    h = g.add_node("SCALE", "F32", [64], [x], "h")
+    gate = g.add_node("MUL_MAT", "F32", [64], [wg, h], "gate")
+    up = g.add_node("MUL_MAT", "F32", [64], [wu, h], "up")
+    glu = g.add_node("SWIGLU", "F32", [64], [gate, up], "glu")
+    g.set_output(glu)
+    plan = core.make_plan(g, 64)
+    assert not _overlap(plan, g, glu, h)
+    # a node that does not consume the product may reuse the activations' bytes as before
+    g = core.Graph()
+    x = g.input("F32", [64], "x")
+    w = g.external("F32", [64, 64], "w")
+    act = g.add_node("SCALE", "F32", [64], [x], "act")
+    mm = g.add_node("MUL_MAT", "F32", [64], [w, act], "mm")
+    other = g.add_node("SILU", "F32", [64], [x], "other")
+    out = g.add_node("ADD", "F32", [64], [mm, other], "out")
+    g.set_output(out)
+    assert core.make_plan(g, 64).offsets[other] == core.make_plan(g, 64).offsets[act]
+
+
 def test_output_view_pins_its_root():
     g = core.Graph()
     x = g.input("F32", [32], "x")

@@ -78,6 +78,24 @@ Liveness analyse(const Graph& g) {
         }
         if (t.is_view()) use(t.view_src, i);
     }
+    // A MUL_MAT's sources stay live through the next computed node when that node consumes the
+    // product (the residual ADD after wo/ffn_down, the SWIGLU after ffn_up): a backend may run
+    // the pair as one launch whose store writes the consumer's output while the matmul still
+    // reads its activations (the CUDA residual and SwiGLU epilogues), so those two must never
+    // share bytes. Without this the consumer's output often took the freed activations' slot
+    // and the fusion had to be skipped.
+    for (int i = 0; i < n; ++i) {
+        if (g[i].op != Op::MUL_MAT) continue;
+        int j = i + 1;
+        while (j < n && (g[j].op == Op::NONE || g[j].is_view())) ++j;
+        if (j >= n) continue;
+        bool consumes = false;
+        for (int s : g[j].src) consumes = consumes || (s >= 0 && lv.root[static_cast<size_t>(s)] == i);
+        if (!consumes) continue;
+        for (int s : g[i].src) {
+            if (s >= 0) use(s, j);
+        }
+    }
     for (int i = 0; i < n; ++i) {
         if (g[i].has(kOutput | kPinned)) lv.last[lv.root[i]] = kForever;
     }
