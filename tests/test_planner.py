@@ -406,11 +406,11 @@ def _overlap(plan, g, a, b):
     return oa < ob + g.nbytes(b) and ob < oa + g.nbytes(a)
 
 
-def test_matmul_activations_outlive_the_consumer_right_after_it():
-    """A MUL_MAT's activations stay live through the next node when it consumes the product: a
-    backend may fuse the pair (CUDA's residual and SwiGLU epilogues store the consumer's output
-    while the matmul still reads its activations). Without the rule the ADD takes the slot the
-    activations just freed."""
+def test_sources_outlive_a_fusable_next_node():
+    """A node's sources stay live through the next node when a backend may fuse the two: a
+    MUL_MAT and the consumer of its product (CUDA's residual and SwiGLU epilogues store the
+    consumer's output while the matmul still reads its activations), two ROPEs (one launch).
+    Without the rule the second node takes the slot the first one's sources just freed."""
     g = core.Graph()
     x = g.input("F32", [64, 2], "x")
     w = g.external("F32", [64, 64], "w")
@@ -435,6 +435,18 @@ def test_matmul_activations_outlive_the_consumer_right_after_it():
     g.set_output(glu)
     plan = core.make_plan(g, 64)
     assert not _overlap(plan, g, glu, h)
+    # two ROPEs in a row (q then k: one launch on CUDA): k's output must not take q's bytes
+    g = core.Graph()
+    q = g.add_node("SCALE", "F32", [8, 4, 1], [g.input("F32", [8, 4, 1], "xq")], "q")
+    k = g.add_node("SCALE", "F32", [8, 2, 1], [g.input("F32", [8, 2, 1], "xk")], "k")
+    pos = g.input("I32", [1], "pos")
+    rq = g.add_node("ROPE", "F32", [8, 4, 1], [q, pos], "rq")
+    rk = g.add_node("ROPE", "F32", [8, 2, 1], [k, pos], "rk")
+    g.set_output(rq)
+    g.set_output(rk)
+    plan = core.make_plan(g, 64)
+    assert not _overlap(plan, g, rk, q)
+    assert py_check(g, plan) == []
     # a node that does not consume the product may reuse the activations' bytes as before
     g = core.Graph()
     x = g.input("F32", [64], "x")

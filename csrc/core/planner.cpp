@@ -78,20 +78,25 @@ Liveness analyse(const Graph& g) {
         }
         if (t.is_view()) use(t.view_src, i);
     }
-    // A MUL_MAT's sources stay live through the next computed node when that node consumes the
-    // product (the residual ADD after wo/ffn_down, the SWIGLU after ffn_up): a backend may run
-    // the pair as one launch whose store writes the consumer's output while the matmul still
-    // reads its activations (the CUDA residual and SwiGLU epilogues), so those two must never
-    // share bytes. Without this the consumer's output often took the freed activations' slot
-    // and the fusion had to be skipped.
+    // A node's sources stay live through the next computed node when a backend may run the two
+    // as one launch: a MUL_MAT and the node consuming its product (the residual ADD after
+    // wo/ffn_down, the SWIGLU after ffn_up: CUDA's epilogues store the consumer's output while
+    // the matmul still reads its activations), and two nodes of the same row-wise op (q/k ROPE,
+    // K/V SET_ROWS, q/k RMS_NORM: one launch runs both jobs). The second node's output must not
+    // share bytes with what the first still reads; without this rule it often took the slot the
+    // first node's dying sources had just freed, and the fusion had to be skipped.
     for (int i = 0; i < n; ++i) {
-        if (g[i].op != Op::MUL_MAT) continue;
+        if (g[i].op == Op::NONE || g[i].is_view()) continue;
         int j = i + 1;
         while (j < n && (g[j].op == Op::NONE || g[j].is_view())) ++j;
         if (j >= n) continue;
-        bool consumes = false;
-        for (int s : g[j].src) consumes = consumes || (s >= 0 && lv.root[static_cast<size_t>(s)] == i);
-        if (!consumes) continue;
+        bool fusable = false;
+        if (g[i].op == Op::MUL_MAT) {
+            for (int s : g[j].src) fusable = fusable || (s >= 0 && lv.root[static_cast<size_t>(s)] == i);
+        } else if (g[i].op == g[j].op) {
+            fusable = g[i].op == Op::ROPE || g[i].op == Op::SET_ROWS || g[i].op == Op::RMS_NORM;
+        }
+        if (!fusable) continue;
         for (int s : g[i].src) {
             if (s >= 0) use(s, j);
         }
