@@ -128,6 +128,10 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// silu(x) = x * sigmoid(x), one formula for the SWIGLU/SILU ops and the matmul's SwiGLU epilogue
+// (the same bits either way).
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
 // Block-wide sum / max for blockDim.x a multiple of 32 (<= 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* shared32) {
     v = warp_sum(v);

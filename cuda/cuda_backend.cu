@@ -361,6 +361,16 @@ private:
             const int add = residual_add_after(g, id, parts[0]);
             if (add >= 0) last = add;
         }
+        if (parts.size() == 2) {
+            const int glu = swiglu_after(g, members[0], members[1]);
+            if (glu >= 0 && cuda::launch_matmul_glu(w0.dtype, parts[0], parts[1], w0.ne[0],
+                                                    reinterpret_cast<const float*>(dptr(g, t0.src[1])),
+                                                    static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1],
+                                                    reinterpret_cast<float*>(dptr(g, glu)),
+                                                    static_cast<int64_t>(g[glu].nb[1] / sizeof(float)), stream_)) {
+                return glu;
+            }
+        }
         cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
                                   reinterpret_cast<const float*>(dptr(g, t0.src[1])),
                                   static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], stream_);
@@ -521,6 +531,27 @@ private:
         part.y_stride = static_cast<int64_t>(add.nb[1] / sizeof(float));
         part.add = reinterpret_cast<const float*>(rb);
         part.add_stride = static_cast<int64_t>(r.nb[1] / sizeof(float));
+        return a;
+    }
+
+    // The SwiGLU epilogue: when the next computed node after MUL_MATs gate and up (one group) is
+    // SWIGLU(gate, up), nothing else reads either product, and its output is F32 rows of their
+    // shape apart from the activations, returns its id (launch_matmul_glu stores silu(gate) * up
+    // there and the products never reach memory); else -1.
+    int swiglu_after(const Graph& g, int gate, int up) {
+        int a = up + 1;
+        while (a < g.size() && (g[a].op == Op::NONE || g[a].op == Op::VIEW)) ++a;
+        if (a >= g.size() || g[a].op != Op::SWIGLU || g[a].src[0] != gate || g[a].src[1] != up) return -1;
+        const Tensor& glu = g[a];
+        for (int id : {gate, up}) {
+            const Tensor& mm = g[id];
+            if (mm.has(kOutput) || mm.has(kPinned) || uses_[static_cast<size_t>(id)] != 1) return -1;
+            for (int d = 0; d < 4; ++d) {
+                if (mm.ne[d] != glu.ne[d]) return -1;
+            }
+        }
+        if (glu.dtype != DType::F32 || glu.nb[0] != sizeof(float) || glu.nb[1] % sizeof(float) != 0) return -1;
+        if (overlaps(span(g, a), span(g, g[gate].src[1]))) return -1;
         return a;
     }
 

@@ -61,6 +61,13 @@ struct MatmulPart {
 bool matmul_add_epilogue(DType wtype, int64_t k);
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
                          int64_t x_stride, int64_t m, cudaStream_t s);
+// gate and up (MatmulParts of equal rows, no add) over the same activations with the SWIGLU that
+// follows them as the epilogue: y[i, c] = silu(gate_i . x_c) * (up_i . x_c), the bits of the three
+// nodes run apart (each product reduced exactly as launch_matmul_group reduces it). For the
+// CUDA-core path at M <= kMatmulGluMaxM; returns false (nothing launched) elsewhere.
+constexpr int64_t kMatmulGluMaxM = 16;
+bool launch_matmul_glu(DType wtype, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x,
+                       int64_t x_stride, int64_t m, float* y, int64_t y_stride, cudaStream_t s);
 // Whether the backend groups consecutive MUL_MATs over the same activations into one launch
 // (on by default since the H200 run: the same bits, 3 launches fewer per layer, tg +5-6%;
 // PYSPEC_CUDA_FUSE=0 turns it off). Read at each compute: a backend's captured CUDA graphs keep the

@@ -230,8 +230,6 @@ __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
     rms_norm_regs<kWarpNormMax / 32>(xr, w, yr, n, lane, 32, eps, [](float v) { return warp_sum(v); });
 }
 
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-
 __global__ void k_binary(int kind, TDesc dst, TDesc a, TDesc b) {
     const int64_t n0 = a.ne[0], total = n0 * a.nrows();
     const bool bcast = b.nrows() == 1;

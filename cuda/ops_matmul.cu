@@ -151,32 +151,13 @@ __device__ __forceinline__ void store(const Parts& p, int64_t row, int64_t col, 
     p.y[j][col * p.ys[j] + i] = v;
 }
 
-// Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of the global weight rows
-// row_base + [R * kWarps * blockIdx.y, + R * kWarps); warp w of it R rows from
-// row_base + R * (kWarps * blockIdx.y + w). Rows and columns past the ends are clamped to the last
-// one (computed, never stored), which keeps the inner loop free of branches. kVec: 16-byte loads
-// of float weights and of activations. The unit loop is unrolled for small tiles so that a lane
-// has several loads in flight; the fmaf chain of every output still runs u = lane, lane + 32, ...
-// in increasing order, so unrolling changes timing, never bits.
+// The fmaf chains of one warp: R weight rows (wr) times C activation columns (xc), lane `lane`
+// summing units u = lane, lane + 32, ... in increasing order into acc (from 0). The unit loop is
+// unrolled for small tiles so that a lane has several loads in flight; the fmaf chain of every
+// output still runs in increasing u, so unrolling changes timing, never bits.
 template <DType T, bool kVec, int R, int C>
-__global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_base, int64_t k, const float* x,
-                                                          int64_t x_stride, int64_t m) {
-    const int lane = threadIdx.x & 31;
-    const int64_t n_rows = p.row0[p.n];
-    const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
-    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
-    if (r0 >= n_rows) return;
-    const char* wr[R];
-    const float* xc[C];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int64_t row = min(r0 + r, n_rows - 1);
-        const int j = part_of(p, row);
-        wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
-    }
-#pragma unroll
-    for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
-    float acc[R][C];
+__device__ __forceinline__ void accumulate(const char* const (&wr)[R], const float* const (&xc)[C], int64_t k,
+                                           int lane, float (&acc)[R][C]) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -202,6 +183,33 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_ba
             }
         }
     }
+}
+
+// Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of the global weight rows
+// row_base + [R * kWarps * blockIdx.y, + R * kWarps); warp w of it R rows from
+// row_base + R * (kWarps * blockIdx.y + w). Rows and columns past the ends are clamped to the last
+// one (computed, never stored), which keeps the inner loop free of branches. kVec: 16-byte loads
+// of float weights and of activations.
+template <DType T, bool kVec, int R, int C>
+__global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_base, int64_t k, const float* x,
+                                                          int64_t x_stride, int64_t m) {
+    const int lane = threadIdx.x & 31;
+    const int64_t n_rows = p.row0[p.n];
+    const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
+    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
+    if (r0 >= n_rows) return;
+    const char* wr[R];
+    const float* xc[C];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int64_t row = min(r0 + r, n_rows - 1);
+        const int j = part_of(p, row);
+        wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
+    float acc[R][C];
+    accumulate<T, kVec, R, C>(wr, xc, k, lane, acc);
     if constexpr (R * C % 32 == 0) {
         // Reduce-scatter, 32 outputs at a time: at distance d a lane keeps the half of its outputs
         // whose bit d matches its own and adds the partner's partial of each (own + partner, as
@@ -248,6 +256,56 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const 
         a = warp_sum(a);
         if (lane == 0) y[c * y_stride + row] = a;
     }
+}
+
+// gate and up (equal shapes, one weight type and K) over the same activations, with the SWIGLU
+// that follows them as the epilogue: warp w of block (blockIdx.x, blockIdx.y) takes row
+// row_base + kWarps * blockIdx.y + w of both matrices and columns [C * blockIdx.x, + C), runs each
+// output's fmaf chain exactly as k_mul_mat does (accumulate, then warp_sum: the same xor tree),
+// and stores silu(gate) * up, the SWIGLU op's formula. So the bits are those of the three nodes
+// run apart, and the two products never reach memory.
+template <DType T, bool kVec, int C>
+__global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
+                                                              int64_t n_rows, int64_t row_base, int64_t k, const float* x,
+                                                              int64_t x_stride, int64_t m, float* y, int64_t y_stride) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
+    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
+    if (row >= n_rows) return;
+    const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
+    const float* xc[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
+    float acc[2][C];
+    accumulate<T, kVec, 2, C>(wr, xc, k, lane, acc);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        const float g = warp_sum(acc[0][c]), u = warp_sum(acc[1][c]);
+        if (lane == 0 && c0 + c < m) y[(c0 + c) * y_stride + row] = silu_f(g) * u;
+    }
+}
+
+template <DType T, bool kVec, int C>
+void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
+                       float* y, int64_t ys, cudaStream_t s) {
+    constexpr int64_t max_rows = int64_t{kWarps} * 65535;
+    const unsigned gx = grid_for(m, C);
+    for (int64_t r0 = 0; r0 < gate.n_rows; r0 += max_rows) {
+        const int64_t nr = std::min(max_rows, gate.n_rows - r0);
+        const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
+        k_mul_mat_glu<T, kVec, C><<<grid, kWarps * 32, 0, s>>>(
+            static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
+            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys);
+    }
+}
+
+template <DType T, bool kVec>
+void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
+                       float* y, int64_t ys, cudaStream_t s) {
+    if (m == 1) return mul_mat_glu_tiles<T, kVec, 1>(gate, up, k, x, xs, m, y, ys, s);
+    if (m == 2) return mul_mat_glu_tiles<T, kVec, 2>(gate, up, k, x, xs, m, y, ys, s);
+    if (m <= 4) return mul_mat_glu_tiles<T, kVec, 4>(gate, up, k, x, xs, m, y, ys, s);
+    return mul_mat_glu_tiles<T, kVec, 8>(gate, up, k, x, xs, m, y, ys, s);
 }
 
 // Row tiles go on grid.y (at most 65535 per launch), column tiles on grid.x, so the blocks that
@@ -297,6 +355,38 @@ bool matmul_add_epilogue(DType t, int64_t k) {
     if (matmul_tc_used(t, k)) return true;
     const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
     return !(float_type && k % 8 != 0) && k % dtype_block_size(t) == 0;
+}
+
+bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs,
+                       int64_t m, float* y, int64_t ys, cudaStream_t s) {
+    const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
+    if (m <= 0 || m > kMatmulGluMaxM || matmul_tc_used(t, k) || (float_type && k % 8 != 0) ||
+        k % dtype_block_size(t) != 0 || gate.n_rows != up.n_rows || gate.n_rows <= 0 || gate.add || up.add) {
+        return false;
+    }
+    bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
+    if (float_type) {
+        for (const MatmulPart* q : {&gate, &up}) {
+            vec = vec && reinterpret_cast<uintptr_t>(q->w) % 16 == 0 && q->row_bytes % 16 == 0;
+        }
+    }
+#define PYSPEC_GLU_CASE(D)                                                                            \
+    case D:                                                                                           \
+        if (vec) mul_mat_glu_typed<D, true>(gate, up, k, x, xs, m, y, ys, s);                         \
+        else mul_mat_glu_typed<D, false>(gate, up, k, x, xs, m, y, ys, s);                            \
+        break;
+    switch (t) {
+        PYSPEC_GLU_CASE(DType::F32)
+        PYSPEC_GLU_CASE(DType::F16)
+        PYSPEC_GLU_CASE(DType::BF16)
+        PYSPEC_GLU_CASE(DType::Q8_0)
+        PYSPEC_GLU_CASE(DType::Q4_0)
+        PYSPEC_GLU_CASE(DType::Q4_1)
+        default: return false;
+    }
+#undef PYSPEC_GLU_CASE
+    check_launch("mul_mat (swiglu)");
+    return true;
 }
 
 // Speed: by default every M runs on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200). Measured

@@ -262,9 +262,11 @@ def test_logits_match_the_cpu(model_dir, arch, wt):
 def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
     """The backend's fusions (PYSPEC_CUDA_FUSE=0 turns them off) change launches, not bits: MUL_MAT
     groups (q/k/v and gate/up as one launch each), the residual ADD in the o/down MUL_MAT's store,
-    and pairs of row-wise ops (q/k RoPE, K/V SET_ROWS, q/k norms). Every batch of the mixed steps
-    (matvec and tiled sizes) gives exactly the unfused logits, with 3 MUL_MAT launches fewer per
-    layer on the GPU."""
+    the SWIGLU in the gate/up launch's store, and pairs of row-wise ops (q/k RoPE, K/V SET_ROWS,
+    q/k norms). Every batch of the mixed steps (matvec and tiled sizes) gives exactly the unfused
+    logits, with 3 MUL_MAT launches fewer per layer on the GPU and, in a 3-row step, no ADD or
+    SWIGLU launch of their own and one RoPE and one SET_ROWS launch per layer (the planner keeps
+    those fusions' operands apart)."""
     tm, model = tiny(model_dir, arch, wt)
     kw = dict(n_ctx=N_CTX_SEQ * 4, n_seq_max=4, n_batch=32, check_plans=True)
     logits, launches = {}, {}
@@ -277,11 +279,16 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
         ctx._ctx.set_profiling(True)
         ctx.decode([3, 9, 27])
         ctx._ctx.set_profiling(False)
-        launches[fuse] = dict((name, calls) for name, _, calls in ctx._ctx.op_profile())["MUL_MAT"]
+        launches[fuse] = dict((name, calls) for name, _, calls in ctx._ctx.op_profile())
     for a, b in zip(logits["0"], logits["1"]):
         np.testing.assert_array_equal(a, b)
     if DEVICE == "cuda":
-        assert launches["0"] - launches["1"] == 3 * model.n_layer
+        fused, apart = launches["1"], launches["0"]
+        assert apart["MUL_MAT"] - fused["MUL_MAT"] == 3 * model.n_layer
+        assert fused.get("ADD", 0) == 0 and fused.get("SWIGLU", 0) == 0, fused
+        assert fused["ROPE"] == fused["SET_ROWS"] == model.n_layer, fused
+        assert apart["ROPE"] == apart["SET_ROWS"] == apart["ADD"] == 2 * model.n_layer, apart
+        assert apart["SWIGLU"] == model.n_layer, apart
 
 
 @gpu

@@ -245,6 +245,47 @@ def test_mul_mat_float_weights_odd_k(dtype, m, mm_path):
     check_mul_mat(dtype, 33, 200, m, seed=900 + m)
 
 
+def swiglu_ffn_build(stored_g, stored_u, dtype, x, n_rows):
+    """SWIGLU(gate x, up x): the two MUL_MATs over the same activations, then the SWIGLU node."""
+    m, k = x.shape
+
+    def build():
+        g = core.Graph()
+        tg = g.external(dtype, [k, n_rows], "w_gate")
+        tu = g.external(dtype, [k, n_rows], "w_up")
+        tx = g.input("F32", [k, m], "x")
+        gate = cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [tg, tx])
+        up = cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [tu, tx])
+        out = cpu.node(g, "SWIGLU", "F32", [n_rows, m], [gate, up])
+        return g, {tg: stored_g, tu: stored_u, tx: x}, [out]
+
+    return build
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_swiglu_epilogue_gives_the_unfused_bits(dtype, monkeypatch):
+    """gate/up MUL_MATs followed by SWIGLU run as one launch that stores silu(gate) * up (M <= 16 on
+    the CUDA cores): exactly the bits of the three nodes run apart (PYSPEC_CUDA_FUSE=0), at every
+    batch size, and a row's bits alone equal its bits inside a batch that takes the unfused path
+    (M = 17)."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    n_rows, k = 200, 576
+    stored_g, x = mm_inputs(dtype, n_rows, k, 17, seed=31)
+    stored_u, _ = mm_inputs(dtype, n_rows, k, 1, seed=32)
+    out = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
+        for m in (1, 2, 3, 5, 16, 17):
+            (y,) = run_on(DEVICE, swiglu_ffn_build(stored_g, stored_u, dtype, x[:m], n_rows))
+            out[fuse, m] = y.reshape(m, n_rows)
+    for m in (1, 2, 3, 5, 16, 17):
+        np.testing.assert_array_equal(out["1", m], out["0", m], err_msg=f"M={m}")
+        np.testing.assert_array_equal(out["1", m], out["1", 17][:m], err_msg=f"M={m} against M=17")
+    (ref,) = run_on("cpu", swiglu_ffn_build(stored_g, stored_u, dtype, x[:5], n_rows))
+    np.testing.assert_allclose(out["1", 5], ref.reshape(5, n_rows), rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
 @gpu
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):
