@@ -40,6 +40,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -395,6 +396,7 @@ private:
         }
         if (t.op == Op::ROPE) {
             require(t.iparams[0] >= 0 && t.iparams[0] <= g[t.src[0]].ne[0] && t.iparams[0] % 2 == 0, t, "bad n_rot");
+            require(g[t.src[0]].ne[3] == 1 && g[t.src[0]].nb[0] == sizeof(float), t, "rows must be [head_dim, n_head, n_rows] F32");
         }
         job.dst = desc(g, id);
         job.src = desc(g, t.src[0]);
@@ -408,9 +410,12 @@ private:
         switch (t.op) {
             case Op::RMS_NORM: cuda::launch_rms_norm(jobs, n, t.fparams[0], stream_); return;
             case Op::ROPE: {
-                const float* ff = t.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, t.src[2])) : nullptr;
-                cuda::launch_rope(jobs, n, reinterpret_cast<const int32_t*>(dptr(g, t.src[1])), ff, t.iparams[0],
-                                  t.iparams[1] == 2, t.fparams[0], t.fparams[1], stream_);
+                cuda::RopeJob rj[cuda::kMaxOpJobs];
+                for (int i = 0; i < n; ++i) {
+                    rj[i].dst = jobs[i].dst;
+                    rj[i].src = jobs[i].src;
+                }
+                launch_rope(g, id, rj, n, nullptr);
                 return;
             }
             case Op::SET_ROWS:
@@ -418,6 +423,75 @@ private:
                 return;
             default: throw std::logic_error("cuda backend: launch_jobs: not a row-wise op");
         }
+    }
+
+    // One RoPE launch of jobs with node id's positions and parameters; cells: the K/V SET_ROWS
+    // cells when the jobs store into caches.
+    void launch_rope(const Graph& g, int id, const cuda::RopeJob* jobs, int n, const int32_t* cells) {
+        const Tensor& t = g[id];
+        const float* ff = t.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, t.src[2])) : nullptr;
+        cuda::launch_rope(jobs, n, reinterpret_cast<const int32_t*>(dptr(g, t.src[1])), cells, ff, t.iparams[0],
+                          t.iparams[1] == 2, t.fparams[0], t.fparams[1], err_, stream_);
+    }
+
+    // The next node after i that computes (not a leaf or a view), or g.size().
+    static int next_computed(const Graph& g, int i) {
+        int j = i + 1;
+        while (j < g.size() && (g[j].op == Op::NONE || g[j].op == Op::VIEW)) ++j;
+        return j;
+    }
+
+    // The q/k RoPE pair (a, b) and the K/V SET_ROWS pair right after it as one launch: when the
+    // next computed nodes are SET_ROWS(k_cache, b's rows as one contiguous reshape, cells) and
+    // SET_ROWS(v_cache, v, the same cells) into F16/F32 caches whose rows match, the k job also
+    // writes its rotated rows into k_cache and a third job copies v into v_cache (the same
+    // conversion as SET_ROWS). Nothing written may overlap anything read. Returns the last
+    // SET_ROWS, or -1 (nothing launched) when the pattern or a check does not hold.
+    int run_rope_and_store(const Graph& g, int a, int b) {
+        const int c = next_computed(g, b);
+        const int d = c < g.size() ? next_computed(g, c) : g.size();
+        if (d >= g.size() || g[c].op != Op::SET_ROWS || g[d].op != Op::SET_ROWS || g[c].src[2] != g[d].src[2]) return -1;
+        const Tensor& rk = g[b];
+        const Tensor& kv = g[g[c].src[1]];  // b's rows, [head_dim * n_head, n_rows]
+        const Tensor& kc = g[g[c].src[0]];
+        const Tensor& vc = g[g[d].src[0]];
+        const Tensor& v = g[g[d].src[1]];
+        const size_t f = sizeof(float);
+        const bool contiguous_b = rk.nb[0] == f && rk.nb[1] == static_cast<size_t>(rk.ne[0]) * f &&
+                                  rk.nb[2] == static_cast<size_t>(rk.ne[1]) * rk.nb[1] && rk.ne[3] == 1;
+        if (!contiguous_b || kv.view_src != b || kv.view_offset != 0 || kv.ne[0] != rk.ne[0] * rk.ne[1] ||
+            kv.ne[1] != rk.ne[2] || kv.nb[0] != f || kv.nb[1] != static_cast<size_t>(kv.ne[0]) * f) {
+            return -1;
+        }
+        for (const Tensor* cache : {&kc, &vc}) {
+            if (cache->dtype != DType::F16 && cache->dtype != DType::F32) return -1;
+        }
+        if (kc.ne[0] != kv.ne[0] || vc.ne[0] != v.ne[0] || v.dtype != DType::F32 || v.nrows() != kv.ne[1]) return -1;
+        const Span written[] = {span(g, a), span(g, b), span(g, g[c].src[0]), span(g, g[d].src[0])};
+        const Span read[] = {span(g, g[a].src[0]), span(g, g[b].src[0]), span(g, g[d].src[1]), span(g, g[a].src[1]),
+                             span(g, g[c].src[2])};
+        for (size_t i = 0; i < std::size(written); ++i) {
+            for (size_t j = i + 1; j < std::size(written); ++j) {
+                if (overlaps(written[i], written[j])) return -1;
+            }
+            for (const Span& r : read) {
+                if (overlaps(written[i], r)) return -1;
+            }
+        }
+        cuda::RopeJob jobs[3];
+        const int ids[2] = {a, b};
+        for (int i = 0; i < 2; ++i) {
+            const cuda::OpJob j = op_job(g, ids[i]);
+            jobs[i].dst = j.dst;
+            jobs[i].src = j.src;
+        }
+        jobs[1].kind = cuda::RopeJob::kRopeStore;
+        jobs[1].cache = desc(g, g[c].src[0]);
+        jobs[2].kind = cuda::RopeJob::kStore;
+        jobs[2].src = desc(g, g[d].src[1]);
+        jobs[2].cache = desc(g, g[d].src[0]);
+        launch_rope(g, a, jobs, 3, reinterpret_cast<const int32_t*>(dptr(g, g[c].src[2])));
+        return d;
     }
 
     // Bytes [first, second) a tensor spans on the device, and whether two spans share a byte: the
@@ -435,11 +509,14 @@ private:
     // the first writes, and neither writes what the other reads or writes. The spans are checked
     // on the device addresses, so no plan can make the pair unsafe. Returns the last node run.
     int run_op_pair(const Graph& g, int id) {
-        int b = id + 1;
-        while (b < g.size() && (g[b].op == Op::NONE || g[b].op == Op::VIEW)) ++b;
+        const int b = next_computed(g, id);
         if (b >= g.size() || !pairable(g, id, b)) {
             run_node(g, id);
             return id;
+        }
+        if (g[id].op == Op::ROPE) {
+            const int last = run_rope_and_store(g, id, b);
+            if (last >= 0) return last;
         }
         const cuda::OpJob jobs[2] = {op_job(g, id), op_job(g, b)};
         launch_jobs(g, id, jobs, 2);
@@ -506,8 +583,7 @@ private:
         const Tensor& w = g[mm.src[0]];
         if (!cuda::matmul_add_epilogue(w.dtype, w.ne[0])) return -1;
         if (mm.has(kOutput) || mm.has(kPinned) || uses_[static_cast<size_t>(id)] != 1) return -1;
-        int a = id + 1;
-        while (a < g.size() && (g[a].op == Op::NONE || g[a].op == Op::VIEW)) ++a;
+        const int a = next_computed(g, id);
         if (a >= g.size() || g[a].op != Op::ADD) return -1;
         const Tensor& add = g[a];
         int other = -1;
@@ -539,8 +615,7 @@ private:
     // shape apart from the activations, returns its id (launch_matmul_glu stores silu(gate) * up
     // there and the products never reach memory); else -1.
     int swiglu_after(const Graph& g, int gate, int up) {
-        int a = up + 1;
-        while (a < g.size() && (g[a].op == Op::NONE || g[a].op == Op::VIEW)) ++a;
+        const int a = next_computed(g, up);
         if (a >= g.size() || g[a].op != Op::SWIGLU || g[a].src[0] != gate || g[a].src[1] != up) return -1;
         const Tensor& glu = g[a];
         for (int id : {gate, up}) {

@@ -29,8 +29,20 @@ void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s);
 void launch_binary(int kind, const TDesc& dst, const TDesc& a, const TDesc& b, cudaStream_t s);
 // kind: 0 scale (by f), 1 silu
 void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStream_t s);
-void launch_rope(const OpJob* jobs, int n, const int32_t* pos, const float* factors, int n_rot, bool neox,
-                 float freq_base, float freq_scale, cudaStream_t s);
+// ROPE of one node or a q/k pair (same positions and parameters), optionally with the K/V
+// SET_ROWS pair that follows as the same launch: the k job (kRopeStore) also writes its rotated
+// rows to cache rows cells[t], and a kStore job copies the V rows to cells[t] of its cache (F16 or
+// F32 caches; the bits SET_ROWS would store).
+constexpr int kMaxRopeJobs = 3;
+struct RopeJob {
+    enum Kind : int { kRope = 0, kRopeStore = 1, kStore = 2 };
+    TDesc dst;    // the rotated rows (kRope, kRopeStore)
+    TDesc src;    // [head_dim, n_head, n_rows] (kStore: any rows)
+    TDesc cache;  // kRopeStore, kStore: the cache, rows of head_dim * n_head (kStore: src's row length)
+    int kind = kRope;
+};
+void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* cells, const float* factors, int n_rot,
+                 bool neox, float freq_base, float freq_scale, unsigned* err, cudaStream_t s);
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s);
 void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s);

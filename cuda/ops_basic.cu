@@ -256,42 +256,83 @@ __global__ void k_unary(int kind, TDesc dst, TDesc a, float f) {
     }
 }
 
-// One block per token (grid-stride over tokens): the block's threads first compute the token's
-// angles exactly as the CPU does (in double, from the position), one per pair, into shared memory;
-// then every thread rotates (head, pair) elements of the token, and copies the unrotated tail.
-// A decode step used to run one thread per pair, each rotating that pair in every head in turn.
-__global__ void k_rope(const __grid_constant__ Jobs jobs, const int32_t* pos, const float* factors, int n_rot,
-                       int neox, double base, double fscale) {
-    const TDesc& dst = jobs.j[blockIdx.y].dst;
-    const TDesc& x = jobs.j[blockIdx.y].src;
+// The jobs of one RoPE launch (launch_rope): job blockIdx.y.
+struct RopeJobs {
+    RopeJob j[kMaxRopeJobs];
+};
+
+// One block per (token, job), grid-stride over tokens. A rotating job's threads first compute the
+// token's angles exactly as the CPU does (in double, from the position), one per pair, into shared
+// memory; then warp w rotates heads w, w + nwarps, ... (lanes over the pairs, then over the
+// unrotated tail), so no thread divides to find its head. kRopeStore also writes the rotated row to
+// cache row cells[t] (SET_ROWS of the rotated K, the same conversion as k_set_rows_elem); kStore
+// only copies source row t to cache row cells[t] (the V of the same cells). An out-of-range cell
+// sets kErrSetRowsId and is not written, as SET_ROWS does.
+__global__ void k_rope(const __grid_constant__ RopeJobs jobs, const int32_t* pos, const int32_t* cells,
+                       const float* factors, int n_rot, int neox, double base, double fscale, unsigned* err) {
+    const RopeJob& job = jobs.j[blockIdx.y];
+    const TDesc& dst = job.dst;
+    const TDesc& x = job.src;
     extern __shared__ float s_rope[];  // cos[half], sin[half]
     const int half = n_rot / 2;
-    const int64_t hd = x.ne[0], n_head = x.ne[1];
-    const int64_t per_h = half + (hd - n_rot);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const bool store = job.kind != RopeJob::kRope;
+    if (job.kind == RopeJob::kStore) {
+        const int64_t n0 = x.ne[0];
+        for (int64_t t = blockIdx.x; t < x.nrows(); t += gridDim.x) {
+            const int32_t id = cells[t];
+            if (id < 0 || id >= job.cache.ne[1]) {
+                if (threadIdx.x == 0) atomicOr(err, kErrSetRowsId);
+                continue;
+            }
+            const char* xr = x.row(t);
+            char* cr = job.cache.data + static_cast<int64_t>(id) * job.cache.nb[1];
+            for (int64_t i = threadIdx.x; i < n0; i += blockDim.x) store_elem(job.cache.dtype, cr, i, load_elem(x.dtype, xr, i));
+        }
+        return;
+    }
+    const int hd = static_cast<int>(x.ne[0]), n_head = static_cast<int>(x.ne[1]);
     for (int64_t t = blockIdx.x; t < x.ne[2]; t += gridDim.x) {
         __syncthreads();  // the previous token's angles are no longer read
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
             double theta = fscale * pos[t] * pow(base, -2.0 * i / n_rot);
             if (factors) theta /= factors[i];
-            s_rope[i] = static_cast<float>(cos(theta));
-            s_rope[half + i] = static_cast<float>(sin(theta));
+            double sn, cs;
+            sincos(theta, &sn, &cs);
+            s_rope[i] = static_cast<float>(cs);
+            s_rope[half + i] = static_cast<float>(sn);
         }
         __syncthreads();
-        for (int64_t e = threadIdx.x; e < n_head * per_h; e += blockDim.x) {
-            const int64_t h = e / per_h, j = e % per_h;
-            const float* xr = reinterpret_cast<const float*>(x.row(t * n_head + h));
-            float* yr = reinterpret_cast<float*>(dst.row(t * n_head + h));
-            if (j < half) {
-                const int i = static_cast<int>(j);
+        char* crow = nullptr;
+        if (store) {
+            const int32_t id = cells[t];
+            if (id >= 0 && id < job.cache.ne[1]) {
+                crow = job.cache.data + static_cast<int64_t>(id) * job.cache.nb[1];
+            } else if (threadIdx.x == 0) {
+                atomicOr(err, kErrSetRowsId);
+            }
+        }
+        for (int h = warp; h < n_head; h += n_warps) {
+            const float* xr = reinterpret_cast<const float*>(x.data + t * x.nb[2] + h * x.nb[1]);
+            float* yr = reinterpret_cast<float*>(dst.data + t * dst.nb[2] + h * dst.nb[1]);
+            const int64_t c0 = static_cast<int64_t>(h) * hd;  // the head's first element in the cache row
+            for (int i = lane; i < half; i += 32) {
                 const float cs = s_rope[i], sn = s_rope[half + i];
                 const int i0 = neox ? i : 2 * i;
                 const int i1 = neox ? i + half : 2 * i + 1;
                 const float a = xr[i0], b = xr[i1];
-                yr[i0] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
-                yr[i1] = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
-            } else {
-                const int64_t i = n_rot + (j - half);
+                const float y0 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+                const float y1 = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
+                yr[i0] = y0;
+                yr[i1] = y1;
+                if (crow) {
+                    store_elem(job.cache.dtype, crow, c0 + i0, y0);
+                    store_elem(job.cache.dtype, crow, c0 + i1, y1);
+                }
+            }
+            for (int i = n_rot + lane; i < hd; i += 32) {
                 yr[i] = xr[i];
+                if (crow) store_elem(job.cache.dtype, crow, c0 + i, xr[i]);
             }
         }
     }
@@ -480,14 +521,19 @@ void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStrea
     k_unary<<<elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s>>>(kind, dst, a, f);
 }
 
-void launch_rope(const OpJob* jobs, int n, const int32_t* pos, const float* factors, int n_rot, bool neox,
-                 float freq_base, float freq_scale, cudaStream_t s) {
-    const Jobs j = make_jobs(jobs, n);
+void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* cells, const float* factors, int n_rot,
+                 bool neox, float freq_base, float freq_scale, unsigned* err, cudaStream_t s) {
+    if (n < 1 || n > kMaxRopeJobs) throw std::logic_error("cuda backend: bad RoPE job count");
+    RopeJobs j{};
+    for (int i = 0; i < n; ++i) {
+        if (jobs[i].kind != RopeJob::kRope && !cells) throw std::logic_error("cuda backend: RoPE store without cells");
+        j.j[i] = jobs[i];
+    }
     const int64_t tokens = jobs[0].src.ne[2];
     if (tokens == 0 || jobs[0].src.ne[1] == 0) return;
     const unsigned grid = static_cast<unsigned>(tokens < 65535 * 16 ? tokens : 65535 * 16);
     k_rope<<<dim3(grid, n), kThreads, static_cast<size_t>(n_rot) * sizeof(float), s>>>(
-        j, pos, factors, n_rot, neox ? 1 : 0, static_cast<double>(freq_base), static_cast<double>(freq_scale));
+        j, pos, cells, factors, n_rot, neox ? 1 : 0, static_cast<double>(freq_base), static_cast<double>(freq_scale), err);
 }
 
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s) {

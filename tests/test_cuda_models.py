@@ -262,11 +262,11 @@ def test_logits_match_the_cpu(model_dir, arch, wt):
 def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
     """The backend's fusions (PYSPEC_CUDA_FUSE=0 turns them off) change launches, not bits: MUL_MAT
     groups (q/k/v and gate/up as one launch each), the residual ADD in the o/down MUL_MAT's store,
-    the SWIGLU in the gate/up launch's store, and pairs of row-wise ops (q/k RoPE, K/V SET_ROWS,
-    q/k norms). Every batch of the mixed steps (matvec and tiled sizes) gives exactly the unfused
-    logits, with 3 MUL_MAT launches fewer per layer on the GPU and, in a 3-row step, no ADD or
-    SWIGLU launch of their own and one RoPE and one SET_ROWS launch per layer (the planner keeps
-    those fusions' operands apart)."""
+    the SWIGLU in the gate/up launch's store, pairs of row-wise ops (q/k RoPE, K/V SET_ROWS,
+    q/k norms), and the RoPE pair with the K/V SET_ROWS after it. Every batch of the mixed steps (matvec and tiled sizes) gives exactly the unfused
+    logits, with 3 MUL_MAT launches fewer per layer on the GPU and, in a 3-row step, no ADD,
+    SWIGLU or SET_ROWS launch of their own and one RoPE launch per layer, which also stores K and
+    V (the planner keeps those fusions' operands apart)."""
     tm, model = tiny(model_dir, arch, wt)
     kw = dict(n_ctx=N_CTX_SEQ * 4, n_seq_max=4, n_batch=32, check_plans=True)
     logits, launches = {}, {}
@@ -286,7 +286,7 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
         fused, apart = launches["1"], launches["0"]
         assert apart["MUL_MAT"] - fused["MUL_MAT"] == 3 * model.n_layer
         assert fused.get("ADD", 0) == 0 and fused.get("SWIGLU", 0) == 0, fused
-        assert fused["ROPE"] == fused["SET_ROWS"] == model.n_layer, fused
+        assert fused["ROPE"] == model.n_layer and fused.get("SET_ROWS", 0) == 0, fused
         assert apart["ROPE"] == apart["SET_ROWS"] == apart["ADD"] == 2 * model.n_layer, apart
         assert apart["SWIGLU"] == model.n_layer, apart
 

@@ -666,6 +666,63 @@ def test_set_rows_then_attention_reads_the_new_cells(cache_dtype):
     assert np.array_equal(vs.reshape(-1).view(np.uint8), cpu.raw_bytes(v_want[rows]))
 
 
+@gpu
+@pytest.mark.parametrize("mode", [0, 2], ids=["normal", "neox"])
+@pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
+def test_rope_and_kv_store_as_one_launch(cache_dtype, mode, monkeypatch):
+    """q/k ROPE then the K/V SET_ROWS of the rotated k and of v (a decoder layer's order) run as
+    one launch: the rotated q and k, and both caches, are the bits of the four nodes run apart
+    (PYSPEC_CUDA_FUSE=0); an out-of-range cell is reported either way."""
+    rng = np.random.default_rng(21 + mode)
+    hd, n_q, n_kv, n_new, n_cells = 64, 6, 2, 5, 40
+    width = hd * n_kv
+    q = rng.standard_normal((n_new, n_q, hd)).astype(np.float32)
+    k = rng.standard_normal((n_new, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n_new, width)).astype(np.float32)
+    pos = np.array([3, 4, 5, 900, 901], np.int32)
+    k_all = cpu.encode(rng.standard_normal((n_cells, width)), cache_dtype)
+    v_all = cpu.encode(rng.standard_normal((n_cells, width)), cache_dtype)
+
+    def build_for(cells):
+        def build():
+            g = core.Graph()
+            tq = g.input("F32", [hd, n_q, n_new], "q")
+            tk = g.input("F32", [hd, n_kv, n_new], "k")
+            tv = g.input("F32", [width, n_new], "v")
+            tp = g.input("I32", [n_new], "pos")
+            tc = g.input("I32", [n_new], "cells")
+            rq = cpu.node(g, "ROPE", "F32", [hd, n_q, n_new], [tq, tp], [hd, mode], [10000.0, 1.0])
+            rk = cpu.node(g, "ROPE", "F32", [hd, n_kv, n_new], [tk, tp], [hd, mode], [10000.0, 1.0])
+            kc = g.external(cache_dtype, [width, n_cells], "k_cache")
+            vc = g.external(cache_dtype, [width, n_cells], "v_cache")
+            ks = g.set_rows(kc, g.reshape(rk, [width, n_new]), tc)
+            vs = g.set_rows(vc, tv, tc)
+            feeds = {tq: q, tk: k, tv: v, tp: pos, tc: cells, kc: k_all, vc: v_all}
+            return g, feeds, [rq, rk, ks, vs]
+        return build
+
+    cells = np.array([7, 8, 9, 30, 2], np.int32)
+    out = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
+        out[fuse] = run_on(DEVICE, build_for(cells))
+    for a, b, what in zip(out["1"], out["0"], ("q", "k", "k cache", "v cache")):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), what
+    k_cache = np.asarray(out["1"][2]).reshape(-1).view(np.uint8)
+    want = k_all.copy()
+    want[cells] = cpu.encode(np.asarray(out["1"][1]).reshape(n_new, width), cache_dtype)
+    assert np.array_equal(k_cache, cpu.raw_bytes(want))
+    want = v_all.copy()
+    want[cells] = cpu.encode(v, cache_dtype)
+    assert np.array_equal(np.asarray(out["1"][3]).reshape(-1).view(np.uint8), cpu.raw_bytes(want))
+    bad = cells.copy()
+    bad[3] = n_cells
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
+        with pytest.raises(RuntimeError, match="out of range"):
+            run_on(DEVICE, build_for(bad))
+
+
 # --------------------------------------------------------------------------------------------
 # ROPE, RMS_NORM
 # --------------------------------------------------------------------------------------------
