@@ -406,6 +406,14 @@ def _overlap(plan, g, a, b):
     return oa < ob + g.nbytes(b) and ob < oa + g.nbytes(a)
 
 
+def _matmuls_of_fresh_activations(g, n):
+    """x (an input of 64), act = SCALE(x) and n MUL_MATs of act by their own 64 x 64 weights."""
+    x = g.input("F32", [64], "x")
+    act = g.add_node("SCALE", "F32", [64], [x], "act")
+    return x, act, [g.add_node("MUL_MAT", "F32", [64], [g.external("F32", [64, 64], f"w{i}"), act], f"mm{i}")
+                    for i in range(n)]
+
+
 def test_sources_outlive_a_fusable_next_node():
     """A node's sources stay live through the next node when a backend may fuse the two: a
     MUL_MAT and the consumer of its product (CUDA's residual and SwiGLU epilogues store the
@@ -425,12 +433,7 @@ def test_sources_outlive_a_fusable_next_node():
     assert py_check(g, plan) == []
     # gate and up read h; SWIGLU follows up: h must outlive it
     g = core.Graph()
-    x = g.input("F32", [64], "x")
-    wg = g.external("F32", [64, 64], "wg")
-    wu = g.external("F32", [64, 64], "wu")
-    h = g.add_node("SCALE", "F32", [64], [x], "h")
-    gate = g.add_node("MUL_MAT", "F32", [64], [wg, h], "gate")
-    up = g.add_node("MUL_MAT", "F32", [64], [wu, h], "up")
+    _, h, (gate, up) = _matmuls_of_fresh_activations(g, 2)
     glu = g.add_node("SWIGLU", "F32", [64], [gate, up], "glu")
     g.set_output(glu)
     plan = core.make_plan(g, 64)
@@ -449,10 +452,7 @@ def test_sources_outlive_a_fusable_next_node():
     assert py_check(g, plan) == []
     # a node that does not consume the product may reuse the activations' bytes as before
     g = core.Graph()
-    x = g.input("F32", [64], "x")
-    w = g.external("F32", [64, 64], "w")
-    act = g.add_node("SCALE", "F32", [64], [x], "act")
-    mm = g.add_node("MUL_MAT", "F32", [64], [w, act], "mm")
+    x, act, (mm,) = _matmuls_of_fresh_activations(g, 1)
     other = g.add_node("SILU", "F32", [64], [x], "other")
     out = g.add_node("ADD", "F32", [64], [mm, other], "out")
     g.set_output(out)
