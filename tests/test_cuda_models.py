@@ -33,6 +33,8 @@ On the GPU machine (after building with -DPYSPEC_CUDA=ON):
 from __future__ import annotations
 
 
+import os
+
 import numpy as np
 import pytest
 
@@ -285,7 +287,11 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
     if DEVICE == "cuda":
         fused, apart = launches["1"], launches["0"]
         assert apart["MUL_MAT"] - fused["MUL_MAT"] == 3 * model.n_layer
-        assert fused.get("ADD", 0) == 0 and fused.get("SWIGLU", 0) == 0, fused
+        # the SwiGLU epilogue is the CUDA-core kernel's; the tensor-core path (opt-in, every
+        # weight type here but F32) keeps SWIGLU a launch of its own
+        tensor_cores = os.environ.get("PYSPEC_CUDA_TC") == "1" and wt != "F32"
+        assert fused.get("ADD", 0) == 0, fused
+        assert fused.get("SWIGLU", 0) == (model.n_layer if tensor_cores else 0), fused
         assert fused["ROPE"] == model.n_layer and fused.get("SET_ROWS", 0) == 0, fused
         assert apart["ROPE"] == apart["SET_ROWS"] == apart["ADD"] == 2 * model.n_layer, apart
         assert apart["SWIGLU"] == model.n_layer, apart
