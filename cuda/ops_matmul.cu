@@ -13,6 +13,7 @@
 // tensor cores; a tensor-core GEMM with a fixed k order per output, used for every M, would bring
 // prefill speed back (see the notes in the launcher): cuda/matmul_tc.cu, opt-in (PYSPEC_CUDA_TC=1).
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/kernels.h"
 
@@ -336,14 +337,35 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
     return mul_mat_tiles<T, kVec, 4, 8>(p, k, x, xs, m, s);
 }
 
-// The 16-byte-load choice is a template parameter: it changes how values are loaded, never which
-// values meet in which order.
-template <DType T>
-void mul_mat_dispatch(bool vec, const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
-    if (vec) {
-        mul_mat_typed<T, true>(p, k, x, xs, m, s);
-    } else {
-        mul_mat_typed<T, false>(p, k, x, xs, m, s);
+bool float_weights(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
+// 16-byte loads: activations (and float weights) 16-byte aligned at every row. The choice changes
+// how values are loaded, not which values meet in which order.
+bool sixteen_byte_loads(DType t, const float* x, int64_t xs, const MatmulPart* parts, int n) {
+    bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
+    for (int j = 0; j < n && float_weights(t); ++j) {
+        vec = vec && reinterpret_cast<uintptr_t>(parts[j].w) % 16 == 0 && parts[j].row_bytes % 16 == 0;
+    }
+    return vec;
+}
+
+// Calls f(integral_constant<DType, t>, bool_constant<vec>) for the CUDA-core kernels' weight
+// types, the 16-byte-load choice being a template parameter too; false for any other type.
+template <class F>
+bool with_weight_type(DType t, bool vec, F&& f) {
+    const auto go = [&](auto type) {
+        if (vec) f(type, std::true_type{});
+        else f(type, std::false_type{});
+        return true;
+    };
+    switch (t) {
+        case DType::F32: return go(std::integral_constant<DType, DType::F32>{});
+        case DType::F16: return go(std::integral_constant<DType, DType::F16>{});
+        case DType::BF16: return go(std::integral_constant<DType, DType::BF16>{});
+        case DType::Q8_0: return go(std::integral_constant<DType, DType::Q8_0>{});
+        case DType::Q4_0: return go(std::integral_constant<DType, DType::Q4_0>{});
+        case DType::Q4_1: return go(std::integral_constant<DType, DType::Q4_1>{});
+        default: return false;
     }
 }
 
@@ -353,40 +375,21 @@ void mul_mat_dispatch(bool vec, const Parts& p, int64_t k, const float* x, int64
 // generic path has none.
 bool matmul_add_epilogue(DType t, int64_t k) {
     if (matmul_tc_used(t, k)) return true;
-    const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
-    return !(float_type && k % 8 != 0) && k % dtype_block_size(t) == 0;
+    return !(float_weights(t) && k % 8 != 0) && k % dtype_block_size(t) == 0;
 }
 
 bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs,
                        int64_t m, float* y, int64_t ys, cudaStream_t s) {
-    const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
-    if (m <= 0 || m > kMatmulGluMaxM || matmul_tc_used(t, k) || (float_type && k % 8 != 0) ||
+    if (m <= 0 || m > kMatmulGluMaxM || matmul_tc_used(t, k) || (float_weights(t) && k % 8 != 0) ||
         k % dtype_block_size(t) != 0 || gate.n_rows != up.n_rows || gate.n_rows <= 0 || gate.add || up.add) {
         return false;
     }
-    bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
-    if (float_type) {
-        for (const MatmulPart* q : {&gate, &up}) {
-            vec = vec && reinterpret_cast<uintptr_t>(q->w) % 16 == 0 && q->row_bytes % 16 == 0;
-        }
-    }
-#define PYSPEC_GLU_CASE(D)                                                                            \
-    case D:                                                                                           \
-        if (vec) mul_mat_glu_typed<D, true>(gate, up, k, x, xs, m, y, ys, s);                         \
-        else mul_mat_glu_typed<D, false>(gate, up, k, x, xs, m, y, ys, s);                            \
-        break;
-    switch (t) {
-        PYSPEC_GLU_CASE(DType::F32)
-        PYSPEC_GLU_CASE(DType::F16)
-        PYSPEC_GLU_CASE(DType::BF16)
-        PYSPEC_GLU_CASE(DType::Q8_0)
-        PYSPEC_GLU_CASE(DType::Q4_0)
-        PYSPEC_GLU_CASE(DType::Q4_1)
-        default: return false;
-    }
-#undef PYSPEC_GLU_CASE
-    check_launch("mul_mat (swiglu)");
-    return true;
+    const MatmulPart both[2] = {gate, up};
+    const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, both, 2), [&](auto type, auto vec) {
+        mul_mat_glu_typed<decltype(type)::value, decltype(vec)::value>(gate, up, k, x, xs, m, y, ys, s);
+    });
+    if (launched) check_launch("mul_mat (swiglu)");
+    return launched;
 }
 
 // Speed: by default every M runs on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200). Measured
@@ -398,7 +401,6 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
     if (m <= 0) return;
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
-    const bool float_type = t == DType::F32 || t == DType::F16 || t == DType::BF16;
     // Tensor cores: chosen by the weight type and K only, never by M, so every batch size of a
     // weight takes the same computation; narrow batches run it on the narrow kernel (a whole group
     // per launch), the rest part by part on the wide one (the same bits either way).
@@ -407,7 +409,7 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         for (int j = 0; j < n_parts; ++j) launch_matmul_tc_wide(t, parts[j], k, x, xs, m, s);
         return;
     }
-    if (float_type && k % 8 != 0) {
+    if (float_weights(t) && k % 8 != 0) {
         for (int j = 0; j < n_parts; ++j) {
             if (parts[j].add) throw std::logic_error("cuda backend: mul_mat: an add epilogue on a path without one");
         }
@@ -424,9 +426,6 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
     Parts p{};
     p.n = n_parts;
     p.row0[0] = 0;
-    // 16-byte loads: activations (and float weights) 16-byte aligned at every row. The choice
-    // changes how values are loaded, not which values meet in which order.
-    bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
     for (int j = 0; j < n_parts; ++j) {
         const MatmulPart& q = parts[j];
         p.w[j] = static_cast<const char*>(q.w);
@@ -436,18 +435,12 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         p.add[j] = q.add;
         p.as[j] = q.add_stride;
         p.row0[j + 1] = p.row0[j] + std::max<int64_t>(0, q.n_rows);
-        if (float_type) vec = vec && reinterpret_cast<uintptr_t>(q.w) % 16 == 0 && q.row_bytes % 16 == 0;
     }
     if (p.row0[n_parts] == 0) return;
-    switch (t) {
-        case DType::F32: mul_mat_dispatch<DType::F32>(vec, p, k, x, xs, m, s); break;
-        case DType::F16: mul_mat_dispatch<DType::F16>(vec, p, k, x, xs, m, s); break;
-        case DType::BF16: mul_mat_dispatch<DType::BF16>(vec, p, k, x, xs, m, s); break;
-        case DType::Q8_0: mul_mat_dispatch<DType::Q8_0>(vec, p, k, x, xs, m, s); break;
-        case DType::Q4_0: mul_mat_dispatch<DType::Q4_0>(vec, p, k, x, xs, m, s); break;
-        case DType::Q4_1: mul_mat_dispatch<DType::Q4_1>(vec, p, k, x, xs, m, s); break;
-        default: throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
-    }
+    const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, parts, n_parts), [&](auto type, auto vec) {
+        mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, s);
+    });
+    if (!launched) throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
     check_launch("mul_mat");
 }
 
