@@ -38,6 +38,7 @@
 // runs everything eagerly; PYSPEC_CUDA_GRAPH_CACHE bounds the instantiated graphs per backend (64).
 #include "cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <iterator>
@@ -77,6 +78,8 @@ public:
         for (auto& u : uploads_) cudaFree(u.second);
         for (auto& p : persistent_) cudaFree(p.first);
         if (arena_) cudaFree(arena_);
+        if (scratch_.partial) cudaFree(scratch_.partial);
+        if (scratch_.counters) cudaFree(scratch_.counters);
         if (err_) cudaFree(err_);
         for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
         cudaStreamDestroy(stream_);
@@ -119,6 +122,7 @@ public:
 
     void compute(Graph& graph) override {
         check(cudaSetDevice(device_), "cudaSetDevice");
+        reserve_matmul_scratch(graph);
         resolved_.assign(static_cast<size_t>(graph.size()), nullptr);
         if (profiling_) {  // op by op between events: a replay would hide the ops
             run_profiled(graph);
@@ -191,6 +195,42 @@ public:
 
 private:
     // --- execution ---------------------------------------------------------------------------
+
+    // Grows the split-K scratch of the narrow tensor-core MUL_MAT to what this graph's largest
+    // launch needs (a group's parts together), before anything runs or is captured. Grow-only;
+    // captured graphs point at the old buffers, so they go with them.
+    void reserve_matmul_scratch(const Graph& g) {
+        cuda::MatmulScratchNeed need;
+        for (int id = 0; id < g.size(); ++id) {
+            const Tensor& t = g[id];
+            if (t.op != Op::MUL_MAT) continue;
+            int members[cuda::kMaxMatmulParts];
+            const int n_members = matmuls_sharing_activations(g, id, members, cuda::kMaxMatmulParts);
+            int64_t rows = 0;
+            for (int i = 0; i < n_members; ++i) rows += g[g[members[i]].src[0]].ne[1];
+            const Tensor& w = g[t.src[0]];
+            const cuda::MatmulScratchNeed n = cuda::matmul_tc_narrow_scratch(w.dtype, w.ne[0], rows, g[t.src[1]].ne[1]);
+            need.partial_floats = std::max(need.partial_floats, n.partial_floats);
+            need.n_counters = std::max(need.n_counters, n.n_counters);
+        }
+        if (need.partial_floats <= scratch_.partial_floats && need.n_counters <= scratch_.n_counters) return;
+        graphs_.clear();
+        need.partial_floats = std::max(need.partial_floats, scratch_.partial_floats);
+        need.n_counters = std::max(need.n_counters, scratch_.n_counters);
+        if (scratch_.partial) check(cudaFree(scratch_.partial), "matmul scratch: cudaFree");
+        if (scratch_.counters) check(cudaFree(scratch_.counters), "matmul scratch: cudaFree");
+        scratch_ = cuda::MatmulScratch{};
+        float* partial = nullptr;
+        unsigned* counters = nullptr;
+        check(cudaMalloc(&partial, need.partial_floats * sizeof(float)), "matmul scratch: cudaMalloc");
+        const cudaError_t e = cudaMalloc(&counters, need.n_counters * sizeof(unsigned));
+        if (e != cudaSuccess) {
+            cudaFree(partial);
+            cuda::throw_cuda("matmul scratch: cudaMalloc", e);
+        }
+        scratch_ = cuda::MatmulScratch{partial, need.partial_floats, counters, need.n_counters};
+        check(cudaMemsetAsync(counters, 0, need.n_counters * sizeof(unsigned), stream_), "matmul scratch: cudaMemset");
+    }
 
     // The pre-pass: resolves the device address of every tensor an op reads or writes (uploading
     // host externals on first use), so that nothing allocates while a capture is open. False when
@@ -374,7 +414,7 @@ private:
         }
         cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
                                   reinterpret_cast<const float*>(dptr(g, t0.src[1])),
-                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], stream_);
+                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], scratch_, stream_);
         return last;
     }
 
@@ -734,8 +774,6 @@ private:
 
     // --- ops ---------------------------------------------------------------------------------
 
-    // cuBLAS is created on first use (only matmuls with more than 16 columns need it), which
-    // keeps short-lived backends (op tests) cheap.
     static void require(bool ok, const Tensor& t, const char* why) {
         if (!ok) throw std::logic_error(std::string("cuda backend: ") + op_name(t.op) + " (" + t.name + "): " + why);
     }
@@ -768,7 +806,7 @@ private:
                 const Tensor& x = g[src(1)];
                 const cuda::MatmulPart part = matmul_part(g, id);
                 cuda::launch_matmul_group(w.dtype, &part, 1, w.ne[0], reinterpret_cast<const float*>(dptr(g, src(1))),
-                                          static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], stream_);
+                                          static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], scratch_, stream_);
                 return;
             }
             case Op::RMS_NORM:
@@ -808,6 +846,7 @@ private:
     unsigned* err_ = nullptr;
     char* arena_ = nullptr;
     size_t arena_size_ = 0;
+    cuda::MatmulScratch scratch_;                                  // split-K partials (reserve_matmul_scratch)
     std::map<char*, size_t> persistent_;                           // device base -> bytes
     std::map<std::pair<uintptr_t, size_t>, char*> uploads_;        // (host address, bytes) -> device copy
     std::vector<char*> resolved_;                                  // per tensor, during compute

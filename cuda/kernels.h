@@ -71,8 +71,21 @@ struct MatmulPart {
     int64_t add_stride = 0;
 };
 bool matmul_add_epilogue(DType wtype, int64_t k);
+// Device scratch of the narrow kernel's split-K partials, owned by the backend and sized before a
+// compute (so nothing allocates inside a CUDA graph capture): partial_floats floats and
+// n_counters unsigned counters that are zero between launches (each launch leaves them zero).
+struct MatmulScratch {
+    float* partial = nullptr;
+    size_t partial_floats = 0;
+    unsigned* counters = nullptr;
+    size_t n_counters = 0;
+};
+struct MatmulScratchNeed {
+    size_t partial_floats = 0;
+    size_t n_counters = 0;
+};
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                         int64_t x_stride, int64_t m, cudaStream_t s);
+                         int64_t x_stride, int64_t m, const MatmulScratch& scratch, cudaStream_t s);
 // gate and up (MatmulParts of equal rows, no add) over the same activations with the SWIGLU that
 // follows them as the epilogue: y[i, c] = silu(gate_i . x_c) * (up_i . x_c), the bits of the three
 // nodes run apart (each product reduced exactly as launch_matmul_group reduces it). For the
@@ -93,17 +106,20 @@ inline bool matmul_fusion_enabled() { return env_switch("PYSPEC_CUDA_FUSE") != 0
 // read at each call (a backend's captured CUDA graphs keep the kernel they were captured with;
 // matmul_tc_setting() is part of their key).
 // Two kernels compute it, with the same bits for every output: the wide one (one part per call)
-// and, for M <= kMatmulTcNarrowMaxM, the narrow one (cuda/matmul_tc_narrow.cu: a deep cp.async
-// pipeline per 16 weight rows, a whole group per launch), which returns false where the rows'
-// alignment does not suit it.
+// and, for M <= kMatmulTcNarrowMaxM, the narrow one (cuda/matmul_tc_narrow.cu: a warp per 16
+// weight rows and K segment, a whole group per launch), which returns false where the rows'
+// alignment does not suit it or the scratch is too small.
 int matmul_tc_setting();
+// What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
+// at batch m needs; zeros where it needs none.
+MatmulScratchNeed matmul_tc_narrow_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);
 bool matmul_tc_used(DType wtype, int64_t k);
 bool matmul_tc_supports(DType wtype, int64_t k);
 constexpr int64_t kMatmulTcNarrowMaxM = 16;
 void launch_matmul_tc_wide(DType wtype, const MatmulPart& part, int64_t k, const float* x, int64_t x_stride,
                            int64_t m, cudaStream_t s);
 bool launch_matmul_tc_narrow(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                             int64_t x_stride, int64_t m, cudaStream_t s);
+                             int64_t x_stride, int64_t m, const MatmulScratch& scratch, cudaStream_t s);
 
 }  // namespace cuda
 }  // namespace pyspec

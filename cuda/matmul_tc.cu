@@ -18,11 +18,15 @@
 // Known limits of F16 activations / dequantized weights: |x| > 65504 becomes inf, |x| < 2^-14 loses
 // relative precision (subnormal F16); the CUDA-core path keeps activations in F32.
 //
-// The reduction order (why a row's bits cannot depend on its batch). An output's accumulator is
-// one F32 register of one warp, set to +0.0f, then updated by one m16n8k16 mma per k-chunk
-// c = 0, 1, ..., ceil(K / 32) * 2 - 1 in increasing c (two chunks per 32-wide block tile, block
-// tiles in increasing k; chunks past K are zeros, and which chunks those are depends on K only).
-// No split-K: a block owns all of K for its tile, so nothing is merged across warps or blocks. The
+// The reduction order (why a row's bits cannot depend on its batch). Inside a 32-value tile the
+// values sit in the mma's k slots by tc::tile_slot (one permutation of k for A and B). The k-chunks
+// c = 0, 1, ..., ceil(K / 32) * 2 - 1 (two per 32-wide block tile; chunks past K are zeros, and
+// which chunks those are depends on K only) fall into fixed segments of 32 chunks (tc::n_segments).
+// Segment s's partial is one F32 register of one warp, set to +0.0f, then updated by one
+// m16n8k16 mma per chunk of the segment in increasing c; the output is p_0 + p_1 + ... in segment
+// order. Here a block owns all of K for its tile and adds each partial into a running total as its
+// segment ends; the narrow kernel computes the partials in separate blocks and adds them in the
+// same order (the segments depend on K only, so M never changes the sums). The
 // A and B values of chunk c are the same bits whatever M is: A is a function of the weight row
 // (and its type) only, B of the activation column only (a deterministic rounding of x). An mma
 // computes D[i][j] from row i of A, column j of B and C[i][j] alone, the same way for every
@@ -113,14 +117,27 @@ __global__ void __launch_bounds__(WN * WM * 32)
             xst[i] = load_x4(xcol[i], k0, k0 < k, x_vec);
         }
     };
+    // Stored pairs go to their mma k slots (tile_slot), 4 bytes at a time.
     auto store_tile = [&](int buf) {
 #pragma unroll
         for (int i = 0; i < kWIt; ++i) {
-            if (w_on[i]) *reinterpret_cast<uint4*>(&As[buf][ws_row[i]][ws_c[i] * 8]) = w_halves<T>(wst[i], ws_c[i]);
+            if (w_on[i]) {
+                const uint4 h = w_halves<T>(wst[i], ws_c[i]);
+                uint32_t* row = reinterpret_cast<uint32_t*>(&As[buf][ws_row[i]][0]);
+                row[tile_slot(4 * ws_c[i]) / 2] = h.x;
+                row[tile_slot(4 * ws_c[i] + 1) / 2] = h.y;
+                row[tile_slot(4 * ws_c[i] + 2) / 2] = h.z;
+                row[tile_slot(4 * ws_c[i] + 3) / 2] = h.w;
+            }
         }
 #pragma unroll
         for (int i = 0; i < kXIt; ++i) {
-            if (x_on[i]) *reinterpret_cast<uint2*>(&Bs[buf][xs_col[i]][xs_c[i] * 4]) = x_halves<T>(xst[i]);
+            if (x_on[i]) {
+                const uint2 h = x_halves<T>(xst[i]);
+                uint32_t* col = reinterpret_cast<uint32_t*>(&Bs[buf][xs_col[i]][0]);
+                col[tile_slot(2 * xs_c[i]) / 2] = h.x;
+                col[tile_slot(2 * xs_c[i] + 1) / 2] = h.y;
+            }
         }
     };
 
@@ -133,6 +150,9 @@ __global__ void __launch_bounds__(WN * WM * 32)
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
         }
     }
+
+    float tot[TN][TM][4];  // p_0 + ... of the segments done so far
+    constexpr int kSegTiles = kSegChunks / (kBK / 16);
 
     load_tile(0);
     store_tile(0);
@@ -165,6 +185,20 @@ __global__ void __launch_bounds__(WN * WM * 32)
                 for (int j = 0; j < TM; ++j) mma16816<kBF16>(acc[i][j], a[i], b[j]);
             }
         }
+        if (!more || (kt + 1) % kSegTiles == 0) {  // segment kt / kSegTiles ends: p_0 as is, then adds
+            const bool first = kt < kSegTiles;
+#pragma unroll
+            for (int i = 0; i < TN; ++i) {
+#pragma unroll
+                for (int j = 0; j < TM; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        tot[i][j][e] = first ? acc[i][j][e] : __fadd_rn(tot[i][j][e], acc[i][j][e]);
+                        acc[i][j][e] = 0.0f;
+                    }
+                }
+            }
+        }
         if (more) store_tile(buf ^ 1);
         __syncthreads();
     }
@@ -179,7 +213,7 @@ __global__ void __launch_bounds__(WN * WM * 32)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int64_t r = row + (e >> 1) * 8, c = col + (e & 1);
-                if (r < n && c < m) y[c * ys + r] = add ? acc[i][j][e] + add[c * as + r] : acc[i][j][e];
+                if (r < n && c < m) y[c * ys + r] = add ? tot[i][j][e] + add[c * as + r] : tot[i][j][e];
             }
         }
     }
@@ -204,20 +238,22 @@ void tc_tiles(const MatmulPart& p, int64_t k, bool w_vec, const float* x, int64_
     }
 }
 
-// Speed (H200, 2026-11-29): Qwen3-4B F16 pp512 5048 t/s with this kernel against llama.cpp's 30.0k.
-// The 128 x 64 shape holds 171-184 registers (no spills), 30 KB shared memory, 2 blocks (8 warps)
-// per SM; mma.sync peaks near 600-660 TFLOP/s on Hopper (wgmma ~990). Next steps, all
-// order-preserving: cp.async 3-4 stages with kBK = 64, 128 x 128 tiles of 8 warps, a grid-filling
-// shape for small n (SmolLM2's n = 576 gives only 40 blocks at 128 x 64), wgmma (sm_90a).
+// Speed (H200, 2026-11-30): Qwen3-4B F16 pp512 5000 t/s with this kernel against llama.cpp's 30.0k
+// (61 of its 103 ms are MUL_MAT: ~67 TFLOP/s; attention takes 36). Registers: 166 for the 32 x 32
+// warp tiles with the segment totals, no spills; 30 KB shared memory. mma.sync peaks near 600-660
+// TFLOP/s on Hopper (wgmma ~990). Next steps, all order-preserving: cp.async 3-4 stages with
+// kBK = 64, 128 x 128 tiles, segments in separate blocks for grids smaller than the GPU (M = 64:
+// Qwen3's q has 32 blocks of 128 x 64), wgmma (sm_90a).
 // Launch shape by batch size: speed only (every shape runs the same per-output mma sequence; M <= 16
 // runs cuda/matmul_tc_narrow.cu, the same sequence again).
 //   M <= 32: 128 x 32 tiles, 4 warps of 32 x 32.
-//   larger:  128 x 64 tiles, 4 warps of 64 x 32 (16 mmas per 4 A + 2 B ldmatrix per k-chunk).
+//   larger:  128 x 64 tiles, 8 warps of 32 x 32 (4 warps of 64 x 32 would need 64 more registers
+//            for the segment totals than the 255 a thread has).
 template <DType T>
 void tc_typed(const MatmulPart& p, int64_t k, bool w_vec, const float* x, int64_t xs, bool x_vec, int64_t m,
               cudaStream_t s) {
     if (m <= 32) return tc_tiles<T, 4, 1, 2, 4>(p, k, w_vec, x, xs, x_vec, m, s);
-    return tc_tiles<T, 2, 2, 4, 4>(p, k, w_vec, x, xs, x_vec, m, s);
+    return tc_tiles<T, 4, 2, 2, 4>(p, k, w_vec, x, xs, x_vec, m, s);
 }
 
 }  // namespace
@@ -236,10 +272,12 @@ bool matmul_tc_supports(DType t, int64_t k) {
 }
 
 // No type by default. Measured on the H200 (2026-11-30, bench_cuda.py, PYSPEC_CUDA_TC=1 against
-// unset): Qwen3-4B F16 pp512 6155 against 2457 t/s, but tg128 147 against 203 and par64 1833
-// against 2100; SmolLM2 Q4_1 tg128 337 against 530. At one row the narrow kernel's warp carries 16
-// rows over all of K in one accumulator chain (30.6 us per Qwen3 MUL_MAT against 18.3 on CUDA
-// cores, which split K 32 ways per row), and a row's order must be the same at every M.
+// unset): Qwen3-4B F16 pp512 5000-6155 against 2457-2481 t/s, but tg128 184-189 against 210-227 and
+// par64 1899 against 2082; SmolLM2 Q4_1 tg128 385-394 against 547-614. Decode was 147 (Qwen3) and
+// 337 (SmolLM2) before the K segments let the narrow kernel spread a matrix over thousands of
+// warps; its float kernel now streams at ~2.4-2.6 TB/s (ncu, gate/up) where the CUDA-core
+// kernels reach ~3.4-3.8, and neither fewer instructions (registers instead of staging),
+// pipelined batches nor 1024-value segments moved it (23-25 us per Qwen3 MUL_MAT each).
 bool matmul_tc_used(DType t, int64_t k) {
     if (!matmul_tc_supports(t, k)) return false;
     return matmul_tc_setting() == 1;

@@ -10,6 +10,29 @@ namespace pyspec {
 namespace cuda {
 namespace tc {
 
+// The k-chunks of a row: two m16n8k16 chunks per 32 values of K (the wide kernel's block tile),
+// chunks past K zero-filled; which chunks those are depends on K only.
+__host__ __device__ constexpr int64_t n_chunks(int64_t k) { return (k + 31) / 32 * 2; }
+
+// Fixed split-K: the chunks fall into segments of kSegChunks (512 values of K); an output is
+// p_0 + p_1 + ... + p_{S-1} added in that order in F32, where p_s is one accumulator set to +0.0f
+// and updated by the mmas of segment s's chunks in increasing order. The segments depend on K
+// only, so every M and every kernel sums the same partials in the same order; but the partials
+// may be computed side by side (different blocks of the narrow kernel, which is what lets a
+// decode step put thousands of warps on a weight matrix instead of one per 16 rows).
+constexpr int kSegChunks = 32;
+__host__ __device__ constexpr int64_t n_segments(int64_t k) { return (n_chunks(k) + kSegChunks - 1) / kSegChunks; }
+
+// The k order inside a 32-value tile (two chunks). An m16n8k16 mma gives lane group t = lane % 4
+// the k pairs {2t, 2t + 1} and {2t + 8, 2t + 9} of its chunk, in A and in B alike. Both kernels
+// put the tile's stored values 8t .. 8t + 7 there: pairs 8t and 8t + 2 into chunk 0's two slots,
+// 8t + 4 and 8t + 6 into chunk 1's, so a lane's share of a weight row or of an activation column
+// is 16 consecutive bytes (one load) rather than four scattered 4-byte pieces. Stored pair pp
+// (values 2 pp, 2 pp + 1 of the tile) goes to the mma's k slot tile_slot(pp) (of 0..31); it is
+// the same permutation of k for A and B, in every kernel, so every output still sums the same
+// products in the same order.
+__host__ __device__ constexpr int tile_slot(int pp) { return 16 * ((pp & 3) >> 1) + 2 * (pp >> 2) + 8 * (pp & 1); }
+
 // One 8-value weight chunk as loaded from global memory, converted to 8 halves when it is stored
 // to shared memory (after the tile's mmas, so the loads' latency hides behind them).
 // F16/BF16: the 8 halves. Q*: a, b = the 8 quant bytes, c = d (| m << 16 for Q4_1).

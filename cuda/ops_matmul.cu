@@ -397,7 +397,7 @@ bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, in
 // cores (PYSPEC_CUDA_TC=1), against llama.cpp's 30.0k; decode goes the other way (tg128 203 here,
 // 147 there). The tensor-core path is the one to make fast for prefill, batches and decode alike.
 void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
-                         int64_t m, cudaStream_t s) {
+                         int64_t m, const MatmulScratch& scratch, cudaStream_t s) {
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
     if (m <= 0) return;
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
@@ -405,7 +405,7 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
     // weight takes the same computation; narrow batches run it on the narrow kernel (a whole group
     // per launch), the rest part by part on the wide one (the same bits either way).
     if (matmul_tc_used(t, k)) {
-        if (m <= kMatmulTcNarrowMaxM && launch_matmul_tc_narrow(t, parts, n_parts, k, x, xs, m, s)) return;
+        if (m <= kMatmulTcNarrowMaxM && launch_matmul_tc_narrow(t, parts, n_parts, k, x, xs, m, scratch, s)) return;
         for (int j = 0; j < n_parts; ++j) launch_matmul_tc_wide(t, parts[j], k, x, xs, m, s);
         return;
     }

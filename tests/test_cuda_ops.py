@@ -309,14 +309,16 @@ def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):
 
 
 @gpu
-@pytest.mark.parametrize("k", [1024, 576, 200])
+@pytest.mark.parametrize("k", [1024, 576, 200, 2560])
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_mul_mat_every_row_is_batch_invariant_across_tiles(dtype, k, mm_path):
     """Every row of batches whose sizes straddle the launch shapes' and tiles' edges (1, 7, 8, 9, 31,
     33, 63, 65, 129) equals, bit for bit, the same row in a batch of 300: no row's bits depend on the
     tile, warp, fragment or lane it lands in, nor on the pad columns of a partial tile, nor on which
     tensor-core kernel runs (the narrow one for M <= 16, with 16-byte copies at K = 1024 and 4-byte
-    copies for SmolLM2's K = 576 blocks). K = 200 (float weights only) ends in a partial k tile."""
+    copies for SmolLM2's K = 576 blocks; its K segments run as separate blocks whose partials the
+    last one adds, where the wide kernel adds them in registers: 2 segments at K = 576 and 1024, 5
+    at Qwen3's K = 2560). K = 200 (float weights only) ends in a partial k tile."""
     if k % 32 and dtype not in FLOAT_W:
         pytest.skip("block types need K % 32 == 0")
     n_rows = 200
