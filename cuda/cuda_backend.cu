@@ -64,11 +64,16 @@ public:
         check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
         cudaError_t e = cudaMalloc(&err_, sizeof(unsigned));
         if (e == cudaSuccess) e = cudaMemsetAsync(err_, 0, sizeof(unsigned), stream_);
+        if (e == cudaSuccess) e = cudaMallocHost(&err_host_, sizeof(unsigned));
+        if (e == cudaSuccess) e = cudaMallocHost(&staging_, kStagingBytes);
         if (e != cudaSuccess) {
+            if (staging_) cudaFreeHost(staging_);
+            if (err_host_) cudaFreeHost(err_host_);
             if (err_) cudaFree(err_);
             cudaStreamDestroy(stream_);
-            cuda::throw_cuda("allocating the error word", e);
+            cuda::throw_cuda("allocating the error word and the input staging", e);
         }
+        *err_host_ = 0;
     }
 
     ~CudaBackend() override {
@@ -81,6 +86,8 @@ public:
         if (scratch_.partial) cudaFree(scratch_.partial);
         if (scratch_.counters) cudaFree(scratch_.counters);
         if (err_) cudaFree(err_);
+        if (err_host_) cudaFreeHost(err_host_);
+        if (staging_) cudaFreeHost(staging_);
         for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
         cudaStreamDestroy(stream_);
     }
@@ -165,9 +172,15 @@ public:
         char* p = static_cast<char*>(t.data) + offset;
         char* d = device_address(p, bytes);
         if (!d) throw std::logic_error("cuda backend: write to tensor " + t.name + " whose memory is not on the device");
-        // From pageable memory the call returns once the source has been staged, so the caller
-        // may reuse it at once; the copy is ordered before the next compute on the stream.
-        check(cudaMemcpyAsync(d, src, bytes, cudaMemcpyHostToDevice, stream_), "write: cudaMemcpyAsync");
+        // Through the pinned staging the copy is queued at once; from pageable memory the call
+        // first stages the bytes itself. Either way the caller may reuse src when it returns, and
+        // the copy is ordered before the next compute on the stream.
+        if (char* staged = stage(bytes)) {
+            std::memcpy(staged, src, bytes);
+            check(cudaMemcpyAsync(d, staged, bytes, cudaMemcpyHostToDevice, stream_), "write: cudaMemcpyAsync");
+        } else {
+            check(cudaMemcpyAsync(d, src, bytes, cudaMemcpyHostToDevice, stream_), "write: cudaMemcpyAsync");
+        }
     }
 
     void read(const Tensor& t, void* dst, size_t bytes, size_t offset) override {
@@ -176,8 +189,12 @@ public:
         char* p = static_cast<char*>(t.data) + offset;
         char* d = bytes ? device_address(p, bytes) : nullptr;
         if (d) check(cudaMemcpyAsync(dst, d, bytes, cudaMemcpyDeviceToHost, stream_), "read: cudaMemcpyAsync");
+        // The error word comes back with the data: one synchronisation per read.
+        check(cudaMemcpyAsync(err_host_, err_, sizeof(unsigned), cudaMemcpyDeviceToHost, stream_),
+              "reading the error word");
         check(cudaStreamSynchronize(stream_), "read: synchronising with the computation");
-        check_error_word();
+        staged_ = 0;  // every staged write has run
+        raise_error_word(*err_host_);
         if (!d && bytes) std::memcpy(dst, p, bytes);  // a host external never uploaded: unchanged
     }
 
@@ -759,17 +776,31 @@ private:
         return d;
     }
 
-    void check_error_word() {
-        unsigned bits = 0;
-        check(cudaMemcpyAsync(&bits, err_, sizeof(bits), cudaMemcpyDeviceToHost, stream_), "reading the error word");
-        check(cudaStreamSynchronize(stream_), "reading the error word");
+    // Throws for the device error bits a read brought back, after clearing them on the device.
+    void raise_error_word(unsigned bits) {
         if (!bits) return;
+        *err_host_ = 0;
         check(cudaMemsetAsync(err_, 0, sizeof(unsigned), stream_), "clearing the error word");
         std::string why;
         if (bits & cuda::kErrGetRowsId) why += " get_rows: row id out of range;";
         if (bits & cuda::kErrSetRowsId) why += " set_rows: row id out of range;";
         if (bits & cuda::kErrAttentionSpan) why += " attention: span outside the cache;";
         throw std::logic_error("cuda backend:" + why);
+    }
+
+    // Room for `bytes` of input in the pinned staging buffer, or nullptr (too large for it: the
+    // caller copies from pageable memory). The room is free again after the next
+    // synchronisation: when full, this one waits for the queued copies and starts over.
+    char* stage(size_t bytes) {
+        constexpr size_t kAlign = 256;
+        if (bytes > kStagingBytes) return nullptr;
+        if (staged_ + bytes > kStagingBytes) {
+            check(cudaStreamSynchronize(stream_), "write: waiting for staged copies");
+            staged_ = 0;
+        }
+        char* at = staging_ + staged_;
+        staged_ += (bytes + kAlign - 1) / kAlign * kAlign;
+        return at;
     }
 
     // --- ops ---------------------------------------------------------------------------------
@@ -844,6 +875,10 @@ private:
     int device_;
     cudaStream_t stream_ = nullptr;
     unsigned* err_ = nullptr;
+    unsigned* err_host_ = nullptr;                                 // pinned: where reads bring the word back
+    static constexpr size_t kStagingBytes = size_t{4} << 20;      // pinned input staging (stage())
+    char* staging_ = nullptr;
+    size_t staged_ = 0;                                            // bytes of staging_ in use
     char* arena_ = nullptr;
     size_t arena_size_ = 0;
     cuda::MatmulScratch scratch_;                                  // split-K partials (reserve_matmul_scratch)

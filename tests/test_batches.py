@@ -131,6 +131,41 @@ def test_batched_sequences_equal_alone(model_dir, arch, wt):
         assert_same_rows(mine, alone, key_map)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reused_graphs_give_fresh_graphs_bits(model_dir, arch):
+    """A Context reuses the graph and plan of a shape it decoded before (csrc/runtime/context.h
+    graph_for). Against a context that builds and plans every step (check_plans), the same schedule
+    gives the same bits: single-token steps, a batch of another shape in between that grows the
+    arena (the reused graph must be placed in the new one), other layer inputs (another graph),
+    then single tokens again. And a repeated shape really is reused: the planner is not asked."""
+    _, model = tiny(model_dir, arch, "Q4_1")
+    rng = np.random.default_rng(23)
+    n_seq = 3
+    fresh = make_ctx(model, n_seq_max=n_seq)
+    reusing = pyspec.Context(model, n_ctx=N_CTX_SEQ * n_seq, n_seq_max=n_seq, n_batch=512)
+    nxt = [0] * n_seq
+
+    def rows_of(counts):
+        rows = []
+        for s, c in enumerate(counts):
+            rows += [(s, nxt[s] + i, int(rng.integers(0, model.n_vocab))) for i in range(c)]
+        for s, c in enumerate(counts):
+            nxt[s] += c
+        return rows
+
+    schedule = [((3, 0, 0), ()), ((1, 0, 0), ()), ((1, 0, 0), ()),
+                ((2, 9, 9), ()),                      # a larger batch: the arena grows
+                ((1, 0, 0), ()), ((1, 0, 0), (0,)),   # the old shape again; other layer inputs
+                ((1, 0, 0), ()), ((1, 1, 1), ()), ((1, 0, 0), ())]
+    for step, (counts, layers) in enumerate(schedule):
+        rows = rows_of(counts)
+        planner = (reusing._ctx.plans_built, reusing._ctx.cache_hits)
+        got = decode_rows(reusing, rows, layers)
+        if step in (2, 4, 8):  # shapes this context has run before
+            assert (reusing._ctx.plans_built, reusing._ctx.cache_hits) == planner, step
+        assert_same_rows(got, decode_rows(fresh, rows, layers))
+
+
 def interleaved_rows(rng, n_vocab, lengths):
     """Rows of len(lengths) sequences, each in increasing position order, mixed at random."""
     order = rng.permutation(np.repeat(np.arange(len(lengths)), lengths))

@@ -100,7 +100,8 @@ void bind_runtime(py::module_& m) {
         .def_property_readonly("kv_cache_bytes", [](Context& c) { return c.kv().bytes(); })
         .def("set_profiling", &Context::set_profiling)
         .def("op_profile", &Context::op_profile)
-        .def_property_readonly("plans_built", [](Context& c) { return c.planner().plans_built(); });
+        .def_property_readonly("plans_built", [](Context& c) { return c.planner().plans_built(); })
+        .def_property_readonly("cache_hits", [](Context& c) { return c.planner().cache_hits(); });
 }
 
 }  // namespace pyspec
