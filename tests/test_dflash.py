@@ -317,6 +317,39 @@ def test_window_rebases_long_contexts_without_growing_buffers(root):
     assert big.window == 256 and big.kv_cache_bytes == width * 256
 
 
+def test_reused_drafter_graphs_give_fresh_graphs_bits(root):
+    """A DraftContext reuses the shift, inject and block graphs of parameters it ran before
+    (core/built_graphs.h). Against one that builds and plans every call (check_plans), the loop of
+    the window test (inject in verify-sized steps, rebasing the window, drafting after each, two
+    block lengths) gives the same bits, and a repeated shape does not ask the planner again."""
+    tm, _, tmodel = target(root, "qwen3")
+    _, path = make_drafter(root, "dspark-reuse", tm, kind="dspark", seed=33)
+    dm = _core.DraftModel(str(path), tmodel)
+    n_ctx = 90
+    tokens = np.random.default_rng(4).integers(0, tm.n_vocab, n_ctx + 1)
+    feats = features(tmodel, tokens[:n_ctx], dm.target_layers)
+    fresh = _core.DraftContext(dm, n_seq_max=1, n_batch=40, n_threads=2, check_plans=True)
+    reusing = _core.DraftContext(dm, n_seq_max=1, n_batch=40, n_threads=2)
+    reused = 0
+    for start in range(0, n_ctx, 6):
+        stop = min(n_ctx, start + 6)
+        for block in (dm.block_size, dm.block_size - 3):
+            planner, base = (reusing.plans_built, reusing.cache_hits), reusing.pos_base(0)
+            outs = []
+            for dc in (fresh, reusing):
+                if block == dm.block_size:
+                    dc.inject(0, np.arange(start, stop, dtype=np.int32), feats[start:stop])
+                outs.append(dc.draft_logits(0, int(tokens[stop]), stop, block))
+            # Every graph of a step without a rebase (whose shift has its own row count) ran before.
+            if start >= 12 and stop - start == 6 and reusing.pos_base(0) == base:
+                assert (reusing.plans_built, reusing.cache_hits) == planner, (start, block)
+                reused += 1
+            for key in outs[0]:
+                np.testing.assert_array_equal(outs[1][key], outs[0][key], err_msg=f"{key} at {start}, {block}")
+    assert fresh.pos_base(0) == reusing.pos_base(0) > 0  # the window was rebased
+    assert reused >= 10
+
+
 @pytest.mark.parametrize("n_batch,ok", [(14, False), (15, True)])
 def test_window_must_exceed_two_blocks(root, n_batch, ok):
     tm, _, tmodel = target(root, "qwen3")

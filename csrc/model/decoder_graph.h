@@ -26,6 +26,11 @@ struct DecoderGraphParams {
     // Output rows return their greedy token (ARGMAX: the first maximum) instead of logits, so a
     // greedy step copies n_outputs ids from the backend rather than n_outputs x n_vocab floats.
     bool argmax = false;
+
+    bool operator==(const DecoderGraphParams& o) const {
+        return n_rows == o.n_rows && n_outputs == o.n_outputs && span == o.span && layer_ids == o.layer_ids &&
+               argmax == o.argmax;
+    }
 };
 
 // Tensor ids of the graph's inputs (all I32 except the F32 mask).

@@ -102,25 +102,6 @@ DecodeOutput Context::decode(const Batch& batch, const std::vector<int>& layer_i
     return out;
 }
 
-Context::BuiltGraph& Context::graph_for(const DecoderGraphParams& gp) {
-    auto same = [&](const DecoderGraphParams& a) {
-        return a.n_rows == gp.n_rows && a.n_outputs == gp.n_outputs && a.span == gp.span &&
-               a.layer_ids == gp.layer_ids && a.argmax == gp.argmax;
-    };
-    if (!params_.check_plans) {
-        for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {
-            if (!same(it->params)) continue;
-            graphs_.splice(graphs_.begin(), graphs_, it);
-            return graphs_.front();
-        }
-    }
-    BuiltGraph b{gp, build_decoder_graph(model_, kv_->view(), gp), nullptr};
-    b.plan = planner_.plan(b.dg.graph);
-    graphs_.push_front(std::move(b));
-    while (graphs_.size() > kBuiltGraphs) graphs_.pop_back();
-    return graphs_.front();
-}
-
 void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::vector<int>& layer_ids,
                            DecodeOutput& out) {
     const int64_t n_rows = static_cast<int64_t>(end - begin);
@@ -158,8 +139,8 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
             }
         }
 
-        BuiltGraph& built = graph_for(gp);
-        DecoderGraph& dg = built.dg;
+        auto& built = graphs_.get(gp, planner_, [&] { return build_decoder_graph(model_, kv_->view(), gp); });
+        DecoderGraph& dg = built.built;
         Graph& g = dg.graph;
         backend_->apply_plan(g, *built.plan);  // every time: another graph may have grown the arena
         const size_t row_bytes = static_cast<size_t>(n_rows) * sizeof(int32_t);

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <list>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -12,6 +11,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "core/built_graphs.h"
 #include "core/planner.h"
 #include "model/decoder_graph.h"
 #include "cpu/cpu_backend.h"
@@ -76,26 +76,12 @@ private:
     void decode_chunk(const Batch& batch, size_t begin, size_t end, const std::vector<int>& layer_ids,
                       DecodeOutput& out);
 
-    // The graph of a chunk: built and planned, or the same one again. A decoder graph is a pure
-    // function of the model, the cache view (both fixed for the context) and its
-    // DecoderGraphParams, so consecutive decode steps of one shape (the span is padded for that)
-    // reuse the graph and its plan instead of rebuilding and re-keying ~400 tensors per token.
-    // Only inputs change between steps, and they are written every step. With check_plans the
-    // graph is built and planned afresh every time, so every plan is still checked.
-    struct BuiltGraph {
-        DecoderGraphParams params;
-        DecoderGraph dg;
-        std::shared_ptr<const AllocationPlan> plan;
-    };
-    BuiltGraph& graph_for(const DecoderGraphParams& gp);
-
     const Model& model_;
     ContextParams params_;
     std::unique_ptr<Backend> backend_;
     std::unique_ptr<KvCache> kv_;
     AllocationPlanner planner_;
-    std::list<BuiltGraph> graphs_;  // most recently used first, at most kBuiltGraphs
-    static constexpr size_t kBuiltGraphs = 4;
+    BuiltGraphs<DecoderGraphParams, DecoderGraph> graphs_;  // core/built_graphs.h
 };
 
 }  // namespace pyspec

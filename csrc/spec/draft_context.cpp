@@ -107,11 +107,6 @@ int64_t DraftContext::n_rows(int32_t seq) const {
     return n;
 }
 
-void DraftContext::run(Graph& g) {
-    std::shared_ptr<const AllocationPlan> plan = planner_.plan(g);
-    backend_->apply_plan(g, *plan);
-}
-
 void DraftContext::make_room(int32_t seq, int64_t first, int64_t end) {
     int64_t& base = pos_base_[static_cast<size_t>(seq)];
     const bool empty = kv_->pos_max(seq) < 0;
@@ -137,8 +132,8 @@ void DraftContext::shift(int32_t seq, int64_t delta) {
         rotate.push_back(static_cast<int32_t>(-delta));
     }
     if (!src.empty()) {
-        DraftShiftGraph sg = build_dflash_shift_graph(model_, kv_->view(), static_cast<int64_t>(src.size()));
-        run(sg.graph);
+        const int64_t n = static_cast<int64_t>(src.size());
+        DraftShiftGraph& sg = prepared(shift_graphs_, n, [&] { return build_dflash_shift_graph(model_, kv_->view(), n); });
         const size_t bytes = src.size() * sizeof(int32_t);
         backend_->write(sg.graph[sg.src], src.data(), bytes);
         backend_->write(sg.graph[sg.dst], dst.data(), bytes);
@@ -174,8 +169,7 @@ void DraftContext::inject(int32_t seq, const std::vector<int32_t>& positions, co
             pos[static_cast<size_t>(r)] = static_cast<int32_t>(positions[i + static_cast<size_t>(r)] - base);
             cells[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(seq, pos[static_cast<size_t>(r)]));
         }
-        DraftInjectGraph ig = build_dflash_inject_graph(model_, kv_->view(), n);
-        run(ig.graph);
+        DraftInjectGraph& ig = prepared(inject_graphs_, n, [&] { return build_dflash_inject_graph(model_, kv_->view(), n); });
         backend_->write(ig.graph[ig.features], features + i * width, static_cast<size_t>(n) * width * sizeof(float));
         backend_->write(ig.graph[ig.positions], pos.data(), pos.size() * sizeof(int32_t));
         backend_->write(ig.graph[ig.kv_cells], cells.data(), cells.size() * sizeof(int32_t));
@@ -253,9 +247,10 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     }
 
     const int64_t n_chain = params_.n_seq_max * n_block;
-    DraftBlockGraph bg = build_dflash_block_graph(model_, kv_->view(), n_blocks, n_block, span, n_chain, params_.n_candidates);
+    DraftBlockGraph& bg = prepared(block_graphs_, std::make_tuple(n_blocks, n_block, span, n_chain, params_.n_candidates), [&] {
+        return build_dflash_block_graph(model_, kv_->view(), n_blocks, n_block, span, n_chain, params_.n_candidates);
+    });
     Graph& g = bg.graph;
-    run(g);
     const size_t row_bytes = n_rows * sizeof(int32_t);
     backend_->write(g[bg.tokens], tokens.data(), row_bytes);
     backend_->write(g[bg.positions], pos.data(), row_bytes);

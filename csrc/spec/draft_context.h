@@ -9,8 +9,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <vector>
 
+#include "core/built_graphs.h"
 #include "core/planner.h"
 #include "cpu/cpu_backend.h"
 #include "model/dflash.h"
@@ -153,7 +155,14 @@ private:
     // Rebases seq so that absolute positions [first, end) fit the window.
     void make_room(int32_t seq, int64_t first, int64_t end);
     void shift(int32_t seq, int64_t delta);
-    void run(Graph& g);
+    // The kept graph for these parameters (core/built_graphs.h), built by build() if there is
+    // none, with its plan applied.
+    template <typename Graphs, typename Params, typename Build>
+    auto& prepared(Graphs& graphs, const Params& params, Build build) {
+        auto& e = graphs.get(params, planner_, build);
+        backend_->apply_plan(e.built.graph, *e.plan);  // every time: another graph may have grown the arena
+        return e.built;
+    }
 
     const DraftModel& model_;
     DraftContextParams params_;
@@ -162,6 +171,10 @@ private:
     std::unique_ptr<Backend> backend_;
     std::unique_ptr<KvCache> kv_;
     AllocationPlanner planner_;
+    BuiltGraphs<int64_t, DraftShiftGraph> shift_graphs_;    // by rows
+    BuiltGraphs<int64_t, DraftInjectGraph> inject_graphs_;  // by rows
+    // by (blocks, block length, span, chains, candidates)
+    BuiltGraphs<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, DraftBlockGraph> block_graphs_;
     std::vector<int64_t> pos_base_;
     int64_t max_pos_written_ = -1;
 };
