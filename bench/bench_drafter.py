@@ -21,7 +21,8 @@ verify pass and the drafter's passes (its context rows and the drafting pass), t
 share of a plain step (the issue's "drafter cost per pass").
 
     PYTHONPATH=. python bench/bench_drafter.py --drafter D.gguf [-n 128] [-t 2] [--repeats 3]
-        [--draft-n-max 3,5] [--modes greedy,rejection,block] [--check-data DIR ...] [--json F]
+        [--draft-n-max 3,5] [--draft-p-min 0,0.5] [--modes greedy,rejection,block]
+        [--check-data DIR ...] [--json F]
 """
 
 from __future__ import annotations
@@ -194,6 +195,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("-ngl", "--n-gpu-layers", default="0",
                     help="llama.cpp's -ngl for the target and the drafter: 0 (CPU) or all (the CUDA backend)")
     ap.add_argument("--draft-n-max", default="3,5", help="comma-separated values to measure")
+    ap.add_argument("--draft-p-min", default="0",
+                    help="comma-separated confidence thresholds to measure (llama.cpp's --draft-p-min, "
+                         "'first' mode: drafts stop at the first slot the DSpark confidence head puts "
+                         "below it); 0 drafts n_max always")
     ap.add_argument("--modes", default="greedy,rejection,block")
     ap.add_argument("--sampler", choices=["temperature", "server"], default="temperature",
                     help="sampled modes: temperature alone, or llama-server's default chain "
@@ -218,6 +223,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = pyspec.Model(model_path, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     dm = _core.DraftModel(drafter_path, model._model)
     gammas = [int(g) for g in args.draft_n_max.split(",")]
+    p_mins = [float(p) for p in args.draft_p_min.split(",")]
+    # (n_max, p_min) configurations; the engine is per n_max, the threshold per request
+    configs = [(g, p) for g in gammas for p in p_mins]
+    prune_of = {p: (dict(draft_p_min=p) if p > 0 else None) for p in p_mins}
 
     def engine(drafter, gamma):
         return _core.SpecEngine(model._model, drafter, n_ctx=2048, n_seq_max=1, n_draft_slots=1,
@@ -256,17 +265,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             # Plain and speculative runs alternate, --repeats times, and each side keeps its best
             # time: on a shared machine a single pair of runs drifts by +-10-15%.
             t_plain = math.inf
-            t_spec = {g: math.inf for g in gammas}
+            t_spec = {c: math.inf for c in configs}
             spec_runs = {}
             for _ in range(args.repeats):
                 plain, t, _ = run_set(plain_engine, ps, args.n, temperature, verify, sampler=chain)
                 t_plain = min(t_plain, t)
-                for g in gammas:
-                    spec_runs[g] = run_set(spec_engines[g], ps, args.n, temperature, verify, sampler=chain)
-                    t_spec[g] = min(t_spec[g], spec_runs[g][1])
+                for g, p in configs:
+                    spec_runs[g, p] = run_set(spec_engines[g], ps, args.n, temperature, verify, sampler=chain,
+                                              prune=prune_of[p])
+                    t_spec[g, p] = min(t_spec[g, p], spec_runs[g, p][1])
             n_plain = sum(k for _, k in plain)
-            for g in gammas:
-                spec, _, tot = spec_runs[g]
+            for g, p in configs:
+                spec, _, tot = spec_runs[g, p]
                 if mode == "greedy":
                     assert [s for s, _ in spec] == [s for s, _ in plain], \
                         f"{name}: speculative greedy output differs from plain greedy"
@@ -275,14 +285,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 d_at = tot["drafted_at"] if tot["drafted_at"] is not None else np.zeros(0)
                 a_at = tot["accepted_at"] if tot["accepted_at"] is not None else np.zeros(0)
                 per_pos = [float(a) / max(1, float(d)) for a, d in zip(a_at, d_at)]
-                r = dict(mode=mode, set=name, draft_n_max=g, mean_accepted_length=mean_len,
+                r = dict(mode=mode, set=name, draft_n_max=g, draft_p_min=p, mean_accepted_length=mean_len,
                          acceptance=tot["accepted"] / max(1, tot["drafted"]),
                          acceptance_per_position=per_pos, plain_tps=n_plain / t_plain,
-                         spec_tps=n_spec / t_spec[g])
+                         spec_tps=n_spec / t_spec[g, p])
                 r["speedup"] = r["spec_tps"] / r["plain_tps"]
                 results.append(r)
                 pos = " ".join(f"{x:.2f}" for x in per_pos)
-                print(f"{mode:<9} {name:<5} n_max {g}  mean accepted length {mean_len:4.2f}  "
+                p_min = (f" p_min {p:g} ({tot['drafted'] / max(1, tot['rounds']):.2f} drafts/round)"
+                         if len(p_mins) > 1 or p > 0 else "")
+                print(f"{mode:<9} {name:<5} n_max {g}{p_min}  mean accepted length {mean_len:4.2f}  "
                       f"per position [{pos}]  plain {r['plain_tps']:6.1f} tok/s  spec "
                       f"{r['spec_tps']:6.1f} tok/s  x{r['speedup']:.2f}", flush=True)
     if args.json:
