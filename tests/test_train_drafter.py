@@ -534,3 +534,37 @@ def test_grouped_attention_equals_sdpa():
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
     got = grouped_attention(q, k, v, mask, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_self_prompts_are_the_targets_own_finished_user_turns():
+    """--self-prompts (the Magpie recipe) on the embedded SmolLM2: the target continues the
+    opening of a user turn, and each request is a turn it finished itself, with the chat
+    template's system prompt before it and nothing of the assistant's; the requests are distinct,
+    held-out text is never among them, the same seed gives the same requests and another seed
+    others, and the rendered training prompts carry each request as the user message."""
+    import pyspec
+    from pyspec.model import default_model_path
+    from pyspec.train.data import HELD_OUT_MARKERS, self_prompt_prefix, self_prompt_records, self_prompts
+    from pyspec.train.engine_generate import EngineGenerator
+    try:
+        path = default_model_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    tok = pyspec.LLM(path, n_ctx=64).tokenizer
+    prefix = self_prompt_prefix(tok)
+    opening = tok.decode(prefix, skip_special=False)
+    assert opening.endswith("<|im_start|>user\n") and "<|im_start|>system\n" in opening
+    assert "assistant" not in opening.split("<|im_start|>")[-1]
+    gen = EngineGenerator(path, n_slots=16, max_len=len(prefix) + 96, n_threads=2)
+    first = self_prompts(None, tok, 12, "cpu", 16, seed=5, generator=gen)
+    assert len(first) == 12 and len({t.lower() for t in first}) == 12
+    for text in first:
+        assert len(text.split()) >= 3 and "<|im_end|>" not in text and "<|im_start|>" not in text
+        assert not any(m in text.lower() for m in HELD_OUT_MARKERS)
+    assert self_prompts(None, tok, 12, "cpu", 16, seed=5, generator=gen) == first
+    assert not set(self_prompts(None, tok, 12, "cpu", 16, seed=6, generator=gen)) & set(first)
+    records = self_prompt_records(None, tok, 6, 256, "cpu", 16, seed=5, generator=gen)
+    assert records and all(msgs == [{"role": "user", "content": t}] for (_, msgs), t in zip(records, first))
+    for ids, msgs in records:
+        text = tok.decode(ids, skip_special=False)
+        assert msgs[0]["content"] in text and text.endswith("<|im_start|>assistant\n")

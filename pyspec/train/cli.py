@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of conversational prompts (everyday requests, questions, "
                         "stories, multi-turn chats) among the generated data's prompts; the "
                         "rest are Python documentation and source prompts")
+    p.add_argument("--self-prompts", type=float, default=0.0, metavar="F",
+                   help="share of the conversational requests the target writes itself, continuing "
+                        "the opening of a user turn at T = 0.9 (the Magpie recipe; 0 to 1)")
     p.add_argument("--anchor-region", choices=["continuation", "all"], default="continuation",
                    help="where training blocks are anchored: the generated continuation only "
                         "(where the engine drafts), or every position")
@@ -121,6 +124,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.target is None:
         print("error: --target is required (or --smoke)", file=sys.stderr)
         return 2
+    if not 0.0 <= args.self_prompts <= 1.0:
+        print(f"error: --self-prompts must be in [0, 1], got {args.self_prompts}", file=sys.stderr)
+        return 2
     opts = TrainOptions(
         target=args.target, out=str(args.out), steps=args.steps, block_size=args.block_size,
         layers=args.layers, target_layers=args.target_layers, markov_rank=args.markov_rank,
@@ -133,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         val_fraction=args.val_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         patience=args.patience, init_from=args.init_from, hf_dtype=args.hf_dtype,
         time_limit=args.time_limit, draft_vocab=args.draft_vocab,
-        chat_fraction=args.chat_fraction, gen_engine=args.gen_engine,
+        chat_fraction=args.chat_fraction, gen_engine=args.gen_engine, self_prompts=args.self_prompts,
         anchor_region=args.anchor_region)
     t0 = time.time()
     hf = train(opts)

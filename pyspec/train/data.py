@@ -471,21 +471,108 @@ def follow_up_prompts(tokenizer, records, seqs, prompt_lens, n: int, max_prompt_
     return out
 
 
+def self_prompt_prefix(tokenizer) -> Optional[List[int]]:
+    """The tokens a chat opens a user turn with (system prompt included, as the template renders
+    it) and nothing after: what the target continues to write a user request itself. None for a
+    tokenizer without a chat template."""
+    from ..chat import ChatTemplate
+    try:
+        template = ChatTemplate.from_tokenizer(tokenizer)
+        mark = "\x00pyspec-user-turn\x00"
+        rendered = template.render([{"role": "user", "content": mark}], add_generation_prompt=True)
+    except Exception:
+        return None
+    if mark not in rendered:
+        return None
+    ids = tokenizer.encode(rendered[: rendered.index(mark)], add_special=False, parse_special=True)
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    if bos is not None and bos >= 0 and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids
+
+
+def self_prompts(target, tokenizer, n: int, device, batch: int, seed: int, temperature: float = 0.9,
+                 max_tokens: int = 96, generator=None, progress: bool = False,
+                 deadline: Optional[float] = None) -> List[str]:
+    """Up to n distinct user requests written by the target itself (the "Magpie" recipe): it
+    continues the opening of a user turn (self_prompt_prefix) at the given temperature, and its
+    turn, up to its own end-of-turn token, is the request. An instruct model writes the kind of
+    requests it was tuned on, in far more variety than templates; these are its generations, not
+    evaluation text (requests with HELD_OUT_MARKERS are dropped, as are unfinished turns, ones
+    under 3 words or over 1,000 characters, and repeats)."""
+    prefix = self_prompt_prefix(tokenizer)
+    eog = set(getattr(tokenizer, "eog_ids", ()))
+    if prefix is None or not eog or n <= 0:
+        return []
+    out: List[str] = []
+    seen = set()
+    for attempt in range(4):          # unfinished or repeated turns are asked for again
+        want = 2 * (n - len(out)) + 8
+        seqs, _ = _generate(target, tokenizer, [prefix] * want, len(prefix) + max_tokens, device,
+                            batch, seed + 1009 * attempt, 0.0, temperature, progress, deadline, generator)
+        for sq in seqs:
+            turn = sq[len(prefix):]
+            if not turn or turn[-1] not in eog:
+                continue
+            text = tokenizer.decode(turn[:-1], skip_special=True).strip()
+            key = " ".join(text.lower().split())
+            if len(text.split()) < 3 or len(text) > 1000 or key in seen or _held_out(text):
+                continue
+            seen.add(key)
+            out.append(text)
+            if len(out) >= n:
+                return out
+        if deadline is not None and time.time() > deadline:
+            break
+    return out
+
+
+def self_prompt_records(target, tokenizer, n: int, max_prompt_tokens: int, device, batch: int,
+                        seed: int, generator=None, progress: bool = False,
+                        deadline: Optional[float] = None) -> List[Tuple[List[int], Optional[list]]]:
+    """Chat prompt records (as make_prompt_records gives) of up to n self_prompts requests."""
+    from ..chat import ChatTemplate
+    texts = self_prompts(target, tokenizer, n, device, batch, seed, generator=generator,
+                         progress=progress, deadline=deadline)
+    if not texts:
+        return []
+    template = ChatTemplate.from_tokenizer(tokenizer)
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    records = []
+    for text in texts:
+        msgs = [{"role": "user", "content": text}]
+        ids = tokenizer.encode(template.render(msgs, add_generation_prompt=True), add_special=False,
+                               parse_special=True)
+        if bos is not None and bos >= 0 and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        if len(ids) <= max_prompt_tokens:
+            records.append((ids, msgs))
+    return records
+
+
 def generate_dataset(target, tokenizer, n_seqs: int, seq_len: int, device, batch: int,
                      seed: int, greedy_fraction: float = 0.5, temperature: float = 0.8,
                      progress: bool = True, deadline: Optional[float] = None,
                      chat_fraction: float = 0.6, multi_turn_fraction: float = 0.25,
-                     generator=None) -> Tuple[List[List[int]], List[int]]:
+                     generator=None, self_prompt_fraction: float = 0.0) -> Tuple[List[List[int]], List[int]]:
     """Up to n_seqs sequences of at most seq_len tokens: prompt + the target's continuation, and
     each one's prompt length (the validation split groups sequences by prompt). A
     multi_turn_fraction share of the conversational sequences (chat_fraction of all) are
     second turns of earlier generated chats (follow_up_prompts), generated after the first
     round. Stops early, with the batches done so far, once time.time() passes deadline.
     generator: None continues prompts with the torch target; else a callable
-    (prompts, max_new, temperatures, eog, seed) -> sequences (engine_generate.EngineGenerator)."""
+    (prompts, max_new, temperatures, eog, seed) -> sequences (engine_generate.EngineGenerator).
+    self_prompt_fraction: the share of the first-round conversational prompts whose request the
+    target writes itself (self_prompts) instead of the templates."""
     max_prompt = max(8, seq_len // 2)
     n_multi = int(n_seqs * chat_fraction * multi_turn_fraction)
-    records = make_prompt_records(tokenizer, n_seqs - n_multi, max_prompt, seed, chat_fraction)
+    n_first = n_seqs - n_multi
+    n_self = int(n_first * chat_fraction * self_prompt_fraction)
+    own = self_prompt_records(target, tokenizer, n_self, max_prompt, device, batch, seed, generator,
+                              progress, deadline) if n_self else []
+    # the other records keep the overall conversational share at chat_fraction
+    rest_chat = max(0.0, chat_fraction * n_first - len(own)) / max(1, n_first - len(own))
+    records = own + make_prompt_records(tokenizer, n_first - len(own), max_prompt, seed, rest_chat)
     if not records:
         raise RuntimeError("no training prompts could be made")
     prompts = [ids for ids, _ in records]

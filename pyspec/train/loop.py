@@ -77,6 +77,7 @@ class TrainOptions:
     chat_fraction: float = 0.6           # share of conversational prompts (data.py)
     anchor_region: str = "continuation"  # anchors in the generated part only, or "all" positions
     gen_engine: int = 0                  # > 0: generate data with pyspec's engine, this many at once
+    self_prompts: float = 0.0            # share of conversational requests the target writes itself
 
 
 def auto_target_layers(n_layer: int, k: int = 5) -> List[int]:
@@ -228,9 +229,9 @@ def _training_data(opt: TrainOptions, target, tok, device, deadline, log):
     seqs, pls = generate_dataset(target, tok, opt.data_prompts, opt.seq_len, device,
                                  opt.gen_batch, opt.seed, progress=opt.progress,
                                  deadline=deadline, chat_fraction=opt.chat_fraction,
-                                 generator=generator)
+                                 generator=generator, self_prompt_fraction=opt.self_prompts)
     meta = dict(target=Path(opt.target).name, n_vocab=target.hp.n_vocab, seq_len=opt.seq_len,
-                seed=opt.seed, chat_fraction=opt.chat_fraction)
+                seed=opt.seed, chat_fraction=opt.chat_fraction, self_prompts=opt.self_prompts)
     files = save_shards(seqs, pls, out / "data", meta, opt.data_shard_mib)
     n_tok = sum(len(s) for s in seqs)
     log(f"generated {len(seqs)} sequences ({n_tok} tokens) in {time.time() - t0:.1f}s -> "
