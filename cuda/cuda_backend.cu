@@ -217,6 +217,7 @@ private:
     // launch needs (a group's parts together), before anything runs or is captured. Grow-only;
     // captured graphs point at the old buffers, so they go with them.
     void reserve_matmul_scratch(const Graph& g) {
+        if (!cuda::matmul_tc_possible()) return;  // only the tensor-core kernels use it
         cuda::MatmulScratchNeed need;
         for (int id = 0; id < g.size(); ++id) {
             const Tensor& t = g[id];

@@ -114,6 +114,9 @@ int matmul_tc_setting();
 // at batch m needs; zeros where it needs none.
 MatmulScratchNeed matmul_tc_narrow_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);
 bool matmul_tc_used(DType wtype, int64_t k);
+// Whether any weight type may take the tensor cores under the current setting (one environment
+// read, for callers that would otherwise ask matmul_tc_used of every MUL_MAT).
+bool matmul_tc_possible();
 bool matmul_tc_supports(DType wtype, int64_t k);
 constexpr int64_t kMatmulTcNarrowMaxM = 16;
 void launch_matmul_tc_wide(DType wtype, const MatmulPart& part, int64_t k, const float* x, int64_t x_stride,

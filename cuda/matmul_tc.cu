@@ -283,6 +283,8 @@ bool matmul_tc_used(DType t, int64_t k) {
     return matmul_tc_setting() == 1;
 }
 
+bool matmul_tc_possible() { return matmul_tc_setting() == 1; }  // no default types (above)
+
 void launch_matmul_tc_wide(DType t, const MatmulPart& p, int64_t k, const float* x, int64_t xs, int64_t m,
                            cudaStream_t s) {
     if (m <= 0 || p.n_rows <= 0) return;
