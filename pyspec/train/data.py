@@ -383,6 +383,14 @@ def prompt_requests(seed: int, chat_fraction: float = 0.6,
             yield req
 
 
+def with_bos(tokenizer, ids: List[int]) -> List[int]:
+    """ids with the tokenizer's BOS in front when it adds one and ids do not start with it."""
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    if bos is not None and bos >= 0 and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids
+
+
 def make_prompt_records(tokenizer, n: int, max_prompt_tokens: int, seed: int,
                         chat_fraction: float = 0.6) -> List[Tuple[List[int], Optional[list]]]:
     """n distinct (prompt token list of at most max_prompt_tokens tokens, chat messages or None
@@ -392,7 +400,6 @@ def make_prompt_records(tokenizer, n: int, max_prompt_tokens: int, seed: int,
         template: Optional[ChatTemplate] = ChatTemplate.from_tokenizer(tokenizer)
     except Exception:
         template = None
-    bos = tokenizer.bos_id if tokenizer.add_bos else None
     records: List[Tuple[List[int], Optional[list]]] = []
     seen = set()
     tries = 0
@@ -417,8 +424,7 @@ def make_prompt_records(tokenizer, n: int, max_prompt_tokens: int, seed: int,
             ids = tokenizer.encode(text, add_special=False)
             # u (drawn with the request) picks the cut, so raw prompts stay seed-determined
             ids = ids[: 8 + int(u * max(0, max_prompt_tokens - 8))]
-        if bos is not None and bos >= 0 and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
+        ids = with_bos(tokenizer, ids)
         if len(ids) >= 2 and tuple(ids) not in seen:
             seen.add(tuple(ids))
             records.append((ids, msgs))
@@ -443,7 +449,6 @@ def follow_up_prompts(tokenizer, records, seqs, prompt_lens, n: int, max_prompt_
         return []
     rng = random.Random(f"pyspec-train-followups-{seed}")
     eog = set(getattr(tokenizer, "eog_ids", ()))
-    bos = tokenizer.bos_id if tokenizer.add_bos else None
     cands = [k for k, (_, msgs) in enumerate(records) if msgs is not None]
     rng.shuffle(cands)
     out: List[List[int]] = []
@@ -463,8 +468,7 @@ def follow_up_prompts(tokenizer, records, seqs, prompt_lens, n: int, max_prompt_
                                        add_special=False, parse_special=True)
             except Exception:
                 return out
-            if bos is not None and bos >= 0 and (not ids or ids[0] != bos):
-                ids.insert(0, bos)
+            ids = with_bos(tokenizer, ids)
             if len(ids) <= max_prompt_tokens:
                 out.append(ids)
                 break
@@ -485,9 +489,7 @@ def self_prompt_prefix(tokenizer) -> Optional[List[int]]:
     if mark not in rendered:
         return None
     ids = tokenizer.encode(rendered[: rendered.index(mark)], add_special=False, parse_special=True)
-    bos = tokenizer.bos_id if tokenizer.add_bos else None
-    if bos is not None and bos >= 0 and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
+    ids = with_bos(tokenizer, ids)
     return ids
 
 
@@ -537,14 +539,12 @@ def self_prompt_records(target, tokenizer, n: int, max_prompt_tokens: int, devic
     if not texts:
         return []
     template = ChatTemplate.from_tokenizer(tokenizer)
-    bos = tokenizer.bos_id if tokenizer.add_bos else None
     records = []
     for text in texts:
         msgs = [{"role": "user", "content": text}]
         ids = tokenizer.encode(template.render(msgs, add_generation_prompt=True), add_special=False,
                                parse_special=True)
-        if bos is not None and bos >= 0 and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
+        ids = with_bos(tokenizer, ids)
         if len(ids) <= max_prompt_tokens:
             records.append((ids, msgs))
     return records
