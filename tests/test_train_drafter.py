@@ -568,3 +568,31 @@ def test_self_prompts_are_the_targets_own_finished_user_turns():
     for ids, msgs in records:
         text = tok.decode(ids, skip_special=False)
         assert msgs[0]["content"] in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_grown_drafter_computes_the_same_and_trains_its_new_layer(smoke, tmp_path):
+    """--init-from --layers N (more than the checkpoint's): the trained layers are kept and the
+    appended ones start as identities, so the grown drafter's logits equal the checkpoint's;
+    training then moves the new layer (its zeroed residual outputs get gradients)."""
+    target = str(smoke / "smoke-target.gguf")
+    src = DSparkDrafter.load_hf(smoke / "hf")
+    n = src.c.num_hidden_layers
+    grown = src.grow(n + 1)
+    assert grown.c.num_hidden_layers == n + 1
+    la, lb = probe_logits(target, src, grown)
+    torch.testing.assert_close(la, lb, rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        src.grow(n)
+
+    out = tmp_path / "grow"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "hf"),
+                     "--layers", str(n + 1), "--steps", "6", "--save-every", "3"]) == 0
+    trained = torch.load(out / "train_state.pt", weights_only=False)["drafter"]
+    assert float(trained[f"layers.{n}.o_proj.weight"].abs().max()) > 0
+    assert float(trained[f"layers.{n}.down_proj.weight"].abs().max()) > 0
+    torch.testing.assert_close(trained["fc.weight"].shape, src.fc.weight.shape)
+    with pytest.raises(ValueError, match="grow, not shrink"):
+        cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "shrink"),
+                  "--no-progress", "--data", str(smoke / "data"), "--init-from",
+                  str(out / "hf"), "--layers", str(n)])

@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--block-size", type=int, default=7)
-    p.add_argument("--layers", type=int, default=3, help="drafter layers")
+    p.add_argument("--layers", type=int, default=None,
+                   help="drafter layers (default 3; with --init-from the checkpoint's, or more: "
+                        "the added layers start as identities and the trained ones are kept)")
     p.add_argument("--target-layers", default="auto",
                    help="'auto' or comma-separated GGUF layer-input ids (0 = embeddings)")
     p.add_argument("--markov-rank", type=int, default=128)
@@ -116,7 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.target = _smoke_target(args.out)
         args.device = "cpu"
         args.steps = min(args.steps, 30)
-        args.layers, args.seq_len, args.batch, args.anchors = 1, 64, 4, 8
+        args.layers = args.layers or (None if args.init_from else 1)
+        args.seq_len, args.batch, args.anchors = 64, 4, 8
         args.data_prompts, args.gen_batch, args.save_every = 16, 16, 10
         args.val_fraction, args.val_seqs = max(args.val_fraction, 0.25), 4
         args.markov_rank = 32

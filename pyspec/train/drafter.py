@@ -168,6 +168,26 @@ class DSparkDrafter(torch.nn.Module):
         m.set_d2t(d2t)
         return m
 
+    def grow(self, n_layers: int) -> "DSparkDrafter":
+        """A copy with n_layers layers (more than this drafter's): the trained layers are kept and
+        the new ones appended after them, their residual outputs (o_proj, down_proj) zero, so the
+        copy computes exactly what this drafter does and training starts from there - capacity
+        added to a trained drafter (--init-from --layers) without losing what it learned."""
+        if n_layers <= self.c.num_hidden_layers:
+            raise ValueError(f"grow to {n_layers} layers: the drafter already has "
+                             f"{self.c.num_hidden_layers}")
+        c = DrafterConfig(**{**self.c.__dict__, "num_hidden_layers": n_layers})
+        m = DSparkDrafter(c).to(self.markov_w1.device)
+        missing, unexpected = m.load_state_dict(self.state_dict(), strict=False)
+        fresh = {f"layers.{i}." for i in range(self.c.num_hidden_layers, n_layers)}
+        assert not unexpected and all(k[:k.index(".", 7) + 1] in fresh for k in missing), \
+            (missing, unexpected)
+        with torch.no_grad():
+            for l in m.layers[self.c.num_hidden_layers:]:
+                l.o_proj.weight.zero_()
+                l.down_proj.weight.zero_()
+        return m
+
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
             if isinstance(m, torch.nn.Linear):

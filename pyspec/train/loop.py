@@ -42,7 +42,7 @@ class TrainOptions:
     out: str
     steps: int = 2000
     block_size: int = 7
-    layers: int = 3
+    layers: Optional[int] = None          # None: 3, or --init-from's checkpoint's
     target_layers: str = "auto"
     markov_rank: int = 128
     mask_token_id: Optional[int] = None
@@ -257,13 +257,21 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
         elif d2t is not None and c.vd != len(d2t):
             log(f"--draft-vocab {len(d2t)} ignored: {opt.init_from} has its own draft "
                 f"vocabulary of {c.vd} tokens")
+        if opt.layers is not None and opt.layers < drafter.c.num_hidden_layers:
+            raise ValueError(f"--layers {opt.layers}: {opt.init_from} has "
+                             f"{drafter.c.num_hidden_layers} layers (a drafter can grow, not "
+                             f"shrink)")
+        if opt.layers is not None and opt.layers > drafter.c.num_hidden_layers:
+            log(f"{opt.init_from} grown from {drafter.c.num_hidden_layers} to {opt.layers} "
+                f"layers (the new ones start as identities)")
+            drafter = drafter.grow(opt.layers)
         c = drafter.c
         log(f"initialised from {opt.init_from}: {c.num_hidden_layers} layers, target layers "
             f"{c.target_layers}, mask token {c.mask_token_id}, draft vocabulary {c.vd} "
             f"(fresh optimizer)")
         return drafter
     cfg = DrafterConfig(hidden_size=hp.n_embd, intermediate_size=hp.n_ff,
-                        num_hidden_layers=opt.layers, num_attention_heads=hp.n_head,
+                        num_hidden_layers=opt.layers or 3, num_attention_heads=hp.n_head,
                         num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim,
                         vocab_size=hp.n_vocab, target_layers=layers, mask_token_id=mask_id,
                         block_size=opt.block_size, markov_rank=opt.markov_rank,
