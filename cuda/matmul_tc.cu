@@ -42,6 +42,7 @@
 #include <string>
 
 #include "cuda/matmul_tc_common.cuh"
+#include "cuda/launch.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -63,6 +64,7 @@ __global__ void __launch_bounds__(WN * WM * 32)
     k_mul_mat_tc(const char* __restrict__ w, int64_t n, int64_t k, int64_t rb, bool w_vec, const float* __restrict__ x,
                  int64_t xs, bool x_vec, int64_t m, float* __restrict__ y, int64_t ys, const float* __restrict__ add,
                  int64_t as) {
+    pdl_enter();
     constexpr int kThreads = WN * WM * 32;
     constexpr int BN = WN * TN * 16, BM = WM * TM * 8;
     constexpr int kWChunks = BN * (kBK / 8), kXChunks = BM * (kBK / 4);
@@ -232,7 +234,7 @@ void tc_tiles(const MatmulPart& p, int64_t k, bool w_vec, const float* x, int64_
     for (int64_t r0 = 0; r0 < p.n_rows; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, p.n_rows - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + BN - 1) / BN));
-        k_mul_mat_tc<T, WN, WM, TN, TM><<<grid, WN * WM * 32, 0, s>>>(w + r0 * rb, nr, k, rb, w_vec, x, xs, x_vec, m,
+        launch(k_mul_mat_tc<T, WN, WM, TN, TM>, grid, WN * WM * 32, 0, s, w + r0 * rb, nr, k, rb, w_vec, x, xs, x_vec, m,
                                                                       p.y + r0, p.y_stride,
                                                                       p.add ? p.add + r0 : nullptr, p.add_stride);
     }

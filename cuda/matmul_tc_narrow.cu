@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "cuda/matmul_tc_common.cuh"
+#include "cuda/launch.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -129,6 +130,7 @@ __global__ void __launch_bounds__(kFWarps * 32) k_mul_mat_tc_narrow_f(NarrowPart
                                                                       int64_t xs, bool x_vec, int m,
                                                                       float* __restrict__ partial,
                                                                       unsigned* __restrict__ counters) {
+    pdl_enter();
     constexpr bool kBF16 = T == DType::BF16;
     constexpr int kSegT = kSegTiles32;
     // The segment's activations as the mma's halves: column c, stored value i at xh[c * kSegT * 32 + i].
@@ -296,6 +298,7 @@ template <DType T, int G, int XG, int NT>
 __global__ void __launch_bounds__(32) k_mul_mat_tc_narrow_q(NarrowParts p, int64_t k, const float* __restrict__ x,
                                                             int64_t xs, int m, float* __restrict__ partial,
                                                             unsigned* __restrict__ counters) {
+    pdl_enter();
     constexpr int SK = kQStageK, SB = stage_bytes<T>(), kPitch = w_pitch<T>();
     constexpr int SC = SK / 16;  // mma chunks per stage
     constexpr int kPiecesPerRow = SB / G, kPieces = kRows * kPiecesPerRow, kPerLane = (kPieces + 31) / 32;
@@ -417,7 +420,7 @@ void narrow_q_launch(const NarrowParts& p, int64_t k, const float* x, int64_t xs
               "mul_mat (tensor cores, narrow): cudaFuncSetAttribute");
     });
     const dim3 grid(static_cast<unsigned>(p.tile0[p.np]), static_cast<unsigned>(n_segments(k)));
-    k_mul_mat_tc_narrow_q<T, G, XG, NT><<<grid, 32, narrow_q_smem_bytes<T>(m), s>>>(p, k, x, xs, static_cast<int>(m),
+    launch(k_mul_mat_tc_narrow_q<T, G, XG, NT>, grid, 32, narrow_q_smem_bytes<T>(m), s, p, k, x, xs, static_cast<int>(m),
                                                                                   ws.partial, ws.counters);
 }
 
@@ -446,10 +449,10 @@ void narrow_f_typed(bool x16, const NarrowParts& p, int64_t k, const float* x, i
     const dim3 grid(static_cast<unsigned>((p.tile0[p.np] + kFWarps - 1) / kFWarps), static_cast<unsigned>(n_segments(k)));
     const size_t smem = static_cast<size_t>(m) * kSegTiles32 * 32 * 2;  // the activations as halves
     if (m <= 8) {
-        k_mul_mat_tc_narrow_f<T, 1><<<grid, kFWarps * 32, smem, s>>>(p, k, x, xs, x16, static_cast<int>(m), ws.partial,
+        launch(k_mul_mat_tc_narrow_f<T, 1>, grid, kFWarps * 32, smem, s, p, k, x, xs, x16, static_cast<int>(m), ws.partial,
                                                                       ws.counters);
     } else {
-        k_mul_mat_tc_narrow_f<T, 2><<<grid, kFWarps * 32, smem, s>>>(p, k, x, xs, x16, static_cast<int>(m), ws.partial,
+        launch(k_mul_mat_tc_narrow_f<T, 2>, grid, kFWarps * 32, smem, s, p, k, x, xs, x16, static_cast<int>(m), ws.partial,
                                                                       ws.counters);
     }
 }

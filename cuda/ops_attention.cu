@@ -18,6 +18,7 @@
 // own query, its unmasked cells and their mask values, whatever rows share the batch.
 #include "cuda/attention_common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -71,6 +72,7 @@ template <typename T, bool kVec, int NC>
 __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
                                                              const int32_t* base, int n_kv_head, float scale,
                                                              unsigned* err) {
+    pdl_enter();
     __shared__ float s_q[32 * NC];
     __shared__ float s_acc[kWarps][32 * NC];
     __shared__ float s_m[kWarps], s_l[kWarps];
@@ -185,11 +187,11 @@ void launch_typed(const dim3& grid, const TDesc& dst, const TDesc& q, const TDes
                   const TDesc& mask, const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s) {
     // The per-lane width follows head_dim alone, never the batch: a row's bits cannot depend on it.
     if (q.ne[0] <= 64) {
-        k_attention<T, kVec, 2><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        launch(k_attention<T, kVec, 2>, grid, kWarps * 32, 0, s, dst, q, k, v, mask, base, n_kv_head, scale, err);
     } else if (q.ne[0] <= 128) {
-        k_attention<T, kVec, 4><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        launch(k_attention<T, kVec, 4>, grid, kWarps * 32, 0, s, dst, q, k, v, mask, base, n_kv_head, scale, err);
     } else {
-        k_attention<T, kVec, 8><<<grid, kWarps * 32, 0, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, err);
+        launch(k_attention<T, kVec, 8>, grid, kWarps * 32, 0, s, dst, q, k, v, mask, base, n_kv_head, scale, err);
     }
 }
 

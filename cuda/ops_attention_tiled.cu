@@ -15,6 +15,7 @@
 
 #include "cuda/attention_common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -37,6 +38,7 @@ template <int NC>
 __global__ void __launch_bounds__(kWarps * 32) k_attention_tiled(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
                                                                    const int32_t* base, int n_kv_head, float scale,
                                                                    int rows_per_block, unsigned* err) {
+    pdl_enter();
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int hd = static_cast<int>(q.ne[0]);
@@ -208,7 +210,7 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
     });
     const dim3 grid(static_cast<unsigned>(n_kv_head),
                     static_cast<unsigned>((q.ne[2] + rows_per_block - 1) / rows_per_block));
-    k_attention_tiled<NC><<<grid, kWarps * 32, smem, s>>>(dst, q, k, v, mask, base, n_kv_head, scale, rows_per_block,
+    launch(k_attention_tiled<NC>, grid, kWarps * 32, smem, s, dst, q, k, v, mask, base, n_kv_head, scale, rows_per_block,
                                                           err);
 }
 

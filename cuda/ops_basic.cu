@@ -6,6 +6,7 @@
 #include <climits>
 
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -76,6 +77,7 @@ __device__ __forceinline__ void store_elem(DType t, char* row, int64_t i, float 
 // cpy: src any type and row strides -> dst's type.
 
 __global__ void k_cpy_elem(TDesc dst, TDesc src) {
+    pdl_enter();
     const int64_t n0 = src.ne[0], total = n0 * src.nrows();
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -89,6 +91,7 @@ __global__ void k_cpy_elem(TDesc dst, TDesc src) {
 }
 
 __global__ void k_cpy_quant(TDesc dst, TDesc src) {
+    pdl_enter();
     const int64_t nbk = src.ne[0] / QK, total = nbk * src.nrows();
     const int64_t unit = static_cast<int64_t>(dtype_unit_bytes(dst.dtype));
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
@@ -104,6 +107,7 @@ __global__ void k_cpy_quant(TDesc dst, TDesc src) {
 // ---------------------------------------------------------------------------------------------
 
 __global__ void k_get_rows(TDesc dst, TDesc table, const int32_t* ids, unsigned* err) {
+    pdl_enter();
     const int64_t n0 = dst.ne[0], total = n0 * dst.ne[1], tab_rows = table.nrows();
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -120,6 +124,7 @@ __global__ void k_get_rows(TDesc dst, TDesc table, const int32_t* ids, unsigned*
 }
 
 __global__ void k_set_rows_elem(const __grid_constant__ Jobs jobs, const int32_t* ids, unsigned* err) {
+    pdl_enter();
     const TDesc& dst = jobs.j[blockIdx.y].dst;
     const TDesc& rows = jobs.j[blockIdx.y].src;
     const int64_t n0 = rows.ne[0], total = n0 * rows.nrows();
@@ -136,6 +141,7 @@ __global__ void k_set_rows_elem(const __grid_constant__ Jobs jobs, const int32_t
 }
 
 __global__ void k_set_rows_quant(const __grid_constant__ Jobs jobs, const int32_t* ids, unsigned* err) {
+    pdl_enter();
     const TDesc& dst = jobs.j[blockIdx.y].dst;
     const TDesc& rows = jobs.j[blockIdx.y].src;
     const int64_t nbk = rows.ne[0] / QK, total = nbk * rows.nrows();
@@ -188,6 +194,7 @@ __device__ __forceinline__ void rms_norm_regs(const float* xr, const float* w, f
 constexpr int kNormRegs = 16;  // rows up to kThreads * 16 = 4096 values keep them in registers
 
 __global__ void k_rms_norm(const __grid_constant__ Jobs jobs, float eps) {
+    pdl_enter();
     const TDesc& dst = jobs.j[blockIdx.y].dst;
     const TDesc& x = jobs.j[blockIdx.y].src;
     const float* w = jobs.j[blockIdx.y].w;
@@ -218,6 +225,7 @@ __global__ void k_rms_norm(const __grid_constant__ Jobs jobs, float eps) {
 constexpr int64_t kWarpNormMax = 256;
 
 __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
+    pdl_enter();
     const TDesc& dst = jobs.j[blockIdx.y].dst;
     const TDesc& x = jobs.j[blockIdx.y].src;
     const float* w = jobs.j[blockIdx.y].w;
@@ -231,6 +239,7 @@ __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
 }
 
 __global__ void k_binary(int kind, TDesc dst, TDesc a, TDesc b) {
+    pdl_enter();
     const int64_t n0 = a.ne[0], total = n0 * a.nrows();
     const bool bcast = b.nrows() == 1;
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
@@ -247,6 +256,7 @@ __global__ void k_binary(int kind, TDesc dst, TDesc a, TDesc b) {
 }
 
 __global__ void k_unary(int kind, TDesc dst, TDesc a, float f) {
+    pdl_enter();
     const int64_t n0 = a.ne[0], total = n0 * a.nrows();
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -270,6 +280,7 @@ struct RopeJobs {
 // sets kErrSetRowsId and is not written, as SET_ROWS does.
 __global__ void k_rope(const __grid_constant__ RopeJobs jobs, const int32_t* pos, const int32_t* cells,
                        const float* factors, int n_rot, int neox, double base, double fscale, unsigned* err) {
+    pdl_enter();
     const RopeJob& job = jobs.j[blockIdx.y];
     const TDesc& dst = job.dst;
     const TDesc& x = job.src;
@@ -339,6 +350,7 @@ __global__ void k_rope(const __grid_constant__ RopeJobs jobs, const int32_t* pos
 }
 
 __global__ void k_softmax(TDesc dst, TDesc a, float sc) {
+    pdl_enter();
     __shared__ float red[32];
     const int64_t r = blockIdx.x, n = a.ne[0];
     const float* ar = reinterpret_cast<const float*>(a.row(r));
@@ -397,6 +409,7 @@ __device__ void block_best(float& v, int& i, float* sv, int* si) {
 }
 
 __global__ void k_argmax(TDesc dst, TDesc a) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int64_t r = blockIdx.x, n = a.ne[0];
@@ -416,6 +429,7 @@ __global__ void k_argmax(TDesc dst, TDesc a) {
 // k rounds of a block-wide best over the entries that come after the previous pick in the
 // (value desc, index asc) order: the CPU's partial_sort order, ties to the smaller index.
 __global__ void k_top_k(TDesc dst, TDesc a) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int64_t r = blockIdx.x, n = a.ne[0];
@@ -448,6 +462,7 @@ __global__ void k_top_k(TDesc dst, TDesc a) {
 }
 
 __global__ void k_sum(TDesc dst, TDesc a) {
+    pdl_enter();
     __shared__ double red[1024];
     const int64_t n0 = a.ne[0], total = n0 * a.nrows();
     double acc = 0.0;
@@ -472,14 +487,14 @@ unsigned elems_grid(int64_t n) {
 
 void launch_cpy(const TDesc& dst, const TDesc& src, cudaStream_t s) {
     if (dtype_is_quantized(dst.dtype)) {
-        k_cpy_quant<<<elems_grid(src.nrows() * (src.ne[0] / QK)), kThreads, 0, s>>>(dst, src);
+        launch(k_cpy_quant, elems_grid(src.nrows() * (src.ne[0] / QK)), kThreads, 0, s, dst, src);
     } else {
-        k_cpy_elem<<<elems_grid(src.nrows() * src.ne[0]), kThreads, 0, s>>>(dst, src);
+        launch(k_cpy_elem, elems_grid(src.nrows() * src.ne[0]), kThreads, 0, s, dst, src);
     }
 }
 
 void launch_get_rows(const TDesc& dst, const TDesc& table, const int32_t* ids, unsigned* err, cudaStream_t s) {
-    k_get_rows<<<elems_grid(dst.ne[0] * dst.ne[1]), kThreads, 0, s>>>(dst, table, ids, err);
+    launch(k_get_rows, elems_grid(dst.ne[0] * dst.ne[1]), kThreads, 0, s, dst, table, ids, err);
 }
 
 Jobs make_jobs(const OpJob* jobs, int n) {
@@ -494,9 +509,9 @@ void launch_set_rows(const OpJob* jobs, int n, const int32_t* ids, unsigned* err
     int64_t most = 0;
     for (int i = 0; i < n; ++i) most = std::max(most, jobs[i].src.nrows() * jobs[i].src.ne[0]);
     if (dtype_is_quantized(jobs[0].dst.dtype)) {
-        k_set_rows_quant<<<dim3(elems_grid(most / QK), n), kThreads, 0, s>>>(j, ids, err);
+        launch(k_set_rows_quant, dim3(elems_grid(most / QK), n), kThreads, 0, s, j, ids, err);
     } else {
-        k_set_rows_elem<<<dim3(elems_grid(most), n), kThreads, 0, s>>>(j, ids, err);
+        launch(k_set_rows_elem, dim3(elems_grid(most), n), kThreads, 0, s, j, ids, err);
     }
 }
 
@@ -507,18 +522,18 @@ void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s) {
     if (rows == 0) return;
     if (jobs[0].src.ne[0] <= kWarpNormMax) {
         const int64_t per_block = kThreads / 32;
-        k_rms_norm_warp<<<dim3(grid_for(rows, static_cast<int>(per_block)), n), kThreads, 0, s>>>(j, eps);
+        launch(k_rms_norm_warp, dim3(grid_for(rows, static_cast<int>(per_block)), n), kThreads, 0, s, j, eps);
     } else {
-        k_rms_norm<<<dim3(static_cast<unsigned>(rows), n), kThreads, 0, s>>>(j, eps);
+        launch(k_rms_norm, dim3(static_cast<unsigned>(rows), n), kThreads, 0, s, j, eps);
     }
 }
 
 void launch_binary(int kind, const TDesc& dst, const TDesc& a, const TDesc& b, cudaStream_t s) {
-    k_binary<<<elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s>>>(kind, dst, a, b);
+    launch(k_binary, elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s, kind, dst, a, b);
 }
 
 void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStream_t s) {
-    k_unary<<<elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s>>>(kind, dst, a, f);
+    launch(k_unary, elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s, kind, dst, a, f);
 }
 
 void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* cells, const float* factors, int n_rot,
@@ -532,26 +547,26 @@ void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* 
     const int64_t tokens = jobs[0].src.ne[2];
     if (tokens == 0 || jobs[0].src.ne[1] == 0) return;
     const unsigned grid = static_cast<unsigned>(tokens < 65535 * 16 ? tokens : 65535 * 16);
-    k_rope<<<dim3(grid, n), kThreads, static_cast<size_t>(n_rot) * sizeof(float), s>>>(
+    launch(k_rope, dim3(grid, n), kThreads, static_cast<size_t>(n_rot) * sizeof(float), s, 
         j, pos, cells, factors, n_rot, neox ? 1 : 0, static_cast<double>(freq_base), static_cast<double>(freq_scale), err);
 }
 
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s) {
     if (a.nrows() == 0) return;
-    k_softmax<<<static_cast<unsigned>(a.nrows()), kThreads * 2, 0, s>>>(dst, a, scale);
+    launch(k_softmax, static_cast<unsigned>(a.nrows()), kThreads * 2, 0, s, dst, a, scale);
 }
 
 void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s) {
     if (a.nrows() == 0) return;
-    k_argmax<<<static_cast<unsigned>(a.nrows()), kThreads * 2, 0, s>>>(dst, a);
+    launch(k_argmax, static_cast<unsigned>(a.nrows()), kThreads * 2, 0, s, dst, a);
 }
 
 void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s) {
     if (a.nrows() == 0) return;
-    k_top_k<<<static_cast<unsigned>(a.nrows()), 1024, 0, s>>>(dst, a);
+    launch(k_top_k, static_cast<unsigned>(a.nrows()), 1024, 0, s, dst, a);
 }
 
-void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s) { k_sum<<<1, 1024, 0, s>>>(dst, a); }
+void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s) { launch(k_sum, 1, 1024, 0, s, dst, a); }
 
 }  // namespace cuda
 }  // namespace pyspec

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -194,6 +195,7 @@ __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const flo
 template <DType T, bool kVec, int R, int C>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_base, int64_t k, const float* x,
                                                           int64_t x_stride, int64_t m) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
@@ -247,6 +249,7 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_ba
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const char* w, int64_t n_rows, int64_t k,
                                                                   int64_t row_bytes, const float* x, int64_t x_stride,
                                                                   int64_t m, float* y, int64_t y_stride) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
     if (row >= n_rows) return;
@@ -269,6 +272,7 @@ template <DType T, bool kVec, int C>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t row_base, int64_t k, const float* x,
                                                               int64_t x_stride, int64_t m, float* y, int64_t y_stride) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
@@ -294,7 +298,7 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
     for (int64_t r0 = 0; r0 < gate.n_rows; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, gate.n_rows - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
-        k_mul_mat_glu<T, kVec, C><<<grid, kWarps * 32, 0, s>>>(
+        launch(k_mul_mat_glu<T, kVec, C>, grid, kWarps * 32, 0, s, 
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
             static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys);
     }
@@ -320,7 +324,7 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
     for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, n - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
-        k_mul_mat<T, kVec, R, C><<<grid, kWarps * 32, 0, s>>>(p, r0, k, x, xs, m);
+        launch(k_mul_mat<T, kVec, R, C>, grid, kWarps * 32, 0, s, p, r0, k, x, xs, m);
     }
 }
 
@@ -416,7 +420,7 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         for (int j = 0; j < n_parts; ++j) {
             const MatmulPart& q = parts[j];
             if (q.n_rows <= 0) continue;
-            k_mul_mat_generic<<<grid_for(q.n_rows, kWarps), kWarps * 32, 0, s>>>(
+            launch(k_mul_mat_generic, grid_for(q.n_rows, kWarps), kWarps * 32, 0, s, 
                 t, static_cast<const char*>(q.w), q.n_rows, k, static_cast<int64_t>(q.row_bytes), x, xs, m, q.y,
                 q.y_stride);
             check_launch("mul_mat");

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine (the workplace's device tool), from the repo root: build the CUDA core in
 # place, run the CUDA test files four ways (as is; without fusions, PYSPEC_CUDA_FUSE=0; with the
-# tensor-core MUL_MAT, PYSPEC_CUDA_TC=1; without the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0),
+# tensor-core MUL_MAT, PYSPEC_CUDA_TC=1; without the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0;
+# MODES may add nopdl, plain launches: PYSPEC_CUDA_PDL=0),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -31,6 +32,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     notiled) envs=(PYSPEC_CUDA_ATT_TILED=0) ;;
     tc) envs=(PYSPEC_CUDA_TC=1) ;;
     cores) envs=(PYSPEC_CUDA_TC=0) ;;
+    nopdl) envs=(PYSPEC_CUDA_PDL=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -44,6 +46,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     prof=--profile
     [ $mode = tc ] && envs=(PYSPEC_CUDA_TC=1)
     [ $mode = cores ] && envs=(PYSPEC_CUDA_TC=0)
+    # plain launches, without programmatic dependent launch (cuda/launch.cuh)
+    [ $mode = nopdl ] && envs=(PYSPEC_CUDA_PDL=0)
     # without the row-tiled attention for batches (pp, par64; the same bits as the per-row kernel)
     [ $mode = notiled ] && envs=(PYSPEC_CUDA_ATT_TILED=0) && only=pp512,par64 && prof=
     timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats ${REPEATS:-2} --only $only \

@@ -1,0 +1,29 @@
+// pdl_enabled(): see launch.cuh.
+#include "cuda/launch.cuh"
+
+namespace pyspec {
+namespace cuda {
+
+namespace {
+
+// Whether the current device has compute capability 9.0 or newer (griddepcontrol), asked once
+// per device: the backend drives one device per process.
+bool device_has_pdl() {
+    static const bool has = [] {
+        int dev = 0, major = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess) return false;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+        return major >= 9;
+    }();
+    return has;
+}
+
+}  // namespace
+
+// Read at every launch, as the other launch switches, so a test can compare both settings in
+// one process; the graph cache's key holds it, so a graph captured under one setting is never
+// replayed under the other.
+bool pdl_enabled() { return env_switch("PYSPEC_CUDA_PDL") != 0 && device_has_pdl(); }
+
+}  // namespace cuda
+}  // namespace pyspec

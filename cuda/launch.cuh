@@ -1,0 +1,57 @@
+// Kernel launches with programmatic dependent launch (PDL, compute capability 9.0+).
+//
+// A decode step is a chain of ~300 small kernels, each waiting for the one before. Normally a
+// kernel's launch (grid set-up, block dispatch) starts only once the previous kernel has fully
+// finished and flushed; with PDL it is launched while the previous one still runs, its blocks
+// wait on the device (griddepcontrol.wait) until that kernel has completed and its writes are
+// visible, and then run at once. The launch latency is hidden behind the previous kernel.
+//
+// Safe by construction: every kernel's first statement is pdl_enter(), which waits before the
+// kernel reads or writes any memory (so no read-after-write or write-after-read hazard with the
+// previous kernel), and a kernel only completes after its wait returned, so waiting on the
+// previous kernel also waits on everything before it. pdl_enter() then lets the next kernel be
+// launched: its blocks only become resident once every block of this grid has started, so they
+// never take room this grid still needs. The arithmetic is untouched: PDL on or off gives the
+// same bits (tests/test_cuda.py). PYSPEC_CUDA_PDL=0 turns it off.
+#pragma once
+
+#include <utility>
+
+#include "cuda/common.cuh"
+
+namespace pyspec {
+namespace cuda {
+
+// Waits for the previous kernel in the stream (a no-op when it was not launched with PDL or on
+// GPUs before compute capability 9.0), then allows the next one to be launched.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launches use PDL: PYSPEC_CUDA_PDL (default on) and a GPU of compute capability 9.0+.
+bool pdl_enabled();
+
+// kernel<<<grid, block, smem, s>>>(args...), with the PDL attribute when pdl_enabled(); throws
+// on a launch error.
+template <typename... Params, typename... Args>
+inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                   Args&&... args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+    if (e != cudaSuccess) throw_cuda("kernel launch", e);
+}
+
+}  // namespace cuda
+}  // namespace pyspec
