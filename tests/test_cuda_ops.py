@@ -286,6 +286,72 @@ def test_swiglu_epilogue_gives_the_unfused_bits(dtype, monkeypatch):
     np.testing.assert_allclose(out["1", 5], ref.reshape(5, n_rows), rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+def norm_then_matmuls_build(stored, dtype, x, rows, w_norm):
+    """h = RMS_NORM(x, w_norm) (w_norm None: no weight), then q/k/v MUL_MATs of h (rows[0..2]
+    weight rows: the first rows of `stored` each) and gate/up + SWIGLU of h (rows[3]); fetches h
+    too, so the fused launch must still store it."""
+    m, k = x.shape
+
+    def build():
+        g = core.Graph()
+        tx = g.input("F32", [k, m], "x")
+        feeds = {tx: x}
+        srcs = [tx]
+        if w_norm is not None:
+            tw = g.external("F32", [k], "norm_w")
+            feeds[tw] = w_norm
+            srcs.append(tw)
+        h = cpu.node(g, "RMS_NORM", "F32", [k, m], srcs, fparams=[1e-5])
+        outs = [h]
+        for i, n in enumerate(rows[:3]):
+            tw = g.external(dtype, [k, n], f"w{i}")
+            feeds[tw] = stored[i]
+            outs.append(cpu.node(g, "MUL_MAT", "F32", [n, m], [tw, h]))
+        tg = g.external(dtype, [k, rows[3]], "w_gate")
+        tu = g.external(dtype, [k, rows[3]], "w_up")
+        feeds[tg], feeds[tu] = stored[3], stored[4]
+        gate = cpu.node(g, "MUL_MAT", "F32", [rows[3], m], [tg, h])
+        up = cpu.node(g, "MUL_MAT", "F32", [rows[3], m], [tu, h])
+        h2 = cpu.node(g, "RMS_NORM", "F32", [k, m], srcs, fparams=[1e-5])
+        outs.append(cpu.node(g, "SWIGLU", "F32", [rows[3], m], [gate, up]))
+        # a second norm of the same input, read by a lone MUL_MAT (the output head's shape)
+        tl = g.external(dtype, [k, rows[0]], "w_head")
+        feeds[tl] = stored[0]
+        outs.append(cpu.node(g, "MUL_MAT", "F32", [rows[0], m], [tl, h2]))
+        return g, feeds, outs
+
+    return build
+
+
+@gpu
+@pytest.mark.parametrize("k", [64, 576, 2560, 4608])
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_norm_prologue_gives_the_unfused_bits(dtype, k, monkeypatch):
+    """An RMS_NORM read by the MUL_MAT group after it runs as that group's prologue at M <= 4 (the
+    q/k/v group, gate/up + SWIGLU, a lone head): the norm's output and every product are exactly
+    the bits of the nodes run apart (PYSPEC_CUDA_FUSE=0), for rows of one warp's norm (K <= 256) and
+    of the block's (K above, past 4096 too), with and without a norm weight, at M = 1..5 (M = 5
+    and the wider tiles of long rows take the unfused path)."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    rows = [72, 24, 24, 96]
+    rng = np.random.default_rng(k)
+    stored = [mm_inputs(dtype, rows[min(i, 3)], k, 1, seed=40 + i)[0] for i in range(5)]
+    x = rng.standard_normal((5, k)).astype(np.float32) * np.float32(3.0)
+    x[1] *= np.float32(1e-3)
+    w_norm = (1.0 + 0.5 * rng.standard_normal(k)).astype(np.float32)
+    for wn in (w_norm, None):
+        out = {}
+        for fuse in ("1", "0"):
+            monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
+            for m in (1, 2, 3, 4, 5):
+                out[fuse, m] = run_on(DEVICE, norm_then_matmuls_build(stored, dtype, x[:m], rows, wn))
+        for m in (1, 2, 3, 4, 5):
+            for i, (a, b) in enumerate(zip(out["1", m], out["0", m])):
+                np.testing.assert_array_equal(a, b, err_msg=f"M={m} output {i} weight {wn is not None}")
+        ref = run_on("cpu", norm_then_matmuls_build(stored, dtype, x[:2], rows, wn))[0]
+        np.testing.assert_allclose(out["1", 2][0], ref, rtol=1e-5, atol=1e-6)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):
