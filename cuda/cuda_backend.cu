@@ -368,10 +368,7 @@ private:
             try {
                 if (fuse && t.op == Op::MUL_MAT) {
                     last = run_mul_mat_group(graph, id);
-                } else if (fuse && t.op == Op::RMS_NORM) {
-                    last = run_norm_into_matmuls(graph, id);
-                    if (last < 0) last = run_op_pair(graph, id);
-                } else if (fuse && (t.op == Op::ROPE || t.op == Op::SET_ROWS)) {
+                } else if (fuse && (t.op == Op::ROPE || t.op == Op::SET_ROWS || t.op == Op::RMS_NORM)) {
                     last = run_op_pair(graph, id);
                 } else {
                     run_node(graph, id);
@@ -394,12 +391,7 @@ private:
     // tensor dies there whose memory a later member's output could have been planned into; and
     // member outputs that overlap the activations or each other (never planned so) end the
     // group. Returns the last node run.
-    //
-    // norm (run_norm_into_matmuls): the activations are the RMS_NORM norm_id's output, computed in
-    // the launch's prologue from the norm's input; then the outputs must also stay clear of what
-    // the prologue reads and writes, no residual epilogue is taken, and -1 is returned with
-    // nothing launched where the launch cannot take the prologue.
-    int run_mul_mat_group(const Graph& g, int id, const cuda::NormPrologue* norm = nullptr, int norm_id = -1) {
+    int run_mul_mat_group(const Graph& g, int id) {
         const Tensor& t0 = g[id];
         const Tensor& w0 = g[t0.src[0]];
         const Tensor& x = g[t0.src[1]];
@@ -407,11 +399,6 @@ private:
         const int n_members = matmuls_sharing_activations(g, id, members, cuda::kMaxMatmulParts);
         std::vector<cuda::MatmulPart> parts;
         std::vector<Span> spans{span(g, t0.src[1])};
-        if (norm) {
-            for (int s : g[norm_id].src) {
-                if (s >= 0) spans.push_back(span(g, s));
-            }
-        }
         int last = id;
         for (int m = 0; m < n_members; ++m) {
             const int j = members[m];
@@ -426,74 +413,27 @@ private:
             last = j;
         }
         if (parts.empty()) {  // the first output overlaps its activations: never planned so
-            if (norm) return -1;
             run_node(g, id);
             return id;
         }
-        if (parts.size() == 1 && !norm) {
+        if (parts.size() == 1) {
             const int add = residual_add_after(g, id, parts[0]);
             if (add >= 0) last = add;
         }
         if (parts.size() == 2) {
-            int glu = swiglu_after(g, members[0], members[1]);
-            if (glu >= 0 && norm) {
-                const Span out = span(g, glu);
-                for (const Span& sp : spans) {
-                    if (overlaps(out, sp)) glu = -1;
-                }
-            }
+            const int glu = swiglu_after(g, members[0], members[1]);
             if (glu >= 0 && cuda::launch_matmul_glu(w0.dtype, parts[0], parts[1], w0.ne[0],
                                                     reinterpret_cast<const float*>(dptr(g, t0.src[1])),
                                                     static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1],
                                                     reinterpret_cast<float*>(dptr(g, glu)),
-                                                    static_cast<int64_t>(g[glu].nb[1] / sizeof(float)), stream_,
-                                                    norm)) {
+                                                    static_cast<int64_t>(g[glu].nb[1] / sizeof(float)), stream_)) {
                 return glu;
             }
         }
         cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
                                   reinterpret_cast<const float*>(dptr(g, t0.src[1])),
-                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], scratch_, stream_, norm);
+                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], scratch_, stream_);
         return last;
-    }
-
-    // An RMS_NORM whose output is the activations of the MUL_MAT right after it (attention and FFN
-    // norms before q/k/v and gate/up, the output norm before the head) as that MUL_MAT group's
-    // prologue (cuda::NormPrologue): one launch fewer, the same bits (the prologue repeats
-    // RMS_NORM's arithmetic and still stores its output). Where the shapes, the batch (M <= 4 on
-    // the CUDA cores) or the device spans do not allow it, -1 and nothing launched. The norm's
-    // output must not overlap its input or weight; the group's outputs must not overlap either
-    // (run_mul_mat_group).
-    int run_norm_into_matmuls(const Graph& g, int id) {
-        const Tensor& nt = g[id];
-        const int mm = next_computed(g, id);
-        if (mm >= g.size() || g[mm].op != Op::MUL_MAT || g[mm].src[1] != id) return -1;
-        const Tensor& x = g[nt.src[0]];
-        const int64_t k = x.ne[0], m = x.ne[1];
-        const size_t f = sizeof(float);
-        if (x.dtype != DType::F32 || nt.dtype != DType::F32 || x.nb[0] != f || nt.nb[0] != f || x.ne[2] != 1 ||
-            x.ne[3] != 1 || nt.ne[0] != k || nt.ne[1] != m || nt.ne[2] != 1 || nt.ne[3] != 1 || x.nb[1] % f != 0 ||
-            nt.nb[1] % f != 0) {
-            return -1;
-        }
-        const Tensor& w = g[g[mm].src[0]];
-        if (w.ne[0] != k || !cuda::matmul_norm_prologue_fits(w.dtype, k, m)) return -1;
-        if (nt.src[1] >= 0) {
-            const Tensor& nw = g[nt.src[1]];
-            if (nw.dtype != DType::F32 || nw.ne[0] < k || nw.nb[0] != f) return -1;
-        }
-        const Span out = span(g, id);
-        for (int s : nt.src) {
-            if (s >= 0 && overlaps(out, span(g, s))) return -1;
-        }
-        cuda::NormPrologue np;
-        np.x = reinterpret_cast<const float*>(dptr(g, nt.src[0]));
-        np.x_stride = static_cast<int64_t>(x.nb[1] / f);
-        np.w = nt.src[1] >= 0 ? reinterpret_cast<const float*>(dptr(g, nt.src[1])) : nullptr;
-        np.eps = nt.fparams[0];
-        np.dst = reinterpret_cast<float*>(dptr(g, id));
-        np.dst_stride = static_cast<int64_t>(nt.nb[1] / f);
-        return run_mul_mat_group(g, mm, &np, id);
     }
 
     // --- row-wise ops, alone or in pairs -----------------------------------------------------

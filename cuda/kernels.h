@@ -24,13 +24,6 @@ struct OpJob {
 };
 void launch_set_rows(const OpJob* jobs, int n, const int32_t* ids, unsigned* err, cudaStream_t s);
 void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s);
-// RMS_NORM's reduction, which fixes a row's bits (the matmuls' norm prologue repeats it): rows of
-// up to kRmsNormWarpMax values take one warp (lane l sums values l, l + 32, ... as one fmaf chain,
-// then warp_sum); longer rows a block of kRmsNormThreads threads (thread t sums t, t + 256, ...,
-// then warp_sum per warp, then warp_sum over the warp sums). Then y = x * inv * w with
-// inv = 1 / sqrtf(sum / n + eps).
-constexpr int kRmsNormThreads = 256;
-constexpr int64_t kRmsNormWarpMax = 256;
 
 // kind: 0 add, 1 mul, 2 swiglu (silu(a) * b)
 void launch_binary(int kind, const TDesc& dst, const TDesc& a, const TDesc& b, cudaStream_t s);
@@ -91,42 +84,15 @@ struct MatmulScratchNeed {
     size_t partial_floats = 0;
     size_t n_counters = 0;
 };
-// An RMS_NORM whose rows are the activations of the MUL_MAT group (or gate/up + SwiGLU) after it,
-// run as that group's prologue: every block normalises the activation columns it needs into shared
-// memory with exactly RMS_NORM's arithmetic (kRmsNormThreads above) and multiplies from there, and
-// the blocks of the first row tile also store the normalised rows to dst (the RMS_NORM's output,
-// for any other reader). The bits of the two nodes run apart, one launch fewer. x: the RMS_NORM's
-// input rows (x_stride floats apart, k values each), w: its weight or nullptr.
-struct NormPrologue {
-    const float* x = nullptr;
-    int64_t x_stride = 0;
-    const float* w = nullptr;
-    float eps = 0.0f;
-    float* dst = nullptr;
-    int64_t dst_stride = 0;
-};
-// Whether the CUDA-core group (and gate/up) kernels take a norm prologue for this weight type, K
-// and batch: M <= 4 (decode, verify, small draft blocks), its normalised columns fitting in 48 KB
-// of shared memory; never where the tensor cores or the generic kernel would run.
-bool matmul_norm_prologue_fits(DType wtype, int64_t k, int64_t m);
-// PYSPEC_CUDA_NORM_PROLOGUE=0 turns the norm prologue off (the other fusions stay), to measure it;
-// part of the graph key.
-inline bool norm_prologue_enabled() { return env_switch("PYSPEC_CUDA_NORM_PROLOGUE") != 0; }
-// Whether the CUDA-core matmul kernels prefetch their weight rows into L2 before waiting on the
-// previous kernel (ops_matmul.cu, prefetch_row_l2); PYSPEC_CUDA_PREFETCH=0 turns it off, to
-// measure it. Part of the graph key.
-inline bool weight_prefetch_enabled() { return env_switch("PYSPEC_CUDA_PREFETCH") != 0; }
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                         int64_t x_stride, int64_t m, const MatmulScratch& scratch, cudaStream_t s,
-                         const NormPrologue* norm = nullptr);
+                         int64_t x_stride, int64_t m, const MatmulScratch& scratch, cudaStream_t s);
 // gate and up (MatmulParts of equal rows, no add) over the same activations with the SWIGLU that
 // follows them as the epilogue: y[i, c] = silu(gate_i . x_c) * (up_i . x_c), the bits of the three
 // nodes run apart (each product reduced exactly as launch_matmul_group reduces it). For the
 // CUDA-core path at M <= kMatmulGluMaxM; returns false (nothing launched) elsewhere.
 constexpr int64_t kMatmulGluMaxM = 16;
 bool launch_matmul_glu(DType wtype, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x,
-                       int64_t x_stride, int64_t m, float* y, int64_t y_stride, cudaStream_t s,
-                       const NormPrologue* norm = nullptr);
+                       int64_t x_stride, int64_t m, float* y, int64_t y_stride, cudaStream_t s);
 // Whether the backend groups consecutive MUL_MATs over the same activations into one launch
 // (on by default since the H200 run: the same bits, 3 launches fewer per layer, tg +5-6%;
 // PYSPEC_CUDA_FUSE=0 turns it off). Read at each compute: a backend's captured CUDA graphs keep the

@@ -222,7 +222,7 @@ __global__ void k_rms_norm(const __grid_constant__ Jobs jobs, float eps) {
 // Short rows (Qwen3's per-head q/k norms: 32 or 8 rows of 128): one warp per row, eight rows per
 // block, no block-wide barrier. Which kernel runs depends on the row length alone, never on the
 // number of rows, so a row's bits do not depend on its batch.
-constexpr int64_t kWarpNormMax = kRmsNormWarpMax;
+constexpr int64_t kWarpNormMax = 256;
 
 __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
     pdl_enter();
@@ -524,7 +524,7 @@ void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s) {
         const int64_t per_block = kThreads / 32;
         launch(k_rms_norm_warp, dim3(grid_for(rows, static_cast<int>(per_block)), n), kThreads, 0, s, j, eps);
     } else {
-        launch(k_rms_norm, dim3(static_cast<unsigned>(rows), n), kRmsNormThreads, 0, s, j, eps);
+        launch(k_rms_norm, dim3(static_cast<unsigned>(rows), n), kThreads, 0, s, j, eps);
     }
 }
 

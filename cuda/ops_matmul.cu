@@ -187,81 +187,6 @@ __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const flo
     }
 }
 
-// Asks L2 for one weight row (k values of type T at row) a warp is about to stream. The matmul
-// kernels call it before pdl_enter(), i.e. while the previous kernel may still run (launch.cuh):
-// that is safe because no kernel ever writes weights and a prefetch is only a hint (nothing is
-// read into a register, no fault is raised), and it lets the previous kernel's time - often a
-// latency-bound norm or attention that leaves HBM idle - also move these bytes.
-template <DType T>
-__device__ __forceinline__ void prefetch_row_l2(const char* row, int64_t k, int lane) {
-    constexpr int64_t kBlock = (T == DType::Q8_0 || T == DType::Q4_0 || T == DType::Q4_1) ? QK : 1;
-    const int64_t bytes = k / kBlock * static_cast<int64_t>(dtype_unit_bytes(T));
-    const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{127};
-    const uintptr_t end = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes);
-    for (uintptr_t line = first + static_cast<uintptr_t>(lane) * 128; line < end; line += 32 * 128) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-    }
-}
-
-// The norm prologue (NormPrologue, kernels.h): the block's C activation columns (clamped to the
-// last, as the kernels clamp them) normalised into sx (column c at sx + c * k) by RMS_NORM's own
-// arithmetic. Rows of up to kRmsNormWarpMax values: every warp runs k_rms_norm_warp's chain (lane
-// l sums l, l + 32, ...; warp_sum), so each holds the row's sum. Longer rows: the kWarps * 32
-// threads play k_rms_norm's kRmsNormThreads, thread t also taking t + kWarps * 32, ...: each
-// virtual thread's fmaf chain, its warp's warp_sum and the warp_sum over the warp sums are
-// k_rms_norm's, value for value. Then y = x * inv * w in k_rms_norm's order. store: this block
-// also writes the columns it owns (c0 + c < m) to nm.dst. Ends with a barrier.
-template <int C>
-__device__ __forceinline__ void norm_prologue(const NormPrologue& nm, int64_t k, int64_t c0, int64_t m, bool store,
-                                              float* sx) {
-    static_assert(kRmsNormThreads % (kWarps * 32) == 0, "virtual threads per thread");
-    constexpr int kVirtual = kRmsNormThreads / (kWarps * 32);
-    __shared__ float red[kRmsNormThreads / 32];
-    const int lane = threadIdx.x & 31;
-    for (int c = 0; c < C; ++c) {
-        const float* xr = nm.x + min(c0 + c, m - 1) * nm.x_stride;
-        float sum;
-        if (k <= kRmsNormWarpMax) {
-            float acc = 0.0f;
-            for (int64_t i = lane; i < k; i += 32) acc = fmaf(xr[i], xr[i], acc);
-            sum = warp_sum(acc);
-        } else {
-#pragma unroll
-            for (int v = 0; v < kVirtual; ++v) {
-                const int t = threadIdx.x + v * kWarps * 32;
-                float acc = 0.0f;
-                for (int64_t i = t; i < k; i += kRmsNormThreads) acc = fmaf(xr[i], xr[i], acc);
-                acc = warp_sum(acc);
-                if (lane == 0) red[t >> 5] = acc;
-            }
-            __syncthreads();
-            sum = warp_sum(lane < kRmsNormThreads / 32 ? red[lane] : 0.0f);
-            __syncthreads();  // red is reused by the next column
-        }
-        const float mean_sq = sum / static_cast<float>(k);
-        const float inv = 1.0f / sqrtf(mean_sq + nm.eps);
-        float* dst = store && c0 + c < m && nm.dst ? nm.dst + (c0 + c) * nm.dst_stride : nullptr;
-        for (int64_t i = threadIdx.x; i < k; i += blockDim.x) {
-            const float y = nm.w ? xr[i] * inv * nm.w[i] : xr[i] * inv;
-            sx[c * k + i] = y;
-            if (dst) dst[i] = y;
-        }
-    }
-    __syncthreads();
-}
-
-// The activation columns of a block: from the norm prologue's shared copy when there is one (its
-// columns already clamped), else the rows of x (clamped to the last).
-template <int C>
-__device__ __forceinline__ void block_columns(const NormPrologue& nm, const float* x, int64_t x_stride, int64_t k,
-                                              int64_t c0, int64_t m, bool store, const float* (&xc)[C]) {
-    extern __shared__ float4 s_norm_x4[];
-    float* sx = reinterpret_cast<float*>(s_norm_x4);
-    if (nm.x) norm_prologue<C>(nm, k, c0, m, store, sx);
-#pragma unroll
-    for (int c = 0; c < C; ++c) xc[c] = nm.x ? sx + c * k : x + min(c0 + c, m - 1) * x_stride;
-}
-
 // Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of the global weight rows
 // row_base + [R * kWarps * blockIdx.y, + R * kWarps); warp w of it R rows from
 // row_base + R * (kWarps * blockIdx.y + w). Rows and columns past the ends are clamped to the last
@@ -269,28 +194,23 @@ __device__ __forceinline__ void block_columns(const NormPrologue& nm, const floa
 // of float weights and of activations.
 template <DType T, bool kVec, int R, int C>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_base, int64_t k, const float* x,
-                                                          int64_t x_stride, int64_t m, NormPrologue nm,
-                                                          int prefetch) {
-    // Before the wait: kernel parameters and weight prefetches only (prefetch_row_l2).
+                                                          int64_t x_stride, int64_t m) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
+    if (r0 >= n_rows) return;
     const char* wr[R];
+    const float* xc[C];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int64_t row = min(r0 + r, n_rows - 1);
         const int j = part_of(p, row);
         wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
     }
-    if (prefetch && r0 < n_rows && blockIdx.x == 0) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) prefetch_row_l2<T>(wr[r], k, lane);
-    }
-    pdl_enter();
-    const float* xc[C];
-    block_columns<C>(nm, x, x_stride, k, c0, m, row_base == 0 && blockIdx.y == 0, xc);  // all threads
-    if (r0 >= n_rows) return;
+    for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
     float acc[R][C];
     accumulate<T, kVec, R, C>(wr, xc, k, lane, acc);
     if constexpr (R * C % 32 == 0) {
@@ -351,21 +271,16 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const 
 template <DType T, bool kVec, int C>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t row_base, int64_t k, const float* x,
-                                                              int64_t x_stride, int64_t m, float* y, int64_t y_stride,
-                                                              NormPrologue nm, int prefetch) {
-    // Before the wait: kernel parameters and weight prefetches only (prefetch_row_l2).
+                                                              int64_t x_stride, int64_t m, float* y, int64_t y_stride) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
-    const char* const wr[2] = {wg + min(row, n_rows - 1) * rb_g, wu + min(row, n_rows - 1) * rb_u};
-    if (prefetch && row < n_rows && blockIdx.x == 0) {
-        prefetch_row_l2<T>(wr[0], k, lane);
-        prefetch_row_l2<T>(wr[1], k, lane);
-    }
-    pdl_enter();
-    const float* xc[C];
-    block_columns<C>(nm, x, x_stride, k, c0, m, row_base == 0 && blockIdx.y == 0, xc);  // all threads
     if (row >= n_rows) return;
+    const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
+    const float* xc[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
     float acc[2][C];
     accumulate<T, kVec, 2, C>(wr, xc, k, lane, acc);
 #pragma unroll
@@ -375,44 +290,33 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, con
     }
 }
 
-// The column tile (C) a batch of m takes, for the group kernel at one row per warp and the gate/up
-// kernel alike.
-int64_t narrow_tile_columns(int64_t m) { return m == 1 ? 1 : m == 2 ? 2 : m <= 4 ? 4 : 8; }
-
-// Dynamic shared memory of a launch: the norm prologue's C normalised columns of k floats.
-size_t norm_smem_bytes(const NormPrologue& nm, int C, int64_t k) {
-    return nm.x ? static_cast<size_t>(C) * static_cast<size_t>(k) * sizeof(float) : 0;
-}
-
 template <DType T, bool kVec, int C>
 void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
-                       float* y, int64_t ys, const NormPrologue& nm, cudaStream_t s) {
+                       float* y, int64_t ys, cudaStream_t s) {
     constexpr int64_t max_rows = int64_t{kWarps} * 65535;
     const unsigned gx = grid_for(m, C);
     for (int64_t r0 = 0; r0 < gate.n_rows; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, gate.n_rows - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
-        launch(k_mul_mat_glu<T, kVec, C>, grid, kWarps * 32, norm_smem_bytes(nm, C, k), s,
+        launch(k_mul_mat_glu<T, kVec, C>, grid, kWarps * 32, 0, s, 
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
-            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys, nm,
-            weight_prefetch_enabled() ? 1 : 0);
+            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys);
     }
 }
 
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
-                       float* y, int64_t ys, const NormPrologue& nm, cudaStream_t s) {
-    if (m == 1) return mul_mat_glu_tiles<T, kVec, 1>(gate, up, k, x, xs, m, y, ys, nm, s);
-    if (m == 2) return mul_mat_glu_tiles<T, kVec, 2>(gate, up, k, x, xs, m, y, ys, nm, s);
-    if (m <= 4) return mul_mat_glu_tiles<T, kVec, 4>(gate, up, k, x, xs, m, y, ys, nm, s);
-    return mul_mat_glu_tiles<T, kVec, 8>(gate, up, k, x, xs, m, y, ys, nm, s);
+                       float* y, int64_t ys, cudaStream_t s) {
+    if (m == 1) return mul_mat_glu_tiles<T, kVec, 1>(gate, up, k, x, xs, m, y, ys, s);
+    if (m == 2) return mul_mat_glu_tiles<T, kVec, 2>(gate, up, k, x, xs, m, y, ys, s);
+    if (m <= 4) return mul_mat_glu_tiles<T, kVec, 4>(gate, up, k, x, xs, m, y, ys, s);
+    return mul_mat_glu_tiles<T, kVec, 8>(gate, up, k, x, xs, m, y, ys, s);
 }
 
 // Row tiles go on grid.y (at most 65535 per launch), column tiles on grid.x, so the blocks that
 // share a weight tile run next to each other and read it from L2 once.
 template <DType T, bool kVec, int R, int C>
-void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, const NormPrologue& nm,
-                   cudaStream_t s) {
+void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
     constexpr int64_t rows_per_block = int64_t{R} * kWarps;
     constexpr int64_t max_rows = rows_per_block * 65535;
     const int64_t n = p.row0[p.n];
@@ -420,8 +324,7 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
     for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, n - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
-        launch(k_mul_mat<T, kVec, R, C>, grid, kWarps * 32, norm_smem_bytes(nm, C, k), s, p, r0, k, x, xs, m, nm,
-               weight_prefetch_enabled() ? 1 : 0);
+        launch(k_mul_mat<T, kVec, R, C>, grid, kWarps * 32, 0, s, p, r0, k, x, xs, m);
     }
 }
 
@@ -430,24 +333,20 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
 // one row per warp, many warps, bandwidth-bound. Larger M: 4 rows x 8 columns per warp, 32 FMAs per
 // activation load and 8 columns per weight load.
 template <DType T, bool kVec>
-void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, const NormPrologue& nm,
-                   cudaStream_t s) {
-    if (m == 1) return mul_mat_tiles<T, kVec, 1, 1>(p, k, x, xs, m, nm, s);
-    if (m == 2) return mul_mat_tiles<T, kVec, 1, 2>(p, k, x, xs, m, nm, s);
-    if (m <= 4) return mul_mat_tiles<T, kVec, 1, 4>(p, k, x, xs, m, nm, s);
-    if (m <= 16) return mul_mat_tiles<T, kVec, 1, 8>(p, k, x, xs, m, nm, s);
-    return mul_mat_tiles<T, kVec, 4, 8>(p, k, x, xs, m, nm, s);
+void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
+    if (m == 1) return mul_mat_tiles<T, kVec, 1, 1>(p, k, x, xs, m, s);
+    if (m == 2) return mul_mat_tiles<T, kVec, 1, 2>(p, k, x, xs, m, s);
+    if (m <= 4) return mul_mat_tiles<T, kVec, 1, 4>(p, k, x, xs, m, s);
+    if (m <= 16) return mul_mat_tiles<T, kVec, 1, 8>(p, k, x, xs, m, s);
+    return mul_mat_tiles<T, kVec, 4, 8>(p, k, x, xs, m, s);
 }
 
 bool float_weights(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 
 // 16-byte loads: activations (and float weights) 16-byte aligned at every row. The choice changes
 // how values are loaded, not which values meet in which order.
-// With a norm prologue the activations are the shared copy: columns of k floats from an aligned
-// base.
-bool sixteen_byte_loads(DType t, const float* x, int64_t xs, const MatmulPart* parts, int n,
-                        const NormPrologue* norm = nullptr, int64_t k = 0) {
-    bool vec = norm ? k % 4 == 0 : reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
+bool sixteen_byte_loads(DType t, const float* x, int64_t xs, const MatmulPart* parts, int n) {
+    bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
     for (int j = 0; j < n && float_weights(t); ++j) {
         vec = vec && reinterpret_cast<uintptr_t>(parts[j].w) % 16 == 0 && parts[j].row_bytes % 16 == 0;
     }
@@ -483,25 +382,15 @@ bool matmul_add_epilogue(DType t, int64_t k) {
     return !(float_weights(t) && k % 8 != 0) && k % dtype_block_size(t) == 0;
 }
 
-bool matmul_norm_prologue_fits(DType t, int64_t k, int64_t m) {
-    // 47 KB: a block's static shared memory (the prologue's reduction) and the dynamic copy stay
-    // within the 48 KB a launch gets without opting in.
-    return norm_prologue_enabled() && m >= 1 && m <= 4 && k > 0 && k % 4 == 0 && k % dtype_block_size(t) == 0 &&
-           !(float_weights(t) && k % 8 != 0) && !matmul_tc_used(t, k) &&
-           static_cast<size_t>(narrow_tile_columns(m) * k) * sizeof(float) <= 47 * 1024;
-}
-
 bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs,
-                       int64_t m, float* y, int64_t ys, cudaStream_t s, const NormPrologue* norm) {
+                       int64_t m, float* y, int64_t ys, cudaStream_t s) {
     if (m <= 0 || m > kMatmulGluMaxM || matmul_tc_used(t, k) || (float_weights(t) && k % 8 != 0) ||
-        k % dtype_block_size(t) != 0 || gate.n_rows != up.n_rows || gate.n_rows <= 0 || gate.add || up.add ||
-        (norm && !matmul_norm_prologue_fits(t, k, m))) {
+        k % dtype_block_size(t) != 0 || gate.n_rows != up.n_rows || gate.n_rows <= 0 || gate.add || up.add) {
         return false;
     }
     const MatmulPart both[2] = {gate, up};
-    const NormPrologue nm = norm ? *norm : NormPrologue{};
-    const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, both, 2, norm, k), [&](auto type, auto vec) {
-        mul_mat_glu_typed<decltype(type)::value, decltype(vec)::value>(gate, up, k, x, xs, m, y, ys, nm, s);
+    const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, both, 2), [&](auto type, auto vec) {
+        mul_mat_glu_typed<decltype(type)::value, decltype(vec)::value>(gate, up, k, x, xs, m, y, ys, s);
     });
     if (launched) check_launch("mul_mat (swiglu)");
     return launched;
@@ -512,12 +401,9 @@ bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, in
 // cores (PYSPEC_CUDA_TC=1), against llama.cpp's 30.0k; decode goes the other way (tg128 203 here,
 // 147 there). The tensor-core path is the one to make fast for prefill, batches and decode alike.
 void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
-                         int64_t m, const MatmulScratch& scratch, cudaStream_t s, const NormPrologue* norm) {
+                         int64_t m, const MatmulScratch& scratch, cudaStream_t s) {
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
     if (m <= 0) return;
-    if (norm && !matmul_norm_prologue_fits(t, k, m)) {
-        throw std::logic_error("cuda backend: mul_mat: a norm prologue where it does not fit");
-    }
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
     // Tensor cores: chosen by the weight type and K only, never by M, so every batch size of a
     // weight takes the same computation; narrow batches run it on the narrow kernel (a whole group
@@ -555,9 +441,8 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         p.row0[j + 1] = p.row0[j] + std::max<int64_t>(0, q.n_rows);
     }
     if (p.row0[n_parts] == 0) return;
-    const NormPrologue nm = norm ? *norm : NormPrologue{};
-    const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, parts, n_parts, norm, k), [&](auto type, auto vec) {
-        mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, nm, s);
+    const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, parts, n_parts), [&](auto type, auto vec) {
+        mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, s);
     });
     if (!launched) throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
     check_launch("mul_mat");

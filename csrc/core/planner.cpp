@@ -82,9 +82,7 @@ Liveness analyse(const Graph& g) {
     // as one launch: a MUL_MAT and the node consuming its product (the residual ADD after
     // wo/ffn_down, the SWIGLU after ffn_up: CUDA's epilogues store the consumer's output while
     // the matmul still reads its activations), and two nodes of the same row-wise op (q/k ROPE,
-    // K/V SET_ROWS, q/k RMS_NORM: one launch runs both jobs), and an RMS_NORM and the MUL_MAT of its
-    // output (CUDA runs the norm as the matmul's prologue, reading the norm's input while the
-    // matmul stores; a group's later members follow at once). The second node's output must not
+    // K/V SET_ROWS, q/k RMS_NORM: one launch runs both jobs). The second node's output must not
     // share bytes with what the first still reads; without this rule it often took the slot the
     // first node's dying sources had just freed, and the fusion had to be skipped.
     for (int i = 0; i < n; ++i) {
@@ -95,8 +93,6 @@ Liveness analyse(const Graph& g) {
         bool fusable = false;
         if (g[i].op == Op::MUL_MAT) {
             for (int s : g[j].src) fusable = fusable || (s >= 0 && lv.root[static_cast<size_t>(s)] == i);
-        } else if (g[i].op == Op::RMS_NORM && g[j].op == Op::MUL_MAT) {
-            fusable = g[j].src[1] >= 0 && lv.root[static_cast<size_t>(g[j].src[1])] == i;
         } else if (g[i].op == g[j].op) {
             fusable = g[i].op == Op::ROPE || g[i].op == Op::SET_ROWS || g[i].op == Op::RMS_NORM;
         }

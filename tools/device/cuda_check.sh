@@ -2,8 +2,7 @@
 # On a GPU machine (the workplace's device tool), from the repo root: build the CUDA core in
 # place, run the CUDA test files four ways (as is; without fusions, PYSPEC_CUDA_FUSE=0; with the
 # tensor-core MUL_MAT, PYSPEC_CUDA_TC=1; without the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0;
-# MODES may add nopdl, plain launches: PYSPEC_CUDA_PDL=0, and nonorm, no norm prologue:
-# PYSPEC_CUDA_NORM_PROLOGUE=0, and noprefetch: PYSPEC_CUDA_PREFETCH=0),
+# MODES may add nopdl, plain launches: PYSPEC_CUDA_PDL=0),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -34,8 +33,6 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     tc) envs=(PYSPEC_CUDA_TC=1) ;;
     cores) envs=(PYSPEC_CUDA_TC=0) ;;
     nopdl) envs=(PYSPEC_CUDA_PDL=0) ;;
-    nonorm) envs=(PYSPEC_CUDA_NORM_PROLOGUE=0) ;;
-    noprefetch) envs=(PYSPEC_CUDA_PREFETCH=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -51,10 +48,6 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     [ $mode = cores ] && envs=(PYSPEC_CUDA_TC=0)
     # plain launches, without programmatic dependent launch (cuda/launch.cuh)
     [ $mode = nopdl ] && envs=(PYSPEC_CUDA_PDL=0)
-    # RMS_NORM as its own launch instead of the matmuls' prologue
-    [ $mode = nonorm ] && envs=(PYSPEC_CUDA_NORM_PROLOGUE=0)
-    # no weight prefetch into L2 ahead of the matmuls' wait
-    [ $mode = noprefetch ] && envs=(PYSPEC_CUDA_PREFETCH=0)
     # without the row-tiled attention for batches (pp, par64; the same bits as the per-row kernel)
     [ $mode = notiled ] && envs=(PYSPEC_CUDA_ATT_TILED=0) && only=pp512,par64 && prof=
     timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats ${REPEATS:-2} --only $only \
