@@ -194,6 +194,11 @@ def _resolve_drafter(args) -> None:
     from .model import DEFAULT_DRAFTER_N_MAX, default_drafter_path
 
     args.embedded_drafter = False
+    # Any speculation flag asks for it (the embedded drafter then drafts on every backend).
+    args.speculation_asked = (args.spec_type is not None or args.draft_max is not None
+                              or args.spec_verify is not None or bool(args.draft_p_min)
+                              or bool(args.draft_min) or args.draft_p_min_mode != "first"
+                              or args.n_gpu_layers_draft is not None)
     if args.spec_type == "none":
         if args.model_draft is not None:
             _log("main: --spec-type none: the draft model is not used")
@@ -256,18 +261,29 @@ def _check_args(args) -> None:
 def _load(args):
     """The LLM with the chosen chat template, or a CliError that says what is wrong."""
     from .llm import LLM
+    from .model import Model, embedded_drafter_by_default
 
     if args.model is not None and not os.path.isfile(args.model):
         what = "is a directory" if os.path.isdir(args.model) else "not found"
         raise CliError(f"model file '{args.model}' {what}")
+    n_threads = args.threads if args.threads > 0 else None
     try:
-        llm = LLM(args.model, n_ctx=args.ctx_size,
-                  n_threads=args.threads if args.threads > 0 else None,
+        model, n_gpu_layers = args.model, args.n_gpu_layers
+        if args.embedded_drafter and not args.speculation_asked:
+            # The embedded drafter only where it pays (pyspec.model.embedded_drafter_by_default):
+            # load the model first to know its backend.
+            model, n_gpu_layers = Model(None, n_threads=n_threads, n_gpu_layers=args.n_gpu_layers), None
+            if not embedded_drafter_by_default(model.backend):
+                args.model_draft, args.draft_max, args.embedded_drafter = None, None, False
+                _log(f"main: speculative decoding off on {model.backend.upper()} by default: the "
+                     f"embedded drafter is slower than plain decoding there (--spec-type "
+                     f"draft-dspark turns it on)")
+        llm = LLM(model, n_ctx=args.ctx_size, n_threads=n_threads,
                   n_batch=args.batch_size, draft_model=args.model_draft,
                   spec_type=args.spec_type, draft_n_max=args.draft_max,
                   verify=args.spec_verify, draft_p_min=args.draft_p_min,
                   draft_n_min=args.draft_min, draft_p_min_mode=args.draft_p_min_mode,
-                  n_gpu_layers=args.n_gpu_layers, n_gpu_layers_draft=args.n_gpu_layers_draft)
+                  n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=args.n_gpu_layers_draft)
     except (OSError, ValueError, RuntimeError) as exc:
         name = args.model if args.model is not None else "the default model"
         raise CliError(f"failed to load model '{name}': {exc}") from None

@@ -54,6 +54,20 @@ def default_drafter_path() -> Optional[str]:
     return path if os.path.isfile(path) else None
 
 
+# Where the embedded drafter drafts when the user did not ask for speculation: on the CPU (the
+# speed-ups above); not on the GPU, where a decode step is short and the drafter's passes cost
+# ~30% of one, so it slows chat and prose down (H200, 2026-11-30, greedy, n_max 2: chat x0.85-0.87,
+# code x1.02-1.05, prose x0.89-0.90; docs/training.md). --spec-type draft-dspark (or
+# --draft-max / --spec-draft-n-max) turns it on there.
+EMBEDDED_DRAFTER_BACKENDS = ("cpu",)
+
+
+def embedded_drafter_by_default(backend: str) -> bool:
+    """Whether the default model drafts with its embedded drafter on `backend` ("cpu" or "cuda")
+    when the user did not ask for speculation."""
+    return backend in EMBEDDED_DRAFTER_BACKENDS
+
+
 def _default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))

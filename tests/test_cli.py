@@ -81,6 +81,29 @@ def test_the_default_model_speculates_with_its_embedded_drafter(llm):
     assert "embedded drafter" in sampled.stderr and "draft acceptance" in sampled.stderr, sampled.stderr
 
 
+def test_the_embedded_drafter_stays_off_where_it_does_not_pay(llm, monkeypatch, capsys):
+    """Where the embedded drafter was measured slower than plain decoding (the GPU:
+    pyspec.model.embedded_drafter_by_default), the default model decodes plainly unless
+    speculation is asked for (--spec-type draft-dspark, --draft-max, ...); the same text either
+    way. Played on the CPU by declaring no backend the drafter pays on."""
+    if pyspec.model.default_drafter_path() is None:
+        pytest.skip("this install has no embedded drafter")
+    assert pyspec.model.embedded_drafter_by_default("cpu")
+    assert not pyspec.model.embedded_drafter_by_default("cuda")
+    monkeypatch.setattr(pyspec.model, "EMBEDDED_DRAFTER_BACKENDS", ())
+    args = ["-p", FRANCE["prompt"], "-n", "12", "-t", "2", "-c", "256", "--temp", "0"]
+    assert cli.main(args) == 0
+    held = capsys.readouterr()
+    assert "speculative decoding off on CPU by default" in held.err, held.err
+    assert "draft acceptance" not in held.err and "embedded drafter '" not in held.err
+    for asked in (["--spec-type", "draft-dspark"], ["--draft-max", "3"]):
+        assert cli.main(args + asked) == 0
+        on = capsys.readouterr()
+        assert "embedded drafter" in on.err and "draft acceptance" in on.err, on.err
+        assert on.out == held.out
+    assert held.out == FRANCE["prompt"] + llm.generate(FRANCE["prompt"], max_tokens=12, temperature=0) + "\n"
+
+
 def test_no_display_prompt_and_prompt_file(llm, tmp_path):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(FRANCE["prompt"] + "\n", encoding="utf-8")   # final newline dropped

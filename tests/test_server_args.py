@@ -298,3 +298,24 @@ def test_the_default_model_comes_with_its_embedded_drafter():
     assert resolve_paths(parse("--spec-type", "draft-dspark")) == (default_model_path(), embedded, True)
     with pytest.raises(ArgError):
         parse("-m", "m.gguf", "--spec-type", "draft-dspark")
+
+
+def test_the_embedded_drafter_stays_off_where_it_does_not_pay(monkeypatch):
+    """Where the embedded drafter was measured slower than plain decoding (the GPU:
+    pyspec.model.embedded_drafter_by_default), the server loads the default model without it
+    unless speculation is asked for (--spec-type draft-dspark, --spec-draft-n-max, -ngld). Played
+    on the CPU by declaring no backend the drafter pays on."""
+    import pyspec.model
+    from pyspec.server.main import Loaded
+
+    if pyspec.model.default_drafter_path() is None:
+        pytest.skip("this install has no embedded drafter")
+    base = ("-c", "256", "-t", "1", "-np", "1")
+    assert Loaded(parse(*base)).drafter is not None
+    monkeypatch.setattr(pyspec.model, "EMBEDDED_DRAFTER_BACKENDS", ())
+    held = Loaded(parse(*base))
+    assert held.drafter is None and held.embedded_drafter_held_back and not held.embedded_drafter
+    for asked in (("--spec-type", "draft-dspark"), ("--spec-draft-n-max", "2")):
+        on = Loaded(parse(*base, *asked))
+        assert on.drafter is not None and on.embedded_drafter, asked
+

@@ -61,7 +61,7 @@ class Loaded:
     def __init__(self, cfg: ServerConfig):
         from .. import _core
         from ..chat import ChatTemplate
-        from ..model import Model
+        from ..model import Model, embedded_drafter_by_default
         from ..speculative import detect_spec_type, drafter_backend, engine_backend
         from ..tokenizer import Tokenizer
         from .params import generation_settings
@@ -74,6 +74,11 @@ class Loaded:
         # refused (pyspec.model.resolve_gpu_layers).
         self.model = Model(self.model_path, n_threads=n_threads, n_gpu_layers=cfg.n_gpu_layers)
         m = self.model
+        # The embedded drafter only where it pays unless speculation was asked for.
+        self.embedded_drafter_held_back = False
+        if self.embedded_drafter and not embedded_drafter_by_default(m.backend) and \
+                cfg.spec_type is None and cfg.spec_draft_n_max is None and cfg.n_gpu_layers_draft is None:
+            draft_path, self.embedded_drafter, self.embedded_drafter_held_back = None, False, True
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
         n_slots, n_ctx_slot, unified = cfg.slot_layout(m.n_ctx_train)
         self.n_slots, self.n_ctx_slot, self.unified = n_slots, n_ctx_slot, unified
@@ -121,6 +126,10 @@ class Loaded:
                      self.spec_type, int(self.drafter.block_size), self.scheduler.draft_n_max,
                      "; the default model's embedded drafter (--spec-type none: off)"
                      if self.embedded_drafter else "")
+        elif self.embedded_drafter_held_back:
+            log.info("speculative decoding: off on %s by default: the embedded drafter is slower "
+                     "than plain decoding there (--spec-type draft-dspark turns it on)",
+                     self.model.backend.upper())
         else:
             log.info("speculative decoding: off (no drafter; -md FILE turns it on)")
         log.info("backend: %s", "CUDA (all layers on the GPU; weights uploaded on first use)"
