@@ -547,7 +547,7 @@ void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* 
     const int64_t tokens = jobs[0].src.ne[2];
     if (tokens == 0 || jobs[0].src.ne[1] == 0) return;
     const unsigned grid = static_cast<unsigned>(tokens < 65535 * 16 ? tokens : 65535 * 16);
-    launch(k_rope, dim3(grid, n), kThreads, static_cast<size_t>(n_rot) * sizeof(float), s, 
+    launch(k_rope, dim3(grid, n), kThreads, static_cast<size_t>(n_rot) * sizeof(float), s,
         j, pos, cells, factors, n_rot, neox ? 1 : 0, static_cast<double>(freq_base), static_cast<double>(freq_scale), err);
 }
 

@@ -298,7 +298,7 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
     for (int64_t r0 = 0; r0 < gate.n_rows; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, gate.n_rows - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
-        launch(k_mul_mat_glu<T, kVec, C>, grid, kWarps * 32, 0, s, 
+        launch(k_mul_mat_glu<T, kVec, C>, grid, kWarps * 32, 0, s,
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
             static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys);
     }
@@ -420,7 +420,7 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         for (int j = 0; j < n_parts; ++j) {
             const MatmulPart& q = parts[j];
             if (q.n_rows <= 0) continue;
-            launch(k_mul_mat_generic, grid_for(q.n_rows, kWarps), kWarps * 32, 0, s, 
+            launch(k_mul_mat_generic, grid_for(q.n_rows, kWarps), kWarps * 32, 0, s,
                 t, static_cast<const char*>(q.w), q.n_rows, k, static_cast<int64_t>(q.row_bytes), x, xs, m, q.y,
                 q.y_stride);
             check_launch("mul_mat");
