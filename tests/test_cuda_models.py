@@ -212,6 +212,20 @@ def test_server_gpu_layers(pairs):
 # ---------------------------------------------------------------------------------------------
 # On the GPU
 
+@gpu
+@real_gpu
+def test_the_default_model_decodes_plainly_on_the_gpu():
+    """On the GPU the embedded drafter is slower than plain decoding, so the default model runs
+    without it unless speculation is asked for (pyspec.model.embedded_drafter_by_default)."""
+    if pyspec.model.default_drafter_path() is None:
+        pytest.skip("this install has no embedded drafter")
+    base = ["-c", "256", "-t", "1", "-np", "1", "-ngl", "all"]
+    held = _loaded(base)
+    assert held.backend == "cuda" and held.drafter is None and held.embedded_drafter_held_back
+    on = _loaded(base + ["--spec-type", "draft-dspark"])
+    assert on.backend == "cuda" and on.drafter is not None and on.embedded_drafter
+
+
 
 def _decode_all(ctx, rows):
     """Decodes rows [(seq, pos, token)] in one call, every row output; logits [n, n_vocab]."""
