@@ -13,7 +13,7 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from . import __version__
 from .chat import ChatTemplate, ChatTemplateError, InvalidMessagesError
@@ -187,6 +187,13 @@ def _emit(text: str) -> None:
         sys.stdout.flush()
 
 
+def _speculation_flags(args) -> Tuple[bool, bool]:
+    """(--spec-type, --draft-max or --spec-verify given; --draft-p-min, --draft-p-min-mode or
+    --draft-min given)."""
+    return (args.spec_type is not None or args.draft_max is not None or args.spec_verify is not None,
+            bool(args.draft_p_min) or bool(args.draft_min) or args.draft_p_min_mode != "first")
+
+
 def _resolve_drafter(args) -> None:
     """The default model (no -m) speculates with its embedded drafter unless -md names another
     drafter or --spec-type none turns speculation off; args.embedded_drafter says which
@@ -195,10 +202,7 @@ def _resolve_drafter(args) -> None:
 
     args.embedded_drafter = False
     # Any speculation flag asks for it (the embedded drafter then drafts on every backend).
-    args.speculation_asked = (args.spec_type is not None or args.draft_max is not None
-                              or args.spec_verify is not None or bool(args.draft_p_min)
-                              or bool(args.draft_min) or args.draft_p_min_mode != "first"
-                              or args.n_gpu_layers_draft is not None)
+    args.speculation_asked = any(_speculation_flags(args)) or args.n_gpu_layers_draft is not None
     if args.spec_type == "none":
         if args.model_draft is not None:
             _log("main: --spec-type none: the draft model is not used")
@@ -226,11 +230,10 @@ def _check_args(args) -> None:
         raise CliError("give the prompt with -p or -f, not both")
     if args.chat_template is not None and args.chat_template_file is not None:
         raise CliError("give --chat-template or --chat-template-file, not both")
-    if args.model_draft is None and (args.spec_type or args.draft_max is not None
-                                     or args.spec_verify):
+    drafting, pruning = _speculation_flags(args)
+    if args.model_draft is None and drafting:
         raise CliError("--spec-type, --draft-max and --spec-verify need a draft model (-md)")
-    if args.model_draft is None and (args.draft_p_min or args.draft_min
-                                     or args.draft_p_min_mode != "first"):
+    if args.model_draft is None and pruning:
         raise CliError("--draft-p-min, --draft-p-min-mode and --draft-min need a draft model (-md)")
     for flag, value in (("-ngl", args.n_gpu_layers), ("-ngld", args.n_gpu_layers_draft)):
         if value is not None and value not in ("auto", "all"):
