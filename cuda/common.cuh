@@ -61,12 +61,6 @@ inline void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw_cuda(what, e);
 }
 
-// Launch-error check after a kernel launch.
-inline void check_launch(const char* what) {
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) throw_cuda(what, e);
-}
-
 inline unsigned grid_for(int64_t n, int threads) {
     const int64_t g = (n + threads - 1) / threads;
     return static_cast<unsigned>(g < 1 ? 1 : (g > 0x7fffffff ? 0x7fffffff : g));

@@ -12,7 +12,7 @@
 // previous kernel also waits on everything before it. pdl_enter() then lets the next kernel be
 // launched: its blocks only become resident once every block of this grid has started, so they
 // never take room this grid still needs. The arithmetic is untouched: PDL on or off gives the
-// same bits (tests/test_cuda.py). PYSPEC_CUDA_PDL=0 turns it off.
+// same bits (tests/test_cuda_graphs.py). PYSPEC_CUDA_PDL=0 turns it off.
 #pragma once
 
 #include <utility>
@@ -35,7 +35,7 @@ __device__ __forceinline__ void pdl_enter() {
 bool pdl_enabled();
 
 // kernel<<<grid, block, smem, s>>>(args...), with the PDL attribute when pdl_enabled(); throws
-// on a launch error.
+// on a launch error (the op running it adds its name: run_ops).
 template <typename... Params, typename... Args>
 inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
                    Args&&... args) {
@@ -50,7 +50,10 @@ inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-    if (e != cudaSuccess) throw_cuda("kernel launch", e);
+    if (e != cudaSuccess) {
+        cudaGetLastError();  // a launch error is not sticky: clear it, so the next op is not blamed
+        throw_cuda("kernel launch", e);
+    }
 }
 
 }  // namespace cuda

@@ -235,8 +235,8 @@ void tc_tiles(const MatmulPart& p, int64_t k, bool w_vec, const float* x, int64_
         const int64_t nr = std::min(max_rows, p.n_rows - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + BN - 1) / BN));
         launch(k_mul_mat_tc<T, WN, WM, TN, TM>, grid, WN * WM * 32, 0, s, w + r0 * rb, nr, k, rb, w_vec, x, xs, x_vec, m,
-                                                                      p.y + r0, p.y_stride,
-                                                                      p.add ? p.add + r0 : nullptr, p.add_stride);
+                p.y + r0, p.y_stride,
+                p.add ? p.add + r0 : nullptr, p.add_stride);
     }
 }
 
@@ -302,7 +302,6 @@ void launch_matmul_tc_wide(DType t, const MatmulPart& p, int64_t k, const float*
         case DType::Q4_1: tc_typed<DType::Q4_1>(p, k, w_vec, x, xs, x_vec, m, s); break;
         default: break;
     }
-    check_launch("mul_mat (tensor cores)");
 }
 
 }  // namespace cuda

@@ -421,7 +421,7 @@ void narrow_q_launch(const NarrowParts& p, int64_t k, const float* x, int64_t xs
     });
     const dim3 grid(static_cast<unsigned>(p.tile0[p.np]), static_cast<unsigned>(n_segments(k)));
     launch(k_mul_mat_tc_narrow_q<T, G, XG, NT>, grid, 32, narrow_q_smem_bytes<T>(m), s, p, k, x, xs, static_cast<int>(m),
-                                                                                  ws.partial, ws.counters);
+            ws.partial, ws.counters);
 }
 
 template <DType T, int G>
@@ -450,10 +450,10 @@ void narrow_f_typed(bool x16, const NarrowParts& p, int64_t k, const float* x, i
     const size_t smem = static_cast<size_t>(m) * kSegTiles32 * 32 * 2;  // the activations as halves
     if (m <= 8) {
         launch(k_mul_mat_tc_narrow_f<T, 1>, grid, kFWarps * 32, smem, s, p, k, x, xs, x16, static_cast<int>(m), ws.partial,
-                                                                      ws.counters);
+                ws.counters);
     } else {
         launch(k_mul_mat_tc_narrow_f<T, 2>, grid, kFWarps * 32, smem, s, p, k, x, xs, x16, static_cast<int>(m), ws.partial,
-                                                                      ws.counters);
+                ws.counters);
     }
 }
 
@@ -513,7 +513,6 @@ bool launch_matmul_tc_narrow(DType t, const MatmulPart* parts, int n_parts, int6
         case DType::Q4_1: narrow_q_typed<DType::Q4_1>(g, x16, p, k, x, xs, m, ws, s); break;
         default: return false;
     }
-    check_launch("mul_mat (tensor cores, narrow)");
     return true;
 }
 

@@ -211,7 +211,7 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
     const dim3 grid(static_cast<unsigned>(n_kv_head),
                     static_cast<unsigned>((q.ne[2] + rows_per_block - 1) / rows_per_block));
     launch(k_attention_tiled<NC>, grid, kWarps * 32, smem, s, dst, q, k, v, mask, base, n_kv_head, scale, rows_per_block,
-                                                          err);
+            err);
 }
 
 }  // namespace

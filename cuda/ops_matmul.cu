@@ -392,7 +392,6 @@ bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, in
     const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, both, 2), [&](auto type, auto vec) {
         mul_mat_glu_typed<decltype(type)::value, decltype(vec)::value>(gate, up, k, x, xs, m, y, ys, s);
     });
-    if (launched) check_launch("mul_mat (swiglu)");
     return launched;
 }
 
@@ -423,7 +422,6 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
             launch(k_mul_mat_generic, grid_for(q.n_rows, kWarps), kWarps * 32, 0, s,
                 t, static_cast<const char*>(q.w), q.n_rows, k, static_cast<int64_t>(q.row_bytes), x, xs, m, q.y,
                 q.y_stride);
-            check_launch("mul_mat");
         }
         return;
     }
@@ -445,7 +443,6 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, s);
     });
     if (!launched) throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
-    check_launch("mul_mat");
 }
 
 }  // namespace cuda
