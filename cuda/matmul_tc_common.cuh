@@ -4,6 +4,7 @@
 // functions, so an output gets the same operands, in the same chunk order, whichever kernel runs.
 #pragma once
 
+#include "cuda/async_copy.cuh"
 #include "cuda/kernels.h"
 
 namespace pyspec {
@@ -143,10 +144,6 @@ __device__ __forceinline__ float4 load_x4(const float* col, int64_t k0, bool val
     if (!valid) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (vec) return *reinterpret_cast<const float4*>(col + k0);
     return make_float4(col[k0], col[k0 + 1], col[k0 + 2], col[k0 + 3]);
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {

@@ -221,32 +221,6 @@ constexpr int stage_bytes() {  // bytes of one row per stage
     else return 8 * static_cast<int>(sizeof(BlockQ4_1));
 }
 
-// G bytes from global to shared memory, asynchronously; !valid fills zeros (src-size 0).
-template <int G>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
-    const uint32_t d = smem_addr(dst);
-    const int n = valid ? G : 0;
-    if constexpr (G == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n) : "memory");
-    } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(G), "r"(n) : "memory");
-    }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-// wait_group takes an immediate: pending (< kMax) picks it from an unrolled loop's constant.
-template <int kMax>
-__device__ __forceinline__ void cp_async_wait_n(int pending) {
-    if constexpr (kMax > 0) {
-        if (pending == kMax - 1) {
-            cp_async_wait<kMax - 1>();
-        } else {
-            cp_async_wait_n<kMax - 1>(pending);
-        }
-    }
-}
-
 // Shared memory of one block: kQStages stages, each the 16 rows' raw bytes (a row's pitch of
 // SB + 16 keeps 16-byte alignment) and the m activation columns' kQStageK floats.
 template <DType T>

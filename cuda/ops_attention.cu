@@ -121,12 +121,8 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
                 const float dot = dot_row<T, kVec>(s_q, krow, kc.nb[0], hd);
                 if (mj != -INFINITY) s = fmaf(dot, scale, mj);
             }
-            const float mc = fmaxf(m, warp_max(s));
-            if (mc == -INFINITY) continue;  // nothing unmasked yet (warp-uniform)
-            const float p = s == -INFINITY ? 0.0f : expf(s - mc);
-            const float corr = expf(m - mc);  // m = -inf -> 0
-            l = fmaf(l, corr, warp_sum(p));
-            m = mc;
+            float p, corr;
+            if (!fold_chunk(s, m, l, p, corr)) continue;  // nothing unmasked yet (warp-uniform)
 #pragma unroll
             for (int c = 0; c < NC; ++c) acc[c] *= corr;
             // V rows in cell order. Loads go out kVBatch rows at a time, before their fmafs, so
@@ -163,23 +159,8 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
         s_l[warp] = l;
     }
     __syncthreads();
-    float mm = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, s_m[w]);
-    float wsc[kWarps];
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-        wsc[w] = s_m[w] == -INFINITY ? 0.0f : expf(s_m[w] - mm);
-        total = fmaf(s_l[w], wsc[w], total);
-    }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) v = fmaf(s_acc[w][d], wsc[w], v);
-        o[d] = v * inv;
-    }
+    merge_warps(o, hd, threadIdx.x, blockDim.x, [&](int w) { return s_m[w]; }, [&](int w) { return s_l[w]; },
+                [&](int w, int d) { return s_acc[w][d]; });
 }
 
 template <typename T, bool kVec>
@@ -210,6 +191,10 @@ void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TD
     // K/V read once per kv head and tile instead of once per query head and row.
     if (q.ne[2] > 1 && attention_tiled_enabled() && attention_tiled_supports(q, k, v, n_kv_head)) {
         launch_attention_tiled(dst, q, k, v, mask, base, n_kv_head, scale, err, s);
+        return;
+    }
+    if (attention_staged_enabled() && attention_staged_supports(q, k, v)) {
+        launch_attention_staged(dst, q, k, v, mask, base, n_kv_head, scale, err, s);
         return;
     }
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]));

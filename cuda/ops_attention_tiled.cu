@@ -125,12 +125,8 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_tiled(TDesc dst, TDes
                     }
                 }
                 float* ml = s_ml + (warp * kJobs + j) * 2;
-                const float m_old = ml[0];
-                const float mc = fmaxf(m_old, warp_max(s));
-                if (mc == -INFINITY) continue;  // nothing unmasked yet (warp-uniform)
-                const float p = s == -INFINITY ? 0.0f : expf(s - mc);
-                const float corr = expf(m_old - mc);  // m = -inf -> 0
-                const float l_new = fmaf(ml[1], corr, warp_sum(p));
+                float mc = ml[0], l_new = ml[1], p, corr;
+                if (!fold_chunk(s, mc, l_new, p, corr)) continue;  // nothing unmasked yet (warp-uniform)
                 float* accp = s_acc + (warp * kJobs + j) * hd;
                 float acc[NC];
 #pragma unroll
@@ -172,24 +168,9 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_tiled(TDesc dst, TDes
             for (int d = lane; d < hd; d += 32) o[d] = 0.0f;
             continue;
         }
-        float mm = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, s_ml[(w * kJobs + j) * 2]);
-        float wsc[kWarps];
-        float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-            const float mw = s_ml[(w * kJobs + j) * 2];
-            wsc[w] = mw == -INFINITY ? 0.0f : expf(mw - mm);
-            total = fmaf(s_ml[(w * kJobs + j) * 2 + 1], wsc[w], total);
-        }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int d = lane; d < hd; d += 32) {
-            float v = 0.0f;
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) v = fmaf(s_acc[(w * kJobs + j) * hd + d], wsc[w], v);
-            o[d] = v * inv;
-        }
+        merge_warps(o, hd, lane, 32, [&](int w) { return s_ml[(w * kJobs + j) * 2]; },
+                    [&](int w) { return s_ml[(w * kJobs + j) * 2 + 1]; },
+                    [&](int w, int d) { return s_acc[(w * kJobs + j) * hd + d]; });
     }
 }
 

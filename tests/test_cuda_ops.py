@@ -620,6 +620,47 @@ def test_row_tiled_attention_gives_the_per_row_kernels_bits(monkeypatch, heads, 
         np.testing.assert_array_equal(tiled[at], alone[0])
 
 
+@real_gpu
+@pytest.mark.parametrize("heads", MODEL_HEADS + [(4, 4, 64), (16, 2, 128), (6, 3, 40)],
+                         ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+@pytest.mark.parametrize("seed", range(3))
+def test_staged_attention_gives_the_unstaged_kernels_bits(monkeypatch, heads, seed):
+    """The staged kernel (cuda/ops_attention_staged.cu: each warp's chunk of K/V copied into
+    shared memory by cp.async, the next chunk's copies in flight during this one's arithmetic)
+    gives every row exactly the bits of the per-row kernel it replaces: single rows at random
+    bases, spans and masks over a cache long enough for a warp to own several chunks (the two
+    stages alternate), and batches through the per-row path (row-tiled kernel off).
+    PYSPEC_CUDA_ATT_STAGED=0: the unstaged kernel."""
+    n_head, n_kv, hd = heads
+    rng = np.random.default_rng(7000 + seed * 11 + hd)
+    n_cells = 1500
+    k = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
+    v = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
+    monkeypatch.setenv("PYSPEC_CUDA_ATT_TILED", "0")
+    for span in (1, 31, 100, 700, 1200):
+        start = int(rng.integers(0, n_cells - span + 1))
+        mask = np.zeros((1, span), np.float32)
+        mask[0, rng.random(span) < 0.2] = -np.inf
+        mask[0, 0] = 0.0
+        q = rng.standard_normal((1, n_head, hd)).astype(np.float32)
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_STAGED", "0")
+        plain = cpu.attention_run(q, k, v, mask, np.array([start], np.int32), n_kv, 0.125, "F16", backend=DEVICE)
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_STAGED", "1")
+        staged = cpu.attention_run(q, k, v, mask, np.array([start], np.int32), n_kv, 0.125, "F16", backend=DEVICE)
+        np.testing.assert_array_equal(staged, plain, err_msg=f"span {span} at {start}")
+        want = cpu.attention_ref(q, k, v, mask, np.array([start]), n_kv, np.float32(0.125))
+        np.testing.assert_allclose(staged, want, **ATT_TOL["F16"])
+    start, row_mask = cpu.random_row(rng)
+    q_row = rng.standard_normal((1, n_head, hd)).astype(np.float32)
+    for n_rows in (3, 40):
+        q, mask, base, at = cpu.batch_around_row(rng, n_rows, start, row_mask, q_row, n_cells)
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_STAGED", "0")
+        plain = cpu.attention_run(q, k, v, mask, base, n_kv, 0.125, "F16", backend=DEVICE)
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_STAGED", "1")
+        staged = cpu.attention_run(q, k, v, mask, base, n_kv, 0.125, "F16", backend=DEVICE)
+        np.testing.assert_array_equal(staged, plain)
+
+
 @gpu
 @pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
 def test_set_rows_then_attention_reads_the_new_cells(cache_dtype):

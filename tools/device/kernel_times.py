@@ -23,7 +23,7 @@ from collections import defaultdict
 INNER = "PYSPEC_KERNEL_TIMES_INNER"
 
 
-def run_step(path: str, step: str, gpu: bool = True) -> None:
+def run_step(path: str, step: str, gpu: bool = True, context: int = 64) -> None:
     """Inside ncu: warm the step up (graphs captured), then profile exactly one more of it."""
     import ctypes
 
@@ -33,7 +33,7 @@ def run_step(path: str, step: str, gpu: bool = True) -> None:
     import pyspec
 
     model = pyspec.Model(path, n_gpu_layers="all" if gpu else 0)
-    ids = [(i * 7919) % 1000 + 10 for i in range(512)]
+    ids = [(i * 7919) % 1000 + 10 for i in range(max(512, context))]
     if step == "pp512":
         ctx = pyspec.Context(model, n_ctx=1024, n_seq_max=1, n_batch=512)
 
@@ -52,8 +52,9 @@ def run_step(path: str, step: str, gpu: bool = True) -> None:
                        output=np.ones(n, np.bool_))
             state["pos"] += 1
     else:
-        ctx = pyspec.Context(model, n_ctx=1024, n_seq_max=1, n_batch=512)
-        ctx.decode(ids[:64])
+        ctx = pyspec.Context(model, n_ctx=max(1024, context + 64), n_seq_max=1, n_batch=512)
+        for p0 in range(0, context, 512):     # the prompt, in batches
+            ctx.decode(ids[p0:min(context, p0 + 512)])
         state = {"tok": 11}
 
         def once():
@@ -92,18 +93,23 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("--step", choices=["decode", "par64", "pp512"], default="decode")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--context", type=int, default=64, help="decode: cells in the cache before the step")
+    ap.add_argument("--flush-caches", action="store_true",
+                    help="flush the caches before each kernel (ncu's default); without it, kernels see "
+                         "the warm L2 of a real step, which is what latency-bound decode kernels get")
     ap.add_argument("--dry-run", action="store_true", help="run the step on the CPU, no ncu (checks the script)")
     args = ap.parse_args(argv)
     if args.dry_run:
-        run_step(args.model, args.step, gpu=False)
+        run_step(args.model, args.step, gpu=False, context=args.context)
         print(f"{args.step} ran on the CPU")
         return 0
     if os.environ.get(INNER):
-        run_step(args.model, args.step)
+        run_step(args.model, args.step, context=args.context)
         return 0
-    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--metrics",
+    cmd = ["ncu", "--clock-control", "none", "--cache-control", "all" if args.flush_caches else "none",
+           "--profile-from-start", "off", "--metrics",
            "gpu__time_duration.sum", "--csv", "--print-units", "base",
-           sys.executable, os.path.abspath(__file__), args.model, "--step", args.step]
+           sys.executable, os.path.abspath(__file__), args.model, "--step", args.step, "--context", str(args.context)]
     res = subprocess.run(cmd, env=dict(os.environ, **{INNER: "1"}), capture_output=True, text=True)
     rows = [line for line in res.stdout.splitlines() if line.startswith('"')]
     if res.returncode != 0 or not rows:
@@ -118,7 +124,8 @@ def main(argv=None) -> int:
         k[1] += float(rec["Metric Value"].replace(",", "")) * 1e-3   # ns -> us
     total = sum(v[1] for v in per.values())
     n = sum(v[0] for v in per.values())
-    print(f"{os.path.basename(args.model)} {args.step}: {n} kernels, {total:.1f} us of kernel time "
+    at = f" at {args.context} cells" if args.step == "decode" else ""
+    print(f"{os.path.basename(args.model)} {args.step}{at}: {n} kernels, {total:.1f} us of kernel time "
           f"(ncu, each kernel alone)")
     for name, (calls, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:args.top]:
         print(f"  {us:9.1f} us  {calls:5d} x {us / calls:7.2f} us  {100 * us / total:5.1f}%  {name[:90]}")
