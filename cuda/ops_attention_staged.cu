@@ -7,10 +7,10 @@
 // warm L2, H200: 15.7 us of a 1.34 ms SmolLM2 step, 35% of its kernel time). Here the warp's first
 // chunk is requested before q is waited for, V arrives while the scores are computed, and with
 // two stages (head_dim <= 64) the next chunk's copies overlap this chunk's arithmetic.
-// Measured on the H200 (2026-11-30, ncu with warm caches, per layer; one build, PYSPEC_CUDA_ATT_STAGED
-// 0 against 1): SmolLM2 at 64 cells 15.9 -> 7.0 us, at 4000 cells 193 -> 59 us; Qwen3-4B at 4000
-// cells 303 -> 89 us. tg128 (alternating runs): SmolLM2 Q4_1 761 / 691 -> 931 / 846 t/s, Qwen3-4B
-// F16 242 / 232 -> 275 / 264.
+// Measured on the H200 (2026-11-30, ncu with warm caches, per layer; PYSPEC_CUDA_ATT_STAGED 0
+// against 1): SmolLM2 at 64 cells 15.9 -> 5.5 us, at 4000 cells 193 -> 37 us; Qwen3-4B at 4000
+// cells 303 -> 61 us. tg128: SmolLM2 Q4_1 777 -> 1005 t/s, Qwen3-4B F16 239 -> 281 (one build,
+// one run after the other; llama.cpp: 921 and 273).
 //
 // The bits are k_attention's (test_staged_attention_gives_the_unstaged_kernels_bits): chunk c
 // belongs to warp c mod kWarps; lane i scores cell 32c + i with the same fmaf sequence over the head
@@ -126,7 +126,11 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
         if (in_span && mj != -INFINITY) {
             const uint16_t* kr = sk + lane * ks;
             float dot = 0.0f;
-            for (int d0 = 0; d0 < hd; d0 += 8) {
+            // Bounded by the instantiation's widest head so the loop unrolls (smem loads hoisted
+            // ahead of the fmaf chain); the chain itself runs d = 0 .. hd-1 as everywhere.
+#pragma unroll
+            for (int d0 = 0; d0 < 32 * NC; d0 += 8) {
+                if (d0 >= hd) break;
                 const uint4 raw = *reinterpret_cast<const uint4*>(kr + d0);
                 const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
 #pragma unroll
@@ -138,13 +142,18 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
         if (fold_chunk(s, m, l, p, corr)) {  // else nothing unmasked yet (warp-uniform)
 #pragma unroll
             for (int c = 0; c < NC; ++c) acc[c] *= corr;
-            for (int i = 0; i < kChunk; ++i) {  // V rows in cell order; p = 0 adds nothing
+            // V rows in cell order. A row with p = 0 adds nothing (a select, not a branch, so the
+            // unrolled loop can issue its shuffles and loads ahead; its value may be anything).
+#pragma unroll 8
+            for (int i = 0; i < kChunk; ++i) {
                 const float pi = __shfl_sync(0xffffffffu, p, i);
-                if (pi == 0.0f) continue;
 #pragma unroll
                 for (int c = 0; c < NC; ++c) {
                     const int d = lane + 32 * c;
-                    if (d < hd) acc[c] = fmaf(pi, h2f(sv[i * hd + d]), acc[c]);
+                    if (d < hd) {
+                        const float t = fmaf(pi, h2f(sv[i * hd + d]), acc[c]);
+                        acc[c] = pi != 0.0f ? t : acc[c];
+                    }
                 }
             }
         }
