@@ -5,6 +5,7 @@
 #pragma once
 
 #include "cuda/common.cuh"
+#include "cuda/kernels.h"
 
 namespace pyspec {
 namespace cuda {
@@ -28,30 +29,64 @@ __device__ __forceinline__ bool fold_chunk(float s, float& m, float& l, float& p
     return true;
 }
 
-// The row's output from the warps' states, merged in the order w = 0 .. kWarps-1: element d of
-// o for d = first, first + step, ... < hd. m_of(w), l_of(w) and acc_of(w, d) read warp w's state.
-template <typename MOf, typename LOf, typename AccOf>
-__device__ __forceinline__ void merge_warps(float* o, int hd, int first, int step, MOf m_of, LOf l_of,
-                                            AccOf acc_of) {
-    float mm = -INFINITY;
+// The order of a row's sums beyond one chunk: pages. Page g holds kWarps consecutive chunks (cells
+// 256g .. 256g + 255 by absolute index), chunk kWarps * g + w belonging to warp w (so chunk c to warp
+// c mod kWarps), folded from the empty state. The page's state is the warps' states merged in the
+// order w = 0 .. kWarps-1 (page_weights, page_acc); the row's state is the pages' states combined in
+// increasing g (combine_page, combine_acc), and its output is acc * row_scale(l). Pages are
+// independent until that last fold, so a long row may compute its pages in separate blocks
+// (ops_attention_staged.cu) and still get the bits of a block that walks them in order. A row whose
+// cells lie in one page gets (sum_w acc_w wsc_w) / (sum_w l_w wsc_w).
+constexpr int kPageCells = kChunk * kWarps;
+
+struct PageWeights {
+    float m;              // the page's max score (-inf: nothing unmasked in it)
+    float l;              // its softmax denominator at that max
+    float wsc[kWarps];    // each warp's factor
+};
+
+// m_of(w), l_of(w): warp w's state after folding its chunk of the page (or none).
+template <typename MOf, typename LOf>
+__device__ __forceinline__ PageWeights page_weights(MOf m_of, LOf l_of) {
+    PageWeights pw;
+    pw.m = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, m_of(w));
-    float wsc[kWarps];
-    float total = 0.0f;
+    for (int w = 0; w < kWarps; ++w) pw.m = fmaxf(pw.m, m_of(w));
+    pw.l = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
         const float mw = m_of(w);
-        wsc[w] = mw == -INFINITY ? 0.0f : expf(mw - mm);
-        total = fmaf(l_of(w), wsc[w], total);
+        pw.wsc[w] = mw == -INFINITY ? 0.0f : expf(mw - pw.m);
+        pw.l = fmaf(l_of(w), pw.wsc[w], pw.l);
     }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int d = first; d < hd; d += step) {
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) v = fmaf(acc_of(w, d), wsc[w], v);
-        o[d] = v * inv;
-    }
+    return pw;
 }
+
+// Element d of the page's accumulator; acc_of(w, d) reads warp w's.
+template <typename AccOf>
+__device__ __forceinline__ float page_acc(const PageWeights& pw, int d, AccOf acc_of) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v = fmaf(acc_of(w, d), pw.wsc[w], v);
+    return v;
+}
+
+// Combines a page (m_g, l_g) into the row's running (m, l), pages in increasing order: false for an
+// empty page (nothing changes), else a and b are the factors of what the row held and of the page.
+// The row starts empty (m = -inf, l = 0, accumulators 0): the first page's factors are 0 and 1.
+__device__ __forceinline__ bool combine_page(float& m, float& l, float m_g, float l_g, float& a, float& b) {
+    if (m_g == -INFINITY) return false;
+    const float mn = fmaxf(m, m_g);
+    a = expf(m - mn);  // m = -inf -> 0
+    b = expf(m_g - mn);
+    l = fmaf(l_g, b, l * a);
+    m = mn;
+    return true;
+}
+__device__ __forceinline__ float combine_acc(float acc, float acc_g, float a, float b) {
+    return fmaf(acc_g, b, acc * a);
+}
+__device__ __forceinline__ float row_scale(float l) { return l > 0.0f ? 1.0f / l : 0.0f; }
 
 // The row-tiled kernel serves batches (rows > 1, F16 cache, head_dim <= 128, 16-byte rows);
 // PYSPEC_CUDA_ATT_TILED=0 turns it off. Checked on the H200: the per-row kernel's bits for every
@@ -63,8 +98,11 @@ bool attention_tiled_supports(const TDesc& q, const TDesc& k, const TDesc& v, in
 // PYSPEC_CUDA_ATT_STAGED=0 turns it off.
 bool attention_staged_enabled();
 bool attention_staged_supports(const TDesc& q, const TDesc& k, const TDesc& v);
+// A single row over more than two pages is split over blocks, a page per block, when the scratch
+// holds its pages (attention_split_scratch); else one block walks the pages.
 void launch_attention_staged(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
-                             const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s);
+                             const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch,
+                             unsigned* err, cudaStream_t s);
 
 void launch_attention_tiled(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                             const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s);

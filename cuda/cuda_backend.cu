@@ -129,7 +129,7 @@ public:
 
     void compute(Graph& graph) override {
         check(cudaSetDevice(device_), "cudaSetDevice");
-        reserve_matmul_scratch(graph);
+        reserve_split_scratch(graph);
         resolved_.assign(static_cast<size_t>(graph.size()), nullptr);
         if (profiling_) {  // op by op between events: a replay would hide the ops
             run_profiled(graph);
@@ -213,21 +213,29 @@ public:
 private:
     // --- execution ---------------------------------------------------------------------------
 
-    // Grows the split-K scratch of the narrow tensor-core MUL_MAT to what this graph's largest
-    // launch needs (a group's parts together), before anything runs or is captured. Grow-only;
-    // captured graphs point at the old buffers, so they go with them.
-    void reserve_matmul_scratch(const Graph& g) {
-        if (!cuda::matmul_tc_possible()) return;  // only the tensor-core kernels use it
-        cuda::MatmulScratchNeed need;
+    // Grows the split scratch to what this graph's largest launch needs (the narrow tensor-core
+    // MUL_MAT's K segments, a group's parts together; a long decode row's attention pages), before
+    // anything runs or is captured. Grow-only; captured graphs point at the old buffers, so they go
+    // with them.
+    void reserve_split_scratch(const Graph& g) {
+        const bool tc = cuda::matmul_tc_possible();  // only the tensor-core MUL_MAT kernels use it
+        cuda::SplitScratchNeed need;
         for (int id = 0; id < g.size(); ++id) {
             const Tensor& t = g[id];
-            if (t.op != Op::MUL_MAT) continue;
+            if (t.op == Op::ATTENTION) {
+                const Tensor& q = g[t.src[0]];
+                const cuda::SplitScratchNeed n = cuda::attention_split_scratch(q.ne[0], q.ne[1], q.ne[2], g[t.src[3]].ne[0]);
+                need.partial_floats = std::max(need.partial_floats, n.partial_floats);
+                need.n_counters = std::max(need.n_counters, n.n_counters);
+                continue;
+            }
+            if (!tc || t.op != Op::MUL_MAT) continue;
             int members[cuda::kMaxMatmulParts];
             const int n_members = matmuls_sharing_activations(g, id, members, cuda::kMaxMatmulParts);
             int64_t rows = 0;
             for (int i = 0; i < n_members; ++i) rows += g[g[members[i]].src[0]].ne[1];
             const Tensor& w = g[t.src[0]];
-            const cuda::MatmulScratchNeed n = cuda::matmul_tc_narrow_scratch(w.dtype, w.ne[0], rows, g[t.src[1]].ne[1]);
+            const cuda::SplitScratchNeed n = cuda::matmul_tc_narrow_scratch(w.dtype, w.ne[0], rows, g[t.src[1]].ne[1]);
             need.partial_floats = std::max(need.partial_floats, n.partial_floats);
             need.n_counters = std::max(need.n_counters, n.n_counters);
         }
@@ -235,19 +243,19 @@ private:
         graphs_.clear();
         need.partial_floats = std::max(need.partial_floats, scratch_.partial_floats);
         need.n_counters = std::max(need.n_counters, scratch_.n_counters);
-        if (scratch_.partial) check(cudaFree(scratch_.partial), "matmul scratch: cudaFree");
-        if (scratch_.counters) check(cudaFree(scratch_.counters), "matmul scratch: cudaFree");
-        scratch_ = cuda::MatmulScratch{};
+        if (scratch_.partial) check(cudaFree(scratch_.partial), "split scratch: cudaFree");
+        if (scratch_.counters) check(cudaFree(scratch_.counters), "split scratch: cudaFree");
+        scratch_ = cuda::SplitScratch{};
         float* partial = nullptr;
         unsigned* counters = nullptr;
-        check(cudaMalloc(&partial, need.partial_floats * sizeof(float)), "matmul scratch: cudaMalloc");
+        check(cudaMalloc(&partial, need.partial_floats * sizeof(float)), "split scratch: cudaMalloc");
         const cudaError_t e = cudaMalloc(&counters, need.n_counters * sizeof(unsigned));
         if (e != cudaSuccess) {
             cudaFree(partial);
-            cuda::throw_cuda("matmul scratch: cudaMalloc", e);
+            cuda::throw_cuda("split scratch: cudaMalloc", e);
         }
-        scratch_ = cuda::MatmulScratch{partial, need.partial_floats, counters, need.n_counters};
-        check(cudaMemsetAsync(counters, 0, need.n_counters * sizeof(unsigned), stream_), "matmul scratch: cudaMemset");
+        scratch_ = cuda::SplitScratch{partial, need.partial_floats, counters, need.n_counters};
+        check(cudaMemsetAsync(counters, 0, need.n_counters * sizeof(unsigned), stream_), "split scratch: cudaMemset");
     }
 
     // The pre-pass: resolves the device address of every tensor an op reads or writes (uploading
@@ -864,7 +872,7 @@ private:
             case Op::ATTENTION:
                 cuda::launch_attention(desc(g, id), desc(g, src(0)), desc(g, src(1)), desc(g, src(2)), desc(g, src(3)),
                                        reinterpret_cast<const int32_t*>(dptr(g, src(4))), t.iparams[0], t.fparams[0],
-                                       err_, stream_);
+                                       scratch_, err_, stream_);
                 return;
             case Op::ARGMAX: cuda::launch_argmax(desc(g, id), desc(g, src(0)), stream_); return;
             case Op::TOP_K: cuda::launch_top_k(desc(g, id), desc(g, src(0)), stream_); return;
@@ -882,7 +890,7 @@ private:
     size_t staged_ = 0;                                            // bytes of staging_ in use
     char* arena_ = nullptr;
     size_t arena_size_ = 0;
-    cuda::MatmulScratch scratch_;                                  // split-K partials (reserve_matmul_scratch)
+    cuda::SplitScratch scratch_;                                   // split partials (reserve_split_scratch)
     std::map<char*, size_t> persistent_;                           // device base -> bytes
     std::map<std::pair<uintptr_t, size_t>, char*> uploads_;        // (host address, bytes) -> device copy
     std::vector<char*> resolved_;                                  // per tensor, during compute

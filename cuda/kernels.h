@@ -48,8 +48,27 @@ void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
 
+// Device scratch of the kernels that split one reduction over several blocks (the narrow
+// tensor-core MUL_MAT's K segments, the decode attention's pages), owned by the backend and sized
+// before a compute (so nothing allocates inside a CUDA graph capture): partial_floats floats and
+// n_counters unsigned counters that are zero between launches (each launch leaves them zero).
+// Launches run one after another on the backend's stream, so they share it.
+struct SplitScratch {
+    float* partial = nullptr;
+    size_t partial_floats = 0;
+    unsigned* counters = nullptr;
+    size_t n_counters = 0;
+};
+struct SplitScratchNeed {
+    size_t partial_floats = 0;
+    size_t n_counters = 0;
+};
 void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
-                      const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s);
+                      const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch, unsigned* err,
+                      cudaStream_t s);
+// What an ATTENTION over q [hd, n_head, rows] with a mask span of span cells needs of the scratch
+// (a single row over more than two pages is split over blocks, a page per block).
+SplitScratchNeed attention_split_scratch(int64_t hd, int64_t n_head, int64_t rows, int64_t span);
 
 // dst[n, m] = sum_k w[k, n] * x[k, m] (MUL_MAT) is launch_matmul_group with one part: w rows of
 // row_bytes, x rows of x_stride floats, y rows of y_stride floats. Batch-invariant: one reduction
@@ -71,21 +90,8 @@ struct MatmulPart {
     int64_t add_stride = 0;
 };
 bool matmul_add_epilogue(DType wtype, int64_t k);
-// Device scratch of the narrow kernel's split-K partials, owned by the backend and sized before a
-// compute (so nothing allocates inside a CUDA graph capture): partial_floats floats and
-// n_counters unsigned counters that are zero between launches (each launch leaves them zero).
-struct MatmulScratch {
-    float* partial = nullptr;
-    size_t partial_floats = 0;
-    unsigned* counters = nullptr;
-    size_t n_counters = 0;
-};
-struct MatmulScratchNeed {
-    size_t partial_floats = 0;
-    size_t n_counters = 0;
-};
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                         int64_t x_stride, int64_t m, const MatmulScratch& scratch, cudaStream_t s);
+                         int64_t x_stride, int64_t m, const SplitScratch& scratch, cudaStream_t s);
 // gate and up (MatmulParts of equal rows, no add) over the same activations with the SWIGLU that
 // follows them as the epilogue: y[i, c] = silu(gate_i . x_c) * (up_i . x_c), the bits of the three
 // nodes run apart (each product reduced exactly as launch_matmul_group reduces it). For the
@@ -112,7 +118,7 @@ inline bool matmul_fusion_enabled() { return env_switch("PYSPEC_CUDA_FUSE") != 0
 int matmul_tc_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.
-MatmulScratchNeed matmul_tc_narrow_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);
+SplitScratchNeed matmul_tc_narrow_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);
 bool matmul_tc_used(DType wtype, int64_t k);
 // Whether any weight type may take the tensor cores under the current setting (one environment
 // read, for callers that would otherwise ask matmul_tc_used of every MUL_MAT).
@@ -122,7 +128,7 @@ constexpr int64_t kMatmulTcNarrowMaxM = 16;
 void launch_matmul_tc_wide(DType wtype, const MatmulPart& part, int64_t k, const float* x, int64_t x_stride,
                            int64_t m, cudaStream_t s);
 bool launch_matmul_tc_narrow(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                             int64_t x_stride, int64_t m, const MatmulScratch& scratch, cudaStream_t s);
+                             int64_t x_stride, int64_t m, const SplitScratch& scratch, cudaStream_t s);
 
 }  // namespace cuda
 }  // namespace pyspec

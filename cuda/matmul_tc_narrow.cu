@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(32) k_mul_mat_tc_narrow_q(NarrowParts p, int64
 }
 
 template <DType T, int G, int XG, int NT>
-void narrow_q_launch(const NarrowParts& p, int64_t k, const float* x, int64_t xs, int64_t m, const MatmulScratch& ws,
+void narrow_q_launch(const NarrowParts& p, int64_t k, const float* x, int64_t xs, int64_t m, const SplitScratch& ws,
                      cudaStream_t s) {
     // Above 48 KiB a kernel must ask for its dynamic shared memory; ask once for the most (m = 16).
     static std::once_flag once;
@@ -400,7 +400,7 @@ void narrow_q_launch(const NarrowParts& p, int64_t k, const float* x, int64_t xs
 
 template <DType T, int G>
 void narrow_q_x(bool x16, const NarrowParts& p, int64_t k, const float* x, int64_t xs, int64_t m,
-                const MatmulScratch& ws, cudaStream_t s) {
+                const SplitScratch& ws, cudaStream_t s) {
     if (m <= 8) {
         if (x16) narrow_q_launch<T, G, 16, 1>(p, k, x, xs, m, ws, s);
         else narrow_q_launch<T, G, 4, 1>(p, k, x, xs, m, ws, s);
@@ -412,14 +412,14 @@ void narrow_q_x(bool x16, const NarrowParts& p, int64_t k, const float* x, int64
 
 template <DType T>
 void narrow_q_typed(int g, bool x16, const NarrowParts& p, int64_t k, const float* x, int64_t xs, int64_t m,
-                    const MatmulScratch& ws, cudaStream_t s) {
+                    const SplitScratch& ws, cudaStream_t s) {
     if (g == 16) narrow_q_x<T, 16>(x16, p, k, x, xs, m, ws, s);
     else narrow_q_x<T, 4>(x16, p, k, x, xs, m, ws, s);
 }
 
 template <DType T>
 void narrow_f_typed(bool x16, const NarrowParts& p, int64_t k, const float* x, int64_t xs, int64_t m,
-                    const MatmulScratch& ws, cudaStream_t s) {
+                    const SplitScratch& ws, cudaStream_t s) {
     const dim3 grid(static_cast<unsigned>((p.tile0[p.np] + kFWarps - 1) / kFWarps), static_cast<unsigned>(n_segments(k)));
     const size_t smem = static_cast<size_t>(m) * kSegTiles32 * 32 * 2;  // the activations as halves
     if (m <= 8) {
@@ -433,14 +433,14 @@ void narrow_f_typed(bool x16, const NarrowParts& p, int64_t k, const float* x, i
 
 }  // namespace
 
-MatmulScratchNeed matmul_tc_narrow_scratch(DType t, int64_t k, int64_t rows, int64_t m) {
+SplitScratchNeed matmul_tc_narrow_scratch(DType t, int64_t k, int64_t rows, int64_t m) {
     if (m <= 0 || m > kMatmulTcNarrowMaxM || rows <= 0 || !matmul_tc_used(t, k) || n_segments(k) < 2) return {};
     const int64_t tiles = (rows + 15) / 16;
     return {static_cast<size_t>(tiles * n_segments(k) * m * kRows), static_cast<size_t>(tiles)};
 }
 
 bool launch_matmul_tc_narrow(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
-                             int64_t m, const MatmulScratch& ws, cudaStream_t s) {
+                             int64_t m, const SplitScratch& ws, cudaStream_t s) {
     if (m <= 0 || m > kMatmulTcNarrowMaxM || n_parts < 1 || n_parts > kMaxMatmulParts) return false;
     if (!matmul_tc_supports(t, k)) return false;
     const bool floats = t == DType::F16 || t == DType::BF16;

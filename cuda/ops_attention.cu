@@ -1,20 +1,22 @@
 // Fused attention (decode and prefill): one block of kWarps warps per (query head, row). Row r
 // attends cells base[r] + j, j < span, with mask[r][j] added to the score; masked (-inf) cells are
 // skipped, as on the CPU. GQA: query head h reads kv head h / (n_head / n_kv_head). K/V are F16 or
-// F32 (the cache tensors' dtype), read through their row stride (cache views).
+// F32 (the cache tensors' dtype), read through their row stride (cache views). The general kernel:
+// single rows of F16 caches take ops_attention_staged.cu, batches ops_attention_tiled.cu, all three
+// with the same bits.
 //
 // The cells are cut into chunks of 32 by absolute cell index (chunk c holds cells 32c .. 32c + 31)
-// and chunk c belongs to warp c mod kWarps. In a chunk, lane i scores cell 32c + i on its own (a
-// sequential dot product over the head dim, q from shared memory), so 32 cells are in flight at
-// once rather than one: a decode step used to wait on one cell's load and warp reduction after
-// another. The warp then folds the chunk into its online-softmax state (running max over the
-// chunk, p = exp(s - max), the chunk's p summed by a fixed butterfly, V rows added in cell order,
-// lanes over the head dim), and at the end the warps' states merge in the order w = 0 .. kWarps-1.
+// and pages of kWarps chunks; chunk c belongs to warp c mod kWarps. In a chunk, lane i scores cell
+// 32c + i on its own (a sequential dot product over the head dim, q from shared memory), so 32
+// cells are in flight at once rather than one. The warp folds the chunk into an empty
+// online-softmax state (the chunk's max, p = exp(s - max), the chunk's p summed by a fixed
+// butterfly, V rows added in cell order, lanes over the head dim); the page's warps' states merge in
+// the order w = 0 .. kWarps-1 and the pages combine in increasing order (attention_common.cuh).
 //
 // Batch invariance (design.md invariant 7): which warp sees a cell, the lane it sits in and the
 // order of every sum depend on the cell's absolute index alone, never on base[r] or on the span
 // (the batch's padding). A masked or out-of-range cell has p = 0 exactly and its V row is never
-// read; a chunk with no unmasked cell leaves the state untouched. So a row's bits depend only on its
+// read; a chunk or page with no unmasked cell changes nothing. So a row's bits depend only on its
 // own query, its unmasked cells and their mask values, whatever rows share the batch.
 #include "cuda/attention_common.cuh"
 #include "cuda/kernels.h"
@@ -96,13 +98,18 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
     __syncthreads();
     const float* mrow = reinterpret_cast<const float*>(mask.data + r * mask.nb[1]);
     const int64_t col0 = static_cast<int64_t>(kvh) * hd;
-    float acc[NC];
+    // The row's running state (attention_common.cuh: pages combined in order); thread d holds
+    // element d of the accumulator (hd <= 256 = the block's threads), every thread (m_row, l_row).
+    float acc_row = 0.0f, m_row = -INFINITY, l_row = 0.0f;
+    const int64_t c_first = span > 0 ? b0 / kChunk : 0;
+    const int64_t c_last = span > 0 ? (b0 + span - 1) / kChunk : -1;
+    for (int64_t g = c_first / kWarps; g <= c_last / kWarps && c_last >= 0; ++g) {
+        const int64_t ch = g * kWarps + warp;  // this warp's chunk of page g
+        float acc[NC];
 #pragma unroll
-    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    float m = -INFINITY, l = 0.0f;
-    if (span > 0) {
-        const int64_t c_first = b0 / kChunk, c_last = (b0 + span - 1) / kChunk;
-        for (int64_t ch = c_first + (warp - c_first % kWarps + kWarps) % kWarps; ch <= c_last; ch += kWarps) {
+        for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+        float m = -INFINITY, l = 0.0f;
+        if (ch >= c_first && ch <= c_last) {
             const int64_t cell = ch * kChunk + lane;
             const int64_t j = cell - b0;
             float s = -INFINITY;
@@ -122,45 +129,49 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention(TDesc dst, TDesc q, T
                 if (mj != -INFINITY) s = fmaf(dot, scale, mj);
             }
             float p, corr;
-            if (!fold_chunk(s, m, l, p, corr)) continue;  // nothing unmasked yet (warp-uniform)
+            if (fold_chunk(s, m, l, p, corr)) {  // else nothing unmasked in the chunk (warp-uniform)
+                // V rows in cell order. Loads go out kVBatch rows at a time, before their fmafs,
+                // so the warp waits once per batch rather than once per row. A row with p = 0
+                // (masked, out of range or underflowed) is neither read nor added.
+                const char* vchunk = vc.data + (ch * kChunk) * vc.nb[1] + col0 * vc.nb[0];
 #pragma unroll
-            for (int c = 0; c < NC; ++c) acc[c] *= corr;
-            // V rows in cell order. Loads go out kVBatch rows at a time, before their fmafs, so
-            // the warp waits once per batch rather than once per row. A row with p = 0 (masked,
-            // out of range or underflowed) is neither read nor added.
-            const char* vchunk = vc.data + (ch * kChunk) * vc.nb[1] + col0 * vc.nb[0];
+                for (int i0 = 0; i0 < kChunk; i0 += kVBatch) {
+                    float pv[kVBatch], vv[kVBatch][NC];
 #pragma unroll
-            for (int i0 = 0; i0 < kChunk; i0 += kVBatch) {
-                float pv[kVBatch], vv[kVBatch][NC];
+                    for (int b = 0; b < kVBatch; ++b) {
+                        pv[b] = __shfl_sync(0xffffffffu, p, i0 + b);
+                        const char* vrow = vchunk + (i0 + b) * vc.nb[1];
 #pragma unroll
-                for (int b = 0; b < kVBatch; ++b) {
-                    pv[b] = __shfl_sync(0xffffffffu, p, i0 + b);
-                    const char* vrow = vchunk + (i0 + b) * vc.nb[1];
-#pragma unroll
-                    for (int c = 0; c < NC; ++c) {
-                        const int d = lane + 32 * c;
-                        vv[b][c] = pv[b] != 0.0f && d < hd ? kv_load<T>(vrow + d * vc.nb[0]) : 0.0f;
+                        for (int c = 0; c < NC; ++c) {
+                            const int d = lane + 32 * c;
+                            vv[b][c] = pv[b] != 0.0f && d < hd ? kv_load<T>(vrow + d * vc.nb[0]) : 0.0f;
+                        }
                     }
-                }
 #pragma unroll
-                for (int b = 0; b < kVBatch; ++b) {
+                    for (int b = 0; b < kVBatch; ++b) {
 #pragma unroll
-                    for (int c = 0; c < NC; ++c) {
-                        if (pv[b] != 0.0f) acc[c] = fmaf(pv[b], vv[b][c], acc[c]);
+                        for (int c = 0; c < NC; ++c) {
+                            if (pv[b] != 0.0f) acc[c] = fmaf(pv[b], vv[b][c], acc[c]);
+                        }
                     }
                 }
             }
         }
-    }
 #pragma unroll
-    for (int c = 0; c < NC; ++c) s_acc[warp][lane + 32 * c] = acc[c];
-    if (lane == 0) {
-        s_m[warp] = m;
-        s_l[warp] = l;
+        for (int c = 0; c < NC; ++c) s_acc[warp][lane + 32 * c] = acc[c];
+        if (lane == 0) {
+            s_m[warp] = m;
+            s_l[warp] = l;
+        }
+        __syncthreads();
+        const PageWeights pw = page_weights([&](int w) { return s_m[w]; }, [&](int w) { return s_l[w]; });
+        float fa, fb;
+        if (combine_page(m_row, l_row, pw.m, pw.l, fa, fb) && threadIdx.x < hd) {
+            acc_row = combine_acc(acc_row, page_acc(pw, threadIdx.x, [&](int w, int d) { return s_acc[w][d]; }), fa, fb);
+        }
+        __syncthreads();  // the page's states are read before the next page's replace them
     }
-    __syncthreads();
-    merge_warps(o, hd, threadIdx.x, blockDim.x, [&](int w) { return s_m[w]; }, [&](int w) { return s_l[w]; },
-                [&](int w, int d) { return s_acc[w][d]; });
+    if (threadIdx.x < hd) o[threadIdx.x] = acc_row * row_scale(l_row);
 }
 
 template <typename T, bool kVec>
@@ -179,7 +190,8 @@ void launch_typed(const dim3& grid, const TDesc& dst, const TDesc& q, const TDes
 }  // namespace
 
 void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
-                      const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s) {
+                      const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch, unsigned* err,
+                      cudaStream_t s) {
     if (q.ne[0] > 32 * kMaxPerLane) throw std::runtime_error("cuda backend: attention: head_dim above 256");
     if (n_kv_head <= 0 || q.ne[1] % n_kv_head != 0) throw std::runtime_error("cuda backend: attention: bad n_kv_head");
     if (k.dtype != v.dtype || (k.dtype != DType::F16 && k.dtype != DType::F32)) {
@@ -194,7 +206,7 @@ void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TD
         return;
     }
     if (attention_staged_enabled() && attention_staged_supports(q, k, v)) {
-        launch_attention_staged(dst, q, k, v, mask, base, n_kv_head, scale, err, s);
+        launch_attention_staged(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, s);
         return;
     }
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]));

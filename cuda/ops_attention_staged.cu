@@ -1,24 +1,30 @@
-// Attention for single rows (decode) with each warp's chunk of K and V rows copied into shared
-// memory by cp.async, all of a chunk's copies in flight at once.
+// Attention for single rows (decode): each warp's chunk of K and V rows is copied into shared
+// memory by cp.async, all of a chunk's copies in flight at once, and a long row's pages are
+// computed by separate blocks.
 //
 // Why: a decode step's attention is a chain of memory round trips, not a bandwidth problem
 // (SmolLM2: 9 blocks, a few chunks per row). The per-row kernel (ops_attention.cu) waits for q,
 // then for each lane's K row, then for the chunk's V rows in batches of 8 behind the softmax (ncu,
 // warm L2, H200: 15.7 us of a 1.34 ms SmolLM2 step, 35% of its kernel time). Here the warp's first
 // chunk is requested before q is waited for, V arrives while the scores are computed, and with
-// two stages (head_dim <= 64) the next chunk's copies overlap this chunk's arithmetic.
+// two stages (head_dim <= 64) the next page's copies overlap this page's arithmetic.
 // Measured on the H200 (2026-11-30, ncu with warm caches, per layer; PYSPEC_CUDA_ATT_STAGED 0
 // against 1): SmolLM2 at 64 cells 15.9 -> 5.5 us, at 4000 cells 193 -> 37 us; Qwen3-4B at 4000
 // cells 303 -> 61 us. tg128: SmolLM2 Q4_1 777 -> 1005 t/s, Qwen3-4B F16 239 -> 281 (one build,
 // one run after the other; llama.cpp: 921 and 273).
+// A block walking a long row still takes its pages one after another on kWarps warps (9 blocks
+// for SmolLM2), so a single row over more than two pages (256 cells each) is split: block z
+// computes page z's state into the backend's split scratch and the row's last block combines them
+// in page order, exactly as a walking block would.
 //
 // The bits are k_attention's (test_staged_attention_gives_the_unstaged_kernels_bits): chunk c
 // belongs to warp c mod kWarps; lane i scores cell 32c + i with the same fmaf sequence over the head
-// dim (q from shared memory, K converted from the same F16 values); the chunk is folded into the
-// warp's state with the same formulas, V rows in cell order, rows with p = 0 skipped; the warps
-// merge in the order w = 0 .. kWarps-1 with the same formula. Staging changes where values are read
-// from, never which values or in what order they are combined, so invariant 7 holds across the
-// choice of kernel (the row-tiled kernel gives the same bits again).
+// dim (q from shared memory, K converted from the same F16 values); each chunk is folded from the
+// empty state with the same formulas, V rows in cell order, rows with p = 0 skipped; the page's
+// warps merge and the pages combine with attention_common.cuh's functions in their fixed order.
+// Staging and splitting change where values are read from and which block computes a page, never
+// which values or in what order they are combined, so invariant 7 holds across the choice of
+// kernel (the row-tiled kernel gives the same bits again).
 #include <mutex>
 #include <stdexcept>
 
@@ -44,15 +50,60 @@ inline size_t staged_smem_bytes(int hd, int stages) {
     return floats * sizeof(float) + static_cast<size_t>(kWarps) * stages * stage;
 }
 
+// Scores and folds warp's chunk ch (staged in sk / sv) from the empty state into (m, l, acc).
 template <int NC>
+__device__ __forceinline__ void fold_staged_chunk(const uint16_t* sk, const uint16_t* sv, int ks, const float* s_q,
+                                                  int hd, int lane, bool in_span, float mj, float scale, float& m,
+                                                  float& l, float (&acc)[NC]) {
+    float s = -INFINITY;
+    if (in_span && mj != -INFINITY) {
+        const uint16_t* kr = sk + lane * ks;
+        float dot = 0.0f;
+        // Bounded by the instantiation's widest head so the loop unrolls (smem loads hoisted ahead
+        // of the fmaf chain); the chain itself runs d = 0 .. hd-1 as everywhere.
+#pragma unroll
+        for (int d0 = 0; d0 < 32 * NC; d0 += 8) {
+            if (d0 >= hd) break;
+            const uint4 raw = *reinterpret_cast<const uint4*>(kr + d0);
+            const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dot = fmaf(s_q[d0 + e], h2f(hv[e]), dot);
+        }
+        s = fmaf(dot, scale, mj);
+    }
+    float p, corr;
+    if (!fold_chunk(s, m, l, p, corr)) return;  // nothing unmasked in the chunk (warp-uniform)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[c] *= corr;
+    // V rows in cell order. A row with p = 0 adds nothing (a select, not a branch, so the unrolled
+    // loop can issue its shuffles and loads ahead; its value may be anything).
+#pragma unroll 8
+    for (int i = 0; i < kChunk; ++i) {
+        const float pi = __shfl_sync(0xffffffffu, p, i);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int d = lane + 32 * c;
+            if (d < hd) {
+                const float t = fmaf(pi, h2f(sv[i * hd + d]), acc[c]);
+                acc[c] = pi != 0.0f ? t : acc[c];
+            }
+        }
+    }
+}
+
+// Grid (n_head, rows, Z). Z = 1: the block walks the row's pages in order. Z > 1 (one row): block z
+// takes the row's page z alone and stores its state in part ([n_head][Z][2 + hd] floats: m, l,
+// acc); the row's last block to finish (counters[h], left zero again) combines the pages in order.
+template <int NC, int S>
 __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
                                                                     const int32_t* base, int n_kv_head, float scale,
-                                                                    unsigned* err) {
-    constexpr int S = stages_for(NC);
+                                                                    float* part, unsigned* counters, unsigned* err) {
     pdl_enter();
     extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ bool s_last;
     const int h = blockIdx.x;
     const int64_t r = blockIdx.y;
+    const bool split = gridDim.z > 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int hd = static_cast<int>(q.ne[0]);
     const int kvh = h / (static_cast<int>(q.ne[1]) / n_kv_head);
@@ -60,11 +111,21 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
     const int64_t n_cells = kc.ne[1];
     const int64_t b0 = base[r];
     float* o = reinterpret_cast<float*>(dst.data + h * dst.nb[1] + r * dst.nb[2]);
-    if (b0 < 0 || b0 + span > n_cells) {
-        if (threadIdx.x == 0) atomicOr(err, kErrAttentionSpan);
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = 0.0f;
+    const int64_t c_first = span > 0 ? b0 / kChunk : 0;
+    const int64_t c_last = span > 0 ? (b0 + span - 1) / kChunk : -1;
+    const int64_t g_first = c_first / kWarps, g_last = c_last >= 0 ? c_last / kWarps : -1;
+    const bool bad = b0 < 0 || b0 + span > n_cells;
+    if (bad || (split && g_last < 0)) {  // (a split row has cells: splits())
+        if (blockIdx.z == 0) {
+            if (bad && threadIdx.x == 0) atomicOr(err, kErrAttentionSpan);
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = 0.0f;
+        }
         return;
     }
+    int64_t g = g_first + blockIdx.z;
+    const int64_t g_end = split ? g : g_last;  // the block's last page (none: an empty row's zeros)
+    if (split && g > g_last) return;           // past the row's pages
+
     float* s_q = reinterpret_cast<float*>(smem);
     float* s_acc = s_q + hd;                      // [kWarps][hd]
     float* s_ml = s_acc + kWarps * hd;            // [kWarps][2]
@@ -74,123 +135,150 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
     const int64_t col_bytes = static_cast<int64_t>(kvh) * hd * 2;  // the kv head's columns of a cache row
     const int units = hd / 8;                                       // 16-byte units per row
 
-    // Every lane copies units of the chunk's rows (rows past the cache's end are zero-filled and
-    // never used), then commits one group: a stage is complete when the lane's group is and the
-    // warp has synchronised.
-    auto stage_chunk = [&](int64_t ch, int st) {
-        uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
-        uint16_t* sv = sk + kChunk * ks;
-        for (int u = lane; u < kChunk * units; u += 32) {
-            const int i = u / units, col = u % units;
-            const int64_t cell = ch * kChunk + i;
-            const bool ok = cell < n_cells;
-            const int64_t c = ok ? cell : 0;
-            cp_async<16>(sk + i * ks + col * 8, kc.data + c * kc.nb[1] + col_bytes + col * 16, ok);
-            cp_async<16>(sv + i * hd + col * 8, vc.data + c * vc.nb[1] + col_bytes + col * 16, ok);
+    // This warp's chunk of page gg, staged into stage st when the row has it: every lane copies
+    // units of its rows (rows past the cache's end are zero-filled and never used); one group is
+    // committed either way, so the wait counts stay uniform.
+    auto stage_page = [&](int64_t gg, int st) {
+        const int64_t ch = gg * kWarps + warp;
+        if (gg <= g_end && ch >= c_first && ch <= c_last) {
+            uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
+            uint16_t* sv = sk + kChunk * ks;
+            for (int u = lane; u < kChunk * units; u += 32) {
+                const int i = u / units, col = u % units;
+                const int64_t cell = ch * kChunk + i;
+                const bool ok = cell < n_cells;
+                const int64_t c = ok ? cell : 0;
+                cp_async<16>(sk + i * ks + col * 8, kc.data + c * kc.nb[1] + col_bytes + col * 16, ok);
+                cp_async<16>(sv + i * hd + col * 8, vc.data + c * vc.nb[1] + col_bytes + col * 16, ok);
+            }
         }
         cp_async_commit();
     };
 
-    const int64_t c_first = span > 0 ? b0 / kChunk : 0;
-    const int64_t c_last = span > 0 ? (b0 + span - 1) / kChunk : -1;
-    int64_t ch = c_first + (warp - c_first % kWarps + kWarps) % kWarps;
-    if (ch <= c_last) stage_chunk(ch, 0);  // in flight while q arrives
-
+    stage_page(g, 0);  // in flight while q arrives
     const float* qr = reinterpret_cast<const float*>(q.data + h * q.nb[1] + r * q.nb[2]);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) s_q[d] = qr[d];
     __syncthreads();
     const float* mrow = reinterpret_cast<const float*>(mask.data + r * mask.nb[1]);
 
-    float acc[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    float m = -INFINITY, l = 0.0f;
-    for (int st = 0; ch <= c_last; ch += kWarps, st = (st + 1) % S) {
-        const int64_t cell = ch * kChunk + lane;
-        const int64_t j = cell - b0;
-        const bool in_span = j >= 0 && j < span;
+    // The row's running state (pages combined in order): thread d holds element d (hd <= 256).
+    float acc_row = 0.0f, m_row = -INFINITY, l_row = 0.0f;
+    for (int st = 0; g <= g_end; ++g, st = (st + 1) % S) {
+        const int64_t ch = g * kWarps + warp;
+        const bool active = ch >= c_first && ch <= c_last;
+        const int64_t j = ch * kChunk + lane - b0;
+        const bool in_span = active && j >= 0 && j < span;
         const float mj = in_span ? mrow[j] : -INFINITY;
         if (S == 2) {
-            // The next chunk goes to the other stage (read by the previous iteration, which ended
-            // with a warp synchronisation); an empty group past the last keeps the count uniform.
-            if (ch + kWarps <= c_last) stage_chunk(ch + kWarps, st ^ 1);
-            else cp_async_commit();
+            stage_page(g + 1, st ^ 1);  // the other stage, read by the previous page (synchronised)
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncwarp();
-        const uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
-        const uint16_t* sv = sk + kChunk * ks;
-        float s = -INFINITY;
-        if (in_span && mj != -INFINITY) {
-            const uint16_t* kr = sk + lane * ks;
-            float dot = 0.0f;
-            // Bounded by the instantiation's widest head so the loop unrolls (smem loads hoisted
-            // ahead of the fmaf chain); the chain itself runs d = 0 .. hd-1 as everywhere.
+        float acc[NC];
 #pragma unroll
-            for (int d0 = 0; d0 < 32 * NC; d0 += 8) {
-                if (d0 >= hd) break;
-                const uint4 raw = *reinterpret_cast<const uint4*>(kr + d0);
-                const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) dot = fmaf(s_q[d0 + e], h2f(hv[e]), dot);
-            }
-            s = fmaf(dot, scale, mj);
-        }
-        float p, corr;
-        if (fold_chunk(s, m, l, p, corr)) {  // else nothing unmasked yet (warp-uniform)
-#pragma unroll
-            for (int c = 0; c < NC; ++c) acc[c] *= corr;
-            // V rows in cell order. A row with p = 0 adds nothing (a select, not a branch, so the
-            // unrolled loop can issue its shuffles and loads ahead; its value may be anything).
-#pragma unroll 8
-            for (int i = 0; i < kChunk; ++i) {
-                const float pi = __shfl_sync(0xffffffffu, p, i);
-#pragma unroll
-                for (int c = 0; c < NC; ++c) {
-                    const int d = lane + 32 * c;
-                    if (d < hd) {
-                        const float t = fmaf(pi, h2f(sv[i * hd + d]), acc[c]);
-                        acc[c] = pi != 0.0f ? t : acc[c];
-                    }
-                }
-            }
+        for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+        float m = -INFINITY, l = 0.0f;
+        if (active) {
+            const uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
+            fold_staged_chunk<NC>(sk, sk + kChunk * ks, ks, s_q, hd, lane, in_span, mj, scale, m, l, acc);
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
-        if (S == 1 && ch + kWarps <= c_last) stage_chunk(ch + kWarps, 0);
+        if (S == 1) stage_page(g + 1, 0);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int d = lane + 32 * c;
+            if (d < hd) s_acc[warp * hd + d] = acc[c];
+        }
+        if (lane == 0) {
+            s_ml[2 * warp] = m;
+            s_ml[2 * warp + 1] = l;
+        }
+        __syncthreads();
+        const PageWeights pw = page_weights([&](int w) { return s_ml[2 * w]; }, [&](int w) { return s_ml[2 * w + 1]; });
+        const auto acc_of = [&](int w, int d) { return s_acc[w * hd + d]; };
+        if (split) {  // the block's one page: its state goes to the scratch
+            float* slot = part + (static_cast<size_t>(h) * gridDim.z + blockIdx.z) * (2 + hd);
+            if (threadIdx.x == 0) {
+                slot[0] = pw.m;
+                slot[1] = pw.l;
+            }
+            if (threadIdx.x < hd) slot[2 + threadIdx.x] = page_acc(pw, threadIdx.x, acc_of);
+        } else if (g_first == g_last) {
+            // The row's only page: combining it into the empty row state would give exactly its
+            // accumulator (never -0: page_acc starts from +0) and l; skip that and a barrier.
+            if (threadIdx.x < hd) o[threadIdx.x] = page_acc(pw, threadIdx.x, acc_of) * row_scale(pw.l);
+            cp_async_wait<0>();
+            return;
+        } else {
+            float fa, fb;
+            if (combine_page(m_row, l_row, pw.m, pw.l, fa, fb) && threadIdx.x < hd) {
+                acc_row = combine_acc(acc_row, page_acc(pw, threadIdx.x, acc_of), fa, fb);
+            }
+        }
+        __syncthreads();  // the page's states are read before the next page's replace them
     }
     cp_async_wait<0>();  // no copy may land after the block has moved on
-
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const int d = lane + 32 * c;
-        if (d < hd) s_acc[warp * hd + d] = acc[c];
+    if (split) {
+        // The last of the row's blocks to store its page combines them all, in page order. The
+        // fence makes this block's page visible before its count; the last block reads the
+        // others' through L2 (ld.cg) after seeing every count.
+        __threadfence();
+        __syncthreads();
+        const unsigned n_pages = static_cast<unsigned>(g_last - g_first + 1);
+        if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1u) == n_pages - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        for (unsigned z = 0; z < n_pages; ++z) {
+            const float* slot = part + (static_cast<size_t>(h) * gridDim.z + z) * (2 + hd);
+            float fa, fb;
+            if (combine_page(m_row, l_row, __ldcg(slot), __ldcg(slot + 1), fa, fb) && threadIdx.x < hd) {
+                acc_row = combine_acc(acc_row, __ldcg(slot + 2 + threadIdx.x), fa, fb);
+            }
+        }
+        if (threadIdx.x == 0) counters[h] = 0;  // zero again for the next launch
     }
-    if (lane == 0) {
-        s_ml[2 * warp] = m;
-        s_ml[2 * warp + 1] = l;
-    }
-    __syncthreads();
-    merge_warps(o, hd, threadIdx.x, blockDim.x, [&](int w) { return s_ml[2 * w]; },
-                [&](int w) { return s_ml[2 * w + 1]; }, [&](int w, int d) { return s_acc[w * hd + d]; });
+    if (threadIdx.x < hd) o[threadIdx.x] = acc_row * row_scale(l_row);
 }
 
-template <int NC>
+// Pages a row of span cells can touch (it need not start at a page boundary).
+inline int64_t pages_touched_max(int64_t span) { return span > 0 ? (span + kPageCells - 1) / kPageCells + 1 : 1; }
+
+// One row over more than two pages splits (a page per block); two are walked by one block as fast.
+inline bool splits(int64_t rows, int64_t span) { return rows == 1 && pages_touched_max(span) > 2; }
+
+template <int NC, int S>
 void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
-               const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s) {
-    constexpr int S = stages_for(NC);
+               const int32_t* base, int n_kv_head, float scale, unsigned z, float* part, unsigned* counters,
+               unsigned* err, cudaStream_t s) {
     // Above 48 KiB a kernel must ask for its dynamic shared memory; the most it uses is the
     // largest head dim of this instantiation.
     static std::once_flag once;
     std::call_once(once, [] {
-        check(cudaFuncSetAttribute(k_attention_staged<NC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        check(cudaFuncSetAttribute(k_attention_staged<NC, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(staged_smem_bytes(32 * NC, S))),
               "attention (staged): cudaFuncSetAttribute");
     });
-    const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]));
-    launch(k_attention_staged<NC>, grid, kWarps * 32, staged_smem_bytes(static_cast<int>(q.ne[0]), S), s, dst, q, k,
-           v, mask, base, n_kv_head, scale, err);
+    const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]), z);
+    launch(k_attention_staged<NC, S>, grid, kWarps * 32, staged_smem_bytes(static_cast<int>(q.ne[0]), S), s, dst, q,
+           k, v, mask, base, n_kv_head, scale, part, counters, err);
+}
+
+template <int NC>
+void launch_split_or_walk(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
+                          const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch, unsigned* err,
+                          cudaStream_t s) {
+    const SplitScratchNeed need = attention_split_scratch(q.ne[0], q.ne[1], q.ne[2], mask.ne[0]);
+    if (need.partial_floats > 0 && need.partial_floats <= scratch.partial_floats &&
+        need.n_counters <= scratch.n_counters) {
+        launch_nc<NC, 1>(dst, q, k, v, mask, base, n_kv_head, scale,
+                         static_cast<unsigned>(pages_touched_max(mask.ne[0])), scratch.partial, scratch.counters, err,
+                         s);
+    } else {
+        launch_nc<NC, stages_for(NC)>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr, nullptr, err, s);
+    }
 }
 
 }  // namespace
@@ -205,13 +293,23 @@ bool attention_staged_supports(const TDesc& q, const TDesc& k, const TDesc& v) {
            k.ne[1] == v.ne[1];
 }
 
+SplitScratchNeed attention_split_scratch(int64_t hd, int64_t n_head, int64_t rows, int64_t span) {
+    SplitScratchNeed need;
+    if (!splits(rows, span)) return need;
+    need.partial_floats = static_cast<size_t>(n_head) * static_cast<size_t>(pages_touched_max(span)) * (2 + hd);
+    need.n_counters = static_cast<size_t>(n_head);
+    return need;
+}
+
 void launch_attention_staged(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
-                             const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s) {
+                             const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch,
+                             unsigned* err, cudaStream_t s) {
     if (!attention_staged_supports(q, k, v)) throw std::logic_error("attention (staged): unsupported layout");
+    if (mask.ne[0] / kPageCells + 2 > 65535) throw std::runtime_error("cuda backend: attention: span too long");
     if (q.ne[0] <= 64) {
-        launch_nc<2>(dst, q, k, v, mask, base, n_kv_head, scale, err, s);
+        launch_split_or_walk<2>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, s);
     } else {
-        launch_nc<4>(dst, q, k, v, mask, base, n_kv_head, scale, err, s);
+        launch_split_or_walk<4>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, s);
     }
 }
 

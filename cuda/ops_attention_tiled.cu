@@ -1,15 +1,16 @@
 // Attention for batches of rows, with the K/V of each chunk read from global memory once per
 // block instead of once per (query head, row): a block takes kv head g and a tile of R rows, i.e.
-// the jobs (row, query head) of g's group over those rows (at most kJobs), and each warp stages
-// its chunks' K and V rows in shared memory and runs every job over them.
+// the jobs (row, query head) of g's group over those rows (at most kJobs), and walks the pages the
+// tile reaches; in each, every warp stages its chunk's K and V rows in shared memory and runs every
+// job over them.
 //
 // It gives each row exactly the bits of k_attention (ops_attention.cu), so either kernel may serve
 // any batch (invariant 7 holds across the choice): chunk c goes to warp c mod kWarps in both; a
 // lane scores its cell with the same fmaf sequence (q from shared memory, K converted from the
-// same F16 values); a warp folds its chunks into a job's state in increasing order with the same
-// formulas; the warps merge in the order w = 0 .. kWarps-1 with the same formula. A chunk outside
-// a row's span (the tile's other rows reach it) is either skipped before any unmasked cell (m = -inf,
-// as k_attention never visits it) or an exact identity after one (corr = exp(0) = 1, l + 0, no V).
+// same F16 values); a warp folds its chunk into a job's empty state with the same formulas; the
+// page's warps merge and the pages combine in order with attention_common.cuh's functions. A chunk
+// or page outside a row's span (the tile's other rows reach it) leaves that job's state empty, and
+// an empty page changes nothing.
 #include <cstdlib>
 #include <mutex>
 
@@ -24,12 +25,13 @@ namespace {
 constexpr int kJobs = 8;        // (row, query head) jobs per block: registers hold kJobs states
 constexpr int kKPad = 8;        // halves after each staged K row: lanes' 16-byte reads hit distinct banks
 
-// Shared memory: q of every job [kJobs][hd] floats; the warps' job states, acc [kWarps][kJobs][hd]
-// and (m, l) [kWarps][kJobs][2] floats (a lane keeps only the job it is working on in registers);
+// Shared memory: q of every job [kJobs][hd] floats; the warps' job states for the current page, acc
+// [kWarps][kJobs][hd] and (m, l) [kWarps][kJobs][2] floats (a lane keeps only the job it is working
+// on in registers); the jobs' running states over the pages, acc [kJobs][hd] and (m, l) [kJobs][2];
 // per warp, the staged chunk: K [32][hd + kKPad] and V [32][hd] halves.
 inline size_t tiled_smem_bytes(int hd) {
     const size_t q = static_cast<size_t>(kJobs) * hd * sizeof(float);
-    const size_t states = static_cast<size_t>(kWarps) * kJobs * (hd + 2) * sizeof(float);
+    const size_t states = static_cast<size_t>(kWarps + 1) * kJobs * (hd + 2) * sizeof(float);
     const size_t stage = static_cast<size_t>(kWarps) * kChunk * (2 * hd + kKPad) * sizeof(uint16_t);
     return q + states + stage;
 }
@@ -56,7 +58,9 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_tiled(TDesc dst, TDes
     float* s_acc = s_q + static_cast<size_t>(kJobs) * hd;          // [kWarps][kJobs][hd]
     float* s_ml = s_acc + static_cast<size_t>(kWarps) * kJobs * hd;  // [kWarps][kJobs][2]
     const int ks = hd + kKPad;
-    uint16_t* s_k = reinterpret_cast<uint16_t*>(s_ml + kWarps * kJobs * 2) +
+    float* s_run_acc = s_ml + kWarps * kJobs * 2;                  // [kJobs][hd]
+    float* s_run_ml = s_run_acc + static_cast<size_t>(kJobs) * hd;   // [kJobs][2]
+    uint16_t* s_k = reinterpret_cast<uint16_t*>(s_run_ml + kJobs * 2) +
                     static_cast<size_t>(warp) * kChunk * (ks + hd);
     uint16_t* s_v = s_k + static_cast<size_t>(kChunk) * ks;
 
@@ -66,11 +70,11 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_tiled(TDesc dst, TDes
         const float* qr = reinterpret_cast<const float*>(q.data + h * q.nb[1] + r * q.nb[2]);
         for (int d = lane; d < hd; d += 32) s_q[j * hd + d] = qr[d];
     }
-    for (int j = 0; j < n_jobs; ++j) {  // this warp's states: empty
-        for (int d = lane; d < hd; d += 32) s_acc[(warp * kJobs + j) * hd + d] = 0.0f;
+    for (int j = warp; j < n_jobs; j += kWarps) {  // the jobs' running states: empty
+        for (int d = lane; d < hd; d += 32) s_run_acc[j * hd + d] = 0.0f;
         if (lane == 0) {
-            s_ml[(warp * kJobs + j) * 2] = -INFINITY;
-            s_ml[(warp * kJobs + j) * 2 + 1] = 0.0f;
+            s_run_ml[j * 2] = -INFINITY;
+            s_run_ml[j * 2 + 1] = 0.0f;
         }
     }
     // The chunks the tile reaches. A row whose span leaves the cache gets zeros and the error
@@ -86,8 +90,19 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_tiled(TDesc dst, TDes
 
     const int64_t col0 = static_cast<int64_t>(g) * hd;  // the kv head's columns of a cache row
     const int units = hd / 8;                             // 16-byte units per row
-    if (c_hi >= 0) {
-        for (int64_t ch = c_lo + (warp - c_lo % kWarps + kWarps) % kWarps; ch <= c_hi; ch += kWarps) {
+    // Page by page (attention_common.cuh): warp w folds chunk kWarps * pg + w into every job's
+    // empty state, then each job's page state is combined into its running state.
+    for (int64_t pg = c_lo / kWarps; c_hi >= 0 && pg <= c_hi / kWarps; ++pg) {
+        for (int j = 0; j < n_jobs; ++j) {  // this warp's states for the page: empty
+            for (int d = lane; d < hd; d += 32) s_acc[(warp * kJobs + j) * hd + d] = 0.0f;
+            if (lane == 0) {
+                s_ml[(warp * kJobs + j) * 2] = -INFINITY;
+                s_ml[(warp * kJobs + j) * 2 + 1] = 0.0f;
+            }
+        }
+        __syncwarp();
+        const int64_t ch = pg * kWarps + warp;
+        if (ch >= c_lo && ch <= c_hi) {
             // Stage the chunk's K and V rows (cells past the cache's end are never read).
             for (int u = lane; u < kChunk * units; u += 32) {
                 const int i = u / units, col = u % units;
@@ -156,8 +171,25 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_tiled(TDesc dst, TDes
             }
             __syncwarp();  // every lane is done with the staged rows and the states are written
         }
+        __syncthreads();
+        for (int j = warp; j < n_jobs; j += kWarps) {  // job j's page state into its running state
+            const PageWeights pw = page_weights([&](int w) { return s_ml[(w * kJobs + j) * 2]; },
+                                                [&](int w) { return s_ml[(w * kJobs + j) * 2 + 1]; });
+            float m_run = s_run_ml[j * 2], l_run = s_run_ml[j * 2 + 1], fa, fb;
+            if (combine_page(m_run, l_run, pw.m, pw.l, fa, fb)) {
+                for (int d = lane; d < hd; d += 32) {
+                    const float acc_g = page_acc(pw, d, [&](int w, int dd) { return s_acc[(w * kJobs + j) * hd + dd]; });
+                    s_run_acc[j * hd + d] = combine_acc(s_run_acc[j * hd + d], acc_g, fa, fb);
+                }
+                __syncwarp();  // every lane has read (m, l) before lane 0 replaces them
+                if (lane == 0) {
+                    s_run_ml[j * 2] = m_run;
+                    s_run_ml[j * 2 + 1] = l_run;
+                }
+            }
+        }
+        __syncthreads();  // the page's states are read before the next page's replace them
     }
-    __syncthreads();
     for (int j = warp; j < n_jobs; j += kWarps) {
         const int64_t r = r0 + j / n_rep;
         const int h = g * n_rep + j % n_rep;
@@ -168,9 +200,8 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_tiled(TDesc dst, TDes
             for (int d = lane; d < hd; d += 32) o[d] = 0.0f;
             continue;
         }
-        merge_warps(o, hd, lane, 32, [&](int w) { return s_ml[(w * kJobs + j) * 2]; },
-                    [&](int w) { return s_ml[(w * kJobs + j) * 2 + 1]; },
-                    [&](int w, int d) { return s_acc[(w * kJobs + j) * hd + d]; });
+        const float inv = row_scale(s_run_ml[j * 2 + 1]);
+        for (int d = lane; d < hd; d += 32) o[d] = s_run_acc[j * hd + d] * inv;
     }
 }
 

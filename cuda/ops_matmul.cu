@@ -400,7 +400,7 @@ bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, in
 // cores (PYSPEC_CUDA_TC=1), against llama.cpp's 30.0k; decode goes the other way (tg128 203 here,
 // 147 there). The tensor-core path is the one to make fast for prefill, batches and decode alike.
 void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
-                         int64_t m, const MatmulScratch& scratch, cudaStream_t s) {
+                         int64_t m, const SplitScratch& scratch, cudaStream_t s) {
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
     if (m <= 0) return;
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");

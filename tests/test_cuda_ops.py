@@ -626,11 +626,12 @@ def test_row_tiled_attention_gives_the_per_row_kernels_bits(monkeypatch, heads, 
 @pytest.mark.parametrize("seed", range(3))
 def test_staged_attention_gives_the_unstaged_kernels_bits(monkeypatch, heads, seed):
     """The staged kernel (cuda/ops_attention_staged.cu: each warp's chunk of K/V copied into
-    shared memory by cp.async, the next chunk's copies in flight during this one's arithmetic)
-    gives every row exactly the bits of the per-row kernel it replaces: single rows at random
-    bases, spans and masks over a cache long enough for a warp to own several chunks (the two
-    stages alternate), and batches through the per-row path (row-tiled kernel off).
-    PYSPEC_CUDA_ATT_STAGED=0: the unstaged kernel."""
+    shared memory by cp.async, the next page's copies in flight during this one's arithmetic; a
+    single row over more than two pages split over blocks, a page each, combined by the last)
+    gives every row exactly the bits of the per-row kernel it replaces, and of the row-tiled
+    kernel when the row shares a batch: single rows at random bases, spans and masks over a cache
+    of several pages (walked by one block up to two pages, split beyond), and batches through the
+    per-row path. PYSPEC_CUDA_ATT_STAGED=0: the unstaged kernel."""
     n_head, n_kv, hd = heads
     rng = np.random.default_rng(7000 + seed * 11 + hd)
     n_cells = 1500
@@ -638,7 +639,7 @@ def test_staged_attention_gives_the_unstaged_kernels_bits(monkeypatch, heads, se
     v = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
     monkeypatch.setenv("PYSPEC_CUDA_ATT_TILED", "0")
     for span in (1, 31, 100, 700, 1200):
-        start = int(rng.integers(0, n_cells - span + 1))
+        start = int(rng.integers(0, n_cells - span - 8 + 1))  # room for a batch's padding
         mask = np.zeros((1, span), np.float32)
         mask[0, rng.random(span) < 0.2] = -np.inf
         mask[0, 0] = 0.0
@@ -650,6 +651,12 @@ def test_staged_attention_gives_the_unstaged_kernels_bits(monkeypatch, heads, se
         np.testing.assert_array_equal(staged, plain, err_msg=f"span {span} at {start}")
         want = cpu.attention_ref(q, k, v, mask, np.array([start]), n_kv, np.float32(0.125))
         np.testing.assert_allclose(staged, want, **ATT_TOL["F16"])
+        # the same row among others: the row-tiled kernel walks its pages in one block
+        q3, mask3, base3, at = cpu.batch_around_row(rng, 3, start, mask[0], q, n_cells)
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_TILED", "1")
+        tiled = cpu.attention_run(q3, k, v, mask3, base3, n_kv, 0.125, "F16", backend=DEVICE)
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_TILED", "0")
+        np.testing.assert_array_equal(tiled[at], staged[0], err_msg=f"span {span} at {start}, in a batch")
     start, row_mask = cpu.random_row(rng)
     q_row = rng.standard_normal((1, n_head, hd)).astype(np.float32)
     for n_rows in (3, 40):
