@@ -43,28 +43,29 @@ constexpr int kKPad = 8;  // halves after each staged K row: the lanes' 16-byte 
 constexpr int stages_for(int nc) { return nc <= 2 ? 2 : 1; }
 
 // Shared memory: q [hd] floats; the warps' states acc [kWarps][hd] and (m, l) [kWarps][2] floats;
-// per warp and stage, K [32][hd + kKPad] and V [32][hd] halves.
-inline size_t staged_smem_bytes(int hd, int stages) {
+// per warp and stage, K [32][hd + kKPad] (unless each lane holds its K row in registers) and V
+// [32][hd] halves.
+inline size_t staged_smem_bytes(int hd, int stages, bool reg_k) {
     const size_t floats = static_cast<size_t>(hd) + static_cast<size_t>(kWarps) * hd + 2 * kWarps;
-    const size_t stage = static_cast<size_t>(kChunk) * (2 * hd + kKPad) * sizeof(uint16_t);
+    const size_t stage = static_cast<size_t>(kChunk) * (reg_k ? hd : 2 * hd + kKPad) * sizeof(uint16_t);
     return floats * sizeof(float) + static_cast<size_t>(kWarps) * stages * stage;
 }
 
 // Scores and folds warp's chunk ch (staged in sk / sv) from the empty state into (m, l, acc).
-template <int NC>
-__device__ __forceinline__ void fold_staged_chunk(const uint16_t* sk, const uint16_t* sv, int ks, const float* s_q,
-                                                  int hd, int lane, bool in_span, float mj, float scale, float& m,
-                                                  float& l, float (&acc)[NC]) {
+// k_unit(d0): the 16 bytes of this lane's K row at head dim d0 (from shared memory or registers).
+template <int NC, typename KUnit>
+__device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* sv, const float* s_q, int hd, int lane,
+                                                  bool in_span, float mj, float scale, float& m, float& l,
+                                                  float (&acc)[NC]) {
     float s = -INFINITY;
     if (in_span && mj != -INFINITY) {
-        const uint16_t* kr = sk + lane * ks;
         float dot = 0.0f;
         // Bounded by the instantiation's widest head so the loop unrolls (smem loads hoisted ahead
         // of the fmaf chain); the chain itself runs d = 0 .. hd-1 as everywhere.
 #pragma unroll
         for (int d0 = 0; d0 < 32 * NC; d0 += 8) {
             if (d0 >= hd) break;
-            const uint4 raw = *reinterpret_cast<const uint4*>(kr + d0);
+            const uint4 raw = k_unit(d0);
             const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
 #pragma unroll
             for (int e = 0; e < 8; ++e) dot = fmaf(s_q[d0 + e], h2f(hv[e]), dot);
@@ -94,7 +95,9 @@ __device__ __forceinline__ void fold_staged_chunk(const uint16_t* sk, const uint
 // Grid (n_head, rows, Z). Z = 1: the block walks the row's pages in order. Z > 1 (one row): block z
 // takes the row's page z alone and stores its state in part ([n_head][Z][2 + hd] floats: m, l,
 // acc); the row's last block to finish (counters[h], left zero again) combines the pages in order.
-template <int NC, int S>
+// kRegK (the split instantiation for wide heads): each lane loads its cell's K row straight into
+// registers and only V is staged, which halves the shared memory so two blocks share an SM.
+template <int NC, int S, bool kRegK>
 __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
                                                                     const int32_t* base, int n_kv_head, float scale,
                                                                     float* part, unsigned* counters, unsigned* err) {
@@ -129,7 +132,7 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
     float* s_q = reinterpret_cast<float*>(smem);
     float* s_acc = s_q + hd;                      // [kWarps][hd]
     float* s_ml = s_acc + kWarps * hd;            // [kWarps][2]
-    const int ks = hd + kKPad;
+    const int ks = kRegK ? 0 : hd + kKPad;  // staged K row pitch (none with K in registers)
     uint16_t* s_stage = reinterpret_cast<uint16_t*>(s_ml + 2 * kWarps) +
                         static_cast<size_t>(warp) * S * kChunk * (ks + hd);
     const int64_t col_bytes = static_cast<int64_t>(kvh) * hd * 2;  // the kv head's columns of a cache row
@@ -148,7 +151,7 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
                 const int64_t cell = ch * kChunk + i;
                 const bool ok = cell < n_cells;
                 const int64_t c = ok ? cell : 0;
-                cp_async<16>(sk + i * ks + col * 8, kc.data + c * kc.nb[1] + col_bytes + col * 16, ok);
+                if (!kRegK) cp_async<16>(sk + i * ks + col * 8, kc.data + c * kc.nb[1] + col_bytes + col * 16, ok);
                 cp_async<16>(sv + i * hd + col * 8, vc.data + c * vc.nb[1] + col_bytes + col * 16, ok);
             }
         }
@@ -169,6 +172,14 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
         const int64_t j = ch * kChunk + lane - b0;
         const bool in_span = active && j >= 0 && j < span;
         const float mj = in_span ? mrow[j] : -INFINITY;
+        uint4 kreg[kRegK ? 4 * NC : 1];  // kRegK: this lane's K row, loaded while V is copied
+        if (kRegK && in_span) {
+            const uint4* krow = reinterpret_cast<const uint4*>(kc.data + (ch * kChunk + lane) * kc.nb[1] + col_bytes);
+#pragma unroll
+            for (int u = 0; u < 4 * NC; ++u) {
+                if (u < units) kreg[u] = krow[u];
+            }
+        }
         if (S == 2) {
             stage_page(g + 1, st ^ 1);  // the other stage, read by the previous page (synchronised)
             cp_async_wait<1>();
@@ -182,7 +193,14 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
         float m = -INFINITY, l = 0.0f;
         if (active) {
             const uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
-            fold_staged_chunk<NC>(sk, sk + kChunk * ks, ks, s_q, hd, lane, in_span, mj, scale, m, l, acc);
+            const uint16_t* kr = sk + lane * ks;
+            if (kRegK) {
+                fold_staged_chunk<NC>([&](int d0) { return kreg[kRegK ? d0 / 8 : 0]; }, sk + kChunk * ks, s_q, hd,
+                                      lane, in_span, mj, scale, m, l, acc);
+            } else {
+                fold_staged_chunk<NC>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
+                                      sk + kChunk * ks, s_q, hd, lane, in_span, mj, scale, m, l, acc);
+            }
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
         if (S == 1) stage_page(g + 1, 0);
@@ -249,7 +267,7 @@ inline int64_t pages_touched_max(int64_t span) { return span > 0 ? (span + kPage
 // One row over more than two pages splits (a page per block); two are walked by one block as fast.
 inline bool splits(int64_t rows, int64_t span) { return rows == 1 && pages_touched_max(span) > 2; }
 
-template <int NC, int S>
+template <int NC, int S, bool kRegK>
 void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                const int32_t* base, int n_kv_head, float scale, unsigned z, float* part, unsigned* counters,
                unsigned* err, cudaStream_t s) {
@@ -257,13 +275,13 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
     // largest head dim of this instantiation.
     static std::once_flag once;
     std::call_once(once, [] {
-        check(cudaFuncSetAttribute(k_attention_staged<NC, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(staged_smem_bytes(32 * NC, S))),
+        check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(staged_smem_bytes(32 * NC, S, kRegK))),
               "attention (staged): cudaFuncSetAttribute");
     });
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]), z);
-    launch(k_attention_staged<NC, S>, grid, kWarps * 32, staged_smem_bytes(static_cast<int>(q.ne[0]), S), s, dst, q,
-           k, v, mask, base, n_kv_head, scale, part, counters, err);
+    launch(k_attention_staged<NC, S, kRegK>, grid, kWarps * 32, staged_smem_bytes(static_cast<int>(q.ne[0]), S, kRegK),
+           s, dst, q, k, v, mask, base, n_kv_head, scale, part, counters, err);
 }
 
 template <int NC>
@@ -273,11 +291,14 @@ void launch_split_or_walk(const TDesc& dst, const TDesc& q, const TDesc& k, cons
     const SplitScratchNeed need = attention_split_scratch(q.ne[0], q.ne[1], q.ne[2], mask.ne[0]);
     if (need.partial_floats > 0 && need.partial_floats <= scratch.partial_floats &&
         need.n_counters <= scratch.n_counters) {
-        launch_nc<NC, 1>(dst, q, k, v, mask, base, n_kv_head, scale,
+        // K in registers where staging it would leave one block per SM (head_dim 128: 137 KB of
+        // shared memory; H200, ncu, Qwen3-4B at 4000 cells 43 -> 37 us per layer); SmolLM2's
+        // 64-wide heads fit three staged blocks per SM and were slower from registers (17 -> 18).
+        launch_nc<NC, 1, (NC > 2)>(dst, q, k, v, mask, base, n_kv_head, scale,
                          static_cast<unsigned>(pages_touched_max(mask.ne[0])), scratch.partial, scratch.counters, err,
                          s);
     } else {
-        launch_nc<NC, stages_for(NC)>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr, nullptr, err, s);
+        launch_nc<NC, stages_for(NC), false>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr, nullptr, err, s);
     }
 }
 
