@@ -316,6 +316,34 @@ def test_attention_row_is_batch_invariant(seed, cache_dtype):
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 1, 32)],
+                         ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+@pytest.mark.parametrize("cache_dtype", ["F16", "F32"])
+def test_long_decode_attention_phases(heads, cache_dtype):
+    """Decode rows over long spans (few (row, kv head) pairs, span >= cpu/attention.h's
+    kPhasedMinSpan) run in phases over the thread pool (scores in blocks of cells, softmax per
+    head, V sums in slices of head dims): the bits of the one-thread pass, for one row and two,
+    with masked holes and blocks cut inside runs of cells."""
+    n_head, n_kv, hd = heads
+    rng = np.random.default_rng(77 + hd + n_kv)
+    n_cells, span = 3000, 2600
+    dt = np.float16 if cache_dtype == "F16" else np.float32
+    k = rng.standard_normal((n_cells, n_kv * hd)).astype(dt)
+    v = rng.standard_normal((n_cells, n_kv * hd)).astype(dt)
+    for n_rows in (1, 2):
+        q = rng.standard_normal((n_rows, n_head, hd)).astype(np.float32)
+        mask = np.zeros((n_rows, span), np.float32)
+        mask[rng.random((n_rows, span)) < 0.1] = NEG_INF
+        mask[:, -300:] = NEG_INF  # a row's unmasked cells need not reach the span's end
+        base = rng.integers(0, n_cells - span + 1, n_rows).astype(np.int32)
+        one = attention_run(q, k, v, mask, base, n_kv, 0.125, cache_dtype, 1)
+        np.testing.assert_allclose(one, attention_ref(q, k, v, mask, base, n_kv, np.float32(0.125)),
+                                   rtol=1e-5, atol=1e-6)
+        for n_threads in (2, 3, 4):
+            got = attention_run(q, k, v, mask, base, n_kv, 0.125, cache_dtype, n_threads)
+            assert np.array_equal(got, one), (n_rows, n_threads)
+
+
 def test_set_rows_then_attention_reads_the_new_cells():
     """A decode step on layer 1 of a cache that stacks 3 layers in one F16 buffer: new K/V rows
     are written through SET_ROWS on the layer's view, and the ATTENTION that consumes the SET_ROWS

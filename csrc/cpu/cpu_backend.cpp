@@ -152,6 +152,8 @@ void CpuBackend::compute(Graph& graph) {
         int last = id;
         if (op == Op::MUL_MAT) {
             last = run_mul_mat_group(graph, id, *pool_, matmul_scratch_);
+        } else if (op == Op::ATTENTION && attention_phased_applies(graph, id, pool_->size())) {
+            attention_phased(graph, id, *pool_, attention_scratch_);
         } else if (run_inline(graph, graph[id])) {
             run_cpu_op(graph, id, 0, 1, scratch_[0]);
         } else {

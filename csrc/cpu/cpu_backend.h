@@ -9,6 +9,7 @@
 
 #include "core/backend.h"
 #include "core/thread_pool.h"
+#include "cpu/attention.h"
 #include "cpu/ops.h"
 
 namespace pyspec {
@@ -60,6 +61,7 @@ private:
     std::vector<std::unique_ptr<Mapping>> persistent_;
     std::vector<KernelScratch> scratch_;       // one per thread
     std::vector<uint8_t> matmul_scratch_;      // prepared activations, shared by all threads
+    AttentionPhaseScratch attention_scratch_;  // the phased attention's buffers
     bool poison_ = false;
     bool profiling_ = false;
     std::vector<double> op_seconds_ = std::vector<double>(static_cast<size_t>(Op::COUNT), 0.0);
