@@ -229,11 +229,12 @@ void attention_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     float* row = scores + a.n_rep * a.span;
     int32_t* valid = s.idx.data();
 
-    int64_t w0, w1;
-    split_range(a.n_rows * a.n_kv_head, ith, nth, w0, w1);
-    for (int64_t w = w0; w < w1; ++w) {
-        const int64_t r = w / a.n_kv_head;
-        const int64_t kvh = w % a.n_kv_head;
+    // Pairs kv head by kv head, every nth row to a thread: a thread's consecutive pairs read the
+    // same kv head's cells (still in its cache), and causal rows, whose cells grow with the row,
+    // are shared out evenly.
+    for (int64_t w = ith; w < a.n_rows * a.n_kv_head; w += nth) {
+        const int64_t kvh = w / a.n_rows;
+        const int64_t r = w % a.n_rows;
         const Group gr = a.group(r, kvh);
         const int64_t n_valid = a.valid_cells(gr.mrow, valid);
         a.score(gr, kvh, valid, 0, n_valid, scores);
