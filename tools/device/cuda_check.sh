@@ -10,6 +10,9 @@
 #   SKIP_BENCH=1 bash tools/device/cuda_check.sh
 #   MODES="plain nofuse" BENCH_MODES=plain bash tools/device/cuda_check.sh   # fewer runs
 #   KERNEL_TIMES=1 ...                          # also per-kernel times by ncu (tools/device/kernel_times.py)
+#   SANITIZE=1 ...                              # also compute-sanitizer memcheck and racecheck on a
+#                                               # decode + speculative step (tiny models) and on the
+#                                               # attention kernels, a split long row included
 #   SPEC_BENCH=/tmp/smol.gguf ...               # also bench/bench_drafter.py on the GPU: the real
 #                                               # SmolLM2 target (carried, see train_smollm2.sh)
 #                                               # with the shipped drafter, greedy
@@ -63,6 +66,18 @@ if [ -n "${SPEC_BENCH:-}" ]; then
     --modes greedy --repeats 2 --json "$out/bench-drafter-gpu.json" > "$out/bench-drafter-gpu.log" 2>&1
   echo "speculative decoding on the GPU:"
   cat "$out/bench-drafter-gpu.log" | tail -14
+fi
+if [ -n "${SANITIZE:-}" ]; then
+  # Graph replay off: the sanitizer checks the launches themselves.
+  san_tests=(tests/test_cuda_models.py::test_spec_engine_greedy_equals_plain_greedy
+             "tests/test_cuda_models.py::test_logits_match_the_cpu"
+             "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h9kv3d64]"
+             "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h32kv8d128]")
+  for tool in memcheck racecheck; do
+    timeout 600 env PYSPEC_CUDA_GRAPHS=0 compute-sanitizer --tool $tool --error-exitcode 9 \
+      python3 -m pytest -q -p no:cacheprovider "${san_tests[@]}" > "$out/sanitize-$tool.log" 2>&1
+    echo "compute-sanitizer $tool: rc $? ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitize-$tool.log" | tail -1)) $(tail -1 "$out/sanitize-$tool.log")"
+  done
 fi
 if [ -n "${KERNEL_TIMES:-}" ]; then
   for m in /tmp/pyspec-models/smollm2-135m-q4_1.gguf /tmp/pyspec-models/qwen3-4b-f16.gguf; do
