@@ -7,6 +7,8 @@ compared with SmolLM2's figures, a qwen3 file with Qwen3-4B's).
 
 tg128: after an 8-token prompt (not timed), 128 single-token decodes, each feeding the greedy
        (numpy argmax) choice of the previous step; tokens / s.
+tg32@dN (--only ...,tgdepth; --depth N, default 4096): 32 single-token decodes after an N-token
+       prompt (not timed), as llama-bench's -d N: what long-context attention costs a step.
 pp512: one 512-token prompt from an empty cache (logits of the last row); tokens / s.
 par64: 64 sequences with a --par-prompt token prompt each (not timed), then 128 steps, each one
        decode of one token per sequence, greedy; generated tokens / s in total. Two honest paths:
@@ -113,6 +115,29 @@ def bench_tg(model, ids, n_gen, repeats):
     def prep():
         ctx.kv_clear()
         state["tok"] = int(np.argmax(ctx.decode(prompt).logits[-1]))
+
+    def run():
+        tok = state["tok"]
+        for _ in range(n_gen):
+            tok = int(np.argmax(ctx.decode([tok]).logits[-1]))
+
+    return n_gen / best_of(run, repeats, prep=prep)[0]
+
+
+def bench_tg_depth(model, n_vocab, depth, n_gen, repeats):
+    """Decode n_gen tokens after a prompt of depth tokens (llama-bench's tg at -d depth): what
+    long-context attention costs a decode step."""
+    import pyspec
+    rng = np.random.default_rng(1)
+    prompt = [int(x) for x in rng.integers(256, n_vocab - 3, size=depth)]
+    ctx = pyspec.Context(model, n_ctx=depth + n_gen + 64, n_seq_max=1, n_batch=512)
+    state = {}
+
+    def prep():
+        ctx.kv_clear()
+        for p0 in range(0, depth, 512):
+            logits = ctx.decode(prompt[p0:p0 + 512]).logits
+        state["tok"] = int(np.argmax(logits[-1]))
 
     def run():
         tok = state["tok"]
@@ -265,7 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (model n_threads)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="tg128,pp512,par64",
-                    help="comma list of tg128, pp512, par64")
+                    help="comma list of tg128, pp512, par64, tgdepth (tg32 after --depth prompt tokens)")
+    ap.add_argument("--depth", type=int, default=4096, help="prompt tokens before tgdepth's decode")
     ap.add_argument("--par", type=int, default=64, help="parallel sequences for par64")
     ap.add_argument("--par-prompt", type=int, default=32, help="prompt tokens per sequence (par64)")
     ap.add_argument("--par-steps", type=int, default=128)
@@ -331,6 +357,12 @@ def main(argv=None) -> int:
             rows.append((name, f"tg{args.n_gen}", v, ref.get("tg128"), GOALS["tg128"],
                          f"{bw / 1e12:.2f} TB/s weights ({100 * bw / PEAK_BW:.0f}% of 4.3)"))
             print(f"  tg{args.n_gen}: {v:.1f} t/s ({time.perf_counter() - t0:.1f}s)", flush=True)
+        if "tgdepth" in only:
+            t0 = time.perf_counter()
+            v = bench_tg_depth(model, model.n_vocab, args.depth, 32, args.repeats)
+            res[f"tg32_d{args.depth}"] = v
+            rows.append((name, f"tg32@d{args.depth}", v, None, None, "no llama.cpp figure here"))
+            print(f"  tg32@d{args.depth}: {v:.1f} t/s ({time.perf_counter() - t0:.1f}s)", flush=True)
         if "pp512" in only:
             t0 = time.perf_counter()
             v = bench_pp(model, ids, args.repeats)
@@ -372,7 +404,8 @@ def main(argv=None) -> int:
         ratio = v / r if r else None
         met = "-" if ratio is None else ("yes" if ratio >= goal else "no")
         print(f"{name:<24} {test:<12} {fmt_rate(v):>9} {fmt_rate(r):>10} "
-              f"{'-' if ratio is None else f'{ratio:.2f}x':>7} {f'{goal:.1f}x':>6} {met:>4}  {note}")
+              f"{'-' if ratio is None else f'{ratio:.2f}x':>7} {'-' if goal is None else f'{goal:.1f}x':>6} "
+              f"{met:>4}  {note}")
     if args.cpu:
         print("(CPU run: the llama.cpp figures are the H200's; ratios mean nothing here)")
     print("(llama.cpp figures only for models of the full SmolLM2-135M / Qwen3-4B shapes)")

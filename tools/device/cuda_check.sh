@@ -45,7 +45,7 @@ done
 if [ -z "${SKIP_BENCH:-}" ]; then
   for mode in ${BENCH_MODES:-plain tc}; do
     envs=()
-    only=${ONLY:-tg128,pp512,par64}
+    only=${ONLY:-tg128,tgdepth,pp512,par64}
     prof=--profile
     [ $mode = tc ] && envs=(PYSPEC_CUDA_TC=1)
     [ $mode = cores ] && envs=(PYSPEC_CUDA_TC=0)
