@@ -173,11 +173,14 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
         const bool in_span = active && j >= 0 && j < span;
         const float mj = in_span ? mrow[j] : -INFINITY;
         uint4 kreg[kRegK ? 4 * NC : 1];  // kRegK: this lane's K row, loaded while V is copied
-        if (kRegK && in_span) {
-            const uint4* krow = reinterpret_cast<const uint4*>(kc.data + (ch * kChunk + lane) * kc.nb[1] + col_bytes);
+        if constexpr (kRegK) {
+            if (in_span) {
+                const uint4* krow =
+                    reinterpret_cast<const uint4*>(kc.data + (ch * kChunk + lane) * kc.nb[1] + col_bytes);
 #pragma unroll
-            for (int u = 0; u < 4 * NC; ++u) {
-                if (u < units) kreg[u] = krow[u];
+                for (int u = 0; u < 4 * NC; ++u) {
+                    if (u < units) kreg[u] = krow[u];
+                }
             }
         }
         if (S == 2) {
@@ -194,9 +197,9 @@ __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDe
         if (active) {
             const uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
             const uint16_t* kr = sk + lane * ks;
-            if (kRegK) {
-                fold_staged_chunk<NC>([&](int d0) { return kreg[kRegK ? d0 / 8 : 0]; }, sk + kChunk * ks, s_q, hd,
-                                      lane, in_span, mj, scale, m, l, acc);
+            if constexpr (kRegK) {
+                fold_staged_chunk<NC>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, hd, lane, in_span,
+                                      mj, scale, m, l, acc);
             } else {
                 fold_staged_chunk<NC>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
                                       sk + kChunk * ks, s_q, hd, lane, in_span, mj, scale, m, l, acc);
