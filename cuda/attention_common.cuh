@@ -18,7 +18,8 @@ constexpr int kChunk = 32;   // cells per chunk (absolute cells 32c .. 32c + 31)
 // no cell seen so far is unmasked (warp-uniform); else sets p (this cell's weight, 0 for -inf) and
 // corr (the factor for what the state held, 0 from an empty state) and updates m and l. The
 // caller then scales its accumulators by corr and adds the chunk's V rows weighted by p in cell
-// order. Every kernel folds with this function, one source of their shared bits.
+// order. Every kernel folds with this function (the tiled one with fold_empty_chunks below, its
+// operations on several states at once), one source of their shared bits.
 __device__ __forceinline__ bool fold_chunk(float s, float& m, float& l, float& p, float& corr) {
     const float mc = fmaxf(m, warp_max(s));
     if (mc == -INFINITY) return false;
@@ -27,6 +28,36 @@ __device__ __forceinline__ bool fold_chunk(float s, float& m, float& l, float& p
     l = fmaf(l, corr, warp_sum(p));
     m = mc;
     return true;
+}
+
+// fold_chunk on N empty states (m = -inf, l = 0) at once, each with exactly fold_chunk's
+// operations, so the same bits: the tiled kernel's jobs over one chunk. Straight-line code, so the
+// N states' shuffle reductions overlap instead of following one another. A state with nothing
+// unmasked stays empty and gets p = 0 (its V sum then skips every cell). fold_chunk's corr is 0
+// here (m = -inf), so the caller's accumulators start at its 0 * corr = +0.
+template <int N>
+__device__ __forceinline__ void fold_empty_chunks(const float (&s)[N], float (&m)[N], float (&l)[N], float (&p)[N]) {
+    float mc[N], sum[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) mc[n] = fmaxf(-INFINITY, warp_max(s[n]));
+    // The exponentials are taken whatever the outcome and the unwanted ones dropped (selects, not
+    // branches): a dropped value is never used, a kept one is fold_chunk's.
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const float e = expf(s[n] - mc[n]);
+        p[n] = s[n] == -INFINITY || mc[n] == -INFINITY ? 0.0f : e;
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) sum[n] = warp_sum(p[n]);
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const float m0 = -INFINITY, l0 = 0.0f;
+        const float corr = expf(m0 - mc[n]);
+        const float l1 = fmaf(l0, corr, sum[n]);
+        const bool folded = mc[n] != -INFINITY;
+        m[n] = folded ? mc[n] : m0;
+        l[n] = folded ? l1 : l0;
+    }
 }
 
 // The order of a row's sums beyond one chunk: pages. Page g holds kWarps consecutive chunks (cells
