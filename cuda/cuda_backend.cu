@@ -199,6 +199,8 @@ public:
     }
 
     size_t arena_bytes() const override { return arena_size_; }
+    // By default prompt rows take the tensor cores and output rows the CUDA cores (cuda/kernels.h).
+    bool prompt_rows_have_own_path() const override { return cuda::matmul_tc_prompt_path(); }
 
     void set_profiling(bool on) override { profiling_ = on; }
 
@@ -218,7 +220,8 @@ private:
     // anything runs or is captured. Grow-only; captured graphs point at the old buffers, so they go
     // with them.
     void reserve_split_scratch(const Graph& g) {
-        const bool tc = cuda::matmul_tc_possible();  // only the tensor-core MUL_MAT kernels use it
+        // Only the tensor-core MUL_MAT kernels use it: every row's, or the prompt columns'.
+        const bool tc_all = cuda::matmul_tc_possible(), tc_prompt = cuda::matmul_tc_prompt_path();
         cuda::SplitScratchNeed need;
         for (int id = 0; id < g.size(); ++id) {
             const Tensor& t = g[id];
@@ -229,13 +232,15 @@ private:
                 need.n_counters = std::max(need.n_counters, n.n_counters);
                 continue;
             }
-            if (!tc || t.op != Op::MUL_MAT) continue;
+            if (t.op != Op::MUL_MAT) continue;
+            const int64_t tc_cols = tc_all ? g[t.src[1]].ne[1] : tc_prompt ? t.iparams[0] : 0;
+            if (tc_cols <= 0) continue;
             int members[cuda::kMaxMatmulParts];
             const int n_members = matmuls_sharing_activations(g, id, members, cuda::kMaxMatmulParts);
             int64_t rows = 0;
             for (int i = 0; i < n_members; ++i) rows += g[g[members[i]].src[0]].ne[1];
             const Tensor& w = g[t.src[0]];
-            const cuda::SplitScratchNeed n = cuda::matmul_tc_narrow_scratch(w.dtype, w.ne[0], rows, g[t.src[1]].ne[1]);
+            const cuda::SplitScratchNeed n = cuda::matmul_tc_narrow_scratch(w.dtype, w.ne[0], rows, tc_cols);
             need.partial_floats = std::max(need.partial_floats, n.partial_floats);
             need.n_counters = std::max(need.n_counters, n.n_counters);
         }
@@ -433,14 +438,15 @@ private:
             if (glu >= 0 && cuda::launch_matmul_glu(w0.dtype, parts[0], parts[1], w0.ne[0],
                                                     reinterpret_cast<const float*>(dptr(g, t0.src[1])),
                                                     static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1],
-                                                    reinterpret_cast<float*>(dptr(g, glu)),
+                                                    t0.iparams[0], reinterpret_cast<float*>(dptr(g, glu)),
                                                     static_cast<int64_t>(g[glu].nb[1] / sizeof(float)), stream_)) {
                 return glu;
             }
         }
         cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
                                   reinterpret_cast<const float*>(dptr(g, t0.src[1])),
-                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], scratch_, stream_);
+                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], t0.iparams[0], scratch_,
+                                  stream_);
         return last;
     }
 
@@ -846,7 +852,8 @@ private:
                 const Tensor& x = g[src(1)];
                 const cuda::MatmulPart part = matmul_part(g, id);
                 cuda::launch_matmul_group(w.dtype, &part, 1, w.ne[0], reinterpret_cast<const float*>(dptr(g, src(1))),
-                                          static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], scratch_, stream_);
+                                          static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], t.iparams[0],
+                                          scratch_, stream_);
                 return;
             }
             case Op::RMS_NORM:

@@ -90,15 +90,21 @@ struct MatmulPart {
     int64_t add_stride = 0;
 };
 bool matmul_add_epilogue(DType wtype, int64_t k);
+// prompt_cols: MUL_MAT's prompt columns (core/graph.h), the first columns of x and of every y (and
+// add); they take the tensor cores where matmul_tc_prompt_rows(wtype, k), the rest the kernel every
+// row of the weight takes otherwise.
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                         int64_t x_stride, int64_t m, const SplitScratch& scratch, cudaStream_t s);
+                         int64_t x_stride, int64_t m, int64_t prompt_cols, const SplitScratch& scratch,
+                         cudaStream_t s);
 // gate and up (MatmulParts of equal rows, no add) over the same activations with the SWIGLU that
 // follows them as the epilogue: y[i, c] = silu(gate_i . x_c) * (up_i . x_c), the bits of the three
 // nodes run apart (each product reduced exactly as launch_matmul_group reduces it). For the
-// CUDA-core path at M <= kMatmulGluMaxM; returns false (nothing launched) elsewhere.
+// CUDA-core path at M <= kMatmulGluMaxM without prompt columns there; returns false (nothing
+// launched) elsewhere.
 constexpr int64_t kMatmulGluMaxM = 16;
 bool launch_matmul_glu(DType wtype, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x,
-                       int64_t x_stride, int64_t m, float* y, int64_t y_stride, cudaStream_t s);
+                       int64_t x_stride, int64_t m, int64_t prompt_cols, float* y, int64_t y_stride,
+                       cudaStream_t s);
 // Whether the backend groups consecutive MUL_MATs over the same activations into one launch
 // (on by default since the H200 run: the same bits, 3 launches fewer per layer, tg +5-6%;
 // PYSPEC_CUDA_FUSE=0 turns it off). Read at each compute: a backend's captured CUDA graphs keep the
@@ -106,11 +112,13 @@ bool launch_matmul_glu(DType wtype, const MatmulPart& gate, const MatmulPart& up
 inline bool matmul_fusion_enabled() { return env_switch("PYSPEC_CUDA_FUSE") != 0; }
 
 // MUL_MAT on tensor cores, batch-invariant by a fixed per-output mma sequence (cuda/matmul_tc.cu);
-// launch_matmul_group uses it for every M of a weight when matmul_tc_used(wtype, k): the type is
-// supported (matmul_tc_supports: F16/BF16 with K % 8 == 0, Q8_0/Q4_0/Q4_1; F32 never) and chosen by
-// PYSPEC_CUDA_TC (1: every supported type; 0: none; unset: the default types, see matmul_tc.cu),
-// read at each call (a backend's captured CUDA graphs keep the kernel they were captured with;
-// matmul_tc_setting() is part of their key).
+// for a supported type (matmul_tc_supports: F16/BF16 with K % 8 == 0, Q8_0/Q4_0/Q4_1; F32 never)
+// launch_matmul_group uses it, by PYSPEC_CUDA_TC, for every row at every M (1: matmul_tc_used),
+// for no row (0), or by default for the prompt columns only (matmul_tc_prompt_rows), output rows
+// taking the CUDA cores. A row's kind is its own (whether it wants logits), never its neighbours',
+// so invariant 7 holds: each kind of row has one computation. The setting is read at each call (a
+// backend's captured CUDA graphs keep the kernel they were captured with; matmul_tc_setting() is
+// part of their key).
 // Two kernels compute it, with the same bits for every output: the wide one (one part per call)
 // and, for M <= kMatmulTcNarrowMaxM, the narrow one (cuda/matmul_tc_narrow.cu: a warp per 16
 // weight rows and K segment, a whole group per launch), which returns false where the rows'
@@ -123,6 +131,10 @@ bool matmul_tc_used(DType wtype, int64_t k);
 // Whether any weight type may take the tensor cores under the current setting (one environment
 // read, for callers that would otherwise ask matmul_tc_used of every MUL_MAT).
 bool matmul_tc_possible();
+// Whether prompt columns take the tensor cores apart from the other rows (the default setting), and
+// whether they do for this weight.
+bool matmul_tc_prompt_path();
+bool matmul_tc_prompt_rows(DType wtype, int64_t k);
 bool matmul_tc_supports(DType wtype, int64_t k);
 constexpr int64_t kMatmulTcNarrowMaxM = 16;
 void launch_matmul_tc_wide(DType wtype, const MatmulPart& part, int64_t k, const float* x, int64_t x_stride,

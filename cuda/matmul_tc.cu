@@ -1,5 +1,6 @@
-// MUL_MAT on tensor cores, batch-invariant (design.md invariant 7), behind PYSPEC_CUDA_TC=1 (off by
-// default: validated on the H200, faster for prefill, slower for decode; see matmul_tc_used). This
+// MUL_MAT on tensor cores, batch-invariant (design.md invariant 7): by default for prompt rows only
+// (MUL_MAT's prompt columns; faster for prefill, slower for decode, see matmul_tc_used), for every
+// row with PYSPEC_CUDA_TC=1, for none with PYSPEC_CUDA_TC=0. This
 // file is the wide kernel (M > 16, or rows the narrow kernel cannot copy); cuda/matmul_tc_narrow.cu
 // computes the same outputs for M <= 16.
 //
@@ -273,19 +274,25 @@ bool matmul_tc_supports(DType t, int64_t k) {
     }
 }
 
-// No type by default. Measured on the H200 (2026-11-30, bench_cuda.py, PYSPEC_CUDA_TC=1 against
-// unset): Qwen3-4B F16 pp512 5000-6155 against 2457-2481 t/s, but tg128 184-189 against 210-227 and
-// par64 1899 against 2082; SmolLM2 Q4_1 tg128 385-394 against 547-614. Decode was 147 (Qwen3) and
-// 337 (SmolLM2) before the K segments let the narrow kernel spread a matrix over thousands of
-// warps; its float kernel now streams at ~2.4-2.6 TB/s (ncu, gate/up) where the CUDA-core
-// kernels reach ~3.4-3.8, and neither fewer instructions (registers instead of staging),
-// pipelined batches nor 1024-value segments moved it (23-25 us per Qwen3 MUL_MAT each).
+// Every row on tensor cores only with PYSPEC_CUDA_TC=1. Measured on the H200 (2026-11-30,
+// bench_cuda.py, PYSPEC_CUDA_TC=1 against CUDA cores): Qwen3-4B F16 pp512 5000-6155 against
+// 2457-2481 t/s, but tg128 184-189 against 210-227 and par64 1899 against 2082; SmolLM2 Q4_1 tg128
+// 385-394 against 547-614. Decode was 147 (Qwen3) and 337 (SmolLM2) before the K segments let the
+// narrow kernel spread a matrix over thousands of warps; its float kernel now streams at ~2.4-2.6
+// TB/s (ncu, gate/up) where the CUDA-core kernels reach ~3.4-3.8, and neither fewer instructions
+// (registers instead of staging), pipelined batches nor 1024-value segments moved it (23-25 us per
+// Qwen3 MUL_MAT each). Hence the default: prompt rows (matmul_tc_prompt_rows) here, output rows on
+// CUDA cores.
 bool matmul_tc_used(DType t, int64_t k) {
     if (!matmul_tc_supports(t, k)) return false;
     return matmul_tc_setting() == 1;
 }
 
-bool matmul_tc_possible() { return matmul_tc_setting() == 1; }  // no default types (above)
+bool matmul_tc_possible() { return matmul_tc_setting() == 1; }
+
+bool matmul_tc_prompt_path() { return matmul_tc_setting() == -1; }
+
+bool matmul_tc_prompt_rows(DType t, int64_t k) { return matmul_tc_prompt_path() && matmul_tc_supports(t, k); }
 
 void launch_matmul_tc_wide(DType t, const MatmulPart& p, int64_t k, const float* x, int64_t xs, int64_t m,
                            cudaStream_t s) {

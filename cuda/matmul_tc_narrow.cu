@@ -434,7 +434,7 @@ void narrow_f_typed(bool x16, const NarrowParts& p, int64_t k, const float* x, i
 }  // namespace
 
 SplitScratchNeed matmul_tc_narrow_scratch(DType t, int64_t k, int64_t rows, int64_t m) {
-    if (m <= 0 || m > kMatmulTcNarrowMaxM || rows <= 0 || !matmul_tc_used(t, k) || n_segments(k) < 2) return {};
+    if (m <= 0 || m > kMatmulTcNarrowMaxM || rows <= 0 || !matmul_tc_supports(t, k) || n_segments(k) < 2) return {};
     const int64_t tiles = (rows + 15) / 16;
     return {static_cast<size_t>(tiles * n_segments(k) * m * kRows), static_cast<size_t>(tiles)};
 }

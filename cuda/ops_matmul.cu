@@ -9,11 +9,12 @@
 // the block's columns shared through L1), and the launch shape (R, C, grid) only decides how many
 // outputs run side by side, never the order inside one. So a column's bits do not depend on M, on
 // its place in the batch or on its neighbours. No cuBLAS: its kernels (and their split-K and
-// reduction orders) change with M. The price is CUDA-core FP32 FMA for large batches instead of
-// tensor cores; a tensor-core GEMM with a fixed k order per output, used for every M, would bring
-// prefill speed back (see the notes in the launcher): cuda/matmul_tc.cu, opt-in (PYSPEC_CUDA_TC=1).
+// reduction orders) change with M. These kernels serve output rows (decode, verify, drafts); prompt
+// rows take a tensor-core GEMM with a fixed k order per output (cuda/matmul_tc.cu), every row of
+// that kind the same computation, so a row's bits still depend on itself alone.
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
@@ -383,8 +384,9 @@ bool matmul_add_epilogue(DType t, int64_t k) {
 }
 
 bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs,
-                       int64_t m, float* y, int64_t ys, cudaStream_t s) {
-    if (m <= 0 || m > kMatmulGluMaxM || matmul_tc_used(t, k) || (float_weights(t) && k % 8 != 0) ||
+                       int64_t m, int64_t prompt_cols, float* y, int64_t ys, cudaStream_t s) {
+    if (m <= 0 || m > kMatmulGluMaxM || matmul_tc_used(t, k) || (prompt_cols > 0 && matmul_tc_prompt_rows(t, k)) ||
+        (float_weights(t) && k % 8 != 0) ||
         k % dtype_block_size(t) != 0 || gate.n_rows != up.n_rows || gate.n_rows <= 0 || gate.add || up.add) {
         return false;
     }
@@ -395,23 +397,29 @@ bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, in
     return launched;
 }
 
-// Speed: by default every M runs on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200). Measured
-// on the H200 (2026-11-30, bench_cuda.py): Qwen3-4B F16 pp512 2457 t/s here and 6155 on tensor
-// cores (PYSPEC_CUDA_TC=1), against llama.cpp's 30.0k; decode goes the other way (tg128 203 here,
-// 147 there). The tensor-core path is the one to make fast for prefill, batches and decode alike.
-void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
-                         int64_t m, const SplitScratch& scratch, cudaStream_t s) {
-    if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
-    if (m <= 0) return;
-    if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
-    // Tensor cores: chosen by the weight type and K only, never by M, so every batch size of a
-    // weight takes the same computation; narrow batches run it on the narrow kernel (a whole group
-    // per launch), the rest part by part on the wide one (the same bits either way).
-    if (matmul_tc_used(t, k)) {
-        if (m <= kMatmulTcNarrowMaxM && launch_matmul_tc_narrow(t, parts, n_parts, k, x, xs, m, scratch, s)) return;
-        for (int j = 0; j < n_parts; ++j) launch_matmul_tc_wide(t, parts[j], k, x, xs, m, s);
-        return;
+namespace {
+
+// The parts over columns [c, ...): x, y and add start c columns further on.
+std::vector<MatmulPart> parts_from_column(const MatmulPart* parts, int n_parts, int64_t c) {
+    std::vector<MatmulPart> out(parts, parts + n_parts);
+    for (MatmulPart& q : out) {
+        q.y += c * q.y_stride;
+        if (q.add) q.add += c * q.add_stride;
     }
+    return out;
+}
+
+// The tensor-core computation: narrow batches on the narrow kernel (a whole group per launch), the
+// rest part by part on the wide one (the same bits either way).
+void matmul_tc(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs, int64_t m,
+               const SplitScratch& scratch, cudaStream_t s) {
+    if (m <= kMatmulTcNarrowMaxM && launch_matmul_tc_narrow(t, parts, n_parts, k, x, xs, m, scratch, s)) return;
+    for (int j = 0; j < n_parts; ++j) launch_matmul_tc_wide(t, parts[j], k, x, xs, m, s);
+}
+
+// The CUDA-core computation (this file's kernels).
+void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs, int64_t m,
+                  cudaStream_t s) {
     if (float_weights(t) && k % 8 != 0) {
         for (int j = 0; j < n_parts; ++j) {
             if (parts[j].add) throw std::logic_error("cuda backend: mul_mat: an add epilogue on a path without one");
@@ -443,6 +451,30 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, s);
     });
     if (!launched) throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
+}
+
+}  // namespace
+
+// Speed: by default output rows run on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200) and
+// prompt rows on tensor cores. Measured on the H200 (2026-11-30, bench_cuda.py): Qwen3-4B F16
+// pp512 2457 t/s on CUDA cores and 6155 on tensor cores, against llama.cpp's 30.0k; decode goes the
+// other way (tg128 203 on CUDA cores, 147 on tensor cores then, 184-189 now).
+void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
+                         int64_t m, int64_t prompt_cols, const SplitScratch& scratch, cudaStream_t s) {
+    if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
+    if (m <= 0) return;
+    if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
+    if (prompt_cols < 0 || prompt_cols > m) throw std::logic_error("cuda backend: mul_mat: bad prompt columns");
+    // Tensor cores: chosen by the weight type and K and the kind of row, never by M or by a row's
+    // neighbours, so every row of a kind takes the same computation in any batch.
+    if (matmul_tc_used(t, k)) return matmul_tc(t, parts, n_parts, k, x, xs, m, scratch, s);
+    if (prompt_cols > 0 && matmul_tc_prompt_rows(t, k)) {
+        matmul_tc(t, parts, n_parts, k, x, xs, prompt_cols, scratch, s);
+        if (prompt_cols == m) return;
+        const std::vector<MatmulPart> rest = parts_from_column(parts, n_parts, prompt_cols);
+        return matmul_cores(t, rest.data(), n_parts, k, x + prompt_cols * xs, xs, m - prompt_cols, s);
+    }
+    matmul_cores(t, parts, n_parts, k, x, xs, m, s);
 }
 
 }  // namespace cuda

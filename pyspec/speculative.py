@@ -294,8 +294,10 @@ class SpeculativeGenerator:
 
     def _commit(self, tokens: List[int], pos: int, n: int) -> None:
         """Decodes committed tokens into the target and injects their features."""
+        # No logits: prompt rows throughout, as the engine prefills them (a GPU computes rows
+        # without logits on tensor cores; the last one must not be an output row here).
         res = self.ctx.decode(tokens, positions=np.arange(pos, pos + n),
-                              layer_inputs=self.layers)
+                              output=np.zeros(n, np.bool_), layer_inputs=self.layers)
         feats = np.concatenate([res.layer_inputs[lid] for lid in self.layers], axis=1)
         self.drafter.context.inject(0, np.arange(pos, pos + n, dtype=np.int32), feats)
 

@@ -188,17 +188,22 @@ def test_batch_larger_than_n_batch_is_split(model_dir, arch):
     assert_same_rows(small, big)
     assert [small_ctx.seq_pos_max(s) for s in range(3)] == [6, 8, 4]
 
-    # Only some rows output: they come back in batch order, after splitting too.
+    # Only some rows output: they come back in batch order, after splitting too. The graph takes
+    # the rows without logits (prompt rows) first (runtime/context.cpp); the layer inputs still come
+    # back row for row in batch order.
     tok, pos, seq = [r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]
     want = np.zeros(len(rows), bool)
     want[[1, 4, 5, 13, 20]] = True
-    small_ctx.kv_clear()
-    r = small_ctx.decode(tok, positions=pos, seq_ids=seq, output=want, layer_inputs=layers)
-    np.testing.assert_array_equal(r.output_rows, [1, 4, 5, 13, 20])
-    for i, row in zip(r.output_rows, r.logits):
-        assert np.array_equal(row, big[(seq[i], pos[i])][0])
-    for il in layers:
-        assert r.layer_inputs[il].shape == (len(rows), model.n_embd)
+    for ctx in (small_ctx, make_ctx(model, n_seq_max=3, n_batch=512)):
+        ctx.kv_clear()
+        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want, layer_inputs=layers)
+        np.testing.assert_array_equal(r.output_rows, [1, 4, 5, 13, 20])
+        for i, row in zip(r.output_rows, r.logits):
+            assert np.array_equal(row, big[(seq[i], pos[i])][0])
+        for il in layers:
+            assert r.layer_inputs[il].shape == (len(rows), model.n_embd)
+            for i in range(len(rows)):
+                assert np.array_equal(r.layer_inputs[il][i], big[(seq[i], pos[i])][1][il]), (il, i)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

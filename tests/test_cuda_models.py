@@ -292,8 +292,14 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
         rng = np.random.default_rng(5)
         logits[fuse] = [_decode_all(ctx, rows) for rows in _mixed_steps(rng, model.n_vocab)]
         ctx.kv_clear()
+        # prompt rows among output rows: the prompt columns take their own path (tensor cores
+        # by default), the output rows the fused kernels
+        r = ctx.decode(np.arange(40, 60) % model.n_vocab, output=np.arange(20) % 3 == 0,
+                       layer_inputs=[model.n_layer])
+        logits[fuse] += [r.logits, r.layer_inputs[model.n_layer]]
+        ctx.kv_clear()
         ctx._ctx.set_profiling(True)
-        ctx.decode([3, 9, 27])
+        ctx.decode([3, 9, 27], output=np.ones(3, bool))  # three output rows, as a verify step
         ctx._ctx.set_profiling(False)
         launches[fuse] = dict((name, calls) for name, _, calls in ctx._ctx.op_profile())
     for a, b in zip(logits["0"], logits["1"]):
@@ -301,8 +307,9 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
     if DEVICE == "cuda":
         fused, apart = launches["1"], launches["0"]
         assert apart["MUL_MAT"] - fused["MUL_MAT"] == 3 * model.n_layer
-        # the SwiGLU epilogue is the CUDA-core kernel's; the tensor-core path (opt-in, every
-        # weight type here but F32) keeps SWIGLU a launch of its own
+        # the SwiGLU epilogue is the CUDA-core kernel's; output rows take the tensor cores only
+        # with PYSPEC_CUDA_TC=1 (every weight type here but F32), which keeps SWIGLU a launch of
+        # its own
         tensor_cores = os.environ.get("PYSPEC_CUDA_TC") == "1" and wt != "F32"
         assert fused.get("ADD", 0) == 0, fused
         assert fused.get("SWIGLU", 0) == (model.n_layer if tensor_cores else 0), fused
@@ -358,6 +365,92 @@ def test_mixed_batches_on_the_device(model_dir, arch):
             want[idx] = _decode_all(alone, [rows[i] for i in idx])
         _assert_close(got, want, 1e-2, f"{arch} mixed vs alone")
         _assert_close(got_shuffled, got[perm], 1e-2, f"{arch} shuffled")
+
+
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompt_rows_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
+    """Rows that want no logits are prompt rows (runtime/context.h): by default the GPU runs their
+    matrix products on tensor cores and output rows on CUDA cores. A prompt row's bits are its own:
+    its layer inputs and the logits after it are the same decoding the prompt in one call, or in
+    chunks mixed with another sequence's output rows in shuffled order. The same rows decoded as
+    output rows take the other path: close, and the same bits once PYSPEC_CUDA_TC=0 puts every row
+    on the CUDA cores."""
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    tm, model = tiny(model_dir, arch, "F16")
+    rng = np.random.default_rng(21)
+    n = 37
+    prompt = [int(t) for t in rng.integers(0, model.n_vocab, n)]
+    other = [int(t) for t in rng.integers(0, model.n_vocab, 12)]
+    layers = [1, model.n_layer]
+    kw = dict(n_ctx=N_CTX_SEQ * 2, n_seq_max=2, n_batch=64, backend=DEVICE)
+
+    def one_call(outputs):
+        ctx = pyspec.Context(model, **kw)
+        out = np.zeros(n, bool) if not outputs else np.ones(n, bool)
+        out[-1] = True
+        r = ctx.decode(prompt, output=out, layer_inputs=layers)
+        return r.layer_inputs, r.logits[-1]
+
+    alone, last = one_call(False)
+    ctx = pyspec.Context(model, **kw)
+    got = {il: np.zeros_like(alone[il]) for il in layers}
+    p0, o = 0, 0
+    for size in (5, 1, 16, 9, 6):
+        rows = [(0, p, prompt[p], p == n - 1) for p in range(p0, p0 + size)] + [(1, o, other[o], True)]
+        rows = [rows[i] for i in rng.permutation(len(rows))]
+        seq, pos, tok, want_out = (np.array(c) for c in zip(*rows))
+        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want_out, layer_inputs=layers)
+        for i, (s_, p_) in enumerate(zip(seq, pos)):
+            if s_ == 0:
+                for il in layers:
+                    got[il][p_] = r.layer_inputs[il][i]
+                if p_ == n - 1:
+                    mixed_last = r.logits[list(r.output_rows).index(i)]
+        p0, o = p0 + size, o + 1
+    assert p0 == n
+    for il in layers:
+        np.testing.assert_array_equal(got[il], alone[il], err_msg=f"layer {il} input")
+    np.testing.assert_array_equal(mixed_last, last)
+
+    as_outputs, _ = one_call(True)
+    _assert_close(as_outputs[model.n_layer], alone[model.n_layer], 2e-2, "prompt rows against output rows")
+    if CUDA_OK and DEVICE == "cuda":
+        assert not np.array_equal(as_outputs[model.n_layer][:-1], alone[model.n_layer][:-1]), \
+            "prompt rows took the output rows' path"
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    cores, _ = one_call(False)
+    cores_as_outputs, _ = one_call(True)
+    np.testing.assert_array_equal(cores[model.n_layer], cores_as_outputs[model.n_layer])
+
+
+@gpu
+def test_prompt_cache_reuse_equals_fresh_on_the_device(pairs):
+    """The engine's prompt cache on the GPU: a second turn reusing the first's cached rows gives
+    the tokens of a fresh request. With the prompt rows' own path only the first turn's prefilled
+    prompt rows can be reused (its output rows hold other bits); on the CPU every row can."""
+    target, e, _ = _known_engine(pairs, DEVICE, n_seq_max=2, n_slots=2)
+    keep = dict(seq=0, keep_cache=True, reuse_cache=True, verify="greedy")
+    p1 = [3, 17, 29, 3, 3, 100, 101, 102, 7, 40, 41, 42, 43, 44, 45, 46, 9, 9, 12, 13]
+
+    def run_one(eng, rid, prompt, n, **kw):
+        eng.add_request(rid, prompt, max_tokens=n, **kw)
+        toks, stats = [], None
+        while eng.has_request(rid):
+            for o in eng.step():
+                toks += o["tokens"]
+                stats = o["stats"]
+        return toks, stats
+
+    out1, _ = run_one(e, 1, p1, 12, **keep)
+    p2 = p1 + out1[:5] + [50, 51, 52]
+    got, st = run_one(e, 2, p2, 15, **keep)
+    _, fresh, _ = _known_engine(pairs, DEVICE, n_seq_max=2, n_slots=2)
+    want, st_fresh = run_one(fresh, 3, p2, 15, verify="greedy")
+    assert st_fresh["n_cached"] == 0
+    assert got == want
+    own_path = CUDA_OK and DEVICE == "cuda" and os.environ.get("PYSPEC_CUDA_TC") is None
+    assert st["n_cached"] == (len(p1) - 1 if own_path else len(p1) + 5)
 
 
 def _known_engine(pairs, backend, n_seq_max=1, n_slots=1, **kw):

@@ -147,10 +147,11 @@ def mul_mat_bound(stored, dtype, x, n_rows):
     return exact, bound, 6 * sigma + s_err + 2e-5 * magnitude
 
 
-def matmul_build(stored, dtype, x, n_rows, x_pad=0, w_pad_rows=0):
+def matmul_build(stored, dtype, x, n_rows, x_pad=0, w_pad_rows=0, prompt_cols=0):
     """MUL_MAT of n_rows weight rows by the rows of x. x_pad > 0 feeds x as a strided view (rows
     of a wider input, starting at column x_pad); w_pad_rows > 0 reads the weight as a view that
-    skips that many leading rows of a larger matrix (a fused QKV weight's slice)."""
+    skips that many leading rows of a larger matrix (a fused QKV weight's slice); prompt_cols: the
+    node's prompt columns (core/graph.h), the first rows of x."""
     m, k = x.shape
 
     def build():
@@ -173,7 +174,7 @@ def matmul_build(stored, dtype, x, n_rows, x_pad=0, w_pad_rows=0):
         else:
             tx = g.input("F32", [k, m], "x")
             feeds[tx] = x
-        out = cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [tw, tx])
+        out = cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [tw, tx], iparams=(prompt_cols,) if prompt_cols else ())
         return g, feeds, [out]
 
     return build
@@ -330,6 +331,29 @@ def test_mul_mat_every_row_is_batch_invariant_across_tiles(dtype, k, mm_path):
         got = got.reshape(m, n_rows)
         bad = [i for i in range(m) if not np.array_equal(got[i], full[i])]
         assert not bad, (m, bad[:8])
+
+
+@gpu
+@pytest.mark.parametrize("k", [1024, 576])
+@pytest.mark.parametrize("dtype", ["F16", "Q4_1", "Q8_0", "F32"])
+def test_mul_mat_prompt_columns_take_the_tensor_cores(dtype, k, monkeypatch):
+    """By default (PYSPEC_CUDA_TC unset) a MUL_MAT's prompt columns take the tensor-core GEMM and
+    the rest the CUDA cores, so a batch's rows get exactly the bits of their kind's path run alone
+    over the whole batch (PYSPEC_CUDA_TC=1 and 0), whatever the split: the narrow and the wide
+    tensor-core kernel, a lone output row, prompt columns only. F32 weights stay on CUDA cores."""
+    n_rows = 200
+    stored, x = mm_inputs(dtype, n_rows, k, 80, seed=k + 13)
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "1")
+    (tc,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    (cores,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    tc, cores = tc.reshape(80, n_rows), cores.reshape(80, n_rows)
+    monkeypatch.delenv("PYSPEC_CUDA_TC")
+    for p, m in [(1, 1), (1, 4), (5, 8), (16, 17), (17, 20), (40, 80), (80, 80), (0, 3)]:
+        (got,) = run_on(DEVICE, matmul_build(stored, dtype, x[:m], n_rows, prompt_cols=p))
+        got = got.reshape(m, n_rows)
+        assert np.array_equal(got[:p], tc[:p]), (p, m, "prompt columns")
+        assert np.array_equal(got[p:], cores[p:m]), (p, m, "output columns")
 
 
 @real_gpu

@@ -36,6 +36,12 @@ public:
 
     virtual size_t arena_bytes() const = 0;
 
+    // Whether MUL_MAT's prompt columns (graph.h) run on a path of their own, so a prompt row's
+    // bits differ from those of the same row decoded as an output row (both fixed per kind).
+    // Callers then mark prompt rows in their graphs and never reuse an output row's cache cells
+    // as a prompt row's. The CPU backend has one path for both.
+    virtual bool prompt_rows_have_own_path() const { return false; }
+
     // Per-op time profile: while on, compute() accumulates each op kind's time and call count
     // (the CPU backend: wall time per op; the CUDA backend: device time between events, with
     // graph capture off while profiling). op_profile() lists the kinds that ran, as

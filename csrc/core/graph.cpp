@@ -148,12 +148,17 @@ int Graph::get_rows(int table, int ids) {
     return add_node(Op::GET_ROWS, DType::F32, {t.ne[0], i.ne[0], 1, 1}, {table, ids});
 }
 
-int Graph::mul_mat(int weight, int x) {
+int Graph::mul_mat(int weight, int x, int64_t prompt_cols) {
     const Tensor& w = (*this)[weight];
     const Tensor& a = (*this)[x];
     if (w.ne[0] != a.ne[0]) throw std::logic_error("mul_mat: inner dimensions differ");
     if (a.dtype != DType::F32) throw std::logic_error("mul_mat: activations must be F32");
-    return add_node(Op::MUL_MAT, DType::F32, {w.ne[1], a.ne[1], a.ne[2], a.ne[3]}, {weight, x});
+    if (prompt_cols < 0 || prompt_cols > a.ne[1] || (prompt_cols > 0 && (a.ne[2] != 1 || a.ne[3] != 1))) {
+        throw std::logic_error("mul_mat: prompt columns outside the activations' columns");
+    }
+    const int id = add_node(Op::MUL_MAT, DType::F32, {w.ne[1], a.ne[1], a.ne[2], a.ne[3]}, {weight, x});
+    (*this)[id].iparams[0] = static_cast<int32_t>(prompt_cols);
+    return id;
 }
 
 int Graph::rms_norm(int x, int weight, float eps) {
@@ -234,7 +239,7 @@ int matmuls_sharing_activations(const Graph& g, int id, int* out, int max_parts)
     for (int j = id; j < g.size() && n < max_parts; ++j) {
         const Tensor& t = g[j];
         if (t.op == Op::NONE || t.op == Op::VIEW) continue;
-        if (t.op != Op::MUL_MAT || t.src[1] != t0.src[1]) break;
+        if (t.op != Op::MUL_MAT || t.src[1] != t0.src[1] || t.iparams[0] != t0.iparams[0]) break;
         const Tensor& w = g[t.src[0]];
         if (w.dtype != w0.dtype || w.ne[0] != w0.ne[0]) break;
         out[n++] = j;

@@ -22,7 +22,11 @@ enum class Op : uint8_t {
     VIEW,       // strided view into src0: no compute, no memory of its own
     CPY,        // dst = src0 converted to dst's dtype (dst contiguous; src0 any strides)
     GET_ROWS,   // dst[:, i] = float(src0[:, src1[i]]); src1 I32 row ids
-    MUL_MAT,    // dst[n, m] = sum_k src0[k, n] * src1[k, m]; src0 weights (any dtype), src1 F32
+    MUL_MAT,    // dst[n, m] = sum_k src0[k, n] * src1[k, m]; src0 weights (any dtype), src1 F32;
+                // iparams {prompt_cols}: columns m < prompt_cols are prompt rows (their products
+                // feed only the KV cache and later rows, never logits), which a backend may run on a
+                // path of their own (the CUDA backend: tensor cores); still one fixed computation per
+                // kind of row, so a row's bits never depend on its neighbours (invariant 7)
     RMS_NORM,   // x / sqrt(mean(x^2) + eps) over ne0, times src1 if given; fparams[0] = eps
     ADD,        // src0 + src1 (src1 broadcast over rows when it has one row)
     MUL,        // src0 * src1 (src1 broadcast over rows when it has one row)
@@ -102,7 +106,7 @@ public:
     // Ops; each returns the id of the new tensor.
     int cpy(int src, DType dtype);
     int get_rows(int table, int ids);
-    int mul_mat(int weight, int x);
+    int mul_mat(int weight, int x, int64_t prompt_cols = 0);
     int rms_norm(int x, int weight, float eps);  // weight may be -1
     int add(int a, int b);
     int mul(int a, int b);
@@ -138,7 +142,8 @@ private:
 std::array<size_t, kMaxDims> contiguous_strides(DType dtype, const Shape& ne);
 
 // The MUL_MAT at id and the ones right after it (only leaves and views between) that multiply
-// the same activations by weights of the same type and K (q/k/v, gate/up): what a backend may
+// the same activations by weights of the same type and K, with the same prompt columns (q/k/v,
+// gate/up): what a backend may
 // run as one grouped product. Writes up to max_parts node ids to out and returns how many. A
 // backend still checks the members' memory (their outputs against the activations and each
 // other) before running them together.

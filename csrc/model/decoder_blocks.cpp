@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 namespace pyspec {
 
@@ -15,6 +16,10 @@ DecoderGraphInputs add_decoder_inputs(Graph& g, const DecoderGraphParams& p) {
     if (p.n_outputs > 0 && p.n_outputs < p.n_rows) {
         in.out_rows = g.input(DType::I32, {p.n_outputs, 1, 1, 1}, "inp_out_rows");
     }
+    if (p.n_prompt_rows < 0 || p.n_prompt_rows + p.n_outputs > p.n_rows) {
+        throw std::logic_error("decoder graph: prompt rows overlap the output rows");
+    }
+    in.n_prompt_rows = p.n_prompt_rows;
     return in;
 }
 
@@ -30,9 +35,10 @@ int self_attention(Graph& g, const Model& model, int layer, int h, const Decoder
     const LayerWeights& w = model.layers[static_cast<size_t>(layer)];
     const int64_t n_rows = g[h].ne[1];
     const int64_t hd = hp.head_dim;
-    int q = g.reshape(g.mul_mat(add_weight(g, w.wq), h), {hd, hp.n_head, n_rows, 1});
-    int k = g.reshape(g.mul_mat(add_weight(g, w.wk), h), {hd, hp.n_head_kv, n_rows, 1});
-    const int v = g.mul_mat(add_weight(g, w.wv), h);
+    const int64_t pc = in.n_prompt_rows;
+    int q = g.reshape(g.mul_mat(add_weight(g, w.wq), h, pc), {hd, hp.n_head, n_rows, 1});
+    int k = g.reshape(g.mul_mat(add_weight(g, w.wk), h, pc), {hd, hp.n_head_kv, n_rows, 1});
+    const int v = g.mul_mat(add_weight(g, w.wv), h, pc);
     if (qk_norm) {
         q = g.rms_norm(q, add_weight(g, w.q_norm), hp.rms_eps);
         k = g.rms_norm(k, add_weight(g, w.k_norm), hp.rms_eps);
@@ -52,13 +58,13 @@ int self_attention(Graph& g, const Model& model, int layer, int h, const Decoder
 
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const int att = g.attention(q, k_written, v_written, in.mask, in.kv_base, static_cast<int>(hp.n_head_kv), scale);
-    return g.mul_mat(add_weight(g, w.wo), g.reshape(att, {hd * hp.n_head, n_rows, 1, 1}));
+    return g.mul_mat(add_weight(g, w.wo), g.reshape(att, {hd * hp.n_head, n_rows, 1, 1}), pc);
 }
 
-int swiglu_ffn(Graph& g, const LayerWeights& w, int h) {
-    const int gate = g.mul_mat(add_weight(g, w.ffn_gate), h);
-    const int up = g.mul_mat(add_weight(g, w.ffn_up), h);
-    return g.mul_mat(add_weight(g, w.ffn_down), g.swiglu(gate, up));
+int swiglu_ffn(Graph& g, const LayerWeights& w, int h, int64_t prompt_rows) {
+    const int gate = g.mul_mat(add_weight(g, w.ffn_gate), h, prompt_rows);
+    const int up = g.mul_mat(add_weight(g, w.ffn_up), h, prompt_rows);
+    return g.mul_mat(add_weight(g, w.ffn_down), g.swiglu(gate, up), prompt_rows);
 }
 
 void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGraphParams& p) {

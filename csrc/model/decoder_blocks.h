@@ -12,12 +12,13 @@ DecoderGraphInputs add_decoder_inputs(Graph& g, const DecoderGraphParams& p);
 void record_layer_input(DecoderGraph& dg, const DecoderGraphParams& p, int layer, int x);
 
 // Self-attention of one layer over normed input h [n_embd, n_rows]: Q/K/V projections, optional
-// per-head q/k RMSNorm, RoPE, K/V written to the layer's cache cells, attention, output proj.
+// per-head q/k RMSNorm, RoPE, K/V written to the layer's cache cells, attention, output proj;
+// the projections take in.n_prompt_rows as their prompt columns.
 int self_attention(Graph& g, const Model& model, int layer, int h, const DecoderGraphInputs& in,
                    const KvCacheView& kv, bool qk_norm);
 
-// down(silu(gate(h)) * up(h))
-int swiglu_ffn(Graph& g, const LayerWeights& w, int h);
+// down(silu(gate(h)) * up(h)); the first prompt_rows columns of h are prompt rows
+int swiglu_ffn(Graph& g, const LayerWeights& w, int h, int64_t prompt_rows);
 
 // Final norm and output projection of the rows that want logits; sets dg.logits.
 void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGraphParams& p);

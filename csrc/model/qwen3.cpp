@@ -17,7 +17,7 @@ DecoderGraph build_qwen3_graph(const Model& model, const KvCacheView& kv, const 
         int h = g.rms_norm(x, add_weight(g, w.attn_norm), hp.rms_eps);
         x = g.add(x, self_attention(g, model, il, h, dg.in, kv, /*qk_norm=*/true));
         h = g.rms_norm(x, add_weight(g, w.ffn_norm), hp.rms_eps);
-        x = g.add(x, swiglu_ffn(g, w, h));
+        x = g.add(x, swiglu_ffn(g, w, h, dg.in.n_prompt_rows));
     }
     record_layer_input(dg, p, static_cast<int>(hp.n_layer), x);
     output_logits(dg, model, x, p);

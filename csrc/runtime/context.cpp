@@ -105,15 +105,30 @@ DecodeOutput Context::decode(const Batch& batch, const std::vector<int>& layer_i
 void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::vector<int>& layer_ids,
                            DecodeOutput& out) {
     const int64_t n_rows = static_cast<int64_t>(end - begin);
-    std::vector<int32_t> out_rows;
+    // The graph takes the rows prompt rows first (those that want no logits), then the output
+    // rows, each kind in batch order: MUL_MAT's prompt columns must be its first columns. A row's
+    // result does not depend on its place in the batch (invariant 7), so only the results that
+    // come back per row (layer inputs) are put back in batch order.
+    std::vector<size_t> order;  // graph row -> batch row
+    order.reserve(static_cast<size_t>(n_rows));
     int64_t max_pos = 0;
     for (size_t i = begin; i < end; ++i) {
-        if (b.output[i]) out_rows.push_back(static_cast<int32_t>(i - begin));
+        if (!b.output[i]) order.push_back(i);
         max_pos = std::max<int64_t>(max_pos, b.positions[i]);
     }
+    const int64_t n_prompt = static_cast<int64_t>(order.size());
+    std::vector<int32_t> out_rows;  // graph rows with logits
+    for (size_t i = begin; i < end; ++i) {
+        if (b.output[i]) {
+            out_rows.push_back(static_cast<int32_t>(order.size()));
+            order.push_back(i);
+        }
+    }
+    const bool reordered = n_prompt > 0 && n_prompt < n_rows;
     DecoderGraphParams gp;
     gp.n_rows = n_rows;
     gp.n_outputs = static_cast<int64_t>(out_rows.size());
+    gp.n_prompt_rows = backend_->prompt_rows_have_own_path() ? n_prompt : 0;
     gp.span = std::min(kv_->n_ctx_seq(), (max_pos + kSpanPadding) / kSpanPadding * kSpanPadding);
     gp.layer_ids = layer_ids;
     gp.argmax = b.argmax_only;
@@ -126,11 +141,15 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
         kv_->occupy(b.seq_ids[i], b.positions[i]);
     }
     try {
+        std::vector<int32_t> tokens(static_cast<size_t>(n_rows)), positions(static_cast<size_t>(n_rows));
         std::vector<int32_t> kv_cells(static_cast<size_t>(n_rows)), kv_base(static_cast<size_t>(n_rows));
         std::vector<float> mask(static_cast<size_t>(n_rows * gp.span), -std::numeric_limits<float>::infinity());
         for (int64_t r = 0; r < n_rows; ++r) {
-            const int32_t s = b.seq_ids[begin + static_cast<size_t>(r)];
-            const int32_t p = b.positions[begin + static_cast<size_t>(r)];
+            const size_t i = order[static_cast<size_t>(r)];
+            const int32_t s = b.seq_ids[i];
+            const int32_t p = b.positions[i];
+            tokens[static_cast<size_t>(r)] = b.tokens[i];
+            positions[static_cast<size_t>(r)] = p;
             kv_cells[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(s, p));
             kv_base[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(s, 0));
             float* m = mask.data() + r * gp.span;
@@ -144,8 +163,8 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
         Graph& g = dg.graph;
         backend_->apply_plan(g, *built.plan);  // every time: another graph may have grown the arena
         const size_t row_bytes = static_cast<size_t>(n_rows) * sizeof(int32_t);
-        backend_->write(g[dg.in.tokens], b.tokens.data() + begin, row_bytes);
-        backend_->write(g[dg.in.positions], b.positions.data() + begin, row_bytes);
+        backend_->write(g[dg.in.tokens], tokens.data(), row_bytes);
+        backend_->write(g[dg.in.positions], positions.data(), row_bytes);
         backend_->write(g[dg.in.kv_cells], kv_cells.data(), row_bytes);
         backend_->write(g[dg.in.kv_base], kv_base.data(), row_bytes);
         backend_->write(g[dg.in.mask], mask.data(), mask.size() * sizeof(float));
@@ -156,22 +175,31 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
             const size_t old = out.argmax.size();
             out.argmax.resize(old + out_rows.size());
             backend_->read(g[dg.argmax], out.argmax.data() + old, out_rows.size() * sizeof(int32_t));
-            for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(begin) + r);
+            for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(order[static_cast<size_t>(r)]));
         } else if (dg.logits >= 0) {
             const size_t old = out.logits.size();
             const size_t bytes = out_rows.size() * static_cast<size_t>(out.n_vocab) * sizeof(float);
             out.logits.resize(old + out_rows.size() * static_cast<size_t>(out.n_vocab));
             backend_->read(g[dg.logits], out.logits.data() + old, bytes);
-            for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(begin) + r);
+            for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(order[static_cast<size_t>(r)]));
         }
         for (const auto& li : dg.layer_inputs) {
             auto it = std::find_if(out.layer_inputs.begin(), out.layer_inputs.end(),
                                    [&](const auto& e) { return e.first == li.first; });
             std::vector<float>& dst = it->second;
             const size_t old = dst.size();
-            const size_t count = static_cast<size_t>(n_rows * out.n_embd);
+            const size_t n_embd = static_cast<size_t>(out.n_embd);
+            const size_t count = static_cast<size_t>(n_rows) * n_embd;
             dst.resize(old + count);
-            backend_->read(g[li.second], dst.data() + old, count * sizeof(float));
+            if (!reordered) {
+                backend_->read(g[li.second], dst.data() + old, count * sizeof(float));
+                continue;
+            }
+            std::vector<float> rows(count);
+            backend_->read(g[li.second], rows.data(), count * sizeof(float));
+            for (size_t r = 0; r < order.size(); ++r) {
+                std::copy_n(rows.data() + r * n_embd, n_embd, dst.data() + old + (order[r] - begin) * n_embd);
+            }
         }
     } catch (...) {
         for (const auto& sp : newly_occupied) kv_->remove(sp.first, sp.second, sp.second + 1);

@@ -1,6 +1,8 @@
 // A decode context: the KV cache, the backend and the planner. decode() runs a batch whose rows
 // may belong to several sequences and mix prompt chunks with single tokens; every row's result
-// equals decoding its sequence alone.
+// equals decoding its sequence alone. A row that wants no logits is a prompt row: a backend may
+// compute those on a path of their own (Backend::prompt_rows_have_own_path), the same for every
+// prompt row wherever it sits.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +67,8 @@ public:
     int64_t n_ctx_seq() const { return kv_->n_ctx_seq(); }
     size_t compute_buffer_bytes() const { return backend_->arena_bytes(); }
     const char* backend_name() const { return backend_->name(); }
+    // Backend::prompt_rows_have_own_path: rows without logits then differ in bits from output rows.
+    bool prompt_rows_have_own_path() const { return backend_->prompt_rows_have_own_path(); }
     const AllocationPlanner& planner() const { return planner_; }
 
     // Per-op time profile (Backend::op_profile); off by default.

@@ -195,7 +195,11 @@ void SpecEngine::release(Request& r) {
         // committed token before id_last (whose row the next round would decode). history is
         // prompt + emitted tokens, so a prefix of the tokens at those positions -- except that a
         // stop id or max_tokens may cut it inside the last round; rows past it go.
-        const int64_t n_rows = r.generating ? r.pos0 : r.n_prefilled;
+        int64_t n_rows = r.generating ? r.pos0 : r.n_prefilled;
+        // Where prompt rows have a path of their own (the GPU's tensor cores), the rows decoded
+        // as output rows (the last prompt token's, the committed tokens') hold other bits than a
+        // fresh request's prefill would give them: only the prefilled prompt rows are kept.
+        if (ctx_->prompt_rows_have_own_path()) n_rows = std::min(n_rows, r.n_prefilled);
         const int64_t n = std::min<int64_t>(n_rows, static_cast<int64_t>(r.history.size()));
         ctx_->kv().remove(r.seq, n, -1);
         cached.assign(r.history.begin(), r.history.begin() + n);

@@ -31,7 +31,9 @@
 // request pinned to that sequence with reuse_cache keeps the rows of the longest common prefix of
 // its prompt and those tokens, but never the last prompt token's (the first verify row decodes
 // it), removes the rest and prefills from there. Kept rows equal recomputed ones bit for bit
-// (batch invariance), so the output is what a fresh request gives. The drafter keeps nothing
+// (batch invariance), so the output is what a fresh request gives. Where the backend computes
+// prompt rows on a path of their own (Backend::prompt_rows_have_own_path), only the prefilled
+// prompt rows are kept: the others were decoded as output rows, with other bits. The drafter keeps nothing
 // (the drafter slot is cleared when a request ends): the reusing request's drafter context
 // starts with the rows it decodes itself, which only weakens its first drafts.
 //
