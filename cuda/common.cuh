@@ -146,37 +146,5 @@ __device__ __forceinline__ float block_max(float v, float* shared32) {
     return warp_max(v);
 }
 
-// RMS_NORM's arithmetic, shared by its kernel (ops_basic.cu) and by the decode MUL_MATs that fold
-// a norm into their activation loads (ops_matmul.cu), so both give the RMS_NORM node's bits.
-// k_rms_norm runs a row on kRmsNormThreads threads: thread t sums x[i]^2 for i = t, t + T, ... in
-// one fmaf chain, then block_sum adds them (each warp's xor tree, then the warps' sums in lanes
-// 0..W-1 through one more). rms_sum_sq_one_warp gives a single warp the same sums in the same
-// order (lane l plays thread 32w + l of every warp w).
-constexpr int kRmsNormThreads = 256;
-constexpr int64_t kRmsNormWarpMax = 256;  // rows up to this long take a warp each instead (another order)
-__device__ __forceinline__ float rms_norm_inv(float sum_sq, int64_t n, float eps) {
-    return 1.0f / sqrtf(sum_sq / static_cast<float>(n) + eps);
-}
-__device__ __forceinline__ float rms_norm_apply(float x, float inv, const float* w, int64_t i) {
-    return w ? x * inv * w[i] : x * inv;
-}
-__device__ __forceinline__ float rms_sum_sq_one_warp(const float* x, int64_t n, int lane) {
-    constexpr int kW = kRmsNormThreads / 32;
-    float part[kW];
-#pragma unroll
-    for (int w = 0; w < kW; ++w) {
-        float acc = 0.0f;
-        for (int64_t i = 32 * w + lane; i < n; i += kRmsNormThreads) acc = fmaf(x[i], x[i], acc);
-        part[w] = acc;
-    }
-    float mine = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kW; ++w) {
-        const float s = warp_sum(part[w]);
-        if (lane == w) mine = s;
-    }
-    return warp_sum(mine);
-}
-
 }  // namespace cuda
 }  // namespace pyspec

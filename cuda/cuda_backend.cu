@@ -376,13 +376,10 @@ private:
         for (int id = 0; id < graph.size(); ++id) {
             const Tensor& t = graph[id];
             if (t.op == Op::NONE || t.op == Op::VIEW) continue;
-            const NormFusion nf = fuse && t.op == Op::RMS_NORM ? norm_fusion(graph, id) : NormFusion{};
-            before(nf.first >= 0 ? nf.first : id);  // a folded norm's launch is its MUL_MATs'
+            before(id);
             int last = id;
             try {
-                if (nf.first >= 0) {
-                    last = run_norm_fusion(graph, id, nf);
-                } else if (fuse && t.op == Op::MUL_MAT) {
+                if (fuse && t.op == Op::MUL_MAT) {
                     last = run_mul_mat_group(graph, id);
                 } else if (fuse && (t.op == Op::ROPE || t.op == Op::SET_ROWS || t.op == Op::RMS_NORM)) {
                     last = run_op_pair(graph, id);
@@ -451,77 +448,6 @@ private:
                                   static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], t0.iparams[0], scratch_,
                                   stream_);
         return last;
-    }
-
-    // An RMS_NORM of one row whose only readers are the MUL_MAT group right after it (a decode
-    // row's q/k/v, or gate/up and the SWIGLU after them), folded into that group's loads
-    // (launch_matmul_group_normed): the norm's output is never written. first: the group's first
-    // node (-1: no fusion); glu: the SWIGLU that runs with it, or -1.
-    struct NormFusion {
-        int first = -1;
-        int members[cuda::kMaxMatmulParts];
-        int n = 0;
-        int glu = -1;
-    };
-    NormFusion norm_fusion(const Graph& g, int id) {
-        NormFusion f;
-        const Tensor& nt = g[id];
-        if (nt.src[1] < 0 || nt.has(kOutput) || nt.has(kPinned)) return f;
-        const Tensor& x = g[nt.src[0]];
-        const Tensor& nw = g[nt.src[1]];
-        if (x.dtype != DType::F32 || nw.dtype != DType::F32 || x.nrows() != 1 || x.nb[0] != sizeof(float) ||
-            nw.nb[0] != sizeof(float) || nw.ne[0] != x.ne[0] || nw.nrows() != 1) {
-            return f;
-        }
-        const int b = next_computed(g, id);
-        if (b >= g.size() || g[b].op != Op::MUL_MAT || g[b].src[1] != id || g[b].iparams[0] != 0) return f;
-        int members[cuda::kMaxMatmulParts];
-        const int n = matmuls_sharing_activations(g, b, members, cuda::kMaxMatmulParts);
-        if (n < 1 || uses_[static_cast<size_t>(id)] != n) return f;  // another reader needs the norm's output
-        cuda::MatmulPart parts[cuda::kMaxMatmulParts];
-        std::vector<Span> spans{span(g, nt.src[0]), span(g, nt.src[1])};
-        for (int i = 0; i < n; ++i) {
-            parts[i] = matmul_part(g, members[i]);
-            const Span out = span(g, members[i]);
-            for (const Span& sp : spans) {
-                if (overlaps(out, sp)) return f;
-            }
-            spans.push_back(out);
-        }
-        const Tensor& w0 = g[g[b].src[0]];
-        if (!cuda::matmul_normed_fits(w0.dtype, parts, n, w0.ne[0], reinterpret_cast<const float*>(dptr(g, nt.src[0])),
-                                      reinterpret_cast<const float*>(dptr(g, nt.src[1])))) {
-            return f;
-        }
-        if (n == 2) {
-            const int glu = swiglu_after(g, members[0], members[1]);
-            if (glu >= 0 && !overlaps(span(g, glu), span(g, nt.src[0])) && !overlaps(span(g, glu), span(g, nt.src[1]))) {
-                f.glu = glu;
-            }
-        }
-        f.first = b;
-        f.n = n;
-        for (int i = 0; i < n; ++i) f.members[i] = members[i];
-        return f;
-    }
-
-    int run_norm_fusion(const Graph& g, int id, const NormFusion& f) {
-        const Tensor& nt = g[id];
-        const Tensor& w0 = g[g[f.first].src[0]];
-        const float* x = reinterpret_cast<const float*>(dptr(g, nt.src[0]));
-        const float* nw = reinterpret_cast<const float*>(dptr(g, nt.src[1]));
-        cuda::MatmulPart parts[cuda::kMaxMatmulParts];
-        for (int i = 0; i < f.n; ++i) parts[i] = matmul_part(g, f.members[i]);
-        bool ok;
-        if (f.glu >= 0) {
-            ok = cuda::launch_matmul_glu_normed(w0.dtype, parts[0], parts[1], w0.ne[0], x, nw, nt.fparams[0],
-                                                reinterpret_cast<float*>(dptr(g, f.glu)),
-                                                static_cast<int64_t>(g[f.glu].nb[1] / sizeof(float)), stream_);
-        } else {
-            ok = cuda::launch_matmul_group_normed(w0.dtype, parts, f.n, w0.ne[0], x, nw, nt.fparams[0], stream_);
-        }
-        if (!ok) throw std::logic_error("cuda backend: a folded RMS_NORM's launch refused what norm_fusion accepted");
-        return f.glu >= 0 ? f.glu : f.members[f.n - 1];
     }
 
     // --- row-wise ops, alone or in pairs -----------------------------------------------------

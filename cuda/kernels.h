@@ -105,15 +105,6 @@ constexpr int64_t kMatmulGluMaxM = 16;
 bool launch_matmul_glu(DType wtype, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x,
                        int64_t x_stride, int64_t m, int64_t prompt_cols, float* y, int64_t y_stride,
                        cudaStream_t s);
-// The same for a single row (m = 1) whose activations are RMS_NORM(x) * nw (eps): the kernels
-// read x and normalize as they load, with the RMS_NORM kernel's arithmetic, so the bits are the
-// norm node's and the group's run apart. False (nothing launched) where they do not apply (see
-// ops_matmul.cu: matmul_normed_fits); the caller then runs the norm and the group as usual.
-bool matmul_normed_fits(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x, const float* nw);
-bool launch_matmul_group_normed(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                                const float* nw, float eps, cudaStream_t s);
-bool launch_matmul_glu_normed(DType wtype, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x,
-                              const float* nw, float eps, float* y, int64_t y_stride, cudaStream_t s);
 // Whether the backend groups consecutive MUL_MATs over the same activations into one launch
 // (on by default since the H200 run: the same bits, 3 launches fewer per layer, tg +5-6%;
 // PYSPEC_CUDA_FUSE=0 turns it off). Read at each compute: a backend's captured CUDA graphs keep the

@@ -182,7 +182,8 @@ __device__ __forceinline__ void rms_norm_regs(const float* xr, const float* w, f
     for (int c = 0; c < R; ++c) {
         if (first + static_cast<int64_t>(c) * stride < n) acc = fmaf(xv[c], xv[c], acc);
     }
-    const float inv = rms_norm_inv(sum(acc), n, eps);
+    const float mean_sq = sum(acc) / static_cast<float>(n);
+    const float inv = 1.0f / sqrtf(mean_sq + eps);
 #pragma unroll
     for (int c = 0; c < R; ++c) {
         const int64_t i = first + static_cast<int64_t>(c) * stride;
@@ -213,14 +214,15 @@ __global__ void k_rms_norm(const __grid_constant__ Jobs jobs, float eps) {
     __shared__ float red[32];
     float acc = 0.0f;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc = fmaf(xr[i], xr[i], acc);
-    const float inv = rms_norm_inv(block_sum(acc, red), n, eps);
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = rms_norm_apply(xr[i], inv, w, i);
+    const float mean_sq = block_sum(acc, red) / static_cast<float>(n);
+    const float inv = 1.0f / sqrtf(mean_sq + eps);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? xr[i] * inv * w[i] : xr[i] * inv;
 }
 
 // Short rows (Qwen3's per-head q/k norms: 32 or 8 rows of 128): one warp per row, eight rows per
 // block, no block-wide barrier. Which kernel runs depends on the row length alone, never on the
 // number of rows, so a row's bits do not depend on its batch.
-constexpr int64_t kWarpNormMax = kRmsNormWarpMax;
+constexpr int64_t kWarpNormMax = 256;
 
 __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
     pdl_enter();
@@ -522,8 +524,7 @@ void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s) {
         const int64_t per_block = kThreads / 32;
         launch(k_rms_norm_warp, dim3(grid_for(rows, static_cast<int>(per_block)), n), kThreads, 0, s, j, eps);
     } else {
-        // kRmsNormThreads fixes the order of the row's sum (common.cuh, rms_sum_sq_one_warp)
-        launch(k_rms_norm, dim3(static_cast<unsigned>(rows), n), kRmsNormThreads, 0, s, j, eps);
+        launch(k_rms_norm, dim3(static_cast<unsigned>(rows), n), kThreads, 0, s, j, eps);
     }
 }
 

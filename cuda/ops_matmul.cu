@@ -158,13 +158,9 @@ __device__ __forceinline__ void store(const Parts& p, int64_t row, int64_t col, 
 // summing units u = lane, lane + 32, ... in increasing order into acc (from 0). The unit loop is
 // unrolled for small tiles so that a lane has several loads in flight; the fmaf chain of every
 // output still runs in increasing u, so unrolling changes timing, never bits.
-// kNorm: x is an RMS_NORM's input, nw its weight and inv[c] column c's 1 / rms; each activation
-// is normalized as it is loaded, with the RMS_NORM kernel's formula (rms_norm_apply), so the
-// products meet the bits the norm node would have stored.
-template <DType T, bool kVec, int R, int C, bool kNorm = false>
+template <DType T, bool kVec, int R, int C>
 __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const float* const (&xc)[C], int64_t k,
-                                           int lane, float (&acc)[R][C], const float* nw = nullptr,
-                                           const float* inv = nullptr) {
+                                           int lane, float (&acc)[R][C]) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -181,12 +177,6 @@ __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const flo
         for (int c = 0; c < C; ++c) {
             float xv[8];
             load_x<kVec>(xc[c], p0, p1, xv);
-            if constexpr (kNorm) {
-                float wv[8];
-                load_x<kVec>(nw, p0, p1, wv);
-#pragma unroll
-                for (int t = 0; t < 8; ++t) xv[t] = xv[t] * inv[c] * wv[t];
-            }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 float a = acc[r][c];
@@ -203,9 +193,9 @@ __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const flo
 // row_base + R * (kWarps * blockIdx.y + w). Rows and columns past the ends are clamped to the last
 // one (computed, never stored), which keeps the inner loop free of branches. kVec: 16-byte loads
 // of float weights and of activations.
-template <DType T, bool kVec, int R, int C, bool kNorm = false>
+template <DType T, bool kVec, int R, int C>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_base, int64_t k, const float* x,
-                                                          int64_t x_stride, int64_t m, const float* nw, float eps) {
+                                                          int64_t x_stride, int64_t m) {
     pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
@@ -222,13 +212,8 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_ba
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
-    float inv[C];
-    if constexpr (kNorm) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) inv[c] = rms_norm_inv(rms_sum_sq_one_warp(xc[c], k, lane), k, eps);
-    }
     float acc[R][C];
-    accumulate<T, kVec, R, C, kNorm>(wr, xc, k, lane, acc, nw, inv);
+    accumulate<T, kVec, R, C>(wr, xc, k, lane, acc);
     if constexpr (R * C % 32 == 0) {
         // Reduce-scatter, 32 outputs at a time: at distance d a lane keeps the half of its outputs
         // whose bit d matches its own and adds the partner's partial of each (own + partner, as
@@ -284,11 +269,10 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const 
 // output's fmaf chain exactly as k_mul_mat does (accumulate, then warp_sum: the same xor tree),
 // and stores silu(gate) * up, the SWIGLU op's formula. So the bits are those of the three nodes
 // run apart, and the two products never reach memory.
-template <DType T, bool kVec, int C, bool kNorm = false>
+template <DType T, bool kVec, int C>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t row_base, int64_t k, const float* x,
-                                                              int64_t x_stride, int64_t m, float* y, int64_t y_stride,
-                                                              const float* nw, float eps) {
+                                                              int64_t x_stride, int64_t m, float* y, int64_t y_stride) {
     pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
@@ -298,13 +282,8 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, con
     const float* xc[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
-    float inv[C];
-    if constexpr (kNorm) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) inv[c] = rms_norm_inv(rms_sum_sq_one_warp(xc[c], k, lane), k, eps);
-    }
     float acc[2][C];
-    accumulate<T, kVec, 2, C, kNorm>(wr, xc, k, lane, acc, nw, inv);
+    accumulate<T, kVec, 2, C>(wr, xc, k, lane, acc);
 #pragma unroll
     for (int c = 0; c < C; ++c) {
         const float g = warp_sum(acc[0][c]), u = warp_sum(acc[1][c]);
@@ -322,7 +301,7 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
         const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
         launch(k_mul_mat_glu<T, kVec, C>, grid, kWarps * 32, 0, s,
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
-            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys, nullptr, 0.0f);
+            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys);
     }
 }
 
@@ -346,7 +325,7 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
     for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, n - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
-        launch(k_mul_mat<T, kVec, R, C>, grid, kWarps * 32, 0, s, p, r0, k, x, xs, m, nullptr, 0.0f);
+        launch(k_mul_mat<T, kVec, R, C>, grid, kWarps * 32, 0, s, p, r0, k, x, xs, m);
     }
 }
 
@@ -416,63 +395,6 @@ bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, in
         mul_mat_glu_typed<decltype(type)::value, decltype(vec)::value>(gate, up, k, x, xs, m, y, ys, s);
     });
     return launched;
-}
-
-// A decode row's group (q/k/v, or gate/up with the SwiGLU epilogue) reading an RMS_NORM's output,
-// run on the norm's input instead: every warp first sums the row's squares as the RMS_NORM kernel
-// does (rms_sum_sq_one_warp), then normalizes each activation as it loads it. The norm node never
-// runs, one launch fewer per norm. Only where the CUDA-core kernels take the row (m = 1, no
-// tensor cores) with 16-byte loads and the norm is the block kernel's (rows longer than
-// kRmsNormWarpMax, with a weight).
-bool matmul_normed_fits(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, const float* nw) {
-    if (n_parts < 1 || n_parts > kMaxMatmulParts) return false;
-    if (k <= kRmsNormWarpMax || !nw || matmul_tc_used(t, k) || k % dtype_block_size(t) != 0) return false;
-    if (float_weights(t) && k % 8 != 0) return false;
-    if (reinterpret_cast<uintptr_t>(nw) % 16 != 0) return false;
-    for (int j = 0; j < n_parts; ++j) {
-        if (parts[j].add || parts[j].n_rows <= 0) return false;
-    }
-    return sixteen_byte_loads(t, x, 0, parts, n_parts);
-}
-
-bool launch_matmul_group_normed(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                                const float* nw, float eps, cudaStream_t s) {
-    if (!matmul_normed_fits(t, parts, n_parts, k, x, nw)) return false;
-    Parts p{};
-    p.n = n_parts;
-    p.row0[0] = 0;
-    for (int j = 0; j < n_parts; ++j) {
-        p.w[j] = static_cast<const char*>(parts[j].w);
-        p.rb[j] = static_cast<int64_t>(parts[j].row_bytes);
-        p.y[j] = parts[j].y;
-        p.ys[j] = parts[j].y_stride;
-        p.row0[j + 1] = p.row0[j] + parts[j].n_rows;
-    }
-    return with_weight_type(t, true, [&](auto type, auto) {
-        constexpr DType T = decltype(type)::value;
-        const int64_t n = p.row0[n_parts];
-        for (int64_t r0 = 0; r0 < n; r0 += int64_t{kWarps} * 65535) {
-            const int64_t nr = std::min<int64_t>(int64_t{kWarps} * 65535, n - r0);
-            launch(k_mul_mat<T, true, 1, 1, true>, dim3(1, static_cast<unsigned>((nr + kWarps - 1) / kWarps)),
-                   kWarps * 32, 0, s, p, r0, k, x, int64_t{0}, int64_t{1}, nw, eps);
-        }
-    });
-}
-
-bool launch_matmul_glu_normed(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x,
-                              const float* nw, float eps, float* y, int64_t ys, cudaStream_t s) {
-    const MatmulPart both[2] = {gate, up};
-    if (gate.n_rows != up.n_rows || !matmul_normed_fits(t, both, 2, k, x, nw)) return false;
-    return with_weight_type(t, true, [&](auto type, auto) {
-        constexpr DType T = decltype(type)::value;
-        for (int64_t r0 = 0; r0 < gate.n_rows; r0 += int64_t{kWarps} * 65535) {
-            const int64_t nr = std::min<int64_t>(int64_t{kWarps} * 65535, gate.n_rows - r0);
-            launch(k_mul_mat_glu<T, true, 1, true>, dim3(1, static_cast<unsigned>((nr + kWarps - 1) / kWarps)),
-                   kWarps * 32, 0, s, static_cast<const char*>(gate.w), static_cast<const char*>(up.w),
-                   static_cast<int64_t>(gate.row_bytes), static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x,
-                   int64_t{0}, int64_t{1}, y, ys, nw, eps);
-        }
-    });
 }
 
 namespace {

@@ -319,39 +319,6 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
 
 
 @gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("wt", ["F16", "Q4_1", "F32"])
-def test_folded_norms_give_the_norm_nodes_bits(model_dir, monkeypatch, arch, wt):
-    """A decode row's attention and FFN RMS_NORMs (rows longer than 256: the block kernel) fold
-    into the q/k/v and gate/up launches that read them (PYSPEC_CUDA_FUSE, on by default): every
-    warp sums the row's squares in the norm kernel's order and normalizes as it loads. The logits of
-    a prompt and of single-row steps are exactly the unfused ones, and a single-row step launches
-    no attention or FFN norm of its own."""
-    tm = write_tiny_model(model_dir / f"wide-{arch}-{wt}.gguf", arch, wt, seed=29, n_embd=320, n_head=5,
-                          n_head_kv=1, head_dim=64, n_ff=384)
-    model = pyspec.Model(str(tm.path), n_threads=2)
-    rng = np.random.default_rng(3)
-    prompt = [int(t) for t in rng.integers(0, model.n_vocab, 9)]
-    logits, norms = {}, {}
-    for fuse in ("0", "1"):
-        monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
-        ctx = pyspec.Context(model, n_ctx=64, n_batch=32, backend=DEVICE)
-        out = [ctx.decode(prompt).logits[-1]]
-        for _ in range(6):
-            out.append(ctx.decode([int(np.argmax(out[-1]))]).logits[-1])
-        logits[fuse] = np.stack(out)
-        ctx._ctx.set_profiling(True)
-        ctx.decode([int(np.argmax(out[-1]))])
-        ctx._ctx.set_profiling(False)
-        norms[fuse] = dict((name, calls) for name, _, calls in ctx._ctx.op_profile()).get("RMS_NORM", 0)
-    np.testing.assert_array_equal(logits["1"], logits["0"])
-    if DEVICE == "cuda":
-        qk_pairs = model.n_layer if arch == "qwen3" else 0  # Qwen3's q/k norms: one launch a layer
-        assert norms["1"] == 1 + qk_pairs, norms
-        assert norms["0"] == 2 * model.n_layer + 1 + 2 * qk_pairs, norms
-
-
-@gpu
 def test_op_profile_on_the_device(model_dir, monkeypatch):
     """The device backend's op profile lists the ops the CPU's lists, with the same call counts
     (one entry per op run), positive times, and profiling leaves the results unchanged."""
