@@ -85,6 +85,7 @@ public:
         if (arena_) cudaFree(arena_);
         if (scratch_.partial) cudaFree(scratch_.partial);
         if (scratch_.counters) cudaFree(scratch_.counters);
+        if (scratch_.halves) cudaFree(scratch_.halves);
         if (err_) cudaFree(err_);
         if (err_host_) cudaFreeHost(err_host_);
         if (staging_) cudaFreeHost(staging_);
@@ -216,9 +217,9 @@ private:
     // --- execution ---------------------------------------------------------------------------
 
     // Grows the split scratch to what this graph's largest launch needs (the narrow tensor-core
-    // MUL_MAT's K segments, a group's parts together; a long decode row's attention pages), before
-    // anything runs or is captured. Grow-only; captured graphs point at the old buffers, so they go
-    // with them.
+    // MUL_MAT's K segments and the wide one's halves, a group's parts together; a long decode row's
+    // attention pages), before anything runs or is captured. Grow-only; captured graphs point at
+    // the old buffers, so they go with them.
     void reserve_split_scratch(const Graph& g) {
         // Only the tensor-core MUL_MAT kernels use it: every row's, or the prompt columns'.
         const bool tc_all = cuda::matmul_tc_possible(), tc_prompt = cuda::matmul_tc_prompt_path();
@@ -243,14 +244,32 @@ private:
             const cuda::SplitScratchNeed n = cuda::matmul_tc_narrow_scratch(w.dtype, w.ne[0], rows, tc_cols);
             need.partial_floats = std::max(need.partial_floats, n.partial_floats);
             need.n_counters = std::max(need.n_counters, n.n_counters);
+            const cuda::SplitScratchNeed nw = cuda::matmul_tc_wide_scratch(w.dtype, w.ne[0], rows, tc_cols);
+            need.n_halves = std::max(need.n_halves, nw.n_halves);
+        }
+        if (need.partial_floats <= scratch_.partial_floats && need.n_counters <= scratch_.n_counters &&
+            need.n_halves <= scratch_.n_halves) {
+            return;
+        }
+        graphs_.clear();
+        if (need.n_halves > scratch_.n_halves) {  // the halves keep no state: replaced alone
+            if (scratch_.halves) check(cudaFree(scratch_.halves), "split scratch: cudaFree");
+            scratch_.halves = nullptr;
+            scratch_.n_halves = 0;
+            uint16_t* halves = nullptr;
+            check(cudaMalloc(&halves, need.n_halves * sizeof(uint16_t)), "split scratch: cudaMalloc");
+            scratch_.halves = halves;
+            scratch_.n_halves = need.n_halves;
         }
         if (need.partial_floats <= scratch_.partial_floats && need.n_counters <= scratch_.n_counters) return;
-        graphs_.clear();
         need.partial_floats = std::max(need.partial_floats, scratch_.partial_floats);
         need.n_counters = std::max(need.n_counters, scratch_.n_counters);
         if (scratch_.partial) check(cudaFree(scratch_.partial), "split scratch: cudaFree");
         if (scratch_.counters) check(cudaFree(scratch_.counters), "split scratch: cudaFree");
-        scratch_ = cuda::SplitScratch{};
+        scratch_.partial = nullptr;
+        scratch_.partial_floats = 0;
+        scratch_.counters = nullptr;
+        scratch_.n_counters = 0;
         float* partial = nullptr;
         unsigned* counters = nullptr;
         check(cudaMalloc(&partial, need.partial_floats * sizeof(float)), "split scratch: cudaMalloc");
@@ -259,7 +278,10 @@ private:
             cudaFree(partial);
             cuda::throw_cuda("split scratch: cudaMalloc", e);
         }
-        scratch_ = cuda::SplitScratch{partial, need.partial_floats, counters, need.n_counters};
+        scratch_.partial = partial;
+        scratch_.partial_floats = need.partial_floats;
+        scratch_.counters = counters;
+        scratch_.n_counters = need.n_counters;
         check(cudaMemsetAsync(counters, 0, need.n_counters * sizeof(unsigned), stream_), "split scratch: cudaMemset");
     }
 

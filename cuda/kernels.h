@@ -51,17 +51,21 @@ void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
 // Device scratch of the kernels that split one reduction over several blocks (the narrow
 // tensor-core MUL_MAT's K segments, the decode attention's pages), owned by the backend and sized
 // before a compute (so nothing allocates inside a CUDA graph capture): partial_floats floats and
-// n_counters unsigned counters that are zero between launches (each launch leaves them zero).
-// Launches run one after another on the backend's stream, so they share it.
+// n_counters unsigned counters that are zero between launches (each launch leaves them zero);
+// and n_halves 16-bit values, the wide tensor-core MUL_MAT's operands converted to halves (no
+// state between launches). Launches run one after another on the backend's stream, so they share it.
 struct SplitScratch {
     float* partial = nullptr;
     size_t partial_floats = 0;
     unsigned* counters = nullptr;
     size_t n_counters = 0;
+    uint16_t* halves = nullptr;
+    size_t n_halves = 0;
 };
 struct SplitScratchNeed {
     size_t partial_floats = 0;
     size_t n_counters = 0;
+    size_t n_halves = 0;
 };
 void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                       const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch, unsigned* err,
@@ -119,14 +123,18 @@ inline bool matmul_fusion_enabled() { return env_switch("PYSPEC_CUDA_FUSE") != 0
 // so invariant 7 holds: each kind of row has one computation. The setting is read at each call (a
 // backend's captured CUDA graphs keep the kernel they were captured with; matmul_tc_setting() is
 // part of their key).
-// Two kernels compute it, with the same bits for every output: the wide one (one part per call)
-// and, for M <= kMatmulTcNarrowMaxM, the narrow one (cuda/matmul_tc_narrow.cu: a warp per 16
+// Two kernels compute it, with the same bits for every output: the wide one (a whole group per
+// call) and, for M <= kMatmulTcNarrowMaxM, the narrow one (cuda/matmul_tc_narrow.cu: a warp per 16
 // weight rows and K segment, a whole group per launch), which returns false where the rows'
 // alignment does not suit it or the scratch is too small.
 int matmul_tc_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.
 SplitScratchNeed matmul_tc_narrow_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);
+// The same for a wide launch (the halves of the activations, and of block-type weights up to a
+// cap); zeros where it needs none (m <= kMatmulTcNarrowMaxM). Without it the wide call still runs,
+// on a slower kernel with the same bits.
+SplitScratchNeed matmul_tc_wide_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);
 bool matmul_tc_used(DType wtype, int64_t k);
 // Whether any weight type may take the tensor cores under the current setting (one environment
 // read, for callers that would otherwise ask matmul_tc_used of every MUL_MAT).
@@ -137,8 +145,8 @@ bool matmul_tc_prompt_path();
 bool matmul_tc_prompt_rows(DType wtype, int64_t k);
 bool matmul_tc_supports(DType wtype, int64_t k);
 constexpr int64_t kMatmulTcNarrowMaxM = 16;
-void launch_matmul_tc_wide(DType wtype, const MatmulPart& part, int64_t k, const float* x, int64_t x_stride,
-                           int64_t m, cudaStream_t s);
+void launch_matmul_tc_wide(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
+                           int64_t x_stride, int64_t m, const SplitScratch& scratch, cudaStream_t s);
 bool launch_matmul_tc_narrow(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
                              int64_t x_stride, int64_t m, const SplitScratch& scratch, cudaStream_t s);
 

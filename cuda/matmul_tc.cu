@@ -11,8 +11,8 @@
 //   - BF16 weights: the weights as stored; activations rounded to BF16 (round to nearest even, the
 //     bits of core/dtype.h's fp32_to_bf16), BF16 mma.
 //   - Q8_0 / Q4_0 / Q4_1 weights: each value dequantized in F32 exactly as load_elem does
-//     (q * d, d * (q - 8), d * q + m with the product rounded first), then rounded to F16 in shared
-//     memory (as llama.cpp's dequantize-to-F16 + GEMM path does); activations rounded to F16.
+//     (q * d, d * (q - 8), d * q + m with the product rounded first), then rounded to F16 (as
+//     llama.cpp's dequantize-to-F16 + GEMM path does); activations rounded to F16.
 //     Error per product <= 2^-10 |x w| (two F16 roundings), inside the Q8-activation bound the
 //     tests hold the GPU to (tests/test_cuda_ops.py mul_mat_bound), and far inside its 6 sigma.
 //   - F32 weights never come here (TF32 would break the F32 tolerance): CUDA cores.
@@ -21,8 +21,8 @@
 //
 // The reduction order (why a row's bits cannot depend on its batch). Inside a 32-value tile the
 // values sit in the mma's k slots by tc::tile_slot (one permutation of k for A and B). The k-chunks
-// c = 0, 1, ..., ceil(K / 32) * 2 - 1 (two per 32-wide block tile; chunks past K are zeros, and
-// which chunks those are depends on K only) fall into fixed segments of 32 chunks (tc::n_segments).
+// c = 0, 1, ..., ceil(K / 32) * 2 - 1 (two per 32-value tile; chunks past K are zeros, and which
+// chunks those are depends on K only) fall into fixed segments of 32 chunks (tc::n_segments).
 // Segment s's partial is one F32 register of one warp, set to +0.0f, then updated by one
 // m16n8k16 mma per chunk of the segment in increasing c; the output is p_0 + p_1 + ... in segment
 // order. Here a block owns all of K for its tile and adds each partial into a running total as its
@@ -33,10 +33,31 @@
 // computes D[i][j] from row i of A, column j of B and C[i][j] alone, the same way for every
 // (i, j) (a fixed-function dot-product unit; the invariance test checks it), so where the output
 // lands (which block, warp, fragment, lane or register; which launch configuration; the neighbour
-// columns, including the pad columns of a partial tile, clamped copies of the last column) cannot
-// change its bits. The launch configuration (tile sizes below) is chosen by M for speed only; every
-// configuration issues the same mma shape and the same chunk sequence per output. M = 1 runs the
-// same instruction as M = 512 (column 0 of an n8 tile, the other 7 columns clamped copies).
+// columns, including the pad columns of a partial tile, zeros or clamped copies of the last
+// column) cannot change its bits. The launch configuration (tile sizes below) is chosen by the
+// shape for speed only; every configuration issues the same mma shape and the same chunk sequence
+// per output. M = 1 runs the same instruction as M = 512.
+//
+// Two implementations of that computation, with the same bits:
+//   - The GEMM (k_mul_mat_tc_wide). The operands first become halves in the backend's scratch:
+//     the activations once per group (k_wide_x_halves: x_pair_halves, the rounding above), and
+//     block-type weights (k_wide_w_halves: load_w + w_halves, the dequantization above, the same
+//     halves the other kernels build); float weights are read in place. The rows then travel to
+//     shared memory unchanged, by 16-byte cp.async into a ring of 64-k stages, and a lane
+//     takes its fragments with 16-byte shared loads: by tile_slot, the 16 bytes at byte 16t of a
+//     row's 32-value tile are lane t's A (or B) words of both chunks of the tile, in the order the
+//     mma wants them ({W.x, V.x, W.y, V.y} for chunk 0, {W.z, V.z, W.w, V.w} for chunk 1, W and V
+//     the lane's rows g and g + 8; B {U.x, U.y} and {U.z, U.w}): exactly the registers ldmatrix
+//     gave the first kernel from its tile_slot-permuted rows. A 64-k stage is two such tiles run
+//     in order; eight stages make a segment; a last stage whose second tile lies past n_chunks(K)
+//     runs only its first (a zero mma is not run: it could turn a -0 partial into +0).
+//   - The first kernel (k_mul_mat_tc), the fallback where the GEMM does not apply: M <= 16 (the
+//     narrow kernel refused the rows), float weights not 16-byte aligned, or a scratch too small.
+// Speed (H200, 2026-11-30, Qwen3-4B F16 at M = 512, the x conversion included): q/k/v 78 us
+// (206 TFLOP/s), o 64 (168), gate/up 212 (240), down 145 (176); the first kernel took 272, 189,
+// 651 and 501 (57-78 TFLOP/s). o and down (2560 rows) give too few blocks at M = 512 for every SM
+// to run at its best rate; splitting K would need each segment's partial stored apart, since the
+// segments must be added in order.
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
@@ -55,6 +76,12 @@ using namespace tc;
 constexpr int kBK = 32;          // k per block tile: two m16n8k16 chunks, in increasing k
 constexpr int kLd = kBK + 8;     // shared-memory row in halves: 80 bytes, ldmatrix conflict-free
 
+// ---- the fallback: operands straight from the tensors -------------------------------------------
+//
+// The first wide kernel, kept for what the GEMM below does not take (see launch_matmul_tc_wide):
+// it reads any row alignment and needs no scratch, converting each chunk in registers and storing
+// it by tile_slot for ldmatrix.
+//
 // Block tile: BN = WN * TN * 16 weight rows x BM = WM * TM * 8 activation columns x kBK, WN x WM
 // warps, warp (wn, wm) owning TN x TM mma tiles (rows wn * TN * 16 .., columns wm * TM * 8 ..).
 // Two shared-memory stages; the next tile's global loads go to registers before this tile's mmas
@@ -241,22 +268,486 @@ void tc_tiles(const MatmulPart& p, int64_t k, bool w_vec, const float* x, int64_
     }
 }
 
-// Speed (H200, 2026-11-30): Qwen3-4B F16 pp512 5000 t/s with this kernel against llama.cpp's 30.0k
-// (61 of its 103 ms are MUL_MAT: ~67 TFLOP/s; attention takes 36). Registers: 166 for the 32 x 32
-// warp tiles with the segment totals, no spills; 30 KB shared memory. mma.sync peaks near 600-660
-// TFLOP/s on Hopper (wgmma ~990). Next steps, all order-preserving: cp.async 3-4 stages with
-// kBK = 64, 128 x 128 tiles, segments in separate blocks for grids smaller than the GPU (M = 64:
-// Qwen3's q has 32 blocks of 128 x 64), wgmma (sm_90a).
-// Launch shape by batch size: speed only (every shape runs the same per-output mma sequence; M <= 16
-// runs cuda/matmul_tc_narrow.cu, the same sequence again).
+// Speed (H200, 2026-11-30): ~64 TFLOP/s at Qwen3-4B's prefill shapes (the loads go through
+// registers, are converted and permuted there, then stored: too little in flight). Registers: 166
+// for the 32 x 32 warp tiles with the segment totals, no spills; 30 KB shared memory.
+// Launch shape by batch size: speed only (every shape runs the same per-output mma sequence).
 //   M <= 32: 128 x 32 tiles, 4 warps of 32 x 32.
-//   larger:  128 x 64 tiles, 8 warps of 32 x 32 (4 warps of 64 x 32 would need 64 more registers
-//            for the segment totals than the 255 a thread has).
+//   larger:  128 x 64 tiles, 8 warps of 32 x 32.
 template <DType T>
 void tc_typed(const MatmulPart& p, int64_t k, bool w_vec, const float* x, int64_t xs, bool x_vec, int64_t m,
               cudaStream_t s) {
     if (m <= 32) return tc_tiles<T, 4, 1, 2, 4>(p, k, w_vec, x, xs, x_vec, m, s);
     return tc_tiles<T, 4, 2, 2, 4>(p, k, w_vec, x, xs, x_vec, m, s);
+}
+
+// ---- the GEMM ------------------------------------------------------------------------------
+//
+// Operands as halves in global memory: weight rows (float weights in place; block types
+// dequantized by k_wide_w_halves), activation columns (k_wide_x_halves), k contiguous. By
+// tile_slot, the 16 bytes at byte 16t of a row's 32-value tile are exactly lane t's words of the
+// two chunks' fragments (see run_mmas), so the rows go to shared memory unpermuted, by 16-byte
+// cp.async, and each fragment is one 16-byte shared load.
+
+constexpr int kWK = 64;                           // k per pipeline stage: two 32-value tiles
+constexpr int kWRow = kWK * 2;                    // bytes of a row per stage
+constexpr int kWSegStages = kSegChunks * 16 / kWK;  // stages per K segment (8)
+static_assert(kSegChunks * 16 % kWK == 0, "a segment is whole stages");
+
+// The parts of one GEMM launch (a group's weight matrices, or a piece of them), their row tiles
+// concatenated on grid.y: part j owns tiles tile0[j] .. tile0[j + 1] - 1.
+struct WideParts {
+    const char* a[kMaxMatmulParts];  // row r of part j: a[j] + r * ars[j] bytes (halves, 16-byte aligned)
+    int64_t ars[kMaxMatmulParts];
+    int64_t n[kMaxMatmulParts];
+    float* y[kMaxMatmulParts];
+    int64_t ys[kMaxMatmulParts];
+    const float* add[kMaxMatmulParts];
+    int64_t as[kMaxMatmulParts];
+    int tile0[kMaxMatmulParts + 1];
+    int np;
+};
+
+// Element j of a parameter array, read with constant indices (a dynamic index would copy the
+// kernel's parameters to local memory).
+template <class V, int N>
+__device__ __forceinline__ V pick(const V (&v)[N], int j) {
+    V r = v[0];
+#pragma unroll
+    for (int i = 1; i < N; ++i) r = j == i ? v[i] : r;
+    return r;
+}
+
+__device__ __forceinline__ int wide_part_of(const WideParts& p, int tile) {
+    int j = 0;
+#pragma unroll
+    for (int i = 1; i < kMaxMatmulParts; ++i) j += (i < p.np && tile >= p.tile0[i]) ? 1 : 0;
+    return j;
+}
+
+extern __shared__ __align__(128) unsigned char wide_smem[];
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+// Shared memory of k_mul_mat_tc_wide: kStages stages of [BN weight rows][kWRow] then
+// [BM columns][kWRow], then the segment totals.
+template <int BN, int BM, int kStages>
+constexpr size_t wide_smem_bytes() {
+    return static_cast<size_t>(kStages) * (BN + BM) * kWRow + static_cast<size_t>(BN) * BM * 4;
+}
+
+// Block tile BN weight rows x BM activation columns, WN x WM warps, warp (wn, wm) owning TN x TM
+// mma tiles (rows wn * TN * 16 .., columns wm * TM * 8 ..); kStages-deep cp.async ring of 64-k
+// stages, one barrier per stage. Rows past n and columns past m are zero-filled (computed, never
+// stored), as are k values past K.
+//
+// Bank conflicts: the 16-byte piece q of a stored row r sits at piece q ^ 4 (r & 1). A fragment
+// load's quarter warp reads pieces t (or 4 + t) of two neighbouring rows, one even and one odd,
+// which so cover the 32 banks once (unswizzled 128-byte rows would put both on the same 16 banks);
+// the 8 copies of a row still fill one 128-byte line.
+//
+// The running total p_0 + ... + p_s of each output lives in shared memory (thread-private, float4
+// per mma tile, laid out so a quarter warp's accesses are contiguous): in registers beside the
+// accumulators it left too few for the fragments. It is touched once per segment.
+template <bool kBF16, int BN, int BM, int WN, int WM, int kStages, int kMinBlocks>
+__global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
+    k_mul_mat_tc_wide(WideParts p, int64_t k, const uint16_t* __restrict__ xh, int64_t m) {
+    pdl_enter();
+    constexpr int kThreads = WN * WM * 32;
+    constexpr int TN = BN / (WN * 16), TM = BM / (WM * 8);
+    constexpr int kPass = kThreads / 8;  // rows one round of copies covers (8 pieces per row)
+    constexpr int kACopies = BN / kPass, kBCopies = BM / kPass;
+    constexpr int kStageBytes = (BN + BM) * kWRow;
+    static_assert(TN * WN * 16 == BN && TM * WM * 8 == BM, "whole mma tiles per warp");
+    static_assert(kACopies * kPass == BN && kBCopies * kPass == BM && kPass % 2 == 0, "whole copy rounds");
+    static_assert(kACopies <= 32 && kBCopies <= 32, "a bit per copied row");
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wn = warp % WN, wm = warp / WN;
+    const int tile = static_cast<int>(blockIdx.y);
+    const int j = wide_part_of(p, tile);
+    const int64_t n = pick(p.n, j), n0 = static_cast<int64_t>(tile - pick(p.tile0, j)) * BN;
+    const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
+    const int n_stages = static_cast<int>((k + kWK - 1) / kWK);
+    const char* const a_base = pick(p.a, j);
+    const int64_t ars = pick(p.ars, j);
+
+    // Copies: this thread moves piece q = tid % 8 of rows tid / 8 + i * kPass (all of one parity).
+    // Rows past the end read nothing (zeros); their address is kept in bounds anyway.
+    const int q = tid & 7, r0 = tid >> 3;
+    const uint32_t smem0 = smem_addr(wide_smem);
+    const uint32_t st_off = smem0 + static_cast<uint32_t>(r0 * kWRow + ((q ^ ((r0 & 1) << 2)) << 4));
+    const char* const a_src = a_base + (n0 + r0) * ars + q * 16;
+    const int64_t a_step = kPass * ars;
+    const char* const b_src = reinterpret_cast<const char*>(xh + (m0 + r0) * k + q * 8);
+    const int64_t b_step = kPass * k * 2;
+    uint32_t a_rows = 0, b_rows = 0;  // which of this thread's rows exist, a bit each
+#pragma unroll
+    for (int i = 0; i < kACopies; ++i) a_rows |= (n0 + r0 + i * kPass < n ? 1u : 0u) << i;
+#pragma unroll
+    for (int i = 0; i < kBCopies; ++i) b_rows |= (m0 + r0 + i * kPass < m ? 1u : 0u) << i;
+
+    auto load_stage = [&](int slot, int st) {
+        const uint32_t base = st_off + static_cast<uint32_t>(slot * kStageBytes);
+        const int64_t koff = static_cast<int64_t>(st) * kWRow;
+        const bool in_k = static_cast<int64_t>(st) * kWK + q * 8 < k;  // K % 8 == 0: a piece is all in or all out
+#pragma unroll
+        for (int i = 0; i < kACopies; ++i) {
+            const bool v = in_k && ((a_rows >> i) & 1u);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(base + i * kPass * kWRow),
+                         "l"(v ? a_src + i * a_step + koff : a_base), "r"(v ? 16 : 0)
+                         : "memory");
+        }
+#pragma unroll
+        for (int i = 0; i < kBCopies; ++i) {
+            const bool v = in_k && ((b_rows >> i) & 1u);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(base + (BN + i * kPass) * kWRow),
+                         "l"(v ? b_src + i * b_step + koff : reinterpret_cast<const char*>(xh)), "r"(v ? 16 : 0)
+                         : "memory");
+        }
+    };
+
+    // Fragments: lane (g, t) = (lane / 4, lane % 4) reads piece t (tile h = 0 of the stage) or 4 + t
+    // (h = 1) of rows g and g + 8 of each m16 tile and of column g of each n8 tile; all of them have
+    // g's parity, so one swizzled offset per h serves all.
+    const int g = lane >> 2, t = lane & 3;
+    const uint32_t fr_off = static_cast<uint32_t>(g * kWRow + ((t ^ ((g & 1) << 2)) << 4));
+    const uint32_t a_fr = static_cast<uint32_t>(wn * TN * 16 * kWRow), b_fr = static_cast<uint32_t>((BN + wm * TM * 8) * kWRow);
+    float4* const tot = reinterpret_cast<float4*>(wide_smem + kStages * kStageBytes) + tid;  // [TN * TM][kThreads]
+
+    float acc[TN][TM][4];
+#pragma unroll
+    for (int i = 0; i < TN; ++i) {
+#pragma unroll
+        for (int jj = 0; jj < TM; ++jj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][jj][e] = 0.0f;
+        }
+    }
+
+    // A 32-value tile's fragments (h: which tile of the stage) and its mmas: chunk 2 (2 st + h) for
+    // the whole warp tile, then chunk 2 (2 st + h) + 1, so an accumulator's two mmas are TN * TM
+    // apart and their latency hides behind the others.
+    struct Frags {
+        uint4 b[TM], w0[TN], w1[TN];  // column g of each n8 tile; rows g and g + 8 of each m16 tile
+    };
+    auto load_frags = [&](Frags& f, uint32_t sbase, int h) {
+        const uint32_t off = sbase + (fr_off ^ static_cast<uint32_t>(h << 6));
+#pragma unroll
+        for (int jj = 0; jj < TM; ++jj) f.b[jj] = lds128(off + b_fr + jj * 8 * kWRow);
+#pragma unroll
+        for (int i = 0; i < TN; ++i) {
+            f.w0[i] = lds128(off + a_fr + i * 16 * kWRow);
+            f.w1[i] = lds128(off + a_fr + (i * 16 + 8) * kWRow);
+        }
+    };
+    auto run_mmas = [&](const Frags& f) {
+#pragma unroll
+        for (int i = 0; i < TN; ++i) {
+            const uint32_t c0[4] = {f.w0[i].x, f.w1[i].x, f.w0[i].y, f.w1[i].y};  // stored pairs 4t, 4t + 1
+#pragma unroll
+            for (int jj = 0; jj < TM; ++jj) {
+                const uint32_t b0[2] = {f.b[jj].x, f.b[jj].y};
+                mma16816<kBF16>(acc[i][jj], c0, b0);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < TN; ++i) {
+            const uint32_t c1[4] = {f.w0[i].z, f.w1[i].z, f.w0[i].w, f.w1[i].w};  // stored pairs 4t + 2, 4t + 3
+#pragma unroll
+            for (int jj = 0; jj < TM; ++jj) {
+                const uint32_t b1[2] = {f.b[jj].z, f.b[jj].w};
+                mma16816<kBF16>(acc[i][jj], c1, b1);
+            }
+        }
+    };
+    // After the last segment the outputs stay in acc for the stores.
+    auto end_segment = [&](bool first, bool last) {
+#pragma unroll
+        for (int i = 0; i < TN; ++i) {
+#pragma unroll
+            for (int jj = 0; jj < TM; ++jj) {
+                float* a4 = acc[i][jj];
+                float4 v = make_float4(a4[0], a4[1], a4[2], a4[3]);
+                if (!first) {  // p_0 as is, then the adds in segment order
+                    const float4 o = tot[(i * TM + jj) * kThreads];
+                    v = make_float4(__fadd_rn(o.x, a4[0]), __fadd_rn(o.y, a4[1]), __fadd_rn(o.z, a4[2]),
+                                    __fadd_rn(o.w, a4[3]));
+                }
+                if (last) {
+                    a4[0] = v.x; a4[1] = v.y; a4[2] = v.z; a4[3] = v.w;
+                } else {
+                    tot[(i * TM + jj) * kThreads] = v;
+                    a4[0] = 0.0f; a4[1] = 0.0f; a4[2] = 0.0f; a4[3] = 0.0f;
+                }
+            }
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < n_stages) load_stage(s, s);
+        cp_async_commit();
+    }
+    // Software-pipelined: a tile's fragments are loaded while the previous tile's mmas run,
+    // across stage boundaries too (the barrier for stage st + 1 comes before stage st's
+    // second tile, whose fragments are already in registers).
+    static_assert(kStages >= 3, "the next stage is waited for while the current one is in use");
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    Frags f0, f1;
+    load_frags(f0, smem0, 0);
+    for (int st = 0; st < n_stages; ++st) {
+        const uint32_t cur = smem0 + static_cast<uint32_t>((st % kStages) * kStageBytes);
+        // Tile 1 of the last stage may lie past the row's last chunk (n_chunks): skipped, not
+        // run as zeros, so every output gets exactly n_chunks(K) mmas.
+        const bool two = static_cast<int64_t>(st) * kWK + 32 < k;
+        load_frags(f1, cur, 1);
+        run_mmas(f0);
+        if (st + 1 < n_stages) {
+            cp_async_wait<kStages - 3>();  // stage st + 1 has landed (this thread's copies)
+            __syncthreads();  // everyone's; and every fragment of stage st - 1 has been read
+            const int nx = st + kStages - 1;
+            if (nx < n_stages) load_stage(nx % kStages, nx);
+            cp_async_commit();
+            load_frags(f0, smem0 + static_cast<uint32_t>(((st + 1) % kStages) * kStageBytes), 0);
+        }
+        if (two) run_mmas(f1);
+        const bool last = st + 1 == n_stages;
+        if (last || (st + 1) % kWSegStages == 0) end_segment(st < kWSegStages, last);
+    }
+    cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
+
+    // D fragment: e = 0, 1 at row g, columns 2t + {0, 1}; e = 2, 3 at row g + 8.
+    float* const y = pick(p.y, j);
+    const float* const add = pick(p.add, j);
+    const int64_t ys = pick(p.ys, j), as = pick(p.as, j);
+#pragma unroll
+    for (int i = 0; i < TN; ++i) {
+#pragma unroll
+        for (int jj = 0; jj < TM; ++jj) {
+            const int64_t row = n0 + wn * TN * 16 + i * 16 + g;
+            const int64_t col = m0 + wm * TM * 8 + jj * 8 + 2 * t;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int64_t r = row + (e >> 1) * 8, c = col + (e & 1);
+                if (r < n && c < m) y[c * ys + r] = add ? acc[i][jj][e] + add[c * as + r] : acc[i][jj][e];
+            }
+        }
+    }
+}
+
+// ---- the operands as halves ------------------------------------------------------------------
+
+// Activation column c as the mma's halves at xh[c * k ..]: x_pair_halves of each value pair, the
+// rounding every kernel applies. Block c of the grid = column c.
+template <DType T>
+__global__ void __launch_bounds__(128) k_wide_x_halves(const float* __restrict__ x, int64_t xs, bool vec, int64_t k,
+                                                       uint16_t* __restrict__ xh) {
+    pdl_enter();
+    const float* col = x + static_cast<int64_t>(blockIdx.x) * xs;
+    uint16_t* out = xh + static_cast<int64_t>(blockIdx.x) * k;
+    for (int64_t i = threadIdx.x; i < k / 8; i += blockDim.x) {
+        const float4 lo = load_x4(col, 8 * i, true, vec), hi = load_x4(col, 8 * i + 4, true, vec);
+        const uint2 a = x_halves<T>(lo), b = x_halves<T>(hi);
+        *reinterpret_cast<uint4*>(out + 8 * i) = make_uint4(a.x, a.y, b.x, b.y);
+    }
+}
+
+// Rows [row0[j], row0[j + 1]) of the output are rows first[j] .. of part j's weights.
+struct WideSrc {
+    const char* w[kMaxMatmulParts];
+    int64_t rb[kMaxMatmulParts];
+    int64_t row0[kMaxMatmulParts + 1];
+    int np;
+};
+
+// Block-type weight rows as the halves the mma reads (w_halves, the conversion every kernel
+// uses), row r at wh[r * k ..]. Block r of the grid = row r.
+template <DType T>
+__global__ void __launch_bounds__(128) k_wide_w_halves(WideSrc src, int64_t k, uint16_t* __restrict__ wh) {
+    pdl_enter();
+    const int64_t r = blockIdx.x;
+    int j = 0;
+#pragma unroll
+    for (int i = 1; i < kMaxMatmulParts; ++i) j += (i < src.np && r >= src.row0[i]) ? 1 : 0;
+    const char* row = pick(src.w, j) + (r - pick(src.row0, j)) * pick(src.rb, j);
+    uint16_t* out = wh + r * k;
+    for (int64_t i = threadIdx.x; i < k / 8; i += blockDim.x) {
+        const WRaw raw = load_w<T>(row, i, true, false);
+        *reinterpret_cast<uint4*>(out + 8 * i) = w_halves<T>(raw, static_cast<int>(i & 3));
+    }
+}
+
+// ---- launch ----------------------------------------------------------------------------------
+
+// Block types are dequantized into the scratch at most this many halves at a time (128 MB), the
+// GEMM running over each piece in turn; float weights are read where they are.
+constexpr int64_t kWideWeightHalves = int64_t{1} << 26;
+constexpr int64_t kWideMaxBN = 64;  // the largest row tile
+
+bool wide_dequantizes(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
+
+// The most weight rows one piece holds (a multiple of the largest row tile).
+int64_t wide_piece_rows(int64_t k) {
+    return std::max<int64_t>(kWideMaxBN, kWideWeightHalves / k / kWideMaxBN * kWideMaxBN);
+}
+
+int sm_count() {
+    static const int n = [] {
+        int dev = 0, v = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+            return 132;
+        }
+        return v > 0 ? v : 132;
+    }();
+    return n;
+}
+
+// One launch configuration of k_mul_mat_tc_wide.
+template <bool kBF16, int BN, int BM, int WN, int WM, int kStages, int kMinBlocks>
+struct WideConfig {
+    static constexpr int kBN = BN, kBM = BM, kThreads = WN * WM * 32;
+    static constexpr size_t kSmem = wide_smem_bytes<BN, BM, kStages>();
+    static constexpr auto kernel = k_mul_mat_tc_wide<kBF16, BN, BM, WN, WM, kStages, kMinBlocks>;
+    // Blocks per SM as the driver places them (asked once; the shared memory opt-in first).
+    static int blocks_per_sm() {
+        static const int b = [] {
+            check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)),
+                  "mul_mat (tensor cores): cudaFuncSetAttribute");
+            int v = 0;
+            check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kThreads, kSmem),
+                  "mul_mat (tensor cores): occupancy");
+            return std::max(v, 1);
+        }();
+        return b;
+    }
+    static void run(const WideParts& p, int64_t k, const uint16_t* xh, int64_t m, cudaStream_t s) {
+        blocks_per_sm();
+        const dim3 grid(static_cast<unsigned>((m + BM - 1) / BM), static_cast<unsigned>(p.tile0[p.np]));
+        launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m);
+    }
+};
+
+// The parts of rows [r0, r1) of a group (its parts' rows concatenated) for a configuration of
+// row tile bn: weight row i of the piece at a + (i - r0) * ars where a is not null (the
+// dequantized piece), else in place.
+WideParts wide_parts(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars, int bn) {
+    WideParts p{};
+    p.tile0[0] = 0;
+    int64_t base = 0;
+    for (int j = 0; j < n_parts; ++j) {
+        const MatmulPart& q = parts[j];
+        const int64_t nr = std::max<int64_t>(0, q.n_rows);
+        const int64_t lo = std::max(r0, base), hi = std::min(r1, base + nr);
+        if (lo < hi) {
+            const int i = p.np++;
+            const int64_t off = lo - base;  // the piece's first row in this part
+            p.a[i] = a ? a + (lo - r0) * ars : static_cast<const char*>(q.w) + off * static_cast<int64_t>(q.row_bytes);
+            p.ars[i] = a ? ars : static_cast<int64_t>(q.row_bytes);
+            p.n[i] = hi - lo;
+            p.y[i] = q.y + off;
+            p.ys[i] = q.y_stride;
+            p.add[i] = q.add ? q.add + off : nullptr;
+            p.as[i] = q.add_stride;
+            p.tile0[i + 1] = p.tile0[i] + static_cast<int>((hi - lo + bn - 1) / bn);
+        }
+        base += nr;
+    }
+    return p;
+}
+
+// The launch configurations (speed only: each runs every output's mma sequence unchanged), with
+// the rate of a GPU full of their blocks (H200, 2026-11-30, Qwen3-4B's F16 shapes at M = 2048, in
+// TFLOP/s), registers a thread (no spills) and shared memory a block:
+//   T: 64 rows x 128 columns, 4 warps of 32 x 64, 3 stages: 210 registers, 104 KB, two blocks
+//      per SM (252).
+//   S: 64 x 64, 4 warps of 32 x 32, 3 stages: 152 registers, 64 KB, three blocks per SM (232).
+//   D: S with 4 stages: 156 registers, 80 KB, two blocks per SM (207); the deeper ring wins where
+//      the grid leaves SMs a single block (M = 128: Qwen3's o and down 1.4x faster than S).
+// Measured and dropped: 128 x 128 blocks of 8 warps (64 x 32 or 32 x 64 warp tiles, 4 stages:
+// 212-246; fewer, larger blocks to spread), 256 x 128 of 8 warps of 64 x 64 (the totals take
+// 128 KB, leaving room for 2 stages: the best at M = 2048, 263-270, the worst at M <= 512),
+// 128 x 64 (233), and the same kernels without the fragment pipelining (T: 10-15% slower).
+// Not the loads: ncu (the 128 x 128 configuration) shows no bank conflicts, the shared-memory pipe
+// 35% busy and the tensor pipe 36%, the top stall a fixed-latency dependency (32% of the cycles
+// between a warp's instructions); wgmma (sm_90a) would be the next step.
+template <bool kBF16>
+struct WideConfigs {
+    using T = WideConfig<kBF16, 64, 128, 2, 2, 3, 2>;
+    using S = WideConfig<kBF16, 64, 64, 2, 2, 3, 3>;
+    using D = WideConfig<kBF16, 64, 64, 2, 2, 4, 2>;
+};
+
+// The configuration whose last wave ends first: waves of (SMs x blocks per SM) blocks, each wave
+// taking (blocks per SM x block tile) / rate on an SM.
+template <bool kBF16>
+void wide_gemm(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars, int64_t k,
+               const uint16_t* xh, int64_t m, cudaStream_t s) {
+    using C = WideConfigs<kBF16>;
+    const int sms = sm_count();
+    auto cost = [&](auto cfg, double rate) {
+        using Cfg = decltype(cfg);
+        const WideParts p = wide_parts(parts, n_parts, r0, r1, a, ars, Cfg::kBN);
+        const int64_t blocks = static_cast<int64_t>(p.tile0[p.np]) * ((m + Cfg::kBM - 1) / Cfg::kBM);
+        const int64_t slots = static_cast<int64_t>(sms) * Cfg::blocks_per_sm();
+        const int64_t waves = (blocks + slots - 1) / slots;
+        return static_cast<double>(waves) * Cfg::blocks_per_sm() * Cfg::kBN * Cfg::kBM / rate;
+    };
+    const double ct = cost(typename C::T{}, 252.0), cs = cost(typename C::S{}, 232.0), cd = cost(typename C::D{}, 207.0);
+    if (ct <= cs && ct <= cd) {
+        C::T::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::T::kBN), k, xh, m, s);
+    } else if (cs <= cd) {
+        C::S::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::S::kBN), k, xh, m, s);
+    } else {
+        C::D::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::D::kBN), k, xh, m, s);
+    }
+}
+
+template <DType T>
+void wide_typed(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, const float* x, int64_t xs, int64_t m,
+                const SplitScratch& ws, cudaStream_t s) {
+    constexpr bool kBF16 = T == DType::BF16;
+    uint16_t* xh = ws.halves;
+    const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
+    launch(k_wide_x_halves<T>, dim3(static_cast<unsigned>(m)), 128, 0, s, x, xs, x_vec, k, xh);
+    if constexpr (T == DType::F16 || T == DType::BF16) {
+        // Grid.y holds at most 65535 row tiles (of 64 rows or more, plus a partial one per part).
+        const int64_t piece = int64_t{1} << 21;
+        for (int64_t r0 = 0; r0 < rows; r0 += piece) {
+            wide_gemm<kBF16>(parts, n_parts, r0, std::min(rows, r0 + piece), nullptr, 0, k, xh, m, s);
+        }
+    } else {
+        uint16_t* wh = ws.halves + m * k;
+        // Pieces of equal size (whole row tiles), none above the cap matmul_tc_wide_scratch reserves.
+        const int64_t cap = wide_piece_rows(k);
+        const int64_t n_pieces = (rows + cap - 1) / cap;
+        const int64_t even = ((rows + n_pieces - 1) / n_pieces + kWideMaxBN - 1) / kWideMaxBN * kWideMaxBN;
+        const int64_t per = std::min(cap, even);
+        for (int64_t r0 = 0; r0 < rows; r0 += per) {
+            const int64_t r1 = std::min(rows, r0 + per);
+            WideSrc src{};
+            int64_t base = 0;
+            src.row0[0] = 0;
+            for (int j = 0; j < n_parts; ++j) {
+                const int64_t nr = std::max<int64_t>(0, parts[j].n_rows);
+                const int64_t lo = std::max(r0, base), hi = std::min(r1, base + nr);
+                if (lo < hi) {
+                    const int i = src.np++;
+                    src.w[i] = static_cast<const char*>(parts[j].w) + (lo - base) * static_cast<int64_t>(parts[j].row_bytes);
+                    src.rb[i] = static_cast<int64_t>(parts[j].row_bytes);
+                    src.row0[i + 1] = src.row0[i] + (hi - lo);
+                }
+                base += nr;
+            }
+            launch(k_wide_w_halves<T>, dim3(static_cast<unsigned>(r1 - r0)), 128, 0, s, src, k, wh);
+            wide_gemm<kBF16>(parts, n_parts, r0, r1, reinterpret_cast<const char*>(wh), k * 2, k, xh, m, s);
+        }
+    }
 }
 
 }  // namespace
@@ -294,20 +785,52 @@ bool matmul_tc_prompt_path() { return matmul_tc_setting() == -1; }
 
 bool matmul_tc_prompt_rows(DType t, int64_t k) { return matmul_tc_prompt_path() && matmul_tc_supports(t, k); }
 
-void launch_matmul_tc_wide(DType t, const MatmulPart& p, int64_t k, const float* x, int64_t xs, int64_t m,
-                           cudaStream_t s) {
-    if (m <= 0 || p.n_rows <= 0) return;
+SplitScratchNeed matmul_tc_wide_scratch(DType t, int64_t k, int64_t rows, int64_t m) {
+    SplitScratchNeed need;
+    if (m <= kMatmulTcNarrowMaxM || rows <= 0 || k <= 0 || !matmul_tc_supports(t, k)) return need;
+    const int64_t w = wide_dequantizes(t) ? std::min(rows, wide_piece_rows(k)) * k : 0;
+    need.n_halves = static_cast<size_t>(m * k + w);
+    return need;
+}
+
+void launch_matmul_tc_wide(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
+                           int64_t m, const SplitScratch& ws, cudaStream_t s) {
+    if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat (tensor cores): bad part count");
     if (!matmul_tc_supports(t, k)) throw std::runtime_error("cuda backend: mul_mat (tensor cores): unsupported type or K");
-    // 16-byte loads where aligned; the choice changes how values are loaded, never which values.
+    int64_t rows = 0;
+    for (int j = 0; j < n_parts; ++j) rows += std::max<int64_t>(0, parts[j].n_rows);
+    if (m <= 0 || rows == 0) return;
+    const bool floats = t == DType::F16 || t == DType::BF16;
+    bool gemm = m > kMatmulTcNarrowMaxM && k > 0 && reinterpret_cast<uintptr_t>(x) % 4 == 0 && ws.halves &&
+                ws.n_halves >= matmul_tc_wide_scratch(t, k, rows, m).n_halves;
+    for (int j = 0; j < n_parts && floats; ++j) {  // cp.async reads 16-byte pieces of the rows in place
+        gemm = gemm && reinterpret_cast<uintptr_t>(parts[j].w) % 16 == 0 && parts[j].row_bytes % 16 == 0;
+    }
+    if (gemm) {
+        switch (t) {
+            case DType::F16: return wide_typed<DType::F16>(parts, n_parts, rows, k, x, xs, m, ws, s);
+            case DType::BF16: return wide_typed<DType::BF16>(parts, n_parts, rows, k, x, xs, m, ws, s);
+            case DType::Q8_0: return wide_typed<DType::Q8_0>(parts, n_parts, rows, k, x, xs, m, ws, s);
+            case DType::Q4_0: return wide_typed<DType::Q4_0>(parts, n_parts, rows, k, x, xs, m, ws, s);
+            case DType::Q4_1: return wide_typed<DType::Q4_1>(parts, n_parts, rows, k, x, xs, m, ws, s);
+            default: break;
+        }
+    }
+    // The fallback, part by part. 16-byte loads where aligned; the choice changes how values are
+    // loaded, never which values.
     const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
-    const bool w_vec = reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && p.row_bytes % 16 == 0;
-    switch (t) {
-        case DType::F16: tc_typed<DType::F16>(p, k, w_vec, x, xs, x_vec, m, s); break;
-        case DType::BF16: tc_typed<DType::BF16>(p, k, w_vec, x, xs, x_vec, m, s); break;
-        case DType::Q8_0: tc_typed<DType::Q8_0>(p, k, w_vec, x, xs, x_vec, m, s); break;
-        case DType::Q4_0: tc_typed<DType::Q4_0>(p, k, w_vec, x, xs, x_vec, m, s); break;
-        case DType::Q4_1: tc_typed<DType::Q4_1>(p, k, w_vec, x, xs, x_vec, m, s); break;
-        default: break;
+    for (int j = 0; j < n_parts; ++j) {
+        const MatmulPart& p = parts[j];
+        if (p.n_rows <= 0) continue;
+        const bool w_vec = reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && p.row_bytes % 16 == 0;
+        switch (t) {
+            case DType::F16: tc_typed<DType::F16>(p, k, w_vec, x, xs, x_vec, m, s); break;
+            case DType::BF16: tc_typed<DType::BF16>(p, k, w_vec, x, xs, x_vec, m, s); break;
+            case DType::Q8_0: tc_typed<DType::Q8_0>(p, k, w_vec, x, xs, x_vec, m, s); break;
+            case DType::Q4_0: tc_typed<DType::Q4_0>(p, k, w_vec, x, xs, x_vec, m, s); break;
+            case DType::Q4_1: tc_typed<DType::Q4_1>(p, k, w_vec, x, xs, x_vec, m, s); break;
+            default: break;
+        }
     }
 }
 

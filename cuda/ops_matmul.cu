@@ -409,12 +409,12 @@ std::vector<MatmulPart> parts_from_column(const MatmulPart* parts, int n_parts, 
     return out;
 }
 
-// The tensor-core computation: narrow batches on the narrow kernel (a whole group per launch), the
-// rest part by part on the wide one (the same bits either way).
+// The tensor-core computation: narrow batches on the narrow kernel, the rest on the wide one (a
+// whole group per call either way; the same bits either way).
 void matmul_tc(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs, int64_t m,
                const SplitScratch& scratch, cudaStream_t s) {
     if (m <= kMatmulTcNarrowMaxM && launch_matmul_tc_narrow(t, parts, n_parts, k, x, xs, m, scratch, s)) return;
-    for (int j = 0; j < n_parts; ++j) launch_matmul_tc_wide(t, parts[j], k, x, xs, m, s);
+    launch_matmul_tc_wide(t, parts, n_parts, k, x, xs, m, scratch, s);
 }
 
 // The CUDA-core computation (this file's kernels).
