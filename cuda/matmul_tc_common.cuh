@@ -183,6 +183,11 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
+// The first wide kernel (cuda/matmul_tc_fallback.cu): one part, any row alignment, no scratch; the
+// wide launcher's fallback.
+void launch_first_kernel(DType t, const MatmulPart& p, int64_t k, const float* x, int64_t xs, int64_t m,
+                         cudaStream_t s);
+
 }  // namespace tc
 }  // namespace cuda
 }  // namespace pyspec
