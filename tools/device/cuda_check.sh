@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine (the workplace's device tool), from the repo root: build the CUDA core in
-# place, run the CUDA test files four ways (as is; without fusions, PYSPEC_CUDA_FUSE=0; with the
-# tensor-core MUL_MAT, PYSPEC_CUDA_TC=1; without the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0;
-# MODES may add nopdl, plain launches: PYSPEC_CUDA_PDL=0),
+# place, run the CUDA test files four ways (as is: prompt rows on tensor cores, output rows on CUDA
+# cores; without fusions, PYSPEC_CUDA_FUSE=0; every row on tensor cores, PYSPEC_CUDA_TC=1; without
+# the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0; MODES may add cores, every row on CUDA cores:
+# PYSPEC_CUDA_TC=0, and nopdl, plain launches: PYSPEC_CUDA_PDL=0),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
