@@ -105,7 +105,7 @@ DecodeOutput Context::decode(const Batch& batch, const std::vector<int>& layer_i
 void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::vector<int>& layer_ids,
                            DecodeOutput& out) {
     const int64_t n_rows = static_cast<int64_t>(end - begin);
-    // The graph takes the rows prompt rows first (those that want no logits), then the output
+    // The graph takes the prompt rows first (those that want no logits), then the output
     // rows, each kind in batch order: MUL_MAT's prompt columns must be its first columns. A row's
     // result does not depend on its place in the batch (invariant 7), so only the results that
     // come back per row (layer inputs) are put back in batch order.
