@@ -197,10 +197,15 @@ int Graph::softmax(int a, float scale) {
     return id;
 }
 
-int Graph::attention(int q, int k_cache, int v_cache, int mask, int kv_base, int n_kv_head, float scale) {
+int Graph::attention(int q, int k_cache, int v_cache, int mask, int kv_base, int n_kv_head, float scale,
+                     int64_t prompt_rows) {
+    if (prompt_rows < 0 || prompt_rows > (*this)[q].ne[2]) {
+        throw std::logic_error("attention: prompt rows outside the query rows");
+    }
     int id = add_node(Op::ATTENTION, DType::F32, (*this)[q].ne, {q, k_cache, v_cache, mask, kv_base});
     Tensor& t = (*this)[id];
     t.iparams[0] = n_kv_head;
+    t.iparams[1] = static_cast<int32_t>(prompt_rows);
     t.fparams[0] = scale;
     return id;
 }

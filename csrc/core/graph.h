@@ -41,8 +41,11 @@ enum class Op : uint8_t {
     ATTENTION,  // src0 Q [hd, n_head, n_rows], src1 K cache [hd * n_kv_head, n_cells],
                 // src2 V cache (same shape), src3 mask F32 [span, n_rows], src4 I32 [n_rows]
                 // first cell of each row's span. Row r attends cells base[r] + j, j < span,
-                // with mask[r][j] added to the score (0 or -inf). iparams {n_kv_head};
-                // fparams {scale}. dst F32 [hd, n_head, n_rows].
+                // with mask[r][j] added to the score (0 or -inf). iparams {n_kv_head,
+                // prompt_rows}: rows r < prompt_rows are prompt rows (as MUL_MAT's prompt
+                // columns), which a backend may run on a path of their own (the CUDA backend:
+                // tensor cores); one fixed computation per kind of row, so a row's bits never
+                // depend on its neighbours (invariant 7). fparams {scale}. dst F32 [hd, n_head, n_rows].
     SET_ROWS,   // writes src1 rows (F32) into rows src2 (I32) of src0 (converting to src0's
                 // dtype); the node is a view of src0, so consumers are ordered after the write
     ARGMAX,     // I32 [1, n_rows]: index of the max over ne0 (first on ties)
@@ -117,7 +120,7 @@ public:
     int swiglu(int gate, int up);
     int softmax(int a, float scale);
     int attention(int q, int k_cache, int v_cache, int mask, int kv_base, int n_kv_head,
-                  float scale);
+                  float scale, int64_t prompt_rows = 0);
     int set_rows(int dst, int rows, int ids);
     int argmax(int a);
     int top_k(int a, int k);

@@ -57,7 +57,8 @@ int self_attention(Graph& g, const Model& model, int layer, int h, const Decoder
     const int v_written = g.set_rows(v_cache, v, in.kv_cells);
 
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    const int att = g.attention(q, k_written, v_written, in.mask, in.kv_base, static_cast<int>(hp.n_head_kv), scale);
+    const int att =
+        g.attention(q, k_written, v_written, in.mask, in.kv_base, static_cast<int>(hp.n_head_kv), scale, pc);
     return g.mul_mat(add_weight(g, w.wo), g.reshape(att, {hd * hp.n_head, n_rows, 1, 1}), pc);
 }
 

@@ -13,7 +13,8 @@ void record_layer_input(DecoderGraph& dg, const DecoderGraphParams& p, int layer
 
 // Self-attention of one layer over normed input h [n_embd, n_rows]: Q/K/V projections, optional
 // per-head q/k RMSNorm, RoPE, K/V written to the layer's cache cells, attention, output proj;
-// the projections take in.n_prompt_rows as their prompt columns.
+// the projections take in.n_prompt_rows as their prompt columns and the attention as its prompt
+// rows.
 int self_attention(Graph& g, const Model& model, int layer, int h, const DecoderGraphInputs& in,
                    const KvCacheView& kv, bool qk_norm);
 

@@ -21,8 +21,9 @@ struct KvCacheView {
 struct DecoderGraphParams {
     int64_t n_rows = 0;          // batch rows
     int64_t n_outputs = 0;       // rows that want logits (0: no logits computed)
-    // Rows [0, n_prompt_rows) are prompt rows: they want no logits, and their matrix products
-    // may run on a path of their own (MUL_MAT's prompt columns); 0 where the backend has none.
+    // Rows [0, n_prompt_rows) are prompt rows: they want no logits, and their matrix products and
+    // attention may run on a path of their own (MUL_MAT's prompt columns, ATTENTION's prompt
+    // rows); 0 where the backend has none.
     int64_t n_prompt_rows = 0;
     int64_t span = 0;            // attention span: mask columns per row
     std::vector<int> layer_ids;  // layer inputs to return (0 = embeddings, n_layer = final residual)
@@ -44,7 +45,7 @@ struct DecoderGraphInputs {
     int mask = -1;       // [span, n_rows] 0 or -inf
     int kv_base = -1;    // [n_rows] first cache cell of each row's span
     int out_rows = -1;   // [n_outputs] rows that want logits (absent when all rows do)
-    int64_t n_prompt_rows = 0;  // not a tensor: DecoderGraphParams::n_prompt_rows, for the MUL_MATs
+    int64_t n_prompt_rows = 0;  // not a tensor: DecoderGraphParams::n_prompt_rows, for the MUL_MATs and ATTENTION
 };
 
 struct DecoderGraph {
