@@ -135,6 +135,14 @@ void launch_attention_staged(const TDesc& dst, const TDesc& q, const TDesc& k, c
                              const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch,
                              unsigned* err, cudaStream_t s);
 
+// Prompt rows on tensor cores (ops_attention_tc.cu): F16 cache, head_dim 32/64/128, 16-byte
+// aligned cache rows. Their own computation, not the CUDA-core kernels' bits: every prompt row gets
+// the same bits in any batch, as every output row does from the kernels above.
+bool attention_tc_supports(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
+                           int n_kv_head);
+void launch_attention_tc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
+                         const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s);
+
 void launch_attention_tiled(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                             const int32_t* base, int n_kv_head, float scale, unsigned* err, cudaStream_t s);
 

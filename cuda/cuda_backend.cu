@@ -228,7 +228,11 @@ private:
             const Tensor& t = g[id];
             if (t.op == Op::ATTENTION) {
                 const Tensor& q = g[t.src[0]];
-                const cuda::SplitScratchNeed n = cuda::attention_split_scratch(q.ne[0], q.ne[1], q.ne[2], g[t.src[3]].ne[0]);
+                // The rows left to the CUDA-core kernels: a prompt chunk's last row alone is split.
+                const bool tc_rows = t.iparams[1] > 0 && cuda::attention_tc_enabled() &&
+                                     cuda::attention_tc_shape(q.ne[0], g[t.src[1]].dtype);
+                const int64_t rows = q.ne[2] - (tc_rows ? t.iparams[1] : 0);
+                const cuda::SplitScratchNeed n = cuda::attention_split_scratch(q.ne[0], q.ne[1], rows, g[t.src[3]].ne[0]);
                 need.partial_floats = std::max(need.partial_floats, n.partial_floats);
                 need.n_counters = std::max(need.n_counters, n.n_counters);
                 continue;
@@ -899,9 +903,10 @@ private:
             case Op::SILU: cuda::launch_unary(1, desc(g, id), desc(g, src(0)), 0.0f, stream_); return;
             case Op::SOFTMAX: cuda::launch_softmax(desc(g, id), desc(g, src(0)), t.fparams[0], stream_); return;
             case Op::ATTENTION:
+                require(t.iparams[1] >= 0 && t.iparams[1] <= g[src(0)].ne[2], t, "prompt rows outside the rows");
                 cuda::launch_attention(desc(g, id), desc(g, src(0)), desc(g, src(1)), desc(g, src(2)), desc(g, src(3)),
                                        reinterpret_cast<const int32_t*>(dptr(g, src(4))), t.iparams[0], t.fparams[0],
-                                       scratch_, err_, stream_);
+                                       t.iparams[1], scratch_, err_, stream_);
                 return;
             case Op::ARGMAX: cuda::launch_argmax(desc(g, id), desc(g, src(0)), stream_); return;
             case Op::TOP_K: cuda::launch_top_k(desc(g, id), desc(g, src(0)), stream_); return;

@@ -100,7 +100,8 @@ uint64_t graph_exec_key(const Graph& g, const std::vector<char*>& resolved, std:
     // The launch choices read from the environment at each compute: a graph captured under one
     // setting is never replayed under another.
     key.push_back(static_cast<uint64_t>(matmul_tc_setting() + 1) | (matmul_fusion_enabled() ? 4u : 0u) |
-                  (attention_tiled_enabled() ? 8u : 0u) | (pdl_enabled() ? 16u : 0u));
+                  (attention_tiled_enabled() ? 8u : 0u) | (pdl_enabled() ? 16u : 0u) |
+                  (attention_tc_enabled() ? 32u : 0u));
     for (int id = 0; id < n; ++id) {
         const Tensor& t = g[id];
         key.push_back((static_cast<uint64_t>(t.op) << 16) | (static_cast<uint64_t>(t.flags) << 8) |

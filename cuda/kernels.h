@@ -67,9 +67,19 @@ struct SplitScratchNeed {
     size_t n_counters = 0;
     size_t n_halves = 0;
 };
+// prompt_rows: ATTENTION's prompt rows (core/graph.h), its first rows; they take the tensor-core
+// kernel where attention_tc_enabled() and the layout suits it (cuda/ops_attention_tc.cu), the rest
+// the CUDA-core kernels every row takes otherwise.
 void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
-                      const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch, unsigned* err,
-                      cudaStream_t s);
+                      const int32_t* base, int n_kv_head, float scale, int64_t prompt_rows,
+                      const SplitScratch& scratch, unsigned* err, cudaStream_t s);
+// Whether prompt rows' attention takes the tensor cores: only where prompt rows have their own path
+// (matmul_tc_prompt_path(), the default), and PYSPEC_CUDA_ATT_TC=0 turns it off (A/B runs). Read at
+// each call; part of the CUDA graph key.
+bool attention_tc_enabled();
+// Which shapes it serves (F16 cache, head_dim 32, 64 or 128): a shape always takes the same kernel,
+// whatever the batch. Rows of other shapes stay on the CUDA-core kernels.
+bool attention_tc_shape(int64_t hd, DType kv_dtype);
 // What an ATTENTION over q [hd, n_head, rows] with a mask span of span cells needs of the scratch
 // (a single row over more than two pages is split over blocks, a page per block).
 SplitScratchNeed attention_split_scratch(int64_t hd, int64_t n_head, int64_t rows, int64_t span);

@@ -189,15 +189,32 @@ void launch_typed(const dim3& grid, const TDesc& dst, const TDesc& q, const TDes
 
 }  // namespace
 
-void launch_attention(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
-                      const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch, unsigned* err,
-                      cudaStream_t s) {
-    if (q.ne[0] > 32 * kMaxPerLane) throw std::runtime_error("cuda backend: attention: head_dim above 256");
-    if (n_kv_head <= 0 || q.ne[1] % n_kv_head != 0) throw std::runtime_error("cuda backend: attention: bad n_kv_head");
+void launch_attention(const TDesc& dst_all, const TDesc& q_all, const TDesc& k, const TDesc& v,
+                      const TDesc& mask_all, const int32_t* base, int n_kv_head, float scale, int64_t prompt_rows,
+                      const SplitScratch& scratch, unsigned* err, cudaStream_t s) {
+    if (q_all.ne[0] > 32 * kMaxPerLane) throw std::runtime_error("cuda backend: attention: head_dim above 256");
+    if (n_kv_head <= 0 || q_all.ne[1] % n_kv_head != 0) throw std::runtime_error("cuda backend: attention: bad n_kv_head");
     if (k.dtype != v.dtype || (k.dtype != DType::F16 && k.dtype != DType::F32)) {
         throw std::runtime_error("cuda backend: attention: KV cache must be F16 or F32");
     }
-    if (q.ne[2] == 0 || q.ne[1] == 0) return;
+    if (prompt_rows < 0 || prompt_rows > q_all.ne[2]) {
+        throw std::runtime_error("cuda backend: attention: prompt rows outside the rows");
+    }
+    if (q_all.ne[2] == 0 || q_all.ne[1] == 0) return;
+    // Prompt rows [0, p) on tensor cores, each kind of row with one computation (invariant 7 per
+    // kind); the output rows [p, n) through views of their rows, on the kernels below.
+    TDesc dst = dst_all, q = q_all, mask = mask_all;
+    if (prompt_rows > 0 && attention_tc_enabled() && attention_tc_supports(dst_all, q_all, k, v, mask_all, n_kv_head)) {
+        TDesc dp = dst_all, qp = q_all, mp = mask_all;
+        dp.ne[2] = qp.ne[2] = mp.ne[1] = prompt_rows;
+        launch_attention_tc(dp, qp, k, v, mp, base, n_kv_head, scale, err, s);
+        if (prompt_rows == q_all.ne[2]) return;
+        dst.data += prompt_rows * dst.nb[2];
+        q.data += prompt_rows * q.nb[2];
+        mask.data += prompt_rows * mask.nb[1];
+        dst.ne[2] = q.ne[2] = mask.ne[1] = q_all.ne[2] - prompt_rows;
+        base += prompt_rows;
+    }
     if (q.ne[2] > 65535) throw std::runtime_error("cuda backend: attention: more than 65535 rows");
     // Batches of rows take the row-tiled kernel: the same bits per row (ops_attention_tiled.cu),
     // K/V read once per kv head and tile instead of once per query head and row.
