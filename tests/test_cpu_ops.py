@@ -94,9 +94,11 @@ def assert_softmax_close(got, z):
 # --------------------------------------------------------------------------------------------
 
 
-def attention_run(q, k, v, mask, base, n_kv, scale, cache_dtype, n_threads=1, backend="cpu"):
+def attention_run(q, k, v, mask, base, n_kv, scale, cache_dtype, n_threads=1, backend="cpu", prompt_rows=0):
     """q (n_rows, n_head, hd) F32; k, v (n_cells, n_kv * hd) caches stored as cache_dtype;
-    mask (n_rows, span) F32; base (n_rows,) I32. Returns (n_rows, n_head, hd)."""
+    mask (n_rows, span) F32; base (n_rows,) I32; the first prompt_rows rows are prompt rows
+    (ATTENTION's iparams[1]: the CPU has one path for both kinds, the GPU its tensor cores).
+    Returns (n_rows, n_head, hd)."""
     n_rows, n_head, hd = q.shape
     n_cells = k.shape[0]
     span = mask.shape[1]
@@ -106,7 +108,8 @@ def attention_run(q, k, v, mask, base, n_kv, scale, cache_dtype, n_threads=1, ba
     tv = g.external(cache_dtype, [hd * n_kv, n_cells], "v_cache")
     tm = g.input("F32", [span, n_rows], "mask")
     tb = g.input("I32", [n_rows], "kv_base")
-    out = node(g, "ATTENTION", "F32", [hd, n_head, n_rows], [tq, tk, tv, tm, tb], [n_kv], [scale])
+    iparams = [n_kv, prompt_rows] if prompt_rows else [n_kv]
+    out = node(g, "ATTENTION", "F32", [hd, n_head, n_rows], [tq, tk, tv, tm, tb], iparams, [scale])
     feeds = {
         tq: np.ascontiguousarray(q, np.float32),
         tk: k,

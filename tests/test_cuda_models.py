@@ -425,6 +425,66 @@ def test_prompt_rows_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("arch,hp", [("qwen3", dict(head_dim=64)),
+                                     ("llama", dict(n_embd=256, n_head=2, n_head_kv=1, n_ff=128))],
+                         ids=["qwen3-d64", "llama-d128"])
+def test_prompt_attention_on_tensor_cores_in_a_model(model_dir, monkeypatch, arch, hp):
+    """Prefill then decode with heads whose prompt rows take the tensor-core attention on the GPU
+    (head_dim 64 and 128; cuda/ops_attention_tc.cu): the logits of the prompt's last row and of each
+    decoded token are close to the CPU's; the prompt rows' layer inputs are the same bits decoded in
+    one call or in chunks beside another sequence's output rows, shuffled; PYSPEC_CUDA_ATT_TC=0 puts
+    their attention back on the CUDA cores (close, other bits)."""
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    monkeypatch.delenv("PYSPEC_CUDA_ATT_TC", raising=False)
+    tm = write_tiny_model(model_dir / f"{arch}-att-tc.gguf", arch, "F16", seed=31, **hp)
+    model = pyspec.Model(str(tm.path), n_threads=2)
+    rng = np.random.default_rng(33)
+    n = 100
+    prompt = [int(t) for t in rng.integers(0, model.n_vocab, n)]
+    then = [int(t) for t in rng.integers(0, model.n_vocab, 6)]  # decoded one by one, teacher-forced
+    other = [int(t) for t in rng.integers(0, model.n_vocab, 4)]
+    layers = [1, model.n_layer]
+    kw = dict(n_ctx=256, n_seq_max=2, n_batch=128)
+
+    def prefill_and_decode(backend):
+        ctx = pyspec.Context(model, backend=backend, **kw)
+        r = ctx.decode(prompt, layer_inputs=layers)  # rows 0..98 prompt rows, the last an output row
+        logits = [r.logits[-1]] + [ctx.decode([t]).logits[-1] for t in then]
+        return r.layer_inputs, np.stack(logits)
+
+    inputs, logits = prefill_and_decode(DEVICE)
+    _, cpu_logits = prefill_and_decode("cpu")
+    for i in range(len(logits)):
+        _assert_close(logits[i], cpu_logits[i], LOGIT_TOL["F16"], f"{arch} step {i}")
+
+    ctx = pyspec.Context(model, backend=DEVICE, **kw)
+    got = {il: np.zeros_like(inputs[il]) for il in layers}
+    p0 = 0
+    for o, size in enumerate((37, 1, 40, 22)):
+        rows = [(0, p, prompt[p], p == n - 1) for p in range(p0, p0 + size)] + [(1, o, other[o], True)]
+        rows = [rows[i] for i in rng.permutation(len(rows))]
+        seq, pos, tok, want_out = (np.array(c) for c in zip(*rows))
+        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want_out, layer_inputs=layers)
+        for i, (s_, p_) in enumerate(zip(seq, pos)):
+            if s_ == 0:
+                for il in layers:
+                    got[il][p_] = r.layer_inputs[il][i]
+        p0 += size
+    assert p0 == n
+    for il in layers:
+        np.testing.assert_array_equal(got[il], inputs[il], err_msg=f"layer {il} input, in chunks")
+
+    monkeypatch.setenv("PYSPEC_CUDA_ATT_TC", "0")
+    cores, cores_logits = prefill_and_decode(DEVICE)
+    _assert_close(cores[model.n_layer], inputs[model.n_layer], 2e-2, "attention on the CUDA cores")
+    for i in range(len(logits)):
+        _assert_close(cores_logits[i], cpu_logits[i], LOGIT_TOL["F16"], f"{arch} step {i}, CUDA cores")
+    if CUDA_OK and DEVICE == "cuda":
+        assert not np.array_equal(cores[model.n_layer][:-1], inputs[model.n_layer][:-1]), \
+            "prompt rows' attention did not take the tensor cores"
+
+
+@gpu
 def test_prompt_cache_reuse_equals_fresh_on_the_device(pairs):
     """The engine's prompt cache on the GPU: a second turn reusing the first's cached rows gives
     the tokens of a fresh request. With the prompt rows' own path only the first turn's prefilled

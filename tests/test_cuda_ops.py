@@ -692,6 +692,142 @@ def test_staged_attention_gives_the_unstaged_kernels_bits(monkeypatch, heads, se
         np.testing.assert_array_equal(staged, plain)
 
 
+# Prompt rows (ATTENTION's first iparams[1] rows, those that want no logits) take the tensor cores
+# on the GPU (cuda/ops_attention_tc.cu; F16 cache, head_dim 32/64/128): the models' heads, 2 and 1
+# query heads per kv head (32- and 64-row tiles), 6 and 8 (two blocks of heads per kv head).
+PROMPT_HEADS = MODEL_HEADS + [(4, 2, 64), (4, 4, 32), (12, 2, 64), (8, 1, 128)]
+TC_HEAD_DIMS = (32, 64, 128)
+
+
+def bits(a):
+    """The float32 bit patterns: equal bits rather than equal values (+0 and -0 differ)."""
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def prompt_attention(q, k, v, mask, base, n_kv, prompt_rows, scale):
+    return cpu.attention_run(q, k, v, mask, base, n_kv, scale, "F16", backend=DEVICE, prompt_rows=prompt_rows)
+
+
+def padded_row(mask_row, lead, pad):
+    """A mask row with `lead` masked cells before it (its base that much earlier) and `pad` after."""
+    return np.concatenate([np.full(lead, NEG_INF, np.float32), mask_row, np.full(pad, NEG_INF, np.float32)])
+
+
+@gpu
+@pytest.mark.parametrize("heads", PROMPT_HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+def test_prompt_rows_attention_is_each_rows_own(monkeypatch, heads):
+    """A prompt row's attention is a function of its own q, its own cells and its own mask row, bit
+    for bit: the same alone, inside a causal 512-row chunk, with its base moved earlier and its span
+    padded, in tiles shared with another sequence's rows (another base, the rows shuffled, a fully
+    masked row among them), and with output rows after the prompt rows. Close to the CPU and to
+    float64 at F16 accuracy (the GPU rounds q and the weights to F16)."""
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)  # prompt rows on their own path (the default)
+    monkeypatch.delenv("PYSPEC_CUDA_ATT_TC", raising=False)
+    n_head, n_kv, hd = heads
+    rng = np.random.default_rng(9000 + n_head * 10 + hd)
+    n_cells = 1700
+    k = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
+    v = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
+    scale = float(1.0 / np.sqrt(hd))
+    # Sequence A: a causal chunk of 512 rows after 37 cells of context, its cells from cell 3.
+    ctx_a, n_a, start_a = 37, 512, 3
+    span = (ctx_a + n_a + 255) // 256 * 256
+    mask_a, base_a = cpu.seq_rows(start_a, ctx_a, n_a, span)
+    q_a = rng.standard_normal((n_a, n_head, hd)).astype(np.float32)
+    chunk = prompt_attention(q_a, k, v, mask_a, base_a, n_kv, n_a, scale)
+    np.testing.assert_allclose(chunk, cpu.attention_run(q_a, k, v, mask_a, base_a, n_kv, scale, "F16"),
+                               **ATT_TOL["F16"])
+    some = [0, 1, 15, 16, 17, 63, 64, 200, 511]
+    want = cpu.attention_ref(q_a[some], k, v, mask_a[some], base_a[some], n_kv, np.float32(scale))
+    np.testing.assert_allclose(chunk[some], want, **ATT_TOL["F16"])
+
+    def alone(q_row, mask_row, b, lead=0, pad=0):
+        m = padded_row(mask_row, lead, pad)[None]
+        return prompt_attention(q_row[None], k, v, m, np.array([b - lead], np.int32), n_kv, 1, scale)[0]
+
+    for at in some:
+        np.testing.assert_array_equal(bits(alone(q_a[at], mask_a[at], base_a[at])), bits(chunk[at]),
+                                      err_msg=f"row {at} alone")
+    for at in (5, 300):  # base 0 (3 masked cells first), 100 more cells of padding
+        np.testing.assert_array_equal(bits(alone(q_a[at], mask_a[at], base_a[at], lead=3, pad=100)),
+                                      bits(chunk[at]), err_msg=f"row {at} padded")
+
+    # Sequence B: 30 rows after 20 cells of context, its cells from cell 900. A batch of A's rows
+    # 40..59, B's rows and a fully masked row, shuffled: the tiles straddle the two sequences.
+    mask_b, base_b = cpu.seq_rows(900, 20, 30, span)
+    q_b = rng.standard_normal((30, n_head, hd)).astype(np.float32)
+    b_alone = np.stack([alone(q_b[i], mask_b[i], base_b[i]) for i in range(30)])
+    q_m = np.concatenate([q_a[40:60], q_b, rng.standard_normal((1, n_head, hd)).astype(np.float32)])
+    mask_m = np.concatenate([mask_a[40:60], mask_b, np.full((1, span), NEG_INF, np.float32)])
+    base_m = np.concatenate([base_a[40:60], base_b, [500]]).astype(np.int32)
+    want_m = np.concatenate([chunk[40:60], b_alone, np.zeros((1, n_head, hd), np.float32)])
+    perm = rng.permutation(len(q_m))
+    n_p = len(q_m)
+    mixed = prompt_attention(q_m[perm], k, v, mask_m[perm], base_m[perm], n_kv, n_p, scale)
+    np.testing.assert_array_equal(bits(mixed), bits(want_m[perm]), err_msg="two sequences in a batch")
+    # The same prompt rows with 7 output rows after them (other rows of A, for the CUDA cores).
+    outs = rng.choice(np.arange(100, 512), 7, replace=False)
+    q_o = np.concatenate([q_m[perm], q_a[outs]])
+    mask_o = np.concatenate([mask_m[perm], mask_a[outs]])
+    base_o = np.concatenate([base_m[perm], base_a[outs]]).astype(np.int32)
+    with_outputs = prompt_attention(q_o, k, v, mask_o, base_o, n_kv, n_p, scale)
+    np.testing.assert_array_equal(bits(with_outputs[:n_p]), bits(want_m[perm]), err_msg="with output rows after")
+    np.testing.assert_allclose(with_outputs[n_p:], chunk[outs], **ATT_TOL["F16"])
+
+
+@gpu
+@pytest.mark.parametrize("n_out", [1, 5])
+@pytest.mark.parametrize("heads", PROMPT_HEADS + [(8, 1, 48)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+def test_output_rows_keep_their_bits_beside_prompt_rows(monkeypatch, heads, n_out):
+    """Output rows (r >= prompt_rows) keep exactly the bits the CUDA-core kernels give them: with
+    prompt rows before them, without (prompt_rows = 0), alone, and with the prompt rows' tensor cores
+    off (PYSPEC_CUDA_ATT_TC=0); one output row (the staged kernel, its 1000 cells split over pages)
+    or several (the row-tiled kernel). The prompt rows take the other path on a GPU where the head
+    dim has one (32, 64, 128; 48 stays on the CUDA cores), close to it."""
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    monkeypatch.delenv("PYSPEC_CUDA_ATT_TC", raising=False)
+    n_head, n_kv, hd = heads
+    rng = np.random.default_rng(9500 + n_head * 10 + hd + n_out)
+    n_cells = 1400
+    k = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
+    v = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
+    ctx, n_p = 1000, 40  # a prompt chunk at the end of 1000 cells of context, then the output rows
+    span = (ctx + n_p + n_out + 255) // 256 * 256
+    mask, base = cpu.seq_rows(0, ctx, n_p + n_out, span)
+    q = rng.standard_normal((n_p + n_out, n_head, hd)).astype(np.float32)
+    with_prompt = prompt_attention(q, k, v, mask, base, n_kv, n_p, 0.125)
+    plain = prompt_attention(q, k, v, mask, base, n_kv, 0, 0.125)
+    outputs_alone = prompt_attention(q[n_p:], k, v, mask[n_p:], base[n_p:], n_kv, 0, 0.125)
+    monkeypatch.setenv("PYSPEC_CUDA_ATT_TC", "0")
+    off = prompt_attention(q, k, v, mask, base, n_kv, n_p, 0.125)
+    monkeypatch.delenv("PYSPEC_CUDA_ATT_TC")
+    for name, other in (("no prompt rows", plain[n_p:]), ("alone", outputs_alone), ("tensor cores off", off[n_p:])):
+        np.testing.assert_array_equal(bits(with_prompt[n_p:]), bits(other), err_msg=name)
+    np.testing.assert_array_equal(bits(off), bits(plain))
+    np.testing.assert_allclose(with_prompt[:n_p], plain[:n_p], **ATT_TOL["F16"])
+    if DEVICE != "cuda" or hd not in TC_HEAD_DIMS:
+        np.testing.assert_array_equal(bits(with_prompt), bits(plain))
+    elif CUDA_OK:
+        assert not np.array_equal(with_prompt[:n_p], plain[:n_p]), "prompt rows took the output rows' path"
+
+
+@gpu
+@pytest.mark.parametrize("hd", TC_HEAD_DIMS)
+def test_prompt_row_outside_the_cache_is_an_error(monkeypatch, hd):
+    """A prompt row whose span leaves the cache is refused as any row is (the device's error bit,
+    the CPU's exception), whatever rows share its batch."""
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    monkeypatch.delenv("PYSPEC_CUDA_ATT_TC", raising=False)
+    rng = np.random.default_rng(hd)
+    n_head, n_kv, n_cells = 8, 2, 100
+    k = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
+    v = rng.standard_normal((n_cells, n_kv * hd)).astype(np.float16)
+    mask = np.zeros((3, 64), np.float32)
+    q = rng.standard_normal((3, n_head, hd)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="span outside the cache"):
+        prompt_attention(q, k, v, mask, np.array([0, 50, 10], np.int32), n_kv, 3, 0.125)
+
+
 @gpu
 @pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
 def test_set_rows_then_attention_reads_the_new_cells(cache_dtype):
