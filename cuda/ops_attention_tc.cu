@@ -103,10 +103,10 @@ __device__ __forceinline__ int64_t warp_min_i64(int64_t v) {
 // Bits a .. b (0 <= a <= b < 64).
 __device__ __forceinline__ uint64_t bit_range(int a, int b) { return (~0ull >> (63 - b)) & (~0ull << a); }
 
-// The first and last j < span with m[j] != -inf (-1: none), for the whole warp; 128 values a step
-// so four loads per lane are in flight. Causal and block masks end a few steps from either end.
-__device__ int64_t first_unmasked(const float* m, int64_t span, int lane) {
-    for (int64_t j0 = 0; j0 < span; j0 += 128) {
+// The first j in [from, span) and the last j < below with m[j] != -inf (-1: none), for the whole
+// warp, 128 values a step (four loads per lane in flight): the rare rows the first look misses.
+__device__ int64_t first_unmasked(const float* m, int64_t from, int64_t span, int lane) {
+    for (int64_t j0 = from; j0 < span; j0 += 128) {
         unsigned bal[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -120,8 +120,8 @@ __device__ int64_t first_unmasked(const float* m, int64_t span, int lane) {
     }
     return -1;
 }
-__device__ int64_t last_unmasked(const float* m, int64_t span, int lane) {
-    for (int64_t j1 = span; j1 > 0; j1 -= 128) {  // the window [j1 - 128, j1)
+__device__ int64_t last_unmasked(const float* m, int64_t below, int lane) {
+    for (int64_t j1 = below; j1 > 0; j1 -= 128) {  // the window [j1 - 128, j1)
         unsigned bal[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -135,6 +135,13 @@ __device__ int64_t last_unmasked(const float* m, int64_t span, int lane) {
     }
     return -1;
 }
+
+// The first look at a mask row: its first 32 values and its last kBackLook, read at once for up to
+// kLookRows rows of a warp. The engine's causal and block rows start unmasked and end unmasked
+// within a chunk and the span's padding (256) of the span's end, so most rows need nothing more, and
+// a light tile of a causal chunk (a long masked tail) does not wait for one round trip per row.
+constexpr int kBackLook = 256;
+constexpr int kLookRows = 2;
 
 template <int HD>
 __global__ void __launch_bounds__(kMaxWarps * 32) k_attention_tc(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
@@ -173,25 +180,55 @@ __global__ void __launch_bounds__(kMaxWarps * 32) k_attention_tc(TDesc dst, TDes
     auto stage_m = [&](int st) { return reinterpret_cast<float*>(stage_base + st * sbytes + 2 * kv_stage_bytes(HD)); };
 
     // Each tile row's unmasked cells lie in [lo, hi]; a row past the tile, a row whose span leaves the
-    // cache and a fully masked row take part in nothing.
-    for (int i = warp; i < rows; i += n_warps) {
-        int64_t lo = kNoBlock, hi = -1, b0 = 0;
-        if (i < tile_rows) {
-            const int64_t r = r0 + i;
-            b0 = base[r];
-            if (b0 >= 0 && b0 + span <= n_cells) {
-                const float* mrow = reinterpret_cast<const float*>(mask.data + r * mask.nb[1]);
-                const int64_t jf = first_unmasked(mrow, span, lane);
-                if (jf >= 0) {
-                    lo = b0 + jf;
-                    hi = b0 + last_unmasked(mrow, span, lane);
+    // cache and a fully masked row take part in nothing. A warp takes rows warp + n_warps * t,
+    // kLookRows at a time.
+    for (int i0 = warp; i0 < rows; i0 += kLookRows * n_warps) {
+        const float* mrow[kLookRows];
+        int64_t b0[kLookRows];
+        float front[kLookRows], back[kLookRows][kBackLook / 32];
+#pragma unroll
+        for (int u = 0; u < kLookRows; ++u) {
+            const int i = i0 + u * n_warps;
+            mrow[u] = nullptr;
+            b0[u] = 0;
+            if (i < tile_rows) {
+                b0[u] = base[r0 + i];
+                if (b0[u] >= 0 && b0[u] + span <= n_cells) {
+                    mrow[u] = reinterpret_cast<const float*>(mask.data + (r0 + i) * mask.nb[1]);
                 }
             }
+            // every load first, the ballots after: one round trip for all the rows
+            front[u] = mrow[u] != nullptr && lane < span ? __ldg(mrow[u] + lane) : -INFINITY;
+#pragma unroll
+            for (int w = 0; w < kBackLook / 32; ++w) {
+                const int64_t j = span - kBackLook + 32 * w + lane;
+                back[u][w] = mrow[u] != nullptr && j >= 0 ? __ldg(mrow[u] + j) : -INFINITY;
+            }
         }
-        if (lane == 0) {
-            s_lo[i] = lo;
-            s_hi[i] = hi;
-            s_b0[i] = b0;
+#pragma unroll
+        for (int u = 0; u < kLookRows; ++u) {
+            const int i = i0 + u * n_warps;
+            int64_t lo = kNoBlock, hi = -1;
+            if (mrow[u] != nullptr) {
+                const unsigned f = __ballot_sync(0xffffffffu, front[u] != -INFINITY);
+                const int64_t jf = f != 0u ? __ffs(static_cast<int>(f)) - 1 : first_unmasked(mrow[u], 32, span, lane);
+                if (jf >= 0) {
+                    int64_t jl = -1;
+#pragma unroll
+                    for (int w = 0; w < kBackLook / 32; ++w) {
+                        const unsigned bw = __ballot_sync(0xffffffffu, back[u][w] != -INFINITY);
+                        if (bw != 0u) jl = span - kBackLook + 32 * w + 31 - __clz(static_cast<int>(bw));
+                    }
+                    if (jl < 0) jl = last_unmasked(mrow[u], span - kBackLook, lane);
+                    lo = b0[u] + jf;
+                    hi = b0[u] + jl;
+                }
+            }
+            if (lane == 0 && i < rows) {
+                s_lo[i] = lo;
+                s_hi[i] = hi;
+                s_b0[i] = b0[u];
+            }
         }
     }
     // q of the warp's rows g = lane / 4 and g + 8 as the S mma's A fragments (rows past the tile: 0).
