@@ -3,7 +3,8 @@
 # place, run the CUDA test files four ways (as is: prompt rows on tensor cores, output rows on CUDA
 # cores; without fusions, PYSPEC_CUDA_FUSE=0; every row on tensor cores, PYSPEC_CUDA_TC=1; without
 # the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0; MODES may add cores, every row on CUDA cores:
-# PYSPEC_CUDA_TC=0, and nopdl, plain launches: PYSPEC_CUDA_PDL=0),
+# PYSPEC_CUDA_TC=0, nopdl, plain launches: PYSPEC_CUDA_PDL=0, and noatttc, prompt rows' attention
+# on CUDA cores: PYSPEC_CUDA_ATT_TC=0; BENCH_MODES may add noatttc too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -37,6 +38,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     tc) envs=(PYSPEC_CUDA_TC=1) ;;
     cores) envs=(PYSPEC_CUDA_TC=0) ;;
     nopdl) envs=(PYSPEC_CUDA_PDL=0) ;;
+    noatttc) envs=(PYSPEC_CUDA_ATT_TC=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -52,6 +54,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     [ $mode = cores ] && envs=(PYSPEC_CUDA_TC=0)
     # plain launches, without programmatic dependent launch (cuda/launch.cuh)
     [ $mode = nopdl ] && envs=(PYSPEC_CUDA_PDL=0)
+    # prompt rows' attention on the CUDA cores (cuda/ops_attention_tc.cu off), for pp512's A/B
+    [ $mode = noatttc ] && envs=(PYSPEC_CUDA_ATT_TC=0) && only=pp512
     # without the row-tiled attention for batches (pp, par64; the same bits as the per-row kernel)
     [ $mode = notiled ] && envs=(PYSPEC_CUDA_ATT_TILED=0) && only=pp512,par64 && prof=
     timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats ${REPEATS:-2} --only $only \
@@ -73,7 +77,9 @@ if [ -n "${SANITIZE:-}" ]; then
   san_tests=(tests/test_cuda_models.py::test_spec_engine_greedy_equals_plain_greedy
              "tests/test_cuda_models.py::test_logits_match_the_cpu"
              "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h9kv3d64]"
-             "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h32kv8d128]")
+             "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h32kv8d128]"
+             "tests/test_cuda_ops.py::test_prompt_rows_attention_is_each_rows_own[h9kv3d64]"
+             "tests/test_cuda_ops.py::test_prompt_rows_attention_is_each_rows_own[h4kv2d64]")
   for tool in memcheck racecheck; do
     timeout 600 env PYSPEC_CUDA_GRAPHS=0 compute-sanitizer --tool $tool --error-exitcode 9 \
       python3 -m pytest -q -p no:cacheprovider "${san_tests[@]}" > "$out/sanitize-$tool.log" 2>&1
