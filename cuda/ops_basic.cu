@@ -238,31 +238,45 @@ __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
     rms_norm_regs<kWarpNormMax / 32>(xr, w, yr, n, lane, 32, eps, [](float v) { return warp_sum(v); });
 }
 
+// Element-wise kernels: block (x, y) takes columns x * blockDim + thread, stepping by the grid's
+// width, of rows y, y + gridDim.y, ..., so a row's address is found once per row rather than per
+// element (row() divides by the shape: 2-D tensors, the common case, skip it). Each element's
+// arithmetic is unchanged.
+__device__ __forceinline__ const float* row_f(const TDesc& t, int64_t r) {
+    return reinterpret_cast<const float*>(t.ne[2] * t.ne[3] == 1 ? t.data + r * t.nb[1] : t.row(r));
+}
+
 __global__ void k_binary(int kind, TDesc dst, TDesc a, TDesc b) {
     pdl_enter();
-    const int64_t n0 = a.ne[0], total = n0 * a.nrows();
+    const int64_t n0 = a.ne[0], rows = a.nrows();
     const bool bcast = b.nrows() == 1;
-    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t r = e / n0, i = e % n0;
-        const float x = reinterpret_cast<const float*>(a.row(r))[i];
-        const float y = reinterpret_cast<const float*>(b.row(bcast ? 0 : r))[i];
-        float v;
-        if (kind == 0) v = x + y;
-        else if (kind == 1) v = x * y;
-        else v = silu_f(x) * y;
-        reinterpret_cast<float*>(dst.row(r))[i] = v;
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float* xa = row_f(a, r);
+        const float* xb = row_f(b, bcast ? 0 : r);
+        float* y = const_cast<float*>(row_f(dst, r));
+        for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n0;
+             i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+            const float x = xa[i], w = xb[i];
+            float v;
+            if (kind == 0) v = x + w;
+            else if (kind == 1) v = x * w;
+            else v = silu_f(x) * w;
+            y[i] = v;
+        }
     }
 }
 
 __global__ void k_unary(int kind, TDesc dst, TDesc a, float f) {
     pdl_enter();
-    const int64_t n0 = a.ne[0], total = n0 * a.nrows();
-    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t r = e / n0, i = e % n0;
-        const float x = reinterpret_cast<const float*>(a.row(r))[i];
-        reinterpret_cast<float*>(dst.row(r))[i] = kind == 0 ? x * f : silu_f(x);
+    const int64_t n0 = a.ne[0], rows = a.nrows();
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float* xa = row_f(a, r);
+        float* y = const_cast<float*>(row_f(dst, r));
+        for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n0;
+             i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+            const float x = xa[i];
+            y[i] = kind == 0 ? x * f : silu_f(x);
+        }
     }
 }
 
@@ -478,6 +492,14 @@ __global__ void k_sum(TDesc dst, TDesc a) {
     if (threadIdx.x == 0) reinterpret_cast<float*>(dst.data)[0] = static_cast<float>(red[0]);
 }
 
+// The element-wise kernels' grid: enough column blocks for a row, one row per block row (grid-
+// stride beyond 65535 rows).
+dim3 rows_grid(int64_t n0, int64_t rows) {
+    const int64_t gx = std::max<int64_t>(1, std::min<int64_t>((n0 + kThreads - 1) / kThreads, 1024));
+    const int64_t gy = std::max<int64_t>(1, std::min<int64_t>(rows, 65535));
+    return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+}
+
 unsigned elems_grid(int64_t n) {
     const int64_t g = (n + kThreads - 1) / kThreads;
     return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 16 ? 65535 * 16 : g));
@@ -529,11 +551,11 @@ void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s) {
 }
 
 void launch_binary(int kind, const TDesc& dst, const TDesc& a, const TDesc& b, cudaStream_t s) {
-    launch(k_binary, elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s, kind, dst, a, b);
+    launch(k_binary, rows_grid(a.ne[0], a.nrows()), kThreads, 0, s, kind, dst, a, b);
 }
 
 void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStream_t s) {
-    launch(k_unary, elems_grid(a.nrows() * a.ne[0]), kThreads, 0, s, kind, dst, a, f);
+    launch(k_unary, rows_grid(a.ne[0], a.nrows()), kThreads, 0, s, kind, dst, a, f);
 }
 
 void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* cells, const float* factors, int n_rot,
