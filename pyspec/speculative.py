@@ -216,6 +216,7 @@ class SpeculativeGenerator:
         self.verify = verify
         self.layers = [int(x) for x in drafter.model.target_layers]
         self.offset = int(drafter.model.draft_offset)
+        self.block_size = int(drafter.model.block_size)
 
     def method(self, params: SamplingParams) -> str:
         if params.greedy:
@@ -305,12 +306,13 @@ class SpeculativeGenerator:
         """(drafts [γ] int32, q rows [γ, V] float32 or None at T = 0)."""
         if n_draft == 0:
             return np.zeros(0, np.int32), np.zeros((0, 0), np.float32)
-        # The whole configured block is drafted and then cut, so a slot's logits do not depend
-        # on how much room this round has (the block attends to itself).
-        n_block = self.draft_n_max + self.offset
-        out = self.drafter.context.draft_logits(0, id_last, pos0, n_block,
+        # The drafter's whole trained block is decoded and its first draft_n_max draft slots
+        # come out, as in the engine: the block's rows attend to each other, so a shorter block
+        # is one it never saw in training, and a fixed one keeps a slot's logits independent of
+        # this round's room.
+        out = self.drafter.context.draft_logits(0, id_last, pos0, self.block_size,
                                                 temperature=max(temperature, 0.0), seed=seed,
-                                                offset=pos0)
+                                                offset=pos0, n_out=self.draft_n_max + self.offset)
         n_draft = self._pruned(out, n_draft)
         slots = slice(self.offset, self.offset + n_draft)
         drafts = np.ascontiguousarray(out["tokens"][slots], np.int32)

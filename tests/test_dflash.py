@@ -601,6 +601,42 @@ def test_batched_draft_equals_each_sequence_drafted_alone(root, variant):
     assert batched.max_pos_written == alone.max_pos_written < batched.window
 
 
+@pytest.mark.parametrize("variant", list(BATCH_VARIANTS))
+def test_output_slots_are_the_whole_blocks_first_slots(root, variant):
+    """n_out < n_block decodes the whole block and returns its first n_out slots: bit for bit the
+    first rows of what returning every slot gives (tokens, q, logits, chains, confidences), at
+    T = 0 and T > 0, batched. The other slots still attend and are attended to; only the work no
+    kept slot reads is skipped (the last layer's queries and FFN, the head, the chains)."""
+    arch, kwargs, _ = BATCH_VARIANTS[variant]
+    tm, _, tmodel = target(root, arch)
+    _, path = make_drafter(root, variant + "-out", tm, **kwargs)
+    dm = _core.DraftModel(str(path), tmodel)
+    block = dm.block_size
+    rng = np.random.default_rng(kwargs["seed"] + 7)
+    lens = [5, 12, 30]
+    dc = _core.DraftContext(dm, n_seq_max=3, n_batch=64, n_threads=2, check_plans=True)
+    for s, n in enumerate(lens):
+        dc.inject(s, np.arange(n, dtype=np.int32), features(tmodel, rng.integers(0, tm.n_vocab, n), dm.target_layers))
+    reqs = [dict(seq=s, id_last=int(rng.integers(0, tm.n_vocab)), pos0=lens[s], temperature=t, seed=9 + s)
+            for s, t in zip(range(3), (0.0, 0.8, 1.2))]
+    whole = dc.draft_logits_many(reqs, block)
+    for n_out in sorted({1, 2, block - 1}):
+        got = dc.draft_logits_many(reqs, block, n_out=n_out)
+        for g, w in zip(got, whole):
+            assert set(g) == set(w)
+            for key in DRAFT_KEYS:
+                if key in w:
+                    assert g[key].shape[0] == n_out, key
+                    np.testing.assert_array_equal(g[key], w[key][:n_out], err_msg=f"{variant} {key} n_out {n_out}")
+    # ... and a shorter block is another computation where slots see later ones (non-causal):
+    # its slots differ from the whole block's. Causal slots see only earlier ones: the same.
+    short = dc.draft_logits_many(reqs, 2)
+    same = [np.array_equal(s["logits"], w["logits"][:2]) for s, w in zip(short, whole)]
+    assert all(same) if dm.causal else not any(same)
+    with pytest.raises(ValueError, match="n_out"):
+        dc.draft_logits(0, 1, lens[0], block, n_out=block + 1)
+
+
 def test_batched_draft_refuses_bad_batches(root):
     tm, _, tmodel = target(root, "qwen3")
     _, path = make_drafter(root, "dspark-batch-calls", tm, kind="dspark", seed=34)

@@ -39,6 +39,18 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory):
+    """The tiny pair with room for long generations: a cancelled stream must still be running
+    when the server notices its client is gone (the tiny pair decodes ~9k tokens/s)."""
+    pairs = Pairs(tmp_path_factory.mktemp("server-long"))
+    target, drafter, _, _, _ = pairs.known_acceptance(0.7, True, seed=3)
+    srv = ServerProcess(["-m", target, "-md", drafter, "-np", "2", "-c", str(2 * 16384),
+                         "--spec-draft-n-max", "5", "--metrics", "-t", "2", "--temp", "0"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
 def smol():
     srv = ServerProcess(["-np", "2", "-c", "1024", "-t", "2", "--metrics"])
     yield srv
@@ -178,9 +190,10 @@ def test_api_key(tmp_path_factory):
 
 # --- a client that goes away ------------------------------------------------------------------
 
-def test_cancelled_stream_frees_slot_and_draft_state(tiny):
+def test_cancelled_stream_frees_slot_and_draft_state(tiny_long):
+    tiny = tiny_long
     with requests.post(tiny.url + "/completion", stream=True, timeout=60,
-                       json={"prompt": PROMPTS[2], "n_predict": 240, "temperature": 0,
+                       json={"prompt": PROMPTS[2], "n_predict": 16000, "temperature": 0,
                              "ignore_eos": True, "stream": True}) as r:
         assert r.status_code == 200
         events = 0

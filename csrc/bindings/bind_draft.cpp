@@ -76,18 +76,18 @@ py::dict to_dict(const DraftOutput& out) {
 }
 
 py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
-                      float temperature, uint64_t seed, int64_t offset) {
+                      float temperature, uint64_t seed, int64_t offset, int64_t n_out) {
     const DraftSampling sampling = sampling_of(pos0, temperature, seed, offset);
     DraftOutput out;
     {
         py::gil_scoped_release release;
-        out = ctx.draft(seq, id_last, pos0, n_block, sampling);
+        out = ctx.draft(seq, id_last, pos0, n_block, n_out, sampling);
     }
     return to_dict(out);
 }
 
 // requests: a list of dicts {seq, id_last, pos0[, temperature, seed, offset]}.
-py::list draft_logits_many(DraftContext& ctx, const py::list& requests, int64_t n_block) {
+py::list draft_logits_many(DraftContext& ctx, const py::list& requests, int64_t n_block, int64_t n_out) {
     std::vector<DraftRequest> reqs;
     for (const py::handle& h : requests) {
         const py::dict r = py::reinterpret_borrow<py::dict>(h);
@@ -103,7 +103,7 @@ py::list draft_logits_many(DraftContext& ctx, const py::list& requests, int64_t 
     std::vector<DraftOutput> outs;
     {
         py::gil_scoped_release release;
-        outs = ctx.draft_many(reqs, n_block);
+        outs = ctx.draft_many(reqs, n_block, n_out);
     }
     py::list l;
     for (const DraftOutput& o : outs) l.append(to_dict(o));
@@ -160,13 +160,14 @@ void bind_draft(py::module_& m) {
              py::arg("n_candidates") = 8, py::arg("backend") = "cpu", py::keep_alive<1, 2>())
         .def("inject", &inject, py::arg("seq"), py::arg("positions"), py::arg("features"))
         .def("draft_logits", &draft_logits, py::arg("seq"), py::arg("id_last"), py::arg("pos0"), py::arg("n_block"),
-             py::arg("temperature") = 0.0f, py::arg("seed") = 0, py::arg("offset") = -1,
-             "Drafts the block [id_last, MASK, ...] at pos0. temperature > 0: draft slots are drawn by "
+             py::arg("temperature") = 0.0f, py::arg("seed") = 0, py::arg("offset") = -1, py::arg("n_out") = -1,
+             "Drafts the block [id_last, MASK, ...] (n_block tokens) at pos0 and returns its first n_out slots "
+             "(-1: all; the others are decoded as the kept slots' context). temperature > 0: draft slots are drawn by "
              "Gumbel-max with Philox noise keyed (seed, offset (-1: pos0), pos0 + 1 + k, draft stream); "
              "DSpark draws ancestrally in the graph (each slot's Markov bias follows the drawn token). "
              "Returns logits, tokens, candidates, candidate_logits, probs, and when present base_logits, "
              "confidence, q (T > 0: the exact law of each draft slot's token).")
-        .def("draft_logits_many", &draft_logits_many, py::arg("requests"), py::arg("n_block"),
+        .def("draft_logits_many", &draft_logits_many, py::arg("requests"), py::arg("n_block"), py::arg("n_out") = -1,
              "One drafter pass over the blocks of several distinct sequences: requests is a list of dicts "
              "{seq, id_last, pos0[, temperature, seed, offset]}; returns one draft_logits dict per request, "
              "in order, each exactly what draft_logits returns for that sequence alone.")

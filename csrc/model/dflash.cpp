@@ -332,11 +332,31 @@ DraftInjectGraph build_dflash_inject_graph(const DraftModel& model, const KvCach
     return ig;
 }
 
+namespace {
+
+// The first n rows of the batch, as a view: the first n columns of a 2-D tensor, or the first n
+// entries of a per-row vector (positions, kv_base). Contiguous, so every op reads it as it would
+// a tensor of its own.
+int leading_rows(Graph& g, int t, int64_t n) {
+    const Tensor& src = g[t];
+    const bool vector = src.ne[1] == 1;
+    if (n == (vector ? src.ne[0] : src.ne[1])) return t;
+    const size_t row = vector ? src.nb[0] : src.nb[1];
+    const size_t all = row * static_cast<size_t>(n);
+    if (vector) return g.view(t, {n, 1, 1, 1}, {src.nb[0], all, all, all}, 0);
+    return g.view(t, {src.ne[0], n, 1, 1}, {src.nb[0], row, all, all}, 0);
+}
+
+}  // namespace
+
 DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_blocks,
-                                         int64_t block, int64_t span, int64_t n_chain_slots,
+                                         int64_t block, int64_t n_out, int64_t span, int64_t n_chain_slots,
                                          int64_t n_candidates) {
     const DraftHparams& hp = model.hparams();
+    if (n_out < 1 || n_out > block) throw std::invalid_argument("draft block graph: n_out must be in [1, block]");
     const int64_t n_rows = n_blocks * block, hd = hp.head_dim;
+    // Rows [0, n_kept) are the output slots (block-major), the rest only serve as keys and values.
+    const int64_t n_kept = n_blocks * n_out;
     DraftBlockGraph bg;
     Graph& g = bg.graph;
     bg.tokens = g.input(DType::I32, {n_rows, 1, 1, 1}, "inp_tokens");
@@ -349,19 +369,24 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
     if (hp.embedding_scale != 1.0f) x = g.scale(x, hp.embedding_scale);
     for (int il = 0; il < hp.n_layer; ++il) {
         const DraftLayerWeights& w = model.layers[static_cast<size_t>(il)];
+        // The last layer writes every row's K and V (the kept rows attend to them) but computes
+        // the rest -- queries, attention, output projection, FFN -- for the kept rows alone: no
+        // later op reads the others. A kept row's ops are the same either way (batch invariance).
+        const int64_t n_q = il + 1 == hp.n_layer ? n_kept : n_rows;
         int h = g.rms_norm(x, add_weight(g, w.attn_norm), hp.rms_eps);
-        int q = g.reshape(g.mul_mat(add_weight(g, w.wq), h), {hd, hp.n_head, n_rows, 1});
+        int q = g.reshape(g.mul_mat(add_weight(g, w.wq), leading_rows(g, h, n_q)), {hd, hp.n_head, n_q, 1});
         int k = g.reshape(g.mul_mat(add_weight(g, w.wk), h), {hd, hp.n_head_kv, n_rows, 1});
         const int v = g.mul_mat(add_weight(g, w.wv), h);
         q = g.rms_norm(q, add_weight(g, w.q_norm), hp.rms_eps);
         k = g.rms_norm(k, add_weight(g, w.k_norm), hp.rms_eps);
-        q = g.rope(q, bg.positions, static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
+        q = g.rope(q, leading_rows(g, bg.positions, n_q), static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
         k = g.rope(k, bg.positions, static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
         const auto [k_cache, v_cache] = cache_leaves(g, hp, kv, il);
         const int k_written = g.set_rows(k_cache, g.reshape(k, {hd * hp.n_head_kv, n_rows, 1, 1}), bg.kv_cells);
         const int v_written = g.set_rows(v_cache, v, bg.kv_cells);
-        const int att = g.attention(q, k_written, v_written, bg.mask, bg.kv_base, static_cast<int>(hp.n_head_kv), hp.attn_scale);
-        x = g.add(x, g.mul_mat(add_weight(g, w.wo), g.reshape(att, {hd * hp.n_head, n_rows, 1, 1})));
+        const int att = g.attention(q, k_written, v_written, leading_rows(g, bg.mask, n_q), leading_rows(g, bg.kv_base, n_q),
+                                    static_cast<int>(hp.n_head_kv), hp.attn_scale);
+        x = g.add(leading_rows(g, x, n_q), g.mul_mat(add_weight(g, w.wo), g.reshape(att, {hd * hp.n_head, n_q, 1, 1})));
         h = g.rms_norm(x, add_weight(g, w.ffn_norm), hp.rms_eps);
         const int gate = g.mul_mat(add_weight(g, w.ffn_gate), h);
         const int up = g.mul_mat(add_weight(g, w.ffn_up), h);
@@ -379,7 +404,7 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         // gets base_i + W2 * W1[prev_i] and passes its argmax (a draft id) on as prev_{i+1}, whose
         // embedding is W1[d2t[prev]] = markov_w1_draft[prev]. The biased rows are written over
         // a copy of the backbone logits, so final_d holds every slot's drafting logits.
-        const int64_t n_markov = block - hp.draft_offset();
+        const int64_t n_markov = std::max<int64_t>(0, n_out - hp.draft_offset());
         bg.anchors = g.input(DType::I32, {n_blocks, 1, 1, 1}, "inp_anchors");
         if (n_markov > 0) bg.markov_rows = g.input(DType::I32, {n_blocks, n_markov, 1, 1}, "inp_markov_rows");
         const int w1 = add_weight(g, model.markov_w1);
@@ -387,7 +412,7 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         const int w2 = add_weight(g, model.markov_w2);
         const int ce_w = hp.has_confidence_head ? f32_column(g, model.conf_w_e, "conf_w_e") : -1;
         const size_t col_bytes = static_cast<size_t>(vd) * sizeof(float);
-        const size_t stride = static_cast<size_t>(block) * col_bytes;
+        const size_t stride = static_cast<size_t>(n_out) * col_bytes;
         final_d = g.cpy(bg.logits, DType::F32);
         g.set_name(final_d, "drafting_logits");
         if (n_markov > 0) {
@@ -396,7 +421,7 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         }
         const size_t noise_slot_bytes = static_cast<size_t>(vd * n_blocks) * sizeof(float);
         int prev = bg.anchors;
-        for (int64_t i = hp.draft_offset(); i < block; ++i) {
+        for (int64_t i = hp.draft_offset(); i < n_out; ++i) {
             const int64_t k = i - hp.draft_offset();
             const int e = g.get_rows(k == 0 ? w1 : w1_draft, prev);
             int bias = g.mul_mat(w2, e);
@@ -439,11 +464,11 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
     } else {
         // d2t scatter (reference §1.4): each draft logit goes to its target id in a row that is
         // -inf elsewhere; element-wise as SET_ROWS of one-element rows into the flattened fill.
-        bg.fill = g.input(DType::F32, {v, n_rows, 1, 1}, "inp_logits_fill");
-        bg.scatter_ids = g.input(DType::I32, {vd * n_rows, 1, 1, 1}, "inp_d2t_scatter");
-        const int scattered = g.set_rows(g.reshape(bg.fill, {1, v * n_rows, 1, 1}),
-                                         g.reshape(final_d, {1, vd * n_rows, 1, 1}), bg.scatter_ids);
-        bg.final_logits = g.reshape(scattered, {v, n_rows, 1, 1});
+        bg.fill = g.input(DType::F32, {v, n_kept, 1, 1}, "inp_logits_fill");
+        bg.scatter_ids = g.input(DType::I32, {vd * n_kept, 1, 1, 1}, "inp_d2t_scatter");
+        const int scattered = g.set_rows(g.reshape(bg.fill, {1, v * n_kept, 1, 1}),
+                                         g.reshape(final_d, {1, vd * n_kept, 1, 1}), bg.scatter_ids);
+        bg.final_logits = g.reshape(scattered, {v, n_kept, 1, 1});
     }
     g.set_output(g.root_of(bg.final_logits));
 

@@ -131,7 +131,7 @@ struct DraftBlockGraph {
     // fill uploaded per pass) and with TOP_K/ARGMAX over Vd entries instead of V.
     bool chain_draft_ids = false;
     int markov_rows = -1;  // DSpark: I32 [n_blocks, n_markov_slots]; column k = rows of slot
-                           // draft_offset + k (b * block + slot), where its biased logits go
+                           // draft_offset + k (b * n_out + slot), where its biased logits go
     int fill = -1;         // d2t: F32 [n_vocab, n_rows] input, -inf; the scatter's destination
     int scatter_ids = -1;  // d2t: I32 [n_vocab_draft * n_rows], r * n_vocab + d2t[d]
     // DSpark, per Markov slot k: the confidence head's Markov-feature term F32 [1, n_blocks].
@@ -158,8 +158,13 @@ struct DraftBlockGraph {
     int chain_rows = -1;
     std::vector<int> chain_candidates, chain_logits, chain_probs, chain_sampled;
 };
+// Rows: n_blocks blocks of `block` tokens. The first n_out slots of each block are its output
+// slots, and they come first: rows [0, n_blocks * n_out) hold them block-major (row b * n_out + i),
+// the other slots follow (also block-major). The others only lend their keys and values, so the
+// last layer's queries, FFN, the head, the Markov chain and the sampling chains cover the output
+// rows alone; everything indexed by row below (logits, markov_rows, fill, scatter_ids) counts them.
 DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheView& kv, int64_t n_blocks,
-                                         int64_t block, int64_t span, int64_t n_chain_slots,
+                                         int64_t block, int64_t n_out, int64_t span, int64_t n_chain_slots,
                                          int64_t n_candidates);
 
 // Moves n_rows cache rows (cells src -> dst, both I32 [n_rows] inputs) and rotates K by

@@ -180,18 +180,23 @@ void DraftContext::inject(int32_t seq, const std::vector<int32_t>& positions, co
     }
 }
 
-DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
+DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block, int64_t n_out,
                                 const DraftSampling& sampling) {
-    return std::move(draft_many({DraftRequest{seq, id_last, pos0, sampling}}, n_block).front());
+    return std::move(draft_many({DraftRequest{seq, id_last, pos0, sampling}}, n_block, n_out).front());
 }
 
 std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest>& requests, int64_t n_block,
-                                                  bool with_logits) {
+                                                  int64_t n_out, bool with_logits) {
     const DraftHparams& hp = model_.hparams();
     if (requests.empty()) return {};
     if (n_block < 1 || n_block > hp.block_size) {
         throw std::invalid_argument("draft: n_block " + std::to_string(n_block) + " must be in [1, block_size = " +
                                     std::to_string(hp.block_size) + "]");
+    }
+    if (n_out < 0) n_out = n_block;
+    if (n_out < 1 || n_out > n_block) {
+        throw std::invalid_argument("draft: n_out " + std::to_string(n_out) + " must be in [1, n_block = " +
+                                    std::to_string(n_block) + "]");
     }
     // Check every request before anything changes.
     std::vector<char> seen(static_cast<size_t>(params_.n_seq_max), 0);
@@ -217,27 +222,32 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         }
     }
     const int64_t n_blocks = static_cast<int64_t>(requests.size());
-    const size_t nb = requests.size(), blk = static_cast<size_t>(n_block);
-    const size_t n_rows = nb * blk;
+    const size_t nb = requests.size(), blk = static_cast<size_t>(n_block), nout = static_cast<size_t>(n_out);
+    const size_t n_rows = nb * blk, n_kept = nb * nout;
+    // The graph's row of block b's slot i: output slots first (see build_dflash_block_graph).
+    const auto row_of = [&](size_t b, size_t i) {
+        return i < nout ? b * nout + i : n_kept + b * (blk - nout) + (i - nout);
+    };
 
     // Every block row sees its own sequence's context below the block and (non-causal) its whole
     // block, or (causal) the block up to itself. The noise rows are written to their cells by the
     // graph but never marked occupied, so they are gone from the sequence when this returns.
     const int64_t span = window_;
-    std::vector<int32_t> tokens(n_rows, hp.mask_token_id), pos, cells, base, anchors;
+    std::vector<int32_t> tokens(n_rows, hp.mask_token_id), pos(n_rows), cells(n_rows), base(n_rows), anchors;
     std::vector<float> mask(n_rows * static_cast<size_t>(span), -std::numeric_limits<float>::infinity());
     for (size_t b = 0; b < nb; ++b) {
         const DraftRequest& r = requests[b];
         make_room(r.seq, r.pos0, static_cast<int64_t>(r.pos0) + n_block);
         const int32_t p0 = static_cast<int32_t>(r.pos0 - pos_base_[static_cast<size_t>(r.seq)]);
         max_pos_written_ = std::max<int64_t>(max_pos_written_, p0 + n_block - 1);
-        tokens[b * blk] = r.id_last;
+        tokens[row_of(b, 0)] = r.id_last;
         anchors.push_back(r.id_last);
         for (int64_t i = 0; i < n_block; ++i) {
-            pos.push_back(p0 + static_cast<int32_t>(i));
-            cells.push_back(static_cast<int32_t>(kv_->cell(r.seq, p0 + static_cast<int32_t>(i))));
-            base.push_back(static_cast<int32_t>(kv_->cell(r.seq, 0)));
-            float* m = mask.data() + (b * blk + static_cast<size_t>(i)) * static_cast<size_t>(span);
+            const size_t row = row_of(b, static_cast<size_t>(i));
+            pos[row] = p0 + static_cast<int32_t>(i);
+            cells[row] = static_cast<int32_t>(kv_->cell(r.seq, p0 + static_cast<int32_t>(i)));
+            base[row] = static_cast<int32_t>(kv_->cell(r.seq, 0));
+            float* m = mask.data() + row * static_cast<size_t>(span);
             for (int32_t j = 0; j < p0; ++j) {
                 if (kv_->occupied(r.seq, j)) m[j] = 0.0f;
             }
@@ -246,9 +256,9 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         }
     }
 
-    const int64_t n_chain = params_.n_seq_max * n_block;
-    DraftBlockGraph& bg = prepared(block_graphs_, std::make_tuple(n_blocks, n_block, span, n_chain, params_.n_candidates), [&] {
-        return build_dflash_block_graph(model_, kv_->view(), n_blocks, n_block, span, n_chain, params_.n_candidates);
+    const int64_t n_chain = params_.n_seq_max * n_out;
+    DraftBlockGraph& bg = prepared(block_graphs_, std::make_tuple(n_blocks, n_block, n_out, span, n_chain, params_.n_candidates), [&] {
+        return build_dflash_block_graph(model_, kv_->view(), n_blocks, n_block, n_out, span, n_chain, params_.n_candidates);
     });
     Graph& g = bg.graph;
     const size_t row_bytes = n_rows * sizeof(int32_t);
@@ -258,10 +268,10 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     backend_->write(g[bg.kv_base], base.data(), row_bytes);
     backend_->write(g[bg.mask], mask.data(), mask.size() * sizeof(float));
     if (bg.anchors >= 0) backend_->write(g[bg.anchors], anchors.data(), anchors.size() * sizeof(int32_t));
-    if (bg.markov_rows >= 0) {  // column k (Markov slot draft_offset + k): row b * n_block + slot of each block b
+    if (bg.markov_rows >= 0) {  // column k (Markov slot draft_offset + k): that slot's row of each block b
         std::vector<int32_t> rows;
-        for (int64_t i = hp.draft_offset(); i < n_block; ++i) {
-            for (int64_t b = 0; b < n_blocks; ++b) rows.push_back(static_cast<int32_t>(b * n_block + i));
+        for (int64_t i = hp.draft_offset(); i < n_out; ++i) {
+            for (size_t b = 0; b < nb; ++b) rows.push_back(static_cast<int32_t>(row_of(b, static_cast<size_t>(i))));
         }
         backend_->write(g[bg.markov_rows], rows.data(), rows.size() * sizeof(int32_t));
     }
@@ -272,7 +282,7 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
                         NoiseStream::Draft};
     };
     if (bg.gumbel >= 0) {  // DSpark: each block's 1/T and the Gumbel noise of its Markov slots (0 at T = 0)
-        const size_t n_markov = static_cast<size_t>(n_block - hp.draft_offset());
+        const size_t n_markov = static_cast<size_t>(std::max<int64_t>(0, n_out - hp.draft_offset()));
         std::vector<float> inv(nb * vd), noise(n_markov * nb * vd, 0.0f);
         for (size_t b = 0; b < nb; ++b) {
             const float temp = requests[b].sampling.temperature;
@@ -294,21 +304,21 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         backend_->write(g[bg.gumbel], noise.data(), noise.size() * sizeof(float));
     }
     if (bg.fill >= 0) {
-        const std::vector<float> fill(n_rows * v, -std::numeric_limits<float>::infinity());
+        const std::vector<float> fill(n_kept * v, -std::numeric_limits<float>::infinity());
         backend_->write(g[bg.fill], fill.data(), fill.size() * sizeof(float));
-        std::vector<int32_t> ids(n_rows * vd);
-        for (size_t r = 0; r < n_rows; ++r) {
+        std::vector<int32_t> ids(n_kept * vd);
+        for (size_t r = 0; r < n_kept; ++r) {
             for (size_t d = 0; d < vd; ++d) ids[r * vd + d] = static_cast<int32_t>(r * v) + model_.d2t[d];
         }
         backend_->write(g[bg.scatter_ids], ids.data(), ids.size() * sizeof(int32_t));
     }
-    // Chain s * n_block + i samples row i of sequence s's block; the chains of sequences not in
+    // Chain s * n_out + i samples output slot i of sequence s's block; the chains of sequences not in
     // the batch are bound to row 0 (their outputs are computed and ignored; the topology stays
     // the same).
     std::vector<int32_t> chain_rows(static_cast<size_t>(n_chain), 0);
     for (size_t b = 0; b < nb; ++b) {
-        for (size_t i = 0; i < blk; ++i) {
-            chain_rows[static_cast<size_t>(requests[b].seq) * blk + i] = static_cast<int32_t>(b * blk + i);
+        for (size_t i = 0; i < nout; ++i) {
+            chain_rows[static_cast<size_t>(requests[b].seq) * nout + i] = static_cast<int32_t>(b * nout + i);
         }
     }
     backend_->write(g[bg.chain_rows], chain_rows.data(), chain_rows.size() * sizeof(int32_t));
@@ -319,21 +329,21 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     for (const DraftRequest& r : requests) need_logits = need_logits || (!hp.is_dspark && r.sampling.temperature > 0.0f);
     std::vector<float> all_logits;
     if (need_logits && bg.chain_draft_ids) {  // over draft ids: scattered here, -inf elsewhere
-        std::vector<float> draft(n_rows * vd);
+        std::vector<float> draft(n_kept * vd);
         backend_->read(g[bg.final_logits], draft.data(), draft.size() * sizeof(float));
-        scatter_draft_rows(draft.data(), n_rows, vd, model_.d2t, v, all_logits);
+        scatter_draft_rows(draft.data(), n_kept, vd, model_.d2t, v, all_logits);
     } else if (need_logits) {
-        all_logits.resize(n_rows * v);
+        all_logits.resize(n_kept * v);
         backend_->read(g[bg.final_logits], all_logits.data(), all_logits.size() * sizeof(float));
     }
     std::vector<float> base_d, conf_h;
     if (hp.is_dspark) {
         if (with_logits) {
-            base_d.resize(n_rows * vd);
+            base_d.resize(n_kept * vd);
             backend_->read(g[bg.logits], base_d.data(), base_d.size() * sizeof(float));
         }
         if (hp.has_confidence_head) {
-            conf_h.resize(n_rows);
+            conf_h.resize(n_kept);
             backend_->read(g[bg.conf_h], conf_h.data(), conf_h.size() * sizeof(float));
         }
     }
@@ -345,18 +355,18 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     for (size_t b = 0; b < nb; ++b) {
         DraftOutput& out = outs[b];
         out.n_vocab = hp.n_vocab;
-        out.n_block = n_block;
+        out.n_block = n_out;  // the rows returned: the output slots
         if (need_logits) {
-            out.logits.assign(all_logits.begin() + static_cast<std::ptrdiff_t>(b * blk * v),
-                              all_logits.begin() + static_cast<std::ptrdiff_t>((b + 1) * blk * v));
+            out.logits.assign(all_logits.begin() + static_cast<std::ptrdiff_t>(b * nout * v),
+                              all_logits.begin() + static_cast<std::ptrdiff_t>((b + 1) * nout * v));
         }
         out.n_candidates = bg.n_candidates;
-        out.tokens.resize(blk);
-        out.candidates.resize(blk * k);
-        out.candidate_logits.resize(blk * k);
-        out.candidate_probs.resize(blk * k);
-        for (size_t i = 0; i < blk; ++i) {
-            const size_t j = static_cast<size_t>(requests[b].seq) * blk + i;
+        out.tokens.resize(nout);
+        out.candidates.resize(nout * k);
+        out.candidate_logits.resize(nout * k);
+        out.candidate_probs.resize(nout * k);
+        for (size_t i = 0; i < nout; ++i) {
+            const size_t j = static_cast<size_t>(requests[b].seq) * nout + i;
             backend_->read(g[bg.chain_sampled[j]], &out.tokens[i], sizeof(int32_t));
             backend_->read(g[bg.chain_candidates[j]], out.candidates.data() + i * k, k * sizeof(int32_t));
             backend_->read(g[bg.chain_logits[j]], out.candidate_logits.data() + i * k, k * sizeof(float));
@@ -370,8 +380,8 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         if (out.temperature > 0.0f && !hp.is_dspark) {
             // DFlash: each slot's logits do not depend on earlier drafts, so independent
             // Gumbel-max draws per slot are already ancestral.
-            out.q.assign(blk * v, 0.0f);
-            for (size_t i = static_cast<size_t>(hp.draft_offset()); i < blk; ++i) {
+            out.q.assign(nout * v, 0.0f);
+            for (size_t i = static_cast<size_t>(hp.draft_offset()); i < nout; ++i) {
                 const int64_t kk = static_cast<int64_t>(i) - hp.draft_offset();
                 const float* row = out.logits.data() + i * v;
                 out.tokens[i] = gumbel_max(row, static_cast<int64_t>(v), out.temperature, draft_key(requests[b], kk));
@@ -381,15 +391,15 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         if (!hp.is_dspark) continue;
         // Backbone logits over the target vocabulary (scattered through d2t on the host).
         if (with_logits) {
-            const float* bd = base_d.data() + b * blk * vd;
+            const float* bd = base_d.data() + b * nout * vd;
             if (model_.d2t.empty()) {
-                out.base_logits.assign(bd, bd + blk * vd);
+                out.base_logits.assign(bd, bd + nout * vd);
             } else {
-                scatter_draft_rows(bd, blk, vd, model_.d2t, v, out.base_logits);
+                scatter_draft_rows(bd, nout, vd, model_.d2t, v, out.base_logits);
             }
         }
-        if (out.temperature > 0.0f) out.q.assign(blk * v, 0.0f);
-        if (hp.has_confidence_head) out.confidence.assign(blk, std::numeric_limits<float>::quiet_NaN());
+        if (out.temperature > 0.0f) out.q.assign(nout * v, 0.0f);
+        if (hp.has_confidence_head) out.confidence.assign(nout, std::numeric_limits<float>::quiet_NaN());
     }
     if (!hp.is_dspark) return outs;
 
@@ -408,7 +418,7 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
                 softmax_scatter(markov_z.data() + b * vd, vd, model_.d2t, out.q.data() + i * v);
             }
             if (hp.has_confidence_head) {
-                const double z = static_cast<double>(conf_h[b * blk + i]) + conf_e[b] + model_.conf_bias;
+                const double z = static_cast<double>(conf_h[b * nout + i]) + conf_e[b] + model_.conf_bias;
                 out.confidence[i] = static_cast<float>(1.0 / (1.0 + std::exp(-z)));
             }
         }

@@ -102,12 +102,14 @@ public:
     void inject(int32_t seq, const std::vector<int32_t>& positions, const float* features, size_t n_rows);
 
     // Decodes the block [id_last, MASK, ...] (n_block tokens) at absolute positions pos0.. over the
-    // sequence's context (rows < pos0). The block's rows are not kept in the cache afterwards.
-    // The graph carries n_seq_max x n_block sampling chains, every sequence's, bound to this
-    // sequence's rows (others to row 0) through an input, so drafting any sequence with a given
-    // n_block uses one allocation plan.
+    // sequence's context (rows < pos0) and returns its first n_out slots (n_out < 0: all). The
+    // other slots are decoded as context for those (the block attends to itself), so the outputs
+    // are the whole block's first slots, not a shorter block's. The block's rows are not kept in
+    // the cache afterwards. The graph carries n_seq_max x n_out sampling chains, every
+    // sequence's, bound to this sequence's rows (others to row 0) through an input, so drafting
+    // any sequence with a given (n_block, n_out) uses one allocation plan.
     // The one-sequence case of draft_many.
-    DraftOutput draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block,
+    DraftOutput draft(int32_t seq, int32_t id_last, int32_t pos0, int64_t n_block, int64_t n_out = -1,
                       const DraftSampling& sampling = DraftSampling());
 
     // One drafter pass over the blocks of several distinct sequences (design.md data flow: one
@@ -119,7 +121,7 @@ public:
     // with_logits = false: DraftOutput::logits and base_logits stay empty (the speculative engine
     // uses the tokens, candidates, q and confidences only), sparing the host two copies and a
     // scatter of [n_block, n_vocab] floats per block; everything else is the same.
-    std::vector<DraftOutput> draft_many(const std::vector<DraftRequest>& requests, int64_t n_block,
+    std::vector<DraftOutput> draft_many(const std::vector<DraftRequest>& requests, int64_t n_block, int64_t n_out,
                                         bool with_logits = true);
 
     // Removes absolute positions [p0, p1) of a sequence (p1 < 0: to the end).
@@ -173,8 +175,8 @@ private:
     AllocationPlanner planner_;
     BuiltGraphs<int64_t, DraftShiftGraph> shift_graphs_;    // by rows
     BuiltGraphs<int64_t, DraftInjectGraph> inject_graphs_;  // by rows
-    // by (blocks, block length, span, chains, candidates)
-    BuiltGraphs<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, DraftBlockGraph> block_graphs_;
+    // by (blocks, block length, output slots, span, chains, candidates)
+    BuiltGraphs<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, DraftBlockGraph> block_graphs_;
     std::vector<int64_t> pos_base_;
     int64_t max_pos_written_ = -1;
 };
