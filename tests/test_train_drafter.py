@@ -302,6 +302,26 @@ def test_init_from_reproduces_the_checkpoint(smoke, tmp_path):
     torch.testing.assert_close(la, lb)
 
 
+def test_init_from_with_another_block_size(smoke, tmp_path):
+    """--init-from with --block-size retrains a drafter for another block: the same weights (no
+    weight depends on the block), and the new block in config.json and in the converted GGUF,
+    which the engine then decodes whole."""
+    import json
+    target = str(smoke / "smoke-target.gguf")
+    src = json.loads((smoke / "hf" / "config.json").read_text())["block_size"]
+    out = tmp_path / "block4"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "hf"),
+                     "--steps", "0", "--block-size", "4"]) == 0
+    assert src != 4 and json.loads((out / "hf" / "config.json").read_text())["block_size"] == 4
+    a, b = DSparkDrafter.load_hf(smoke / "hf"), DSparkDrafter.load_hf(out / "hf")
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, msg=n)
+    convert(out / "hf", tmp_path / "d.gguf", "f32", target_model_dir=target, progress=False)
+    model = _core.Model(target)
+    assert _core.DraftModel(str(tmp_path / "d.gguf"), model).block_size == 4
+
+
 def test_bf16_checkpoint_is_half_the_size_and_loads(smoke, tmp_path):
     d = DSparkDrafter.load_hf(smoke / "hf")
     d.save_hf(tmp_path / "f32")

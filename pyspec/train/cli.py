@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="the target GGUF (llama or qwen3)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--block-size", type=int, default=7)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="block length: the drafter's rows per pass, and its most drafts (default "
+                        "7; with --init-from the checkpoint's unless given: no weight depends on "
+                        "it, so a trained drafter can be retrained for a shorter, cheaper block)")
     p.add_argument("--layers", type=int, default=None,
                    help="drafter layers (default 3; with --init-from the checkpoint's, or more: "
                         "the added layers start as identities and the trained ones are kept)")

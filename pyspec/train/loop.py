@@ -41,7 +41,7 @@ class TrainOptions:
     target: str
     out: str
     steps: int = 2000
-    block_size: int = 7
+    block_size: Optional[int] = None     # None: 7, or with init_from the checkpoint's
     layers: Optional[int] = None          # None: 3, or --init-from's checkpoint's
     target_layers: str = "auto"
     markov_rank: int = 128
@@ -265,6 +265,9 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
             log(f"{opt.init_from} grown from {drafter.c.num_hidden_layers} to {opt.layers} "
                 f"layers (the new ones start as identities)")
             drafter = drafter.grow(opt.layers)
+        if opt.block_size is not None and opt.block_size != drafter.c.block_size:
+            log(f"block size {drafter.c.block_size} of {opt.init_from} becomes {opt.block_size}")
+            drafter.c.block_size = opt.block_size
         c = drafter.c
         log(f"initialised from {opt.init_from}: {c.num_hidden_layers} layers, target layers "
             f"{c.target_layers}, mask token {c.mask_token_id}, draft vocabulary {c.vd} "
@@ -274,7 +277,7 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
                         num_hidden_layers=opt.layers or 3, num_attention_heads=hp.n_head,
                         num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim,
                         vocab_size=hp.n_vocab, target_layers=layers, mask_token_id=mask_id,
-                        block_size=opt.block_size, markov_rank=opt.markov_rank,
+                        block_size=opt.block_size or 7, markov_rank=opt.markov_rank,
                         draft_vocab_size=len(d2t) if d2t is not None else 0,
                         rms_norm_eps=hp.rms_eps, rope_theta=hp.rope_freq_base,
                         max_position_embeddings=hp.n_ctx_train,
@@ -303,6 +306,15 @@ def validation_score(val: dict) -> float:
     return e if math.isfinite(e) else val["accept_len"]
 
 
+def block_size_of(opt: TrainOptions) -> int:
+    """The block length the run trains: --block-size, else --init-from's, else 7."""
+    if opt.block_size is not None:
+        return opt.block_size
+    if opt.init_from:
+        return int(json.loads((Path(opt.init_from) / "config.json").read_text())["block_size"])
+    return 7
+
+
 def train(opt: TrainOptions, log=print) -> Optional[Path]:
     """Trains and returns the hf/ directory (None with generate_only)."""
     from .validation import Validator, split
@@ -329,7 +341,7 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
     if not train_idx:
         raise RuntimeError("no training sequences left after the validation split")
     validator = Validator(seqs, val_idx, opt.val_seqs, opt.batch, opt.anchors, device,
-                          prompt_lens, opt.block_size) \
+                          prompt_lens, block_size_of(opt)) \
         if val_idx and opt.val_seqs > 0 else None
     log(f"{len(train_idx)} training sequences, {len(val_idx)} held out for validation"
         + (f" (proxies on {len(validator)} of them)" if validator else ""))
