@@ -35,16 +35,14 @@ def default_model_path() -> str:
 
 
 # The DSpark drafter trained for the default model (pyspec-train-drafter on SmolLM2's own
-# generations, docs/training.md), shipped in pyspec/data/. pyspec-cli and pyspec-server use it
-# when no model is given, for every request: greedy (run s3, n_max 2: x1.20 / x1.35 / x1.21 on
-# chat / code / prose) and, since the host sampling work of 2026-11-29, sampled with
-# llama-server's default chain at T 0.8 (rejection, two runs: x1.05 / x1.21 / x0.99 and
-# x1.01 / x1.30 / x1.04; it had measured x0.81-0.93 on chat and prose before). --spec-type none
-# turns it off.
+# generations, docs/training.md), shipped in pyspec/data/: run s5, s3 retrained for a block of 4.
+# pyspec-cli and pyspec-server use it when no model is given, for every request, greedy (n_max
+# 2: x1.28 / x1.49 / x1.36 on chat / code / prose) and sampled with llama-server's default chain
+# at T 0.8 (rejection: x1.08 / x1.24 / x1.09). --spec-type none turns it off.
 DEFAULT_DRAFTER_FILE = "SmolLM2-135M-Instruct-DSpark.Q4_1.gguf"
 # Drafts per round with it unless the user asks otherwise: the fastest on 2 CPU threads
-# (bench/bench_drafter.py, run s3, greedy, chat / code / prose: n_max 2 x1.08 / x1.35 / x1.17 over
-# plain decoding, n_max 3 x1.04 / x1.32 / x1.12).
+# (bench/bench_drafter.py, run s5, greedy, chat / code / prose: n_max 2 x1.28 / x1.49 / x1.36
+# over plain decoding, n_max 3 x1.18 / x1.45 / x1.34, n_max 4 x1.05 / x1.32 / x1.18).
 DEFAULT_DRAFTER_N_MAX = 2
 
 
