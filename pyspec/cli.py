@@ -432,9 +432,12 @@ def _run(args) -> int:
     _log(f"load: '{m.path}': {m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, "
          f"vocab {m.n_vocab}, loaded in {perf.load_seconds * 1e3:.0f} ms")
     _log(f"load: backend {_backend_line(m.backend, args.n_gpu_layers)}")
-    if args.embedded_drafter:
+    if args.embedded_drafter and llm.speculative is not None:
+        n_max = llm.speculative.draft_n_max
+        clamped = (f" (--draft-max {args.draft_max} clamped to the drafter's block)"
+                   if args.draft_max is not None and args.draft_max > n_max else "")
         _log(f"load: speculative decoding with the default model's embedded drafter "
-             f"'{args.model_draft}', up to {args.draft_max} drafts per round (--spec-type none "
+             f"'{args.model_draft}', up to {n_max} drafts per round{clamped} (--spec-type none "
              f"turns it off)")
     if llm.speculative is not None:
         _log(f"load: drafter backend "

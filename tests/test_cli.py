@@ -79,6 +79,12 @@ def test_the_default_model_speculates_with_its_embedded_drafter(llm):
     sampled = run_cli("-p", FRANCE["prompt"], "-n", "16", "-t", "2", "-c", "256", "--temp", "0.8", "-s", "3")
     assert sampled.returncode == 0, sampled.stderr
     assert "embedded drafter" in sampled.stderr and "draft acceptance" in sampled.stderr, sampled.stderr
+    # More drafts than the drafter's block holds: clamped (as llama.cpp), and the log says so.
+    block = pyspec.LLM(draft_model=pyspec.model.default_drafter_path(), n_ctx=64).speculative.drafter.n_draft_max
+    wide = run_cli("-p", FRANCE["prompt"], "-n", "4", "--draft-max", str(block + 3), *BASE[:-2])
+    assert wide.returncode == 0, wide.stderr
+    assert (f"up to {block} drafts per round (--draft-max {block + 3} clamped to the drafter's block)"
+            in wide.stderr), wide.stderr
 
 
 def test_the_embedded_drafter_stays_off_where_it_does_not_pay(llm, monkeypatch, capsys):
