@@ -633,6 +633,9 @@ def test_output_slots_are_the_whole_blocks_first_slots(root, variant):
     short = dc.draft_logits_many(reqs, 2)
     same = [np.array_equal(s["logits"], w["logits"][:2]) for s, w in zip(short, whole)]
     assert all(same) if dm.causal else not any(same)
+    # One-row blocks (the graph's row views are then whole tensors), one sequence and several.
+    assert all(o["logits"].shape[0] == 1 for o in dc.draft_logits_many(reqs, 1))
+    assert dc.draft_logits(0, 1, lens[0], 1)["logits"].shape[0] == 1
     with pytest.raises(ValueError, match="n_out"):
         dc.draft_logits(0, 1, lens[0], block, n_out=block + 1)
 

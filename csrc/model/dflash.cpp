@@ -334,17 +334,21 @@ DraftInjectGraph build_dflash_inject_graph(const DraftModel& model, const KvCach
 
 namespace {
 
-// The first n rows of the batch, as a view: the first n columns of a 2-D tensor, or the first n
-// entries of a per-row vector (positions, kv_base). Contiguous, so every op reads it as it would
-// a tensor of its own.
+// The first n rows of the batch, as views: contiguous, so every op reads them as it would a
+// tensor of its own. leading_rows: the first n columns of a [width, rows] tensor; leading_entries:
+// the first n entries of a per-row vector (positions, kv_base). Both return t itself for all rows.
 int leading_rows(Graph& g, int t, int64_t n) {
     const Tensor& src = g[t];
-    const bool vector = src.ne[1] == 1;
-    if (n == (vector ? src.ne[0] : src.ne[1])) return t;
-    const size_t row = vector ? src.nb[0] : src.nb[1];
-    const size_t all = row * static_cast<size_t>(n);
-    if (vector) return g.view(t, {n, 1, 1, 1}, {src.nb[0], all, all, all}, 0);
-    return g.view(t, {src.ne[0], n, 1, 1}, {src.nb[0], row, all, all}, 0);
+    if (n == src.ne[1]) return t;
+    const size_t all = src.nb[1] * static_cast<size_t>(n);
+    return g.view(t, {src.ne[0], n, 1, 1}, {src.nb[0], src.nb[1], all, all}, 0);
+}
+
+int leading_entries(Graph& g, int t, int64_t n) {
+    const Tensor& src = g[t];
+    if (n == src.ne[0]) return t;
+    const size_t all = src.nb[0] * static_cast<size_t>(n);
+    return g.view(t, {n, 1, 1, 1}, {src.nb[0], all, all, all}, 0);
 }
 
 }  // namespace
@@ -379,12 +383,12 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         const int v = g.mul_mat(add_weight(g, w.wv), h);
         q = g.rms_norm(q, add_weight(g, w.q_norm), hp.rms_eps);
         k = g.rms_norm(k, add_weight(g, w.k_norm), hp.rms_eps);
-        q = g.rope(q, leading_rows(g, bg.positions, n_q), static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
+        q = g.rope(q, leading_entries(g, bg.positions, n_q), static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
         k = g.rope(k, bg.positions, static_cast<int>(hp.n_rot), 2, hp.rope_freq_base, hp.rope_freq_scale);
         const auto [k_cache, v_cache] = cache_leaves(g, hp, kv, il);
         const int k_written = g.set_rows(k_cache, g.reshape(k, {hd * hp.n_head_kv, n_rows, 1, 1}), bg.kv_cells);
         const int v_written = g.set_rows(v_cache, v, bg.kv_cells);
-        const int att = g.attention(q, k_written, v_written, leading_rows(g, bg.mask, n_q), leading_rows(g, bg.kv_base, n_q),
+        const int att = g.attention(q, k_written, v_written, leading_rows(g, bg.mask, n_q), leading_entries(g, bg.kv_base, n_q),
                                     static_cast<int>(hp.n_head_kv), hp.attn_scale);
         x = g.add(leading_rows(g, x, n_q), g.mul_mat(add_weight(g, w.wo), g.reshape(att, {hd * hp.n_head, n_q, 1, 1})));
         h = g.rms_norm(x, add_weight(g, w.ffn_norm), hp.rms_eps);
