@@ -453,6 +453,46 @@ def test_rope_with_frequency_factors(mode):
     assert np.abs(got - rope_ref(x, pos, n_rot, mode, 10000.0, 1.0)).max() > 0.1  # factors matter
 
 
+def test_rope_angles_kept_between_nodes_are_fresh_angles():
+    """The CPU keeps each thread's ROPE angles across nodes and computes (KernelScratch's
+    RopeAngles). One graph interleaves nodes that change the positions, the base, the scale,
+    n_rot and the frequency factors, and repeats them: each node's output equals, bit for bit, the
+    same node alone in a graph of its own (fresh angles), with 1 and 2 threads."""
+    rng = np.random.default_rng(5)
+    hd, n_head, n_rows = 32, 2, 5
+    x = rng.standard_normal((n_rows, n_head, hd)).astype(np.float32)
+    pos_a = np.array([0, 3, 9, 70, 5000], np.int32)
+    pos_b = np.array([0, 3, 10, 70, 4999], np.int32)  # some rows equal, some not
+    f1 = rng.uniform(1.0, 4.0, 16).astype(np.float32)
+    f2 = f1.copy()
+    f2[7] *= 2.0  # one divisor differs
+    nodes = [("a", 32, 10000.0, 1.0, None), ("b", 32, 10000.0, 1.0, None), ("a", 32, 10000.0, 1.0, None),
+             ("a", 32, 500000.0, 1.0, None), ("a", 32, 500000.0, 0.5, None), ("a", 16, 500000.0, 0.5, None),
+             ("a", 32, 10000.0, 1.0, f1), ("a", 32, 10000.0, 1.0, f2), ("b", 32, 10000.0, 1.0, f2),
+             ("a", 32, 10000.0, 1.0, None)]
+
+    def build(items):
+        g = core.Graph()
+        tx = g.input("F32", [hd, n_head, n_rows], "x")
+        tp = {"a": g.input("I32", [n_rows], "pos_a"), "b": g.input("I32", [n_rows], "pos_b")}
+        tf = {"f1": g.input("F32", [16], "f1"), "f2": g.input("F32", [16], "f2")}
+        outs = []
+        for which, n_rot, base, fscale, fac in items:
+            srcs = [tx, tp[which]] + ([tf["f1" if fac is f1 else "f2"]] if fac is not None else [])
+            outs.append(node(g, "ROPE", "F32", [hd, n_head, n_rows], srcs, [n_rot, 0], [base, fscale]))
+        return g, {tx: x, tp["a"]: pos_a, tp["b"]: pos_b, tf["f1"]: f1, tf["f2"]: f2}, outs
+
+    for n_threads in (1, 2):
+        g, feeds, outs = build(nodes)
+        together = run(g, feeds, outs, n_threads=n_threads)
+        for item, got in zip(nodes, together):
+            g1, feeds1, (out1,) = build([item])
+            (alone,) = run(g1, feeds1, [out1], n_threads=n_threads)
+            assert np.array_equal(got, alone), (n_threads, item[:4])
+    # the nodes do differ (a stale angle would show)
+    assert not np.array_equal(together[0], together[1]) and not np.array_equal(together[6], together[7])
+
+
 def test_rope_modes_rotate_different_pairs():
     # Negative control: with n_rot < hd the two modes must disagree (a swapped mode would pass a
     # test that only ran one of them against a reference with the same swap).

@@ -137,17 +137,37 @@ void op_rope(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
     const float* factors = dst.src[2] >= 0 ? g[dst.src[2]].as<float>() : nullptr;
     const int64_t hd = x.ne[0];
     const int half = n_rot / 2;
-    s.f.resize(static_cast<size_t>(2 * half));
-    float* cs = s.f.data();
-    float* sn = cs + half;
+    RopeAngles& c = s.rope;
+    const bool same = c.base == base && c.fscale == fscale && c.n_rot == n_rot &&
+                      (factors ? c.factors.size() == static_cast<size_t>(half) &&
+                                     std::equal(c.factors.begin(), c.factors.end(), factors)
+                               : c.factors.empty());
+    if (!same) {
+        c.base = base;
+        c.fscale = fscale;
+        c.n_rot = n_rot;
+        c.factors.assign(factors ? factors : nullptr, factors ? factors + half : nullptr);
+        c.valid.assign(c.valid.size(), 0);
+    }
     int64_t t0, t1;
     split_range(x.ne[2], ith, nth, t0, t1);
+    if (c.valid.size() < static_cast<size_t>(t1)) {
+        c.valid.resize(static_cast<size_t>(t1), 0);
+        c.pos.resize(static_cast<size_t>(t1));
+        c.cs_sn.resize(static_cast<size_t>(t1) * static_cast<size_t>(2 * half));
+    }
     for (int64_t t = t0; t < t1; ++t) {
-        for (int i = 0; i < half; ++i) {
-            double theta = fscale * pos[t] * std::pow(base, -2.0 * i / n_rot);
-            if (factors) theta /= factors[i];
-            cs[i] = static_cast<float>(std::cos(theta));
-            sn[i] = static_cast<float>(std::sin(theta));
+        float* cs = c.cs_sn.data() + t * 2 * half;
+        float* sn = cs + half;
+        if (!c.valid[static_cast<size_t>(t)] || c.pos[static_cast<size_t>(t)] != pos[t]) {
+            for (int i = 0; i < half; ++i) {
+                double theta = fscale * pos[t] * std::pow(base, -2.0 * i / n_rot);
+                if (factors) theta /= factors[i];
+                cs[i] = static_cast<float>(std::cos(theta));
+                sn[i] = static_cast<float>(std::sin(theta));
+            }
+            c.pos[static_cast<size_t>(t)] = pos[t];
+            c.valid[static_cast<size_t>(t)] = 1;
         }
         for (int64_t h = 0; h < x.ne[1]; ++h) {
             const float* xr = frow(x, t * x.ne[1] + h);

@@ -12,9 +12,24 @@
 namespace pyspec {
 
 // Per-thread scratch memory that kernels may use (sized on demand, reused across nodes).
+// ROPE's angles for the rows this thread rotated last, kept across ROPE nodes and computes: a
+// model's graph rotates q and k of every layer at the same positions, and the angles (double pow,
+// cos, sin per pair) cost more than the rotation. Row t's entry holds for position pos[t] under
+// the parameters below; anything else is recomputed by the same formula, so a hit has the bits a
+// fresh computation would give.
+struct RopeAngles {
+    double base = 0.0, fscale = 0.0;
+    int n_rot = 0;
+    std::vector<float> factors;       // the frequency divisors' values (empty: none)
+    std::vector<int32_t> pos;         // per row: the position its angles are for
+    std::vector<uint8_t> valid;       // per row: whether it holds any
+    std::vector<float> cs_sn;         // per row: n_rot / 2 cosines, then n_rot / 2 sines
+};
+
 struct KernelScratch {
     std::vector<float> f;
     std::vector<int32_t> idx;
+    RopeAngles rope;
 };
 
 // Runs node `id` of the graph for part ith of nth. Throws std::logic_error for an op/dtype
