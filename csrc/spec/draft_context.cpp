@@ -318,7 +318,7 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     std::vector<int32_t> chain_rows(static_cast<size_t>(n_chain), 0);
     for (size_t b = 0; b < nb; ++b) {
         for (size_t i = 0; i < nout; ++i) {
-            chain_rows[static_cast<size_t>(requests[b].seq) * nout + i] = static_cast<int32_t>(b * nout + i);
+            chain_rows[static_cast<size_t>(requests[b].seq) * nout + i] = static_cast<int32_t>(row_of(b, i));
         }
     }
     backend_->write(g[bg.chain_rows], chain_rows.data(), chain_rows.size() * sizeof(int32_t));
