@@ -368,6 +368,32 @@ def test_mixed_batches_on_the_device(model_dir, arch):
 
 
 @gpu
+
+def _prompt_in_shuffled_chunks(ctx, prompt, other, sizes, layers, rng):
+    """Decodes `prompt` (sequence 0) in chunks of `sizes` rows, each chunk shuffled with one output
+    row of sequence 1 (`other`); the prompt's last row wants logits. Returns sequence 0's layer
+    inputs by position and the logits of its last row."""
+    n = len(prompt)
+    got = {il: None for il in layers}
+    last, p0 = None, 0
+    for o, size in enumerate(sizes):
+        rows = [(0, p, prompt[p], p == n - 1) for p in range(p0, p0 + size)] + [(1, o, other[o], True)]
+        rows = [rows[i] for i in rng.permutation(len(rows))]
+        seq, pos, tok, want_out = (np.array(c) for c in zip(*rows))
+        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want_out, layer_inputs=layers)
+        for i, (s_, p_) in enumerate(zip(seq, pos)):
+            if s_ == 0:
+                for il in layers:
+                    if got[il] is None:
+                        got[il] = np.zeros((n, r.layer_inputs[il].shape[1]), r.layer_inputs[il].dtype)
+                    got[il][p_] = r.layer_inputs[il][i]
+                if p_ == n - 1:
+                    last = r.logits[list(r.output_rows).index(i)]
+        p0 += size
+    assert p0 == n
+    return got, last
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prompt_rows_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
     """Rows that want no logits are prompt rows (runtime/context.h): by default the GPU runs their
@@ -393,22 +419,8 @@ def test_prompt_rows_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
         return r.layer_inputs, r.logits[-1]
 
     alone, last = one_call(False)
-    ctx = pyspec.Context(model, **kw)
-    got = {il: np.zeros_like(alone[il]) for il in layers}
-    p0, o = 0, 0
-    for size in (5, 1, 16, 9, 6):
-        rows = [(0, p, prompt[p], p == n - 1) for p in range(p0, p0 + size)] + [(1, o, other[o], True)]
-        rows = [rows[i] for i in rng.permutation(len(rows))]
-        seq, pos, tok, want_out = (np.array(c) for c in zip(*rows))
-        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want_out, layer_inputs=layers)
-        for i, (s_, p_) in enumerate(zip(seq, pos)):
-            if s_ == 0:
-                for il in layers:
-                    got[il][p_] = r.layer_inputs[il][i]
-                if p_ == n - 1:
-                    mixed_last = r.logits[list(r.output_rows).index(i)]
-        p0, o = p0 + size, o + 1
-    assert p0 == n
+    got, mixed_last = _prompt_in_shuffled_chunks(pyspec.Context(model, **kw), prompt, other,
+                                                 (5, 1, 16, 9, 6), layers, rng)
     for il in layers:
         np.testing.assert_array_equal(got[il], alone[il], err_msg=f"layer {il} input")
     np.testing.assert_array_equal(mixed_last, last)
@@ -457,20 +469,8 @@ def test_prompt_attention_on_tensor_cores_in_a_model(model_dir, monkeypatch, arc
     for i in range(len(logits)):
         _assert_close(logits[i], cpu_logits[i], LOGIT_TOL["F16"], f"{arch} step {i}")
 
-    ctx = pyspec.Context(model, backend=DEVICE, **kw)
-    got = {il: np.zeros_like(inputs[il]) for il in layers}
-    p0 = 0
-    for o, size in enumerate((37, 1, 40, 22)):
-        rows = [(0, p, prompt[p], p == n - 1) for p in range(p0, p0 + size)] + [(1, o, other[o], True)]
-        rows = [rows[i] for i in rng.permutation(len(rows))]
-        seq, pos, tok, want_out = (np.array(c) for c in zip(*rows))
-        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want_out, layer_inputs=layers)
-        for i, (s_, p_) in enumerate(zip(seq, pos)):
-            if s_ == 0:
-                for il in layers:
-                    got[il][p_] = r.layer_inputs[il][i]
-        p0 += size
-    assert p0 == n
+    got, _ = _prompt_in_shuffled_chunks(pyspec.Context(model, backend=DEVICE, **kw), prompt, other,
+                                        (37, 1, 40, 22), layers, rng)
     for il in layers:
         np.testing.assert_array_equal(got[il], inputs[il], err_msg=f"layer {il} input, in chunks")
 
