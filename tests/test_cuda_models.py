@@ -367,8 +367,6 @@ def test_mixed_batches_on_the_device(model_dir, arch):
         _assert_close(got_shuffled, got[perm], 1e-2, f"{arch} shuffled")
 
 
-@gpu
-
 def _prompt_in_shuffled_chunks(ctx, prompt, other, sizes, layers, rng):
     """Decodes `prompt` (sequence 0) in chunks of `sizes` rows, each chunk shuffled with one output
     row of sequence 1 (`other`); the prompt's last row wants logits. Returns sequence 0's layer
@@ -394,6 +392,7 @@ def _prompt_in_shuffled_chunks(ctx, prompt, other, sizes, layers, rng):
     return got, last
 
 
+@gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prompt_rows_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
     """Rows that want no logits are prompt rows (runtime/context.h): by default the GPU runs their
