@@ -59,7 +59,8 @@ using cuda::check;
 
 class CudaBackend final : public Backend {
 public:
-    explicit CudaBackend(int device) : device_(device), graphs_(cuda::graph_cache_capacity_from_env()) {
+    CudaBackend(int device, bool wide_batches)
+        : device_(device), wide_batches_(wide_batches), graphs_(cuda::graph_cache_capacity_from_env()) {
         check(cudaSetDevice(device_), "cudaSetDevice");
         check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
         cudaError_t e = cudaMalloc(&err_, sizeof(unsigned));
@@ -130,6 +131,7 @@ public:
 
     void compute(Graph& graph) override {
         check(cudaSetDevice(device_), "cudaSetDevice");
+        tc_setting_ = cuda::matmul_tc_setting();
         reserve_split_scratch(graph);
         resolved_.assign(static_cast<size_t>(graph.size()), nullptr);
         if (profiling_) {  // op by op between events: a replay would hide the ops
@@ -216,13 +218,17 @@ public:
 private:
     // --- execution ---------------------------------------------------------------------------
 
+    // Which rows of the MUL_MATs over weight w take the tensor cores in this compute.
+    cuda::TcRows tc_rows(const Tensor& w) const {
+        return cuda::matmul_tc_rows(tc_setting_, w.dtype, w.ne[0], wide_batches_);
+    }
+
     // Grows the split scratch to what this graph's largest launch needs (the narrow tensor-core
     // MUL_MAT's K segments and the wide one's halves, a group's parts together; a long decode row's
     // attention pages), before anything runs or is captured. Grow-only; captured graphs point at
     // the old buffers, so they go with them.
     void reserve_split_scratch(const Graph& g) {
         // Only the tensor-core MUL_MAT kernels use it: every row's, or the prompt columns'.
-        const bool tc_all = cuda::matmul_tc_possible(), tc_prompt = cuda::matmul_tc_prompt_path();
         cuda::SplitScratchNeed need;
         for (int id = 0; id < g.size(); ++id) {
             const Tensor& t = g[id];
@@ -238,7 +244,10 @@ private:
                 continue;
             }
             if (t.op != Op::MUL_MAT) continue;
-            const int64_t tc_cols = tc_all ? g[t.src[1]].ne[1] : tc_prompt ? t.iparams[0] : 0;
+            const cuda::TcRows rows_on_tc = tc_rows(g[t.src[0]]);
+            const int64_t tc_cols = rows_on_tc == cuda::TcRows::All      ? g[t.src[1]].ne[1]
+                                    : rows_on_tc == cuda::TcRows::Prompt ? t.iparams[0]
+                                                                         : 0;
             if (tc_cols <= 0) continue;
             int members[cuda::kMaxMatmulParts];
             const int n_members = matmuls_sharing_activations(g, id, members, cuda::kMaxMatmulParts);
@@ -464,15 +473,15 @@ private:
             if (glu >= 0 && cuda::launch_matmul_glu(w0.dtype, parts[0], parts[1], w0.ne[0],
                                                     reinterpret_cast<const float*>(dptr(g, t0.src[1])),
                                                     static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1],
-                                                    t0.iparams[0], reinterpret_cast<float*>(dptr(g, glu)),
+                                                    t0.iparams[0], tc_rows(w0), reinterpret_cast<float*>(dptr(g, glu)),
                                                     static_cast<int64_t>(g[glu].nb[1] / sizeof(float)), stream_)) {
                 return glu;
             }
         }
         cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
                                   reinterpret_cast<const float*>(dptr(g, t0.src[1])),
-                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], t0.iparams[0], scratch_,
-                                  stream_);
+                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], t0.iparams[0], tc_rows(w0),
+                                  scratch_, stream_);
         return last;
     }
 
@@ -679,7 +688,7 @@ private:
     int residual_add_after(const Graph& g, int id, cuda::MatmulPart& part) {
         const Tensor& mm = g[id];
         const Tensor& w = g[mm.src[0]];
-        if (!cuda::matmul_add_epilogue(w.dtype, w.ne[0])) return -1;
+        if (!cuda::matmul_add_epilogue(w.dtype, w.ne[0], tc_rows(w))) return -1;
         if (mm.has(kOutput) || mm.has(kPinned) || uses_[static_cast<size_t>(id)] != 1) return -1;
         const int a = next_computed(g, id);
         if (a >= g.size() || g[a].op != Op::ADD) return -1;
@@ -879,7 +888,7 @@ private:
                 const cuda::MatmulPart part = matmul_part(g, id);
                 cuda::launch_matmul_group(w.dtype, &part, 1, w.ne[0], reinterpret_cast<const float*>(dptr(g, src(1))),
                                           static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], t.iparams[0],
-                                          scratch_, stream_);
+                                          tc_rows(w), scratch_, stream_);
                 return;
             }
             case Op::RMS_NORM:
@@ -916,6 +925,10 @@ private:
     }
 
     int device_;
+    // Made for wide batches (kTcAllRowsMinSeqs sequences or more): float weights' output rows take
+    // the tensor cores too (cuda::matmul_tc_rows). Fixed for the backend's life.
+    bool wide_batches_;
+    int tc_setting_ = -1;  // PYSPEC_CUDA_TC, read at each compute
     cudaStream_t stream_ = nullptr;
     unsigned* err_ = nullptr;
     unsigned* err_host_ = nullptr;                                 // pinned: where reads bring the word back
@@ -956,7 +969,7 @@ bool cuda_available(std::string* reason) {
     return true;
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device) {
+std::unique_ptr<Backend> make_cuda_backend(int device, int n_seq_max) {
     std::string why;
     if (!cuda_available(&why)) throw std::runtime_error("CUDA backend unavailable: " + why);
     int n = 0;
@@ -965,7 +978,7 @@ std::unique_ptr<Backend> make_cuda_backend(int device) {
         throw std::runtime_error("CUDA backend unavailable: device " + std::to_string(device) + " does not exist (" +
                                  std::to_string(n) + " visible)");
     }
-    return std::make_unique<CudaBackend>(device);
+    return std::make_unique<CudaBackend>(device, n_seq_max >= cuda::kTcAllRowsMinSeqs);
 }
 
 }  // namespace pyspec

@@ -19,7 +19,9 @@ namespace pyspec {
 // cannot, `reason` says why (not built in, no device, driver error).
 bool cuda_available(std::string* reason = nullptr);
 
-// A backend on `device`. Throws std::runtime_error with the reason when CUDA cannot be used.
-std::unique_ptr<Backend> make_cuda_backend(int device = 0);
+// A backend on `device` for a context of n_seq_max sequences (which picks the matrix kernels of
+// float weights' output rows: cuda/kernels.h, matmul_tc_rows). Throws std::runtime_error with the
+// reason when CUDA cannot be used.
+std::unique_ptr<Backend> make_cuda_backend(int device = 0, int n_seq_max = 1);
 
 }  // namespace pyspec

@@ -103,12 +103,15 @@ struct MatmulPart {
     const float* add = nullptr;
     int64_t add_stride = 0;
 };
-bool matmul_add_epilogue(DType wtype, int64_t k);
+// Which rows of a weight's MUL_MATs take the tensor cores (matmul_tc_rows): none, the prompt
+// columns only (the rest the CUDA cores), or all.
+enum class TcRows : uint8_t { None, Prompt, All };
+bool matmul_add_epilogue(DType wtype, int64_t k, TcRows rows);
 // prompt_cols: MUL_MAT's prompt columns (core/graph.h), the first columns of x and of every y (and
-// add); they take the tensor cores where matmul_tc_prompt_rows(wtype, k), the rest the kernel every
-// row of the weight takes otherwise.
+// add); they take the tensor cores where rows is Prompt, the rest the kernel every row of the
+// weight takes otherwise.
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
-                         int64_t x_stride, int64_t m, int64_t prompt_cols, const SplitScratch& scratch,
+                         int64_t x_stride, int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch,
                          cudaStream_t s);
 // gate and up (MatmulParts of equal rows, no add) over the same activations with the SWIGLU that
 // follows them as the epilogue: y[i, c] = silu(gate_i . x_c) * (up_i . x_c), the bits of the three
@@ -117,7 +120,7 @@ void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int6
 // launched) elsewhere.
 constexpr int64_t kMatmulGluMaxM = 16;
 bool launch_matmul_glu(DType wtype, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x,
-                       int64_t x_stride, int64_t m, int64_t prompt_cols, float* y, int64_t y_stride,
+                       int64_t x_stride, int64_t m, int64_t prompt_cols, TcRows rows, float* y, int64_t y_stride,
                        cudaStream_t s);
 // Whether the backend groups consecutive MUL_MATs over the same activations into one launch
 // (on by default since the H200 run: the same bits, 3 launches fewer per layer, tg +5-6%;
@@ -127,10 +130,12 @@ inline bool matmul_fusion_enabled() { return env_switch("PYSPEC_CUDA_FUSE") != 0
 
 // MUL_MAT on tensor cores, batch-invariant by a fixed per-output mma sequence (cuda/matmul_tc.cu);
 // for a supported type (matmul_tc_supports: F16/BF16 with K % 8 == 0, Q8_0/Q4_0/Q4_1; F32 never)
-// launch_matmul_group uses it, by PYSPEC_CUDA_TC, for every row at every M (1: matmul_tc_used),
-// for no row (0), or by default for the prompt columns only (matmul_tc_prompt_rows), output rows
-// taking the CUDA cores. A row's kind is its own (whether it wants logits), never its neighbours',
-// so invariant 7 holds: each kind of row has one computation. The setting is read at each call (a
+// launch_matmul_group uses it for the rows matmul_tc_rows gives: by PYSPEC_CUDA_TC, for every row
+// at every M (1), for no row (0), or by default for the prompt columns, output rows taking the CUDA
+// cores, except in a backend made for wide batches (kTcAllRowsMinSeqs sequences or more), where
+// every row of a float weight takes the tensor cores. A row's kind is its own (whether it wants
+// logits), never its neighbours', and a backend's choice is fixed when it is made, so invariant 7
+// holds: each kind of row has one computation in any batch. The setting is read at each compute (a
 // backend's captured CUDA graphs keep the kernel they were captured with; matmul_tc_setting() is
 // part of their key).
 // Two kernels compute it, with the same bits for every output: the wide one (a whole group per
@@ -145,14 +150,12 @@ SplitScratchNeed matmul_tc_narrow_scratch(DType wtype, int64_t k, int64_t rows, 
 // cap); zeros where it needs none (m <= kMatmulTcNarrowMaxM). Without it the wide call still runs,
 // on a slower kernel with the same bits.
 SplitScratchNeed matmul_tc_wide_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);
-bool matmul_tc_used(DType wtype, int64_t k);
-// Whether any weight type may take the tensor cores under the current setting (one environment
-// read, for callers that would otherwise ask matmul_tc_used of every MUL_MAT).
-bool matmul_tc_possible();
-// Whether prompt columns take the tensor cores apart from the other rows (the default setting), and
-// whether they do for this weight.
+// Decode steps of this many sequences or more make a batch of output rows compute-bound on the CUDA
+// cores: a backend made for that many takes the tensor cores for every row of a float weight.
+constexpr int kTcAllRowsMinSeqs = 16;
+TcRows matmul_tc_rows(int setting, DType wtype, int64_t k, bool wide_batches);
+// Whether prompt columns take the tensor cores apart from the other rows (the default setting).
 bool matmul_tc_prompt_path();
-bool matmul_tc_prompt_rows(DType wtype, int64_t k);
 bool matmul_tc_supports(DType wtype, int64_t k);
 constexpr int64_t kMatmulTcNarrowMaxM = 16;
 void launch_matmul_tc_wide(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,

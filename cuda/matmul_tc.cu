@@ -1,6 +1,7 @@
-// MUL_MAT on tensor cores, batch-invariant (design.md invariant 7): by default for prompt rows only
-// (MUL_MAT's prompt columns; faster for prefill, slower for decode, see matmul_tc_used), for every
-// row with PYSPEC_CUDA_TC=1, for none with PYSPEC_CUDA_TC=0. This file is the wide kernel (M > 16)
+// MUL_MAT on tensor cores, batch-invariant (design.md invariant 7): by default for prompt rows
+// (MUL_MAT's prompt columns; faster for prefill, slower for one sequence's decode) and for every row
+// of a float weight in a backend for wide batches (see matmul_tc_rows), for every row with
+// PYSPEC_CUDA_TC=1, for none with PYSPEC_CUDA_TC=0. This file is the wide kernel (M > 16)
 // and the settings; cuda/matmul_tc_narrow.cu computes the same outputs for M <= 16, and
 // cuda/matmul_tc_fallback.cu where neither takes the rows.
 //
@@ -558,25 +559,24 @@ bool matmul_tc_supports(DType t, int64_t k) {
     }
 }
 
-// Every row on tensor cores only with PYSPEC_CUDA_TC=1. Measured on the H200 (2026-11-30,
-// bench_cuda.py, PYSPEC_CUDA_TC=1 against CUDA cores): Qwen3-4B F16 pp512 5000-6155 against
-// 2457-2481 t/s, but tg128 184-189 against 210-227 and par64 1899 against 2082; SmolLM2 Q4_1 tg128
-// 385-394 against 547-614. Decode was 147 (Qwen3) and 337 (SmolLM2) before the K segments let the
-// narrow kernel spread a matrix over thousands of warps; its float kernel now streams at ~2.4-2.6
-// TB/s (ncu, gate/up) where the CUDA-core kernels reach ~3.4-3.8, and neither fewer instructions
-// (registers instead of staging), pipelined batches nor 1024-value segments moved it (23-25 us per
-// Qwen3 MUL_MAT each). Hence the default: prompt rows (matmul_tc_prompt_rows) here, output rows on
-// CUDA cores.
-bool matmul_tc_used(DType t, int64_t k) {
-    if (!matmul_tc_supports(t, k)) return false;
-    return matmul_tc_setting() == 1;
+// Every row on tensor cores with PYSPEC_CUDA_TC=1, none with 0. By default the prompt columns, and
+// every row of a float weight in a backend for wide batches. Measured on the H200 (2026-11-30,
+// bench_cuda.py; ncu per kernel): one sequence decodes faster on the CUDA cores (Qwen3-4B F16
+// tg128 272-277 against 229-231 t/s: the narrow float kernel takes 22.5 us a MUL_MAT on average,
+// the CUDA-core kernels 17.8; SmolLM2 Q4_1 858-952 against 502, 10.9 us a call against 4.3), and 64
+// sequences far slower (Qwen3-4B par64 2315-2345 against 6154 t/s: at M = 64 the CUDA-core kernel
+// is compute-bound, 172 us a MUL_MAT against 52 for the wide tensor-core GEMM). Earlier attempts to
+// bring the narrow float kernel to the CUDA cores' bandwidth (registers instead of staging, 1024-value
+// segments, the whole segment's loads issued before the wait on the previous kernel, two batches in
+// flight) all measured within 1% of each other.
+TcRows matmul_tc_rows(int setting, DType t, int64_t k, bool wide_batches) {
+    if (!matmul_tc_supports(t, k) || setting == 0) return TcRows::None;
+    if (setting == 1) return TcRows::All;
+    const bool floats = t == DType::F16 || t == DType::BF16;
+    return wide_batches && floats ? TcRows::All : TcRows::Prompt;
 }
 
-bool matmul_tc_possible() { return matmul_tc_setting() == 1; }
-
 bool matmul_tc_prompt_path() { return matmul_tc_setting() == -1; }
-
-bool matmul_tc_prompt_rows(DType t, int64_t k) { return matmul_tc_prompt_path() && matmul_tc_supports(t, k); }
 
 SplitScratchNeed matmul_tc_wide_scratch(DType t, int64_t k, int64_t rows, int64_t m) {
     SplitScratchNeed need;

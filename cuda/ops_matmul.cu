@@ -378,14 +378,14 @@ bool with_weight_type(DType t, bool vec, F&& f) {
 
 // The residual epilogue lives in k_mul_mat's store and in both tensor-core kernels' stores; the
 // generic path has none.
-bool matmul_add_epilogue(DType t, int64_t k) {
-    if (matmul_tc_used(t, k)) return true;
+bool matmul_add_epilogue(DType t, int64_t k, TcRows rows) {
+    if (rows == TcRows::All) return true;
     return !(float_weights(t) && k % 8 != 0) && k % dtype_block_size(t) == 0;
 }
 
 bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs,
-                       int64_t m, int64_t prompt_cols, float* y, int64_t ys, cudaStream_t s) {
-    if (m <= 0 || m > kMatmulGluMaxM || matmul_tc_used(t, k) || (prompt_cols > 0 && matmul_tc_prompt_rows(t, k)) ||
+                       int64_t m, int64_t prompt_cols, TcRows rows, float* y, int64_t ys, cudaStream_t s) {
+    if (m <= 0 || m > kMatmulGluMaxM || rows == TcRows::All || (prompt_cols > 0 && rows == TcRows::Prompt) ||
         (float_weights(t) && k % 8 != 0) ||
         k % dtype_block_size(t) != 0 || gate.n_rows != up.n_rows || gate.n_rows <= 0 || gate.add || up.add) {
         return false;
@@ -455,20 +455,18 @@ void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, cons
 
 }  // namespace
 
-// Speed: by default output rows run on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200) and
-// prompt rows on tensor cores. Measured on the H200 (2026-11-30, bench_cuda.py): Qwen3-4B F16
-// pp512 2457 t/s on CUDA cores and 6155 on tensor cores, against llama.cpp's 30.0k; decode goes the
-// other way (tg128 203 on CUDA cores, 147 on tensor cores then, 184-189 now).
+// Speed: output rows run on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200) and prompt rows on
+// tensor cores, unless the backend serves wide batches (matmul_tc_rows; the measurements there).
 void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
-                         int64_t m, int64_t prompt_cols, const SplitScratch& scratch, cudaStream_t s) {
+                         int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch, cudaStream_t s) {
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
     if (m <= 0) return;
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
     if (prompt_cols < 0 || prompt_cols > m) throw std::logic_error("cuda backend: mul_mat: bad prompt columns");
-    // Tensor cores: chosen by the weight type and K and the kind of row, never by M or by a row's
-    // neighbours, so every row of a kind takes the same computation in any batch.
-    if (matmul_tc_used(t, k)) return matmul_tc(t, parts, n_parts, k, x, xs, m, scratch, s);
-    if (prompt_cols > 0 && matmul_tc_prompt_rows(t, k)) {
+    // Tensor cores: chosen by the weight type and K, the backend and the kind of row, never by M or
+    // by a row's neighbours, so every row of a kind takes the same computation in any batch.
+    if (rows == TcRows::All) return matmul_tc(t, parts, n_parts, k, x, xs, m, scratch, s);
+    if (prompt_cols > 0 && rows == TcRows::Prompt) {
         matmul_tc(t, parts, n_parts, k, x, xs, prompt_cols, scratch, s);
         if (prompt_cols == m) return;
         const std::vector<MatmulPart> rest = parts_from_column(parts, n_parts, prompt_cols);

@@ -436,6 +436,51 @@ def test_prompt_rows_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("wt", ["F16", "Q8_0"])
+def test_wide_batch_backend_keeps_one_path_per_row(model_dir, wt, monkeypatch):
+    """A context made for 16 sequences or more (cuda/kernels.h, kTcAllRowsMinSeqs) runs every row of
+    a float weight on tensor cores: its steps (output rows only) give a sequence the same logits
+    alone or batched with 15 others (invariant 7 with that backend), those of a one-sequence context
+    with PYSPEC_CUDA_TC=1, and logits close to but not the bits of a one-sequence context's
+    CUDA-core output rows. Block-type weights keep the CUDA cores for output rows in either
+    context."""
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    tm, model = tiny(model_dir, "qwen3", wt)
+    rng = np.random.default_rng(77)
+    prompts = [[int(t) for t in rng.integers(0, model.n_vocab, 5 + s)] for s in range(16)]
+
+    def steps(n_seq_max, batched):
+        """Sequence 0's logits over 3 decode steps after its prompt, with the other 15 sequences in
+        the same calls (batched) or not decoded at all."""
+        ctx = pyspec.Context(model, n_ctx=N_CTX_SEQ * n_seq_max, n_seq_max=n_seq_max, n_batch=128,
+                             backend=DEVICE)
+        seqs = range(16) if batched else range(1)
+        rows = [(s, p, t) for s in seqs for p, t in enumerate(prompts[s])]
+        seq, pos, tok = (np.array(c) for c in zip(*rows))
+        # every row an output row: no prompt rows, whose attention has a path of its own by default
+        # but not under PYSPEC_CUDA_TC=1
+        ctx.decode(tok, positions=pos, seq_ids=seq, output=np.ones(len(rows), bool))
+        out = []
+        for step in range(3):
+            rows = [(s, len(prompts[s]) + step, 7 * s + step + 1) for s in seqs]
+            out.append(_decode_all(ctx, rows)[0])
+        return np.stack(out)
+
+    wide_alone, wide_batched = steps(16, False), steps(16, True)
+    np.testing.assert_array_equal(wide_alone, wide_batched)
+    narrow = steps(1, False)
+    _assert_close(wide_alone, narrow, LOGIT_TOL[wt], "wide-batch backend against one sequence's")
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "1")
+    all_tc = steps(1, False)
+    if wt == "F16":
+        np.testing.assert_array_equal(wide_alone, all_tc)
+        if CUDA_OK and DEVICE == "cuda":
+            assert not np.array_equal(wide_alone, narrow), "the wide-batch backend took the CUDA cores"
+    else:
+        np.testing.assert_array_equal(wide_alone, narrow)
+
+
+@gpu
 @pytest.mark.parametrize("arch,hp", [("qwen3", dict(head_dim=64)),
                                      ("llama", dict(n_embd=256, n_head=2, n_head_kv=1, n_ff=128))],
                          ids=["qwen3-d64", "llama-d128"])

@@ -19,7 +19,7 @@ bool cuda_available(std::string* reason) {
     return false;
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int /*device*/) { throw std::runtime_error(kNotBuilt); }
+std::unique_ptr<Backend> make_cuda_backend(int /*device*/, int /*n_seq_max*/) { throw std::runtime_error(kNotBuilt); }
 
 }  // namespace pyspec
 

@@ -33,11 +33,11 @@ std::string backend_string(const BackendChoice& c) {
     return c.kind == BackendKind::Cpu ? std::string("cpu") : "cuda:" + std::to_string(c.device);
 }
 
-std::unique_ptr<Backend> make_backend(const BackendChoice& c, int n_threads, bool poison) {
+std::unique_ptr<Backend> make_backend(const BackendChoice& c, int n_threads, bool poison, int n_seq_max) {
     if (c.kind == BackendKind::Cuda) {
         std::string why;
         if (!cuda_available(&why)) throw std::runtime_error("the CUDA backend cannot be used: " + why);
-        return make_cuda_backend(c.device);
+        return make_cuda_backend(c.device, n_seq_max);
     }
     auto cpu = std::make_unique<CpuBackend>(n_threads);
     cpu->set_poison(poison);

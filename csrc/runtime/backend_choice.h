@@ -31,9 +31,10 @@ BackendChoice parse_backend(const std::string& name);
 // The inverse: "cpu", "cuda:N".
 std::string backend_string(const BackendChoice& choice);
 
-// A new backend. CPU: a CpuBackend with n_threads workers, poisoning its arena when `poison`
-// (tests). CUDA: make_cuda_backend(device), which throws std::runtime_error with the reason when
-// CUDA was not built in or no usable device is visible.
-std::unique_ptr<Backend> make_backend(const BackendChoice& choice, int n_threads, bool poison);
+// A new backend for a context of n_seq_max sequences. CPU: a CpuBackend with n_threads workers,
+// poisoning its arena when `poison` (tests). CUDA: make_cuda_backend(device, n_seq_max), which
+// throws std::runtime_error with the reason when CUDA was not built in or no usable device is
+// visible.
+std::unique_ptr<Backend> make_backend(const BackendChoice& choice, int n_threads, bool poison, int n_seq_max);
 
 }  // namespace pyspec

@@ -24,7 +24,7 @@ Context::Context(const Model& model, const ContextParams& params) : model_(model
     if (params_.n_threads < 1) throw std::invalid_argument("n_threads must be at least 1");
     const int64_t n_ctx_seq = params_.n_ctx / params_.n_seq_max;
     if (n_ctx_seq > std::numeric_limits<int32_t>::max() / params_.n_seq_max) throw std::invalid_argument("n_ctx too large");
-    backend_ = make_backend(params_.backend, params_.n_threads, params_.check_plans);
+    backend_ = make_backend(params_.backend, params_.n_threads, params_.check_plans, params_.n_seq_max);
     kv_ = std::make_unique<KvCache>(*backend_, model_.hparams(), params_.n_seq_max, n_ctx_seq, params_.kv_dtype);
     planner_.set_checking(params_.check_plans);
 }

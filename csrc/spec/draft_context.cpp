@@ -69,7 +69,7 @@ DraftContext::DraftContext(const DraftModel& model, const DraftContextParams& pa
     // Keep half the window on a rebase (so rebases are rare), but always leave room for a block
     // and the rows a verification commits.
     keep_ = std::min(window_ / 2, window_ - 2 * hp.block_size);
-    backend_ = make_backend(params_.backend, params_.n_threads, params_.check_plans);
+    backend_ = make_backend(params_.backend, params_.n_threads, params_.check_plans, params_.n_seq_max);
     kv_ = std::make_unique<KvCache>(*backend_, model_.cache_hparams(), params_.n_seq_max, window_, params_.kv_dtype);
     planner_.set_checking(params_.check_plans);
     pos_base_.assign(static_cast<size_t>(params_.n_seq_max), 0);
