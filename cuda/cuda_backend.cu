@@ -259,6 +259,7 @@ private:
             need.n_counters = std::max(need.n_counters, n.n_counters);
             const cuda::SplitScratchNeed nw = cuda::matmul_tc_wide_scratch(w.dtype, w.ne[0], rows, tc_cols);
             need.n_halves = std::max(need.n_halves, nw.n_halves);
+            need.partial_floats = std::max(need.partial_floats, nw.partial_floats);
         }
         if (need.partial_floats <= scratch_.partial_floats && need.n_counters <= scratch_.n_counters &&
             need.n_halves <= scratch_.n_halves) {

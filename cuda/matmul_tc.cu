@@ -58,8 +58,10 @@
 // Speed (H200, 2026-11-30, Qwen3-4B F16 at M = 512, the x conversion included): q/k/v 78 us
 // (206 TFLOP/s), o 64 (168), gate/up 212 (240), down 145 (176); the first kernel took 272, 189,
 // 651 and 501 (57-78 TFLOP/s). o and down (2560 rows) give too few blocks at M = 512 for every SM
-// to run at its best rate; splitting K would need each segment's partial stored apart, since the
-// segments must be added in order.
+// to run at its best rate. For batches up to kWideSplitMaxM (128) K is split over blocks where the
+// grid would leave SMs idle, each segment's partial stored apart and added in order by a second
+// kernel (k_wide_split_sum): at M = 64 (Qwen3-4B, 64 sequences) o and down had 40 blocks for 132
+// SMs; par64 6172 -> 8549 t/s on the H200.
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
@@ -147,9 +149,15 @@ constexpr size_t wide_smem_bytes() {
 // The running total p_0 + ... + p_s of each output lives in shared memory (thread-private, float4
 // per mma tile, laid out so a quarter warp's accesses are contiguous): in registers beside the
 // accumulators it left too few for the fragments. It is touched once per segment.
+//
+// Split K (partial != nullptr): block z of grid.z runs segments [z * seg_per_split, + seg_per_split)
+// only and stores each segment's partial p_s apart, at partial[(s * m + c) * (gridDim.y * BN) + row]
+// (row: tile * BN + the row in the tile); k_wide_split_sum then adds them in segment order and
+// stores the outputs. The same accumulators, the same adds in the same order: the same bits.
 template <bool kBF16, int BN, int BM, int WN, int WM, int kStages, int kMinBlocks>
 __global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
-    k_mul_mat_tc_wide(WideParts p, int64_t k, const uint16_t* __restrict__ xh, int64_t m) {
+    k_mul_mat_tc_wide(WideParts p, int64_t k, const uint16_t* __restrict__ xh, int64_t m, int seg_per_split,
+                      float* __restrict__ partial) {
     pdl_enter();
     constexpr int kThreads = WN * WM * 32;
     constexpr int TN = BN / (WN * 16), TM = BM / (WM * 8);
@@ -166,7 +174,11 @@ __global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
     const int j = wide_part_of(p, tile);
     const int64_t n = pick(p.n, j), n0 = static_cast<int64_t>(tile - pick(p.tile0, j)) * BN;
     const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
-    const int n_stages = static_cast<int>((k + kWK - 1) / kWK);
+    // This block's stages [st_begin, st_end): all of K, or its split's segments.
+    const int n_stages_k = static_cast<int>((k + kWK - 1) / kWK);
+    const int st_begin = partial ? static_cast<int>(blockIdx.z) * seg_per_split * kWSegStages : 0;
+    const int st_end = partial ? min(n_stages_k, st_begin + seg_per_split * kWSegStages) : n_stages_k;
+    const int n_stages = st_end - st_begin;  // local stage ls is stage st_begin + ls of K
     const char* const a_base = pick(p.a, j);
     const int64_t ars = pick(p.ars, j);
 
@@ -259,8 +271,26 @@ __global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
             }
         }
     };
-    // After the last segment the outputs stay in acc for the stores.
-    auto end_segment = [&](bool first, bool last) {
+    // After the last segment the outputs stay in acc for the stores. Split: segment seg's partial
+    // goes to its place in `partial` instead.
+    auto end_segment = [&](bool first, bool last, int seg) {
+        if (partial) {
+            const int64_t pitch = static_cast<int64_t>(gridDim.y) * BN;
+#pragma unroll
+            for (int i = 0; i < TN; ++i) {
+#pragma unroll
+                for (int jj = 0; jj < TM; ++jj) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int64_t row = static_cast<int64_t>(tile) * BN + wn * TN * 16 + i * 16 + g + (e >> 1) * 8;
+                        const int64_t c = m0 + wm * TM * 8 + jj * 8 + 2 * t + (e & 1);
+                        if (c < m) partial[(static_cast<int64_t>(seg) * m + c) * pitch + row] = acc[i][jj][e];
+                        acc[i][jj][e] = 0.0f;
+                    }
+                }
+            }
+            return;
+        }
 #pragma unroll
         for (int i = 0; i < TN; ++i) {
 #pragma unroll
@@ -284,7 +314,7 @@ __global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
 
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-        if (s < n_stages) load_stage(s, s);
+        if (s < n_stages) load_stage(s, st_begin + s);
         cp_async_commit();
     }
     // Software-pipelined: a tile's fragments are loaded while the previous tile's mmas run,
@@ -295,26 +325,28 @@ __global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
     __syncthreads();
     Frags f0, f1;
     load_frags(f0, smem0, 0);
-    for (int st = 0; st < n_stages; ++st) {
-        const uint32_t cur = smem0 + static_cast<uint32_t>((st % kStages) * kStageBytes);
+    for (int ls = 0; ls < n_stages; ++ls) {
+        const int st = st_begin + ls;  // the stage of K
+        const uint32_t cur = smem0 + static_cast<uint32_t>((ls % kStages) * kStageBytes);
         // Tile 1 of the last stage may lie past the row's last chunk (n_chunks): skipped, not
         // run as zeros, so every output gets exactly n_chunks(K) mmas.
         const bool two = static_cast<int64_t>(st) * kWK + 32 < k;
         load_frags(f1, cur, 1);
         run_mmas(f0);
-        if (st + 1 < n_stages) {
-            cp_async_wait<kStages - 3>();  // stage st + 1 has landed (this thread's copies)
-            __syncthreads();  // everyone's; and every fragment of stage st - 1 has been read
-            const int nx = st + kStages - 1;
-            if (nx < n_stages) load_stage(nx % kStages, nx);
+        if (ls + 1 < n_stages) {
+            cp_async_wait<kStages - 3>();  // stage ls + 1 has landed (this thread's copies)
+            __syncthreads();  // everyone's; and every fragment of stage ls - 1 has been read
+            const int nx = ls + kStages - 1;
+            if (nx < n_stages) load_stage(nx % kStages, st_begin + nx);
             cp_async_commit();
-            load_frags(f0, smem0 + static_cast<uint32_t>(((st + 1) % kStages) * kStageBytes), 0);
+            load_frags(f0, smem0 + static_cast<uint32_t>(((ls + 1) % kStages) * kStageBytes), 0);
         }
         if (two) run_mmas(f1);
-        const bool last = st + 1 == n_stages;
-        if (last || (st + 1) % kWSegStages == 0) end_segment(st < kWSegStages, last);
+        const bool last = ls + 1 == n_stages;
+        if (last || (st + 1) % kWSegStages == 0) end_segment(st < kWSegStages, last, st / kWSegStages);
     }
     cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
+    if (partial) return;  // k_wide_split_sum stores
 
     // D fragment: e = 0, 1 at row g, columns 2t + {0, 1}; e = 2, 3 at row g + 8.
     float* const y = pick(p.y, j);
@@ -333,6 +365,26 @@ __global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
             }
         }
     }
+}
+
+// The outputs of a split launch: output (row, c) is p_0 + p_1 + ... + p_{n_seg - 1} added in
+// segment order, as k_mul_mat_tc_wide adds them unsplit, plus the residual, stored as it stores.
+// Thread x of block (x, c): padded row blockIdx.x * blockDim.x + x (tile * bn + the row in it).
+__global__ void __launch_bounds__(256) k_wide_split_sum(WideParts p, int bn, int n_seg, int64_t m,
+                                                        const float* __restrict__ partial) {
+    pdl_enter();
+    const int64_t pitch = static_cast<int64_t>(p.tile0[p.np]) * bn;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t c = blockIdx.y;
+    if (row >= pitch) return;
+    const int tile = static_cast<int>(row / bn);
+    const int j = wide_part_of(p, tile);
+    const int64_t r = static_cast<int64_t>(tile - pick(p.tile0, j)) * bn + row % bn;
+    if (r >= pick(p.n, j)) return;
+    float v = partial[c * pitch + row];
+    for (int s = 1; s < n_seg; ++s) v = __fadd_rn(v, partial[(s * m + c) * pitch + row]);
+    const float* const add = pick(p.add, j);
+    pick(p.y, j)[c * pick(p.ys, j) + r] = add ? v + add[c * pick(p.as, j) + r] : v;
 }
 
 // ---- the operands as halves ------------------------------------------------------------------
@@ -383,6 +435,7 @@ __global__ void __launch_bounds__(128) k_wide_w_halves(WideSrc src, int64_t k, u
 // GEMM running over each piece in turn; float weights are read where they are.
 constexpr int64_t kWideWeightHalves = int64_t{1} << 26;
 constexpr int64_t kWideMaxBN = 64;  // the largest row tile
+constexpr int64_t kWideSplitMaxM = 128;  // the widest batch whose K may be split (WideConfig::run)
 
 bool wide_dequantizes(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
 
@@ -420,10 +473,29 @@ struct WideConfig {
         }();
         return b;
     }
-    static void run(const WideParts& p, int64_t k, const uint16_t* xh, int64_t m, cudaStream_t s) {
-        blocks_per_sm();
-        const dim3 grid(static_cast<unsigned>((m + BM - 1) / BM), static_cast<unsigned>(p.tile0[p.np]));
-        launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m);
+    // K is split (k_mul_mat_tc_wide's split) where the grid would leave SMs idle: small batches
+    // (m <= kWideSplitMaxM) over matrices of few row tiles (Qwen3-4B's o and down at M = 64: 40
+    // blocks on 132 SMs), into as many splits of whole segments as fill the GPU once.
+    static void run(const WideParts& p, int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws,
+                    cudaStream_t s) {
+        const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm();
+        const int64_t tiles = p.tile0[p.np], blocks = ((m + BM - 1) / BM) * tiles;
+        const int n_seg = static_cast<int>(n_segments(k));
+        int per = n_seg, splits = 1;
+        if (m <= kWideSplitMaxM && n_seg > 1 && blocks < slots && ws.partial &&
+            static_cast<size_t>(n_seg) * static_cast<size_t>(m * tiles * BN) <= ws.partial_floats) {
+            const int64_t want = std::min<int64_t>(n_seg, (slots + blocks - 1) / blocks);
+            per = static_cast<int>((n_seg + want - 1) / want);
+            splits = (n_seg + per - 1) / per;
+        }
+        const dim3 grid(static_cast<unsigned>((m + BM - 1) / BM), static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
+        if (splits == 1) {
+            launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, n_seg, static_cast<float*>(nullptr));
+            return;
+        }
+        launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, per, ws.partial);
+        const dim3 sum_grid(static_cast<unsigned>((tiles * BN + 255) / 256), static_cast<unsigned>(m));
+        launch(k_wide_split_sum, sum_grid, 256, 0, s, p, BN, n_seg, m, static_cast<const float*>(ws.partial));
     }
 };
 
@@ -481,7 +553,7 @@ struct WideConfigs {
 // taking (blocks per SM x block tile) / rate on an SM.
 template <bool kBF16>
 void wide_gemm(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars, int64_t k,
-               const uint16_t* xh, int64_t m, cudaStream_t s) {
+               const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s) {
     using C = WideConfigs<kBF16>;
     const int sms = sm_count();
     auto cost = [&](auto cfg, double rate) {
@@ -494,11 +566,11 @@ void wide_gemm(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, con
     };
     const double ct = cost(typename C::T{}, 252.0), cs = cost(typename C::S{}, 232.0), cd = cost(typename C::D{}, 207.0);
     if (ct <= cs && ct <= cd) {
-        C::T::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::T::kBN), k, xh, m, s);
+        C::T::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::T::kBN), k, xh, m, ws, s);
     } else if (cs <= cd) {
-        C::S::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::S::kBN), k, xh, m, s);
+        C::S::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::S::kBN), k, xh, m, ws, s);
     } else {
-        C::D::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::D::kBN), k, xh, m, s);
+        C::D::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::D::kBN), k, xh, m, ws, s);
     }
 }
 
@@ -513,7 +585,7 @@ void wide_typed(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, c
         // Grid.y holds at most 65535 row tiles (of 64 rows or more, plus a partial one per part).
         const int64_t piece = int64_t{1} << 21;
         for (int64_t r0 = 0; r0 < rows; r0 += piece) {
-            wide_gemm<kBF16>(parts, n_parts, r0, std::min(rows, r0 + piece), nullptr, 0, k, xh, m, s);
+            wide_gemm<kBF16>(parts, n_parts, r0, std::min(rows, r0 + piece), nullptr, 0, k, xh, m, ws, s);
         }
     } else {
         uint16_t* wh = ws.halves + m * k;
@@ -539,7 +611,7 @@ void wide_typed(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, c
                 base += nr;
             }
             launch(k_wide_w_halves<T>, dim3(static_cast<unsigned>(r1 - r0)), 128, 0, s, src, k, wh);
-            wide_gemm<kBF16>(parts, n_parts, r0, r1, reinterpret_cast<const char*>(wh), k * 2, k, xh, m, s);
+            wide_gemm<kBF16>(parts, n_parts, r0, r1, reinterpret_cast<const char*>(wh), k * 2, k, xh, m, ws, s);
         }
     }
 }
@@ -583,6 +655,10 @@ SplitScratchNeed matmul_tc_wide_scratch(DType t, int64_t k, int64_t rows, int64_
     if (m <= kMatmulTcNarrowMaxM || rows <= 0 || k <= 0 || !matmul_tc_supports(t, k)) return need;
     const int64_t w = wide_dequantizes(t) ? std::min(rows, wide_piece_rows(k)) * k : 0;
     need.n_halves = static_cast<size_t>(m * k + w);
+    if (m <= kWideSplitMaxM && n_segments(k) > 1) {  // split K: every segment's partials, tiles padded
+        const int64_t padded = rows + kMaxMatmulParts * kWideMaxBN;
+        need.partial_floats = static_cast<size_t>(n_segments(k) * m * padded);
+    }
     return need;
 }
 
