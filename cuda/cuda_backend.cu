@@ -224,9 +224,9 @@ private:
     }
 
     // Grows the split scratch to what this graph's largest launch needs (the narrow tensor-core
-    // MUL_MAT's K segments and the wide one's halves, a group's parts together; a long decode row's
-    // attention pages), before anything runs or is captured. Grow-only; captured graphs point at
-    // the old buffers, so they go with them.
+    // MUL_MAT's K segments, the wide one's halves and split-K partials, a group's parts together; a
+    // long decode row's attention pages), before anything runs or is captured. Grow-only; captured
+    // graphs point at the old buffers, so they go with them.
     void reserve_split_scratch(const Graph& g) {
         // Only the tensor-core MUL_MAT kernels use it: every row's, or the prompt columns'.
         cuda::SplitScratchNeed need;

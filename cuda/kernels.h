@@ -49,8 +49,9 @@ void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
 
 // Device scratch of the kernels that split one reduction over several blocks (the narrow
-// tensor-core MUL_MAT's K segments, the decode attention's pages), owned by the backend and sized
-// before a compute (so nothing allocates inside a CUDA graph capture): partial_floats floats and
+// tensor-core MUL_MAT's K segments, the wide one's split K, the decode attention's pages), owned
+// by the backend and sized before a compute (so nothing allocates inside a CUDA graph capture):
+// partial_floats floats and
 // n_counters unsigned counters that are zero between launches (each launch leaves them zero);
 // and n_halves 16-bit values, the wide tensor-core MUL_MAT's operands converted to halves (no
 // state between launches). Launches run one after another on the backend's stream, so they share it.
