@@ -616,3 +616,58 @@ def test_grown_drafter_computes_the_same_and_trains_its_new_layer(smoke, tmp_pat
         cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "shrink"),
                   "--no-progress", "--data", str(smoke / "data"), "--init-from",
                   str(out / "hf"), "--layers", str(n)])
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_drafter_gguf_loads_back_as_its_checkpoint(smoke_run, tmp_path, outtype):
+    """A converted drafter GGUF read back (pyspec/train/from_gguf.py) is the checkpoint it was
+    converted from: the same configuration and d2t, the same weights (F32 exactly; Q8_0 within its
+    rounding), for the full and a reduced draft vocabulary."""
+    from pyspec.train.from_gguf import load_drafter_gguf
+    run, target = smoke_run
+    src = DSparkDrafter.load_hf(run / "hf")
+    path = tmp_path / f"d-{outtype}.gguf"
+    convert(run / "hf", path, outtype, target_model_dir=target, progress=False)
+    got = load_drafter_gguf(path)
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "target_layers", "mask_token_id",
+                  "block_size", "markov_rank", "max_position_embeddings", "confidence_head", "vd"):
+        assert getattr(got.c, field) == getattr(src.c, field), field
+    assert got.c.rms_norm_eps == pytest.approx(src.c.rms_norm_eps, rel=1e-6)
+    assert got.c.extra == {"init_from_gguf": path.name}
+    if src.d2t is not None:
+        assert torch.equal(got.d2t, src.d2t)
+    import gguf
+    for (n, p), q in zip(src.named_parameters(), got.parameters()):
+        w, q = p.detach().numpy(), q.detach().numpy()
+        if outtype == "f32" or p.ndim < 2:
+            np.testing.assert_array_equal(q, w, err_msg=n)
+            continue
+        # a weight the converter quantized gives gguf's own round trip of it, bit for bit (or it
+        # kept the weight in F16 where the rows do not split into Q8_0 blocks)
+        q8 = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                    gguf.GGMLQuantizationType.Q8_0)
+        assert np.array_equal(q, q8) or np.array_equal(q, w.astype(np.float16).astype(np.float32)), n
+
+
+def test_init_from_a_drafter_gguf(smoke, tmp_path):
+    """--init-from DRAFTER.gguf continues from the file's weights: with no steps hf/ holds exactly
+    the checkpoint the F32 GGUF was converted from."""
+    target = str(smoke / "smoke-target.gguf")
+    out = tmp_path / "from-gguf"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "drafter-f32.gguf"),
+                     "--steps", "0"]) == 0
+    a, b = DSparkDrafter.load_hf(smoke / "hf"), DSparkDrafter.load_hf(out / "hf")
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=n)
+
+
+def test_init_from_refuses_other_ggufs(smoke, tmp_path):
+    from pyspec.train.from_gguf import load_drafter_gguf
+    with pytest.raises(ValueError, match="not a drafter GGUF"):
+        load_drafter_gguf(smoke / "smoke-target.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((smoke / "drafter-f32.gguf").read_bytes()[:4000])
+    with pytest.raises(ValueError, match="cannot read"):
+        load_drafter_gguf(cut)

@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between validations (default: --save-every)")
     p.add_argument("--patience", type=int, default=0,
                    help="stop after this many validations without improvement (0: never)")
-    p.add_argument("--init-from", default=None, metavar="HF_DIR",
-                   help="start from this hf/ checkpoint (weights only, fresh optimizer)")
+    p.add_argument("--init-from", default=None, metavar="HF_DIR|GGUF",
+                   help="start from this hf/ checkpoint or drafter GGUF (weights only, fresh "
+                        "optimizer; a quantized GGUF gives its dequantized weights)")
     p.add_argument("--hf-dtype", choices=["f32", "bf16", "f16"], default="f32",
                    help="weight type of the hf/ checkpoint (bf16: half the size, to carry)")
     p.add_argument("--time-limit", type=float, default=0,

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .drafter import DrafterConfig, DSparkDrafter
+from .from_gguf import gguf_block_size, is_gguf, load_drafter_gguf
 from .loss import dspark_loss
 from .target import TargetModel
 
@@ -69,7 +70,7 @@ class TrainOptions:
     val_seqs: int = 256
     eval_every: int = 0                  # 0: save_every
     patience: int = 0                    # evaluations without improvement before stopping
-    init_from: Optional[str] = None      # an hf/ checkpoint to start from (weights only)
+    init_from: Optional[str] = None      # an hf/ checkpoint or drafter GGUF to start from (weights only)
     hf_dtype: str = "f32"
     data_shard_mib: float = 15.0
     time_limit: float = 0.0              # seconds for the whole run (0: none)
@@ -245,7 +246,8 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
     target layers, mask token and draft vocabulary then replace the options' (a full-vocabulary
     checkpoint with d2t given is reduced to it: markov_w2 keeps its rows at d2t)."""
     if opt.init_from:
-        drafter = DSparkDrafter.load_hf(Path(opt.init_from))
+        drafter = (load_drafter_gguf(Path(opt.init_from)) if is_gguf(Path(opt.init_from))
+                   else DSparkDrafter.load_hf(Path(opt.init_from)))
         c = drafter.c
         if (c.hidden_size, c.vocab_size) != (hp.n_embd, hp.n_vocab) or \
                 max(c.target_layers) > hp.n_layer:
@@ -310,6 +312,8 @@ def block_size_of(opt: TrainOptions) -> int:
     """The block length the run trains: --block-size, else --init-from's, else 7."""
     if opt.block_size is not None:
         return opt.block_size
+    if opt.init_from and is_gguf(Path(opt.init_from)):
+        return gguf_block_size(Path(opt.init_from))
     if opt.init_from:
         return int(json.loads((Path(opt.init_from) / "config.json").read_text())["block_size"])
     return 7
