@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
+from ..gguf_fields import field_value, open_gguf
 from .checkpoint import Checkpoint, read_config
 from .errors import ConversionError
 from .gguf_out import Plan, Tensor
@@ -90,14 +91,10 @@ def _hf_target(path: Path) -> TargetInfo:
 
 
 def _gguf_target(path: Path) -> TargetInfo:
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises plain ValueErrors/struct errors on bad files
-        raise ConversionError(f"cannot read the target GGUF {path}: {e}") from None
+    reader = open_gguf(path, "the target GGUF", ConversionError)
 
     def value(key, default=None):
-        field = reader.fields.get(key)
-        return field.contents() if field is not None else default
+        return field_value(reader, key, default)
 
     arch = value("general.architecture")
     n_embd, n_layer = value(f"{arch}.embedding_length"), value(f"{arch}.block_count")

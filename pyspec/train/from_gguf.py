@@ -14,9 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict
 
+import gguf
 import numpy as np
 import torch
 
+from ..gguf_fields import field_value, open_gguf
 from .drafter import DrafterConfig, DSparkDrafter
 
 # GGUF layer tensor -> Hugging Face name (layers.{i}.), as pyspec/convert/hparams.py maps them.
@@ -58,31 +60,20 @@ def is_gguf(path: Path) -> bool:
 
 def gguf_block_size(path: Path) -> int:
     """The block length a drafter GGUF was trained for (dflash.block_size)."""
-    import gguf
-
-    try:
-        field = gguf.GGUFReader(str(path)).fields.get("dflash.block_size")
-    except Exception as e:
-        raise ValueError(f"cannot read {path} as GGUF: {e}") from None
-    if field is None:
+    size = field_value(open_gguf(path), "dflash.block_size")
+    if size is None:
         raise ValueError(f"{path} has no dflash.block_size (not a drafter GGUF)")
-    return int(field.contents())
+    return int(size)
 
 
 def load_drafter_gguf(path: Path) -> DSparkDrafter:
     """The drafter in `path` as the trainer's model (extra["init_from_gguf"] names the file).
     Raises ValueError when the file is not a drafter the trainer can continue."""
-    import gguf
-
     path = Path(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises plain ValueErrors/struct errors on bad files
-        raise ValueError(f"cannot read {path} as GGUF: {e}") from None
+    reader = open_gguf(path)
 
     def value(key, default=None):
-        field = reader.fields.get(key)
-        return field.contents() if field is not None else default
+        return field_value(reader, key, default)
 
     def need(key):
         v = value(key)

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..gguf_fields import field_value, open_gguf
+
 
 @dataclass
 class TargetHparams:
@@ -46,26 +48,21 @@ class TargetHparams:
     rope_neox: bool
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return f.contents() if f is not None else default
-
-
 def read_gguf(path: str) -> Tuple[TargetHparams, Dict[str, np.ndarray]]:
     """(hyperparameters, name -> float32 array) of a llama / qwen3 GGUF. Matrices are
     [out_features, in_features] (numpy view of GGUF's ne = [in, out])."""
-    reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
+    reader = open_gguf(path)
+    arch = field_value(reader, "general.architecture")
     if arch not in ("llama", "qwen3"):
         raise ValueError(f"{path}: architecture {arch!r} is not supported (llama, qwen3)")
     k = arch + "."
-    n_embd = int(_field(reader, k + "embedding_length"))
-    n_head = int(_field(reader, k + "attention.head_count"))
-    head_dim = int(_field(reader, k + "attention.key_length", n_embd // n_head))
-    scaling = _field(reader, k + "rope.scaling.type", "none")
+    n_embd = int(field_value(reader, k + "embedding_length"))
+    n_head = int(field_value(reader, k + "attention.head_count"))
+    head_dim = int(field_value(reader, k + "attention.key_length", n_embd // n_head))
+    scaling = field_value(reader, k + "rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear)")
-    scale = 1.0 / float(_field(reader, k + "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    scale = 1.0 / float(field_value(reader, k + "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
     weights: Dict[str, np.ndarray] = {}
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -73,14 +70,14 @@ def read_gguf(path: str) -> Tuple[TargetHparams, Dict[str, np.ndarray]]:
         weights[t.name] = np.asarray(data, dtype=np.float32).reshape(shape)
     hp = TargetHparams(
         arch=arch, n_vocab=weights["token_embd.weight"].shape[0], n_embd=n_embd,
-        n_layer=int(_field(reader, k + "block_count")),
-        n_ff=int(_field(reader, k + "feed_forward_length")), n_head=n_head,
-        n_head_kv=int(_field(reader, k + "attention.head_count_kv", n_head)), head_dim=head_dim,
-        n_rot=int(_field(reader, k + "rope.dimension_count", head_dim)),
-        n_ctx_train=int(_field(reader, k + "context_length", 4096)),
-        rope_freq_base=float(_field(reader, k + "rope.freq_base", 10000.0)),
+        n_layer=int(field_value(reader, k + "block_count")),
+        n_ff=int(field_value(reader, k + "feed_forward_length")), n_head=n_head,
+        n_head_kv=int(field_value(reader, k + "attention.head_count_kv", n_head)), head_dim=head_dim,
+        n_rot=int(field_value(reader, k + "rope.dimension_count", head_dim)),
+        n_ctx_train=int(field_value(reader, k + "context_length", 4096)),
+        rope_freq_base=float(field_value(reader, k + "rope.freq_base", 10000.0)),
         rope_freq_scale=scale,
-        rms_eps=float(_field(reader, k + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_eps=float(field_value(reader, k + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_neox=arch == "qwen3")
     return hp, weights
 
