@@ -10,6 +10,11 @@
 #
 #   DATA="build-carry/gen-gpu-s202/data build-carry/gen-gpu-s303/data" TIME=500 \
 #     bash tools/device/train_smollm2.sh [extra pyspec-train-drafter flags]
+#
+# Without DATA the run generates its own sequences first (--data-prompts, --seed, ...; they stay
+# in $RUN/data on the held machine for the calls after). To continue from the embedded drafter,
+# whose checkpoint is not carried: --init-from pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf
+# (it travels with the tree).
 set -u
 out=${OUT:-device-out}
 run=${RUN:-/tmp/run}
@@ -31,7 +36,7 @@ python3 -c "import pyspec" 2>/dev/null || {
 resume=()
 [ -f "$run/train_state.pt" ] && resume=(--resume)
 # shellcheck disable=SC2086
-python3 -m pyspec.train.cli --target /tmp/smol.gguf --out "$run" --data ${DATA:?set DATA to shard dirs} \
+python3 -m pyspec.train.cli --target /tmp/smol.gguf --out "$run" ${DATA:+--data $DATA} \
   --device cuda --time-limit "${TIME:-500}" --hf-dtype bf16 --max-shard-mib 15 --no-progress \
   ${resume[@]+"${resume[@]}"} "$@" 2>&1 | grep -v -i warning | tee "$out/train.log" | tail -25
 [ -d "$run/hf" ] && cp -r "$run/hf" "$out/hf"
