@@ -391,6 +391,7 @@ class Tokenizer:
                 promote(tid)
             found[name] = tid
         self._eot_id = found["eot"]
+        self._fim = {name: found[name] for name in _FIM_TEXTS}
 
         eog = {found[k] for k in ("fim_pad", "fim_rep", "fim_sep")}
         for text in _EOG_TEXTS:
@@ -508,6 +509,12 @@ class Tokenizer:
     @property
     def eos_id(self) -> Optional[int]:
         return self._eos_id
+
+    @property
+    def fim_ids(self) -> Dict[str, Optional[int]]:
+        """The fill-in-the-middle tokens (fim_pre, fim_suf, fim_mid, fim_pad, fim_rep, fim_sep),
+        None where the vocabulary has none."""
+        return dict(self._fim)
 
     @property
     def eot_id(self) -> Optional[int]:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from .infill import check_infill_support, infill_fields, infill_tokens
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, MetricsExporter
 from .params import (CompletionParams, RequestDefaults, generation_settings, parse_chat,
                      parse_completion, render_chat, tokenize_mixed)
@@ -61,6 +62,8 @@ class AppSettings:
                                                               # size, ftype (for /v1/models)
     build_info: str = f"b{__version__}-pyspec"       # system_fingerprint and /props build_info
     sse_ping_interval: float = 30.0                  # keep-alive comment when no token comes
+    n_batch: int = 2048                              # -b: /infill cuts its prompt parts by it
+    spm_infill: bool = False                         # --spm-infill
 
 
 def _error(err: ServerError) -> JSONResponse:
@@ -472,9 +475,10 @@ def create_app(settings: AppSettings, get_scheduler: Callable[[], Any]) -> FastA
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def generate(request: Request, kind: str):
+    async def generate(request: Request, kind: str, body: Any = None):
         s = scheduler()
-        body = await _body(request)
+        if body is None:
+            body = await _body(request)
         if kind == "chat":
             params = parse_chat(body, settings.tokenizer, settings.chat_template,
                                 settings.defaults, s.n_slots, settings.jinja, s.speculative)
@@ -574,6 +578,19 @@ def create_app(settings: AppSettings, get_scheduler: Callable[[], Any]) -> FastA
     @app.post("/completions")
     async def completion(request: Request):
         return await generate(request, "native")
+
+    @app.post("/infill")
+    async def infill(request: Request):
+        s = scheduler()
+        check_infill_support(settings.tokenizer)  # before the body, as llama-server
+        body = await _body(request)
+        prefix, suffix, extra, prompt = infill_fields(body)
+        n_predict = body.get("n_predict", settings.defaults.n_predict)
+        if isinstance(n_predict, bool) or not isinstance(n_predict, int):
+            n_predict = settings.defaults.n_predict  # the completion parser reports a bad one
+        ids = infill_tokens(settings.tokenizer, prefix, suffix, extra, prompt, settings.n_batch,
+                            s.n_ctx_slot, n_predict, settings.spm_infill)
+        return await generate(request, "native", dict(body, prompt=ids))
 
     @app.post("/v1/completions")
     async def oai_completions(request: Request):

@@ -109,6 +109,7 @@ class ServerConfig:
     ignore_eos: bool = False
     # chat
     jinja: bool = True
+    spm_infill: bool = False             # /infill: suffix before prefix (SPM order)
     chat_template: Optional[str] = None
     chat_template_file: Optional[str] = None
     reasoning_format: str = "none"       # only "none" is supported (no reasoning extraction)
@@ -367,6 +368,9 @@ _OPTIONS: Tuple[_Opt, ...] = (
     _Opt(("-s", "--seed"), "seed", _int, "default seed, -1 = random (default: -1)",
          metavar="SEED"),
     _Opt(("--ignore-eos",), "ignore_eos", None, "keep generating past end-of-generation"),
+    _Opt(("--spm-infill",), "spm_infill", None,
+         "/infill prompts in Suffix/Prefix/Middle order, as some models want (default: "
+         "Prefix/Suffix/Middle)"),
     _Opt(("--jinja",), "jinja", None, "use the Jinja chat template engine (default: enabled)",
          env="LLAMA_ARG_JINJA", neg=("--no-jinja",)),
     _Opt(("--chat-template",), "chat_template", _str, "chat template: Jinja source or a name",

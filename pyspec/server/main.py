@@ -171,7 +171,8 @@ def run(cfg: ServerConfig) -> int:
             frequency_penalty=cfg.frequency_penalty, cache_prompt=cfg.cache_prompt),
         api_keys=list(cfg.api_keys), cors_origins=cfg.cors_origins,
         enable_metrics=cfg.metrics, enable_slots=cfg.slots, enable_props=cfg.props,
-        jinja=cfg.jinja, aliases=list(cfg.alias), tags=list(cfg.tags))
+        jinja=cfg.jinja, aliases=list(cfg.alias), tags=list(cfg.tags),
+        n_batch=cfg.batch_size, spm_infill=cfg.spm_infill)
     state = {"scheduler": None}
     app = create_app(settings, lambda: state["scheduler"])
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
