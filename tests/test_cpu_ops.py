@@ -319,6 +319,41 @@ def test_attention_row_is_batch_invariant(seed, cache_dtype):
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", ["F16", "F32"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (8, 1, 48), (32, 1, 32)],
+                         ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+def test_verify_rows_keep_their_own_bits(heads, cache_dtype):
+    """A verify pass's rows (causal rows of one sequence, each seeing the previous row's cells and
+    one more) are each bit for bit the row alone: next to another sequence's rows, a block-masked
+    row of the same base, a fully masked row, with masked holes in the shared cells, at 1 and 2
+    threads; and close to numpy."""
+    n_head, n_kv, hd = heads
+    rng = np.random.default_rng(400 + n_head + hd)
+    n_cells = 320
+    dt = np.float16 if cache_dtype == "F16" else np.float32
+    k = rng.standard_normal((n_cells, n_kv * hd)).astype(dt)
+    v = rng.standard_normal((n_cells, n_kv * hd)).astype(dt)
+    span = 160
+    verify_mask, verify_base = seq_rows(10, 120, 7, span=span, holes=(3, 40, 41))   # 7 causal rows
+    other_mask, other_base = seq_rows(150, 30, 3, span=span)                         # another sequence
+    block_mask, block_base = seq_rows(10, 120, 2, span=span, block=True)             # same base, not nested
+    dead = np.full((1, span), NEG_INF, np.float32)
+    mask = np.concatenate([verify_mask[:2], block_mask[:1], verify_mask[2:], other_mask, dead, block_mask[1:]])
+    base = np.concatenate([verify_base[:2], block_base[:1], verify_base[2:], other_base, [7], block_base[1:]]
+                          ).astype(np.int32)
+    q = rng.standard_normal((len(mask), n_head, hd)).astype(np.float32)
+    alone = np.stack([attention_run(q[i:i + 1], k, v, mask[i:i + 1], base[i:i + 1], n_kv, 0.125, cache_dtype, 1)[0]
+                      for i in range(len(mask))])
+    for n_threads in (1, 2):
+        got = attention_run(q, k, v, mask, base, n_kv, 0.125, cache_dtype, n_threads)
+        bad = [i for i in range(len(mask)) if not np.array_equal(got[i], alone[i])]
+        assert not bad, (n_threads, bad)
+    live = mask.max(axis=1) != NEG_INF
+    np.testing.assert_allclose(got[live], attention_ref(q[live], k, v, mask[live], base[live], n_kv,
+                                                        np.float32(0.125)), rtol=1e-5, atol=1e-6)
+    assert np.all(got[~live] == 0)
+
+
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 1, 32)],
                          ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
 @pytest.mark.parametrize("cache_dtype", ["F16", "F32"])
