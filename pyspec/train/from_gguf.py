@@ -101,10 +101,7 @@ def load_drafter_gguf(path: Path) -> DSparkDrafter:
     def load(name: str) -> torch.Tensor:
         t = tensors[name]
         data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        shape = [int(d) for d in reversed(t.shape)]
-        if shape[0] == 1 and len(shape) == 2 and name.endswith(".bias"):
-            shape = shape[1:]
-        return torch.from_numpy(data.reshape(shape).copy())
+        return torch.from_numpy(data.reshape([int(d) for d in reversed(t.shape)]).copy())
 
     n_layer = int(need("dflash.block_count"))
     hd = int(need("dflash.attention.key_length"))
