@@ -12,6 +12,9 @@
 #   SKIP_BENCH=1 bash tools/device/cuda_check.sh
 #   MODES="plain nofuse" BENCH_MODES=plain bash tools/device/cuda_check.sh   # fewer runs
 #   KERNEL_TIMES=1 ...                          # also per-kernel times by ncu (tools/device/kernel_times.py)
+#   KERNEL_DETAIL=k_mul_mat_tc_narrow_f ...     # also ncu's full report (stall reasons, memory, occupancy)
+#                                               # of that kernel in a Qwen3-4B decode step, every row on
+#                                               # tensor cores (KD_MODEL, KD_STEP, KD_ENV change that)
 #   SANITIZE=1 ...                              # also compute-sanitizer memcheck and racecheck on a
 #                                               # decode + speculative step (tiny models) and on the
 #                                               # attention kernels, a split long row included
@@ -92,4 +95,13 @@ if [ -n "${KERNEL_TIMES:-}" ]; then
       timeout 120 python3 tools/device/kernel_times.py "$m" --step $step --top 12 2>&1 | tee -a "$out/kernel-times.log"
     done
   done
+fi
+if [ -n "${KERNEL_DETAIL:-}" ]; then
+  # shellcheck disable=SC2086
+  timeout 300 env ${KD_ENV:-PYSPEC_CUDA_TC=1} python3 tools/device/kernel_times.py \
+    "${KD_MODEL:-/tmp/pyspec-models/qwen3-4b-f16.gguf}" --step "${KD_STEP:-decode}" --detail "$KERNEL_DETAIL" \
+    > "$out/kernel-detail.log" 2>&1
+  echo "kernel detail ($KERNEL_DETAIL): rc $?, $(wc -l < "$out/kernel-detail.log") lines in kernel-detail.log"
+  grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slots" \
+    "$out/kernel-detail.log" | head -30
 fi

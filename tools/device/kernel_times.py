@@ -8,6 +8,9 @@ kernels by total time.
 
     python3 tools/device/kernel_times.py MODEL.gguf [--step decode|par64|pp512] [--top 20]
 
+--detail REGEX prints ncu's full report (stall reasons, memory throughput, occupancy) of the
+first launches of the matching kernel instead, for one kernel's why.
+
 Needs ncu on the PATH and a GPU that lets it read counters (the H200 machines on Firecracker).
 """
 from __future__ import annotations
@@ -98,6 +101,11 @@ def main(argv=None) -> int:
                     help="flush the caches before each kernel (ncu's default); without it, kernels see "
                          "the warm L2 of a real step, which is what latency-bound decode kernels get")
     ap.add_argument("--dry-run", action="store_true", help="run the step on the CPU, no ncu (checks the script)")
+    ap.add_argument("--detail", metavar="REGEX", default=None,
+                    help="instead of the times: ncu's full report (speed of light, memory, warp stall "
+                         "reasons, occupancy, launch) of the first --detail-count launches whose kernel "
+                         "name matches REGEX, e.g. 'k_mul_mat_tc_narrow_f'")
+    ap.add_argument("--detail-count", type=int, default=2)
     args = ap.parse_args(argv)
     if args.dry_run:
         run_step(args.model, args.step, gpu=False, context=args.context)
@@ -106,10 +114,22 @@ def main(argv=None) -> int:
     if os.environ.get(INNER):
         run_step(args.model, args.step, context=args.context)
         return 0
+    step = [sys.executable, os.path.abspath(__file__), args.model, "--step", args.step, "--context", str(args.context)]
+    if args.detail:
+        cmd = ["ncu", "--clock-control", "none", "--cache-control", "all" if args.flush_caches else "none",
+               "--profile-from-start", "off", "--kernel-name", f"regex:{args.detail}",
+               "--launch-count", str(args.detail_count)]
+        for section in ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "Occupancy",
+                        "LaunchStats", "SchedulerStats"):
+            cmd += ["--section", section]
+        res = subprocess.run(cmd + step, env=dict(os.environ, **{INNER: "1"}), capture_output=True, text=True)
+        print(res.stdout[-60000:])
+        if res.returncode != 0:
+            print(res.stderr[-3000:], file=sys.stderr)
+        return res.returncode
     cmd = ["ncu", "--clock-control", "none", "--cache-control", "all" if args.flush_caches else "none",
            "--profile-from-start", "off", "--metrics",
-           "gpu__time_duration.sum", "--csv", "--print-units", "base",
-           sys.executable, os.path.abspath(__file__), args.model, "--step", args.step, "--context", str(args.context)]
+           "gpu__time_duration.sum", "--csv", "--print-units", "base"] + step
     res = subprocess.run(cmd, env=dict(os.environ, **{INNER: "1"}), capture_output=True, text=True)
     rows = [line for line in res.stdout.splitlines() if line.startswith('"')]
     if res.returncode != 0 or not rows:
