@@ -14,7 +14,8 @@
 #   KERNEL_TIMES=1 ...                          # also per-kernel times by ncu (tools/device/kernel_times.py)
 #   KERNEL_DETAIL=k_mul_mat_tc_narrow_f ...     # also ncu's full report (stall reasons, memory, occupancy)
 #                                               # of that kernel in a Qwen3-4B decode step, every row on
-#                                               # tensor cores (KD_MODEL, KD_STEP, KD_ENV change that)
+#                                               # tensor cores (KD_MODEL, KD_STEP, KD_ENV change that;
+#                                               # the bench step makes the models: not with SKIP_BENCH)
 #   SANITIZE=1 ...                              # also compute-sanitizer memcheck and racecheck on a
 #                                               # decode + speculative step (tiny models) and on the
 #                                               # attention kernels, a split long row included
