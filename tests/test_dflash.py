@@ -546,18 +546,23 @@ BATCH_VARIANTS = dict(VARIANTS, speculators=("qwen3", dict(kind="speculators", s
 DRAFT_KEYS = ("logits", "tokens", "candidates", "candidate_logits", "probs", "base_logits", "confidence", "q")
 
 
+def batch_variant(root, variant, name, seed_offset):
+    """(target checkpoint, target Model, DraftModel, rng) of a BATCH_VARIANTS drafter made as
+    `variant + name`, the rng seeded from the variant's seed."""
+    arch, kwargs, _ = BATCH_VARIANTS[variant]
+    tm, _, tmodel = target(root, arch)
+    _, path = make_drafter(root, variant + name, tm, **kwargs)
+    return tm, tmodel, _core.DraftModel(str(path), tmodel), np.random.default_rng(kwargs["seed"] + seed_offset)
+
+
 @pytest.mark.parametrize("variant", list(BATCH_VARIANTS))
 def test_batched_draft_equals_each_sequence_drafted_alone(root, variant):
     """One drafter pass over 3-8 sequences' blocks gives each sequence, bit for bit, what drafting
     it alone gives: tokens, q rows, logits, chain outputs, confidences. The sequences have their
     own contexts (some empty, some past the window, so the draft rebases them), anchors,
     temperatures (0 and > 0 mixed) and seeds, and come in shuffled slot orders."""
-    arch, kwargs, _ = BATCH_VARIANTS[variant]
-    tm, _, tmodel = target(root, arch)
-    _, path = make_drafter(root, variant + "-batch", tm, **kwargs)
-    dm = _core.DraftModel(str(path), tmodel)
+    tm, tmodel, dm, rng = batch_variant(root, variant, "-batch", 100)
     block = dm.block_size
-    rng = np.random.default_rng(kwargs["seed"] + 100)
     n_seq, n_batch = 8, 48
     lens = [0, 3, 9, 17, 25, 31, 40, 44]
     rng.shuffle(lens)
@@ -607,12 +612,8 @@ def test_output_slots_are_the_whole_blocks_first_slots(root, variant):
     first rows of what returning every slot gives (tokens, q, logits, chains, confidences), at
     T = 0 and T > 0, batched. The other slots still attend and are attended to; only the work no
     kept slot reads is skipped (the last layer's queries and FFN, the head, the chains)."""
-    arch, kwargs, _ = BATCH_VARIANTS[variant]
-    tm, _, tmodel = target(root, arch)
-    _, path = make_drafter(root, variant + "-out", tm, **kwargs)
-    dm = _core.DraftModel(str(path), tmodel)
+    tm, tmodel, dm, rng = batch_variant(root, variant, "-out", 7)
     block = dm.block_size
-    rng = np.random.default_rng(kwargs["seed"] + 7)
     lens = [5, 12, 30]
     dc = _core.DraftContext(dm, n_seq_max=3, n_batch=64, n_threads=2, check_plans=True)
     for s, n in enumerate(lens):
