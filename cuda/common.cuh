@@ -122,6 +122,30 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The RMS norm's scale of a row (1 / sqrt(mean of squares + eps)) is summed in one of two fixed
+// orders, chosen by the row length alone: rows of up to kWarpNormMax values by one warp (lane l
+// sums x[i]^2 over i = l, l + 32, ... in increasing i as one fmaf chain from 0, then warp_sum),
+// longer rows by kNormBlockThreads threads (thread t over i = t, t + 128, ..., then warp_sum in
+// each warp, then the four warp sums as ((s0 + s1) + s2) + s3). The RMS_NORM kernels and the
+// matmul's norm prologue (cuda/ops_matmul.cu) both use these and both normalise a value as
+// x * scale * w, so a norm fused into the matmul that reads it gives the bits of the two apart.
+constexpr int64_t kWarpNormMax = 256;
+constexpr int kNormBlockThreads = 128;
+static_assert(kNormBlockThreads == 4 * 32, "rms_scale_of_warp_sums adds four warp sums");
+
+__device__ __forceinline__ float rms_scale(float lane_sum, int64_t n, float eps) {
+    return 1.0f / sqrtf(warp_sum(lane_sum) / static_cast<float>(n) + eps);
+}
+__device__ __forceinline__ float warp_rms_scale(const float* x, int64_t n, int lane, float eps) {
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int64_t i = lane; i < n; i += 32) acc = fmaf(x[i], x[i], acc);
+    return rms_scale(acc, n, eps);
+}
+__device__ __forceinline__ float rms_scale_of_warp_sums(const float* s, int64_t n, float eps) {
+    return 1.0f / sqrtf((((s[0] + s[1]) + s[2]) + s[3]) / static_cast<float>(n) + eps);
+}
+
 // silu(x) = x * sigmoid(x), one formula for the SWIGLU/SILU ops and the matmul's SwiGLU epilogue
 // (the same bits either way).
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }

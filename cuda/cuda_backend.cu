@@ -412,10 +412,14 @@ private:
         for (int id = 0; id < graph.size(); ++id) {
             const Tensor& t = graph[id];
             if (t.op == Op::NONE || t.op == Op::VIEW) continue;
-            before(id);
+            // A norm run as its matmuls' prologue counts as the matmuls (profiles).
+            const int norm_into = fuse && t.op == Op::RMS_NORM ? norm_prologue_target(graph, id) : -1;
+            before(norm_into >= 0 ? norm_into : id);
             int last = id;
             try {
-                if (fuse && t.op == Op::MUL_MAT) {
+                if (norm_into >= 0) {
+                    last = run_mul_mat_group(graph, norm_into, id);
+                } else if (fuse && t.op == Op::MUL_MAT) {
                     last = run_mul_mat_group(graph, id);
                 } else if (fuse && (t.op == Op::ROPE || t.op == Op::SET_ROWS || t.op == Op::RMS_NORM)) {
                     last = run_op_pair(graph, id);
@@ -434,21 +438,21 @@ private:
         }
     }
 
+    // Bytes [first, second) a tensor spans on the device (span() below): the fusions' safety checks.
+    using Span = std::pair<const char*, const char*>;
+
     // The MUL_MAT at id and the next ones (up to kMaxMatmulParts) that read the same activations
     // with weights of the same type and K (matmuls_sharing_activations: q/k/v, gate/up), as one
     // launch. Running them early is safe: no node computes between them, so no
     // tensor dies there whose memory a later member's output could have been planned into; and
-    // member outputs that overlap the activations or each other (never planned so) end the
-    // group. Returns the last node run.
-    int run_mul_mat_group(const Graph& g, int id) {
-        const Tensor& t0 = g[id];
-        const Tensor& w0 = g[t0.src[0]];
-        const Tensor& x = g[t0.src[1]];
+    // member outputs that overlap what the launch reads (act) or each other (never planned so)
+    // end the group. Returns the number of members taken, their parts and the last one's id.
+    int group_parts(const Graph& g, int id, const Span& act, std::vector<cuda::MatmulPart>& parts, int& last) {
         int members[cuda::kMaxMatmulParts];
         const int n_members = matmuls_sharing_activations(g, id, members, cuda::kMaxMatmulParts);
-        std::vector<cuda::MatmulPart> parts;
-        std::vector<Span> spans{span(g, t0.src[1])};
-        int last = id;
+        std::vector<Span> spans{act};
+        parts.clear();
+        last = id;
         for (int m = 0; m < n_members; ++m) {
             const int j = members[m];
             const cuda::MatmulPart part = matmul_part(g, j);
@@ -461,28 +465,78 @@ private:
             parts.push_back(part);
             last = j;
         }
+        return n_members;
+    }
+
+    // The RMS_NORM at id as the prologue of the MUL_MAT group right after it (cuda::MatmulNorm:
+    // a decode step's attention, FFN and output norms cost no launch of their own): returns that
+    // group's first node, or -1 where the norm runs apart. The group's kernel reads the norm's
+    // input instead of its output, so: nothing computes between them (the input is as the norm
+    // saw it), every reader of the output is in the group and the output is no graph output (it
+    // is never written), no member's output (nor the residual's or SwiGLU's, checked where those
+    // are fused) overlaps the input, and the kernel path has a norm prologue for this batch.
+    int norm_prologue_target(const Graph& g, int id) {
+        const Tensor& t = g[id];
+        const int mm = next_computed(g, id);
+        if (mm >= g.size() || g[mm].op != Op::MUL_MAT || g[mm].src[1] != id || t.src[1] < 0) return -1;
+        if (t.has(kOutput) || t.has(kPinned)) return -1;
+        const Tensor& x = g[t.src[0]];
+        const Tensor& w = g[t.src[1]];
+        const Tensor& wm = g[g[mm].src[0]];
+        if (x.dtype != DType::F32 || x.nb[0] != sizeof(float) || x.nb[1] % sizeof(float) != 0 || x.ne[2] != 1 ||
+            x.ne[3] != 1 || w.dtype != DType::F32 || w.nb[0] != sizeof(float) || w.ne[0] != x.ne[0] ||
+            w.nrows() != 1 || t.ne[0] != x.ne[0] || t.ne[1] != x.ne[1] || wm.ne[0] != x.ne[0]) {
+            return -1;
+        }
+        if (!cuda::matmul_norm_prologue(wm.dtype, wm.ne[0], x.ne[1], g[mm].iparams[0], tc_rows(wm))) return -1;
+        std::vector<cuda::MatmulPart> parts;
+        int last = mm;
+        const int n_members = group_parts(g, mm, span(g, t.src[0]), parts, last);
+        if (static_cast<int>(parts.size()) != n_members || uses_[static_cast<size_t>(id)] != n_members) return -1;
+        return mm;
+    }
+
+    // The MUL_MAT group at id (group_parts) in one launch, with the residual ADD or the SwiGLU
+    // after it as the epilogue where they fit, and with the RMS_NORM `norm` (norm_prologue_target
+    // said yes) as its prologue when norm >= 0. Returns the last node run.
+    int run_mul_mat_group(const Graph& g, int id, int norm = -1) {
+        const Tensor& t0 = g[id];
+        const Tensor& w0 = g[t0.src[0]];
+        const Tensor& x = g[t0.src[1]];
+        cuda::MatmulNorm nn;
+        const cuda::MatmulNorm* pn = nullptr;
+        int act_id = t0.src[1];
+        if (norm >= 0) {
+            act_id = g[norm].src[0];
+            nn.w = reinterpret_cast<const float*>(dptr(g, g[norm].src[1]));
+            nn.eps = g[norm].fparams[0];
+            pn = &nn;
+        }
+        const Span act = span(g, act_id);
+        const float* xp = reinterpret_cast<const float*>(dptr(g, act_id));
+        const int64_t xs = static_cast<int64_t>(g[act_id].nb[1] / sizeof(float));
+        std::vector<cuda::MatmulPart> parts;
+        int last = id;
+        group_parts(g, id, act, parts, last);
         if (parts.empty()) {  // the first output overlaps its activations: never planned so
+            if (norm >= 0) throw std::logic_error("cuda backend: norm prologue without its matmuls");
             run_node(g, id);
             return id;
         }
         if (parts.size() == 1) {
-            const int add = residual_add_after(g, id, parts[0]);
+            const int add = residual_add_after(g, id, act, parts[0]);
             if (add >= 0) last = add;
         }
         if (parts.size() == 2) {
-            const int glu = swiglu_after(g, members[0], members[1]);
-            if (glu >= 0 && cuda::launch_matmul_glu(w0.dtype, parts[0], parts[1], w0.ne[0],
-                                                    reinterpret_cast<const float*>(dptr(g, t0.src[1])),
-                                                    static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1],
+            const int glu = swiglu_after(g, id, last, act);
+            if (glu >= 0 && cuda::launch_matmul_glu(w0.dtype, parts[0], parts[1], w0.ne[0], xp, xs, x.ne[1],
                                                     t0.iparams[0], tc_rows(w0), reinterpret_cast<float*>(dptr(g, glu)),
-                                                    static_cast<int64_t>(g[glu].nb[1] / sizeof(float)), stream_)) {
+                                                    static_cast<int64_t>(g[glu].nb[1] / sizeof(float)), stream_, pn)) {
                 return glu;
             }
         }
-        cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0],
-                                  reinterpret_cast<const float*>(dptr(g, t0.src[1])),
-                                  static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], t0.iparams[0], tc_rows(w0),
-                                  scratch_, stream_);
+        cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0], xp, xs, x.ne[1],
+                                  t0.iparams[0], tc_rows(w0), scratch_, stream_, pn);
         return last;
     }
 
@@ -604,7 +658,6 @@ private:
 
     // Bytes [first, second) a tensor spans on the device, and whether two spans share a byte: the
     // fusions' safety checks.
-    using Span = std::pair<const char*, const char*>;
     Span span(const Graph& g, int id) {
         const char* b = dptr(g, id);
         return {b, b + g[id].nbytes()};
@@ -686,7 +739,7 @@ private:
     // the ADD's id is returned (it runs with the MUL_MAT); else -1 and part is left alone. The
     // ADD's output must not overlap the activations (still being read); it may be the residual
     // itself (each output reads its own residual element before storing), or apart from it.
-    int residual_add_after(const Graph& g, int id, cuda::MatmulPart& part) {
+    int residual_add_after(const Graph& g, int id, const Span& act, cuda::MatmulPart& part) {
         const Tensor& mm = g[id];
         const Tensor& w = g[mm.src[0]];
         if (!cuda::matmul_add_epilogue(w.dtype, w.ne[0], tc_rows(w))) return -1;
@@ -707,7 +760,7 @@ private:
             return -1;
         }
         const Span out = span(g, a), res = span(g, other);
-        if (overlaps(out, span(g, mm.src[1]))) return -1;
+        if (overlaps(out, act)) return -1;
         const bool same = res.first == out.first && r.nb[1] == add.nb[1];
         if (!same && overlaps(out, res)) return -1;
         const char* rb = res.first;
@@ -722,7 +775,7 @@ private:
     // SWIGLU(gate, up), nothing else reads either product, and its output is F32 rows of their
     // shape apart from the activations, returns its id (launch_matmul_glu stores silu(gate) * up
     // there and the products never reach memory); else -1.
-    int swiglu_after(const Graph& g, int gate, int up) {
+    int swiglu_after(const Graph& g, int gate, int up, const Span& act) {
         const int a = next_computed(g, up);
         if (a >= g.size() || g[a].op != Op::SWIGLU || g[a].src[0] != gate || g[a].src[1] != up) return -1;
         const Tensor& glu = g[a];
@@ -734,7 +787,7 @@ private:
             }
         }
         if (glu.dtype != DType::F32 || glu.nb[0] != sizeof(float) || glu.nb[1] % sizeof(float) != 0) return -1;
-        if (overlaps(span(g, a), span(g, g[gate].src[1]))) return -1;
+        if (overlaps(span(g, a), act)) return -1;
         return a;
     }
 

@@ -111,9 +111,21 @@ bool matmul_add_epilogue(DType wtype, int64_t k, TcRows rows);
 // prompt_cols: MUL_MAT's prompt columns (core/graph.h), the first columns of x and of every y (and
 // add); they take the tensor cores where rows is Prompt, the rest the kernel every row of the
 // weight takes otherwise.
+// norm (optional): x holds an RMS_NORM's inputs and each column is normalised in the kernel, as
+// the norm kernel does it (warp_rms_scale, then x * scale * w: the same bits), so the norm's output
+// never reaches memory and its launch is saved. Only where matmul_norm_prologue says (the CUDA-core
+// path, m <= kMatmulNormMaxM: decode steps; since the bits are the same, choosing by M is free).
+// PYSPEC_CUDA_NORM_PROLOGUE=0 turns it off (read once), PYSPEC_CUDA_FUSE=0 with the other fusions.
+struct MatmulNorm {
+    const float* w = nullptr;  // the norm's weights (required)
+    float eps = 0.0f;
+};
+constexpr int64_t kMatmulNormMaxM = 1;
+constexpr int64_t kMatmulNormMaxValues = 12288;  // the normalised columns in 48 KB of shared memory
+bool matmul_norm_prologue(DType wtype, int64_t k, int64_t m, int64_t prompt_cols, TcRows rows);
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
                          int64_t x_stride, int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch,
-                         cudaStream_t s);
+                         cudaStream_t s, const MatmulNorm* norm = nullptr);
 // gate and up (MatmulParts of equal rows, no add) over the same activations with the SWIGLU that
 // follows them as the epilogue: y[i, c] = silu(gate_i . x_c) * (up_i . x_c), the bits of the three
 // nodes run apart (each product reduced exactly as launch_matmul_group reduces it). For the
@@ -122,7 +134,7 @@ void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int6
 constexpr int64_t kMatmulGluMaxM = 16;
 bool launch_matmul_glu(DType wtype, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x,
                        int64_t x_stride, int64_t m, int64_t prompt_cols, TcRows rows, float* y, int64_t y_stride,
-                       cudaStream_t s);
+                       cudaStream_t s, const MatmulNorm* norm = nullptr);
 // Whether the backend groups consecutive MUL_MATs over the same activations into one launch
 // (on by default since the H200 run: the same bits, 3 launches fewer per layer, tg +5-6%;
 // PYSPEC_CUDA_FUSE=0 turns it off). Read at each compute: a backend's captured CUDA graphs keep the
@@ -153,7 +165,12 @@ SplitScratchNeed matmul_tc_narrow_scratch(DType wtype, int64_t k, int64_t rows, 
 SplitScratchNeed matmul_tc_wide_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);
 // Decode steps of this many sequences or more make a batch of output rows compute-bound on the CUDA
 // cores: a backend made for that many takes the tensor cores for every row of a float weight.
-constexpr int kTcAllRowsMinSeqs = 16;
+// Measured on the H200 (Qwen3-4B F16, every sequence decoding; default against PYSPEC_CUDA_TC=1):
+// 2 sequences 386-392 against 382-391 t/s, 3: 414 against 549-571, 4: 567 against 729, 8: 704
+// against 1,364; one sequence alone in such a context decodes ~15% slower (the narrow kernel). 8
+// takes the large gain; 3-4 (smaller gains at full occupancy, the same loss with one busy slot)
+// stay on the CUDA cores for now.
+constexpr int kTcAllRowsMinSeqs = 8;
 TcRows matmul_tc_rows(int setting, DType wtype, int64_t k, bool wide_batches);
 // Whether prompt columns take the tensor cores apart from the other rows (the default setting).
 bool matmul_tc_prompt_path();

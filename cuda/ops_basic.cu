@@ -163,66 +163,12 @@ __global__ void k_set_rows_quant(const __grid_constant__ Jobs jobs, const int32_
 
 // ---------------------------------------------------------------------------------------------
 
-// One row, values i = first, first + stride, ... (< n), held in registers: x and the weights are
-// both loaded before the reduction (a decode step's norms wait on memory, not on arithmetic), and
-// x is not read twice. The same operations in the same order as the plain loops below, so the
-// same bits. R: values per thread; the caller checks n <= R * stride.
-template <int R, typename Sum>
-__device__ __forceinline__ void rms_norm_regs(const float* xr, const float* w, float* yr, int64_t n, int first,
-                                              int stride, float eps, Sum sum) {
-    float xv[R], wv[R];
-#pragma unroll
-    for (int c = 0; c < R; ++c) {
-        const int64_t i = first + static_cast<int64_t>(c) * stride;
-        xv[c] = i < n ? xr[i] : 0.0f;
-        wv[c] = w && i < n ? w[i] : 0.0f;
-    }
-    float acc = 0.0f;
-#pragma unroll
-    for (int c = 0; c < R; ++c) {
-        if (first + static_cast<int64_t>(c) * stride < n) acc = fmaf(xv[c], xv[c], acc);
-    }
-    const float mean_sq = sum(acc) / static_cast<float>(n);
-    const float inv = 1.0f / sqrtf(mean_sq + eps);
-#pragma unroll
-    for (int c = 0; c < R; ++c) {
-        const int64_t i = first + static_cast<int64_t>(c) * stride;
-        if (i < n) yr[i] = w ? xv[c] * inv * wv[c] : xv[c] * inv;
-    }
-}
-
-constexpr int kNormRegs = 16;  // rows up to kThreads * 16 = 4096 values keep them in registers
-
-__global__ void k_rms_norm(const __grid_constant__ Jobs jobs, float eps) {
-    pdl_enter();
-    const TDesc& dst = jobs.j[blockIdx.y].dst;
-    const TDesc& x = jobs.j[blockIdx.y].src;
-    const float* w = jobs.j[blockIdx.y].w;
-    const int64_t r = blockIdx.x;
-    if (r >= x.nrows()) return;  // a pair's shorter job
-    const int64_t n = x.ne[0];
-    const float* xr = reinterpret_cast<const float*>(x.row(r));
-    float* yr = reinterpret_cast<float*>(dst.row(r));
-    if (n <= static_cast<int64_t>(kNormRegs) * blockDim.x) {
-        rms_norm_regs<kNormRegs>(xr, w, yr, n, threadIdx.x, blockDim.x, eps,
-                                 [](float v) {
-                                     __shared__ float red[32];
-                                     return block_sum(v, red);
-                                 });
-        return;
-    }
-    __shared__ float red[32];
-    float acc = 0.0f;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc = fmaf(xr[i], xr[i], acc);
-    const float mean_sq = block_sum(acc, red) / static_cast<float>(n);
-    const float inv = 1.0f / sqrtf(mean_sq + eps);
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? xr[i] * inv * w[i] : xr[i] * inv;
-}
-
-// Short rows (Qwen3's per-head q/k norms: 32 or 8 rows of 128): one warp per row, eight rows per
-// block, no block-wide barrier. Which kernel runs depends on the row length alone, never on the
-// number of rows, so a row's bits do not depend on its batch.
-constexpr int64_t kWarpNormMax = 256;
+// RMS_NORM, in the summation order common.cuh fixes by row length (so a row's bits do not depend
+// on its batch, and the matmul's norm prologue computes the same). Short rows (Qwen3's per-head
+// q/k norms: 32 or 8 rows of 128): a warp per row, eight rows per block, no block-wide barrier, x
+// and the weights both loaded into registers before the reduction (a decode step's norms wait on
+// memory, not on arithmetic); the same fmaf chain as warp_rms_scale.
+constexpr int64_t kWarpNormRegs = kWarpNormMax / 32;
 
 __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
     pdl_enter();
@@ -230,12 +176,51 @@ __global__ void k_rms_norm_warp(const __grid_constant__ Jobs jobs, float eps) {
     const TDesc& x = jobs.j[blockIdx.y].src;
     const float* w = jobs.j[blockIdx.y].w;
     const int64_t r = blockIdx.x * static_cast<int64_t>(kThreads / 32) + (threadIdx.x >> 5);
-    if (r >= x.nrows()) return;
+    if (r >= x.nrows()) return;  // past the rows, or a pair's shorter job
     const int lane = threadIdx.x & 31;
     const int64_t n = x.ne[0];  // <= kWarpNormMax (launch_rms_norm)
     const float* xr = reinterpret_cast<const float*>(x.row(r));
     float* yr = reinterpret_cast<float*>(dst.row(r));
-    rms_norm_regs<kWarpNormMax / 32>(xr, w, yr, n, lane, 32, eps, [](float v) { return warp_sum(v); });
+    float xv[kWarpNormRegs], wv[kWarpNormRegs];
+#pragma unroll
+    for (int c = 0; c < kWarpNormRegs; ++c) {
+        const int64_t i = lane + 32 * c;
+        xv[c] = i < n ? xr[i] : 0.0f;
+        wv[c] = w && i < n ? w[i] : 0.0f;
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kWarpNormRegs; ++c) {
+        if (lane + 32 * c < n) acc = fmaf(xv[c], xv[c], acc);
+    }
+    const float scale = rms_scale(acc, n, eps);
+#pragma unroll
+    for (int c = 0; c < kWarpNormRegs; ++c) {
+        const int64_t i = lane + 32 * c;
+        if (i < n) yr[i] = w ? xv[c] * scale * wv[c] : xv[c] * scale;
+    }
+}
+
+// Longer rows: kNormBlockThreads threads per row (block x = row, y = job).
+__global__ void __launch_bounds__(kNormBlockThreads) k_rms_norm_block(const __grid_constant__ Jobs jobs, float eps) {
+    pdl_enter();
+    const TDesc& dst = jobs.j[blockIdx.y].dst;
+    const TDesc& x = jobs.j[blockIdx.y].src;
+    const float* w = jobs.j[blockIdx.y].w;
+    const int64_t r = blockIdx.x;
+    if (r >= x.nrows()) return;  // a pair's shorter job: the whole block
+    const int64_t n = x.ne[0];
+    const float* xr = reinterpret_cast<const float*>(x.row(r));
+    float* yr = reinterpret_cast<float*>(dst.row(r));
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int64_t i = threadIdx.x; i < n; i += kNormBlockThreads) acc = fmaf(xr[i], xr[i], acc);
+    __shared__ float sums[kNormBlockThreads / 32];
+    acc = warp_sum(acc);
+    if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    const float scale = rms_scale_of_warp_sums(sums, n, eps);
+    for (int64_t i = threadIdx.x; i < n; i += kNormBlockThreads) yr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
 }
 
 // Element-wise kernels: block (x, y) takes columns x * blockDim + thread, stepping by the grid's
@@ -543,10 +528,9 @@ void launch_rms_norm(const OpJob* jobs, int n, float eps, cudaStream_t s) {
     for (int i = 0; i < n; ++i) rows = std::max(rows, jobs[i].src.nrows());
     if (rows == 0) return;
     if (jobs[0].src.ne[0] <= kWarpNormMax) {
-        const int64_t per_block = kThreads / 32;
-        launch(k_rms_norm_warp, dim3(grid_for(rows, static_cast<int>(per_block)), n), kThreads, 0, s, j, eps);
+        launch(k_rms_norm_warp, dim3(grid_for(rows, kThreads / 32), n), kThreads, 0, s, j, eps);
     } else {
-        launch(k_rms_norm, dim3(static_cast<unsigned>(rows), n), kThreads, 0, s, j, eps);
+        launch(k_rms_norm_block, dim3(static_cast<unsigned>(rows), n), kNormBlockThreads, 0, s, j, eps);
     }
 }
 

@@ -138,6 +138,8 @@ struct Parts {
     int64_t as[kMaxMatmulParts];
     int64_t row0[kMaxMatmulParts + 1];
     int n;
+    const float* norm_w;  // the norm prologue's weights (kNorm kernels only)
+    float norm_eps;
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -188,12 +190,55 @@ __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const flo
     }
 }
 
+// The norm prologue (kNorm kernels): the block normalises its C activation columns, an RMS_NORM's
+// inputs, into shared memory exactly as the RMS_NORM kernels would (common.cuh: the summation
+// order by row length, then x * scale * w), and points xc at those rows; every thread of the block
+// must call it. The block's threads are the long-row order's kNormBlockThreads.
+extern __shared__ float4 normed_rows[];  // C * k floats
+
+template <int C>
+__device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, const float* nw, float eps) {
+    static_assert(kWarps * 32 == kNormBlockThreads, "the norm prologue sums in the norm kernel's order");
+    float* hs = reinterpret_cast<float*>(normed_rows);
+    const int tid = threadIdx.x, lane = tid & 31;
+    if (k > kWarpNormMax) {
+        __shared__ float sums[C][kWarps];
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            float acc = 0.0f;
+#pragma unroll 8
+            for (int64_t i = tid; i < k; i += kNormBlockThreads) {
+                const float v = xc[c][i];
+                hs[c * k + i] = v;
+                acc = fmaf(v, v, acc);
+            }
+            acc = warp_sum(acc);
+            if (lane == 0) sums[c][tid >> 5] = acc;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const float scale = rms_scale_of_warp_sums(sums[c], k, eps);
+            for (int64_t i = tid; i < k; i += kNormBlockThreads) hs[c * k + i] = hs[c * k + i] * scale * nw[i];
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const float scale = warp_rms_scale(xc[c], k, lane, eps);  // each warp the same value
+            for (int64_t i = tid; i < k; i += kNormBlockThreads) hs[c * k + i] = xc[c][i] * scale * nw[i];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < C; ++c) xc[c] = hs + c * k;
+}
+
 // Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of the global weight rows
 // row_base + [R * kWarps * blockIdx.y, + R * kWarps); warp w of it R rows from
 // row_base + R * (kWarps * blockIdx.y + w). Rows and columns past the ends are clamped to the last
 // one (computed, never stored), which keeps the inner loop free of branches. kVec: 16-byte loads
 // of float weights and of activations.
-template <DType T, bool kVec, int R, int C>
+template <DType T, bool kVec, int R, int C, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_base, int64_t k, const float* x,
                                                           int64_t x_stride, int64_t m) {
     pdl_enter();
@@ -201,17 +246,18 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_ba
     const int64_t n_rows = p.row0[p.n];
     const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
+    const float* xc[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
+    if constexpr (kNorm) norm_prologue<C>(xc, k, p.norm_w, p.norm_eps);  // before any warp leaves
     if (r0 >= n_rows) return;
     const char* wr[R];
-    const float* xc[C];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int64_t row = min(r0 + r, n_rows - 1);
         const int j = part_of(p, row);
         wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
     }
-#pragma unroll
-    for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
     float acc[R][C];
     accumulate<T, kVec, R, C>(wr, xc, k, lane, acc);
     if constexpr (R * C % 32 == 0) {
@@ -264,59 +310,74 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const 
 }
 
 // gate and up (equal shapes, one weight type and K) over the same activations, with the SWIGLU
-// that follows them as the epilogue: warp w of block (blockIdx.x, blockIdx.y) takes row
-// row_base + kWarps * blockIdx.y + w of both matrices and columns [C * blockIdx.x, + C), runs each
-// output's fmaf chain exactly as k_mul_mat does (accumulate, then warp_sum: the same xor tree),
-// and stores silu(gate) * up, the SWIGLU op's formula. So the bits are those of the three nodes
-// run apart, and the two products never reach memory.
-template <DType T, bool kVec, int C>
+// that follows them as the epilogue: warp w of block (blockIdx.x, blockIdx.y) takes rows
+// row_base + RG * (kWarps * blockIdx.y + w) + [0, RG) of both matrices and columns
+// [C * blockIdx.x, + C), runs each output's fmaf chain exactly as k_mul_mat does (accumulate, then
+// warp_sum: the same xor tree), and stores silu(gate) * up, the SWIGLU op's formula. So the bits
+// are those of the three nodes run apart, and the two products never reach memory. Rows past the
+// end are clamped to the last one (computed, never stored). RG = 1 is what runs (2 measured slower
+// on the H200: Qwen3-4B's gate/up 34.2 -> 37.5 us a call).
+template <DType T, bool kVec, int RG, int C, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t row_base, int64_t k, const float* x,
-                                                              int64_t x_stride, int64_t m, float* y, int64_t y_stride) {
+                                                              int64_t x_stride, int64_t m, float* y, int64_t y_stride,
+                                                              const float* norm_w, float norm_eps) {
     pdl_enter();
     const int lane = threadIdx.x & 31;
-    const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
+    const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * RG;
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
-    if (row >= n_rows) return;
-    const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
     const float* xc[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
-    float acc[2][C];
-    accumulate<T, kVec, 2, C>(wr, xc, k, lane, acc);
+    if constexpr (kNorm) norm_prologue<C>(xc, k, norm_w, norm_eps);  // before any warp leaves
+    if (r0 >= n_rows) return;
+    const char* wr[2 * RG];
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-        const float g = warp_sum(acc[0][c]), u = warp_sum(acc[1][c]);
-        if (lane == 0 && c0 + c < m) y[(c0 + c) * y_stride + row] = silu_f(g) * u;
+    for (int r = 0; r < RG; ++r) {
+        const int64_t row = min(r0 + r, n_rows - 1);
+        wr[r] = wg + row * rb_g;
+        wr[RG + r] = wu + row * rb_u;
+    }
+    float acc[2 * RG][C];
+    accumulate<T, kVec, 2 * RG, C>(wr, xc, k, lane, acc);
+#pragma unroll
+    for (int r = 0; r < RG; ++r) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const float g = warp_sum(acc[r][c]), u = warp_sum(acc[RG + r][c]);
+            if (lane == 0 && r0 + r < n_rows && c0 + c < m) y[(c0 + c) * y_stride + r0 + r] = silu_f(g) * u;
+        }
     }
 }
 
-template <DType T, bool kVec, int C>
+template <DType T, bool kVec, int RG, int C, bool kNorm = false>
 void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
-                       float* y, int64_t ys, cudaStream_t s) {
-    constexpr int64_t max_rows = int64_t{kWarps} * 65535;
+                       float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
+    constexpr int64_t rows_per_block = int64_t{RG} * kWarps;
+    constexpr int64_t max_rows = rows_per_block * 65535;
     const unsigned gx = grid_for(m, C);
     for (int64_t r0 = 0; r0 < gate.n_rows; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, gate.n_rows - r0);
-        const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
-        launch(k_mul_mat_glu<T, kVec, C>, grid, kWarps * 32, 0, s,
+        const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
+        launch(k_mul_mat_glu<T, kVec, RG, C, kNorm>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s,
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
-            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys);
+            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys, norm.w, norm.eps);
     }
 }
 
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
-                       float* y, int64_t ys, cudaStream_t s) {
-    if (m == 1) return mul_mat_glu_tiles<T, kVec, 1>(gate, up, k, x, xs, m, y, ys, s);
-    if (m == 2) return mul_mat_glu_tiles<T, kVec, 2>(gate, up, k, x, xs, m, y, ys, s);
-    if (m <= 4) return mul_mat_glu_tiles<T, kVec, 4>(gate, up, k, x, xs, m, y, ys, s);
-    return mul_mat_glu_tiles<T, kVec, 8>(gate, up, k, x, xs, m, y, ys, s);
+                       float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
+    if (m == 1 && norm.w) return mul_mat_glu_tiles<T, kVec, 1, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (m == 1) return mul_mat_glu_tiles<T, kVec, 1, 1>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (m == 2) return mul_mat_glu_tiles<T, kVec, 1, 2>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (m <= 4) return mul_mat_glu_tiles<T, kVec, 1, 4>(gate, up, k, x, xs, m, y, ys, norm, s);
+    return mul_mat_glu_tiles<T, kVec, 1, 8>(gate, up, k, x, xs, m, y, ys, norm, s);
 }
 
 // Row tiles go on grid.y (at most 65535 per launch), column tiles on grid.x, so the blocks that
 // share a weight tile run next to each other and read it from L2 once.
-template <DType T, bool kVec, int R, int C>
+template <DType T, bool kVec, int R, int C, bool kNorm = false>
 void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
     constexpr int64_t rows_per_block = int64_t{R} * kWarps;
     constexpr int64_t max_rows = rows_per_block * 65535;
@@ -325,16 +386,22 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
     for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, n - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
-        launch(k_mul_mat<T, kVec, R, C>, grid, kWarps * 32, 0, s, p, r0, k, x, xs, m);
+        launch(k_mul_mat<T, kVec, R, C, kNorm>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s, p, r0, k, x,
+               xs, m);
     }
 }
 
 // The launch shape by batch size. It only changes how many outputs a warp carries, never an
 // output's order, so these thresholds are free to tune. Small M (decode, verify, draft blocks):
-// one row per warp, many warps, bandwidth-bound. Larger M: 4 rows x 8 columns per warp, 32 FMAs per
-// activation load and 8 columns per weight load.
+// one row per warp, many warps, bandwidth-bound (2 or 4 rows per warp at M = 1 measured slower on
+// the H200: Qwen3-4B's MUL_MATs 15.3 -> 19.6 us at 2). Larger M: 4 rows x 8 columns per warp, 32
+// FMAs per activation load and 8 columns per weight load. The norm prologue is instantiated for
+// one column (decode), as kMatmulNormMaxM promises.
+static_assert(kMatmulNormMaxM == 1, "k_mul_mat's and k_mul_mat_glu's norm prologue serve m == 1 only");
+
 template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
+    if (m == 1 && p.norm_w) return mul_mat_tiles<T, kVec, 1, 1, true>(p, k, x, xs, m, s);
     if (m == 1) return mul_mat_tiles<T, kVec, 1, 1>(p, k, x, xs, m, s);
     if (m == 2) return mul_mat_tiles<T, kVec, 1, 2>(p, k, x, xs, m, s);
     if (m <= 4) return mul_mat_tiles<T, kVec, 1, 4>(p, k, x, xs, m, s);
@@ -353,6 +420,9 @@ bool sixteen_byte_loads(DType t, const float* x, int64_t xs, const MatmulPart* p
     }
     return vec;
 }
+
+// Whether p (nullptr: nothing to load) allows 16-byte loads.
+bool aligned16(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Calls f(integral_constant<DType, t>, bool_constant<vec>) for the CUDA-core kernels' weight
 // types, the 16-byte-load choice being a template parameter too; false for any other type.
@@ -383,16 +453,27 @@ bool matmul_add_epilogue(DType t, int64_t k, TcRows rows) {
     return !(float_weights(t) && k % 8 != 0) && k % dtype_block_size(t) == 0;
 }
 
+bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, TcRows rows) {
+    static const bool enabled = env_switch("PYSPEC_CUDA_NORM_PROLOGUE") != 0;
+    return enabled && m >= 1 && m <= kMatmulNormMaxM && k * m <= kMatmulNormMaxValues && (rows == TcRows::None || (rows == TcRows::Prompt && prompt_cols == 0)) &&
+           !(float_weights(t) && k % 8 != 0) && k % dtype_block_size(t) == 0 &&
+           with_weight_type(t, false, [](auto, auto) {});
+}
+
 bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs,
-                       int64_t m, int64_t prompt_cols, TcRows rows, float* y, int64_t ys, cudaStream_t s) {
+                       int64_t m, int64_t prompt_cols, TcRows rows, float* y, int64_t ys, cudaStream_t s,
+                       const MatmulNorm* norm) {
     if (m <= 0 || m > kMatmulGluMaxM || rows == TcRows::All || (prompt_cols > 0 && rows == TcRows::Prompt) ||
         (float_weights(t) && k % 8 != 0) ||
-        k % dtype_block_size(t) != 0 || gate.n_rows != up.n_rows || gate.n_rows <= 0 || gate.add || up.add) {
+        k % dtype_block_size(t) != 0 || gate.n_rows != up.n_rows || gate.n_rows <= 0 || gate.add || up.add ||
+        (norm && !matmul_norm_prologue(t, k, m, prompt_cols, rows))) {
         return false;
     }
     const MatmulPart both[2] = {gate, up};
-    const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, both, 2), [&](auto type, auto vec) {
-        mul_mat_glu_typed<decltype(type)::value, decltype(vec)::value>(gate, up, k, x, xs, m, y, ys, s);
+    const MatmulNorm nn = norm ? *norm : MatmulNorm{};
+    const bool vec = sixteen_byte_loads(t, x, xs, both, 2) && aligned16(nn.w);
+    const bool launched = with_weight_type(t, vec, [&](auto type, auto v) {
+        mul_mat_glu_typed<decltype(type)::value, decltype(v)::value>(gate, up, k, x, xs, m, y, ys, nn, s);
     });
     return launched;
 }
@@ -419,7 +500,10 @@ void matmul_tc(DType t, const MatmulPart* parts, int n_parts, int64_t k, const f
 
 // The CUDA-core computation (this file's kernels).
 void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs, int64_t m,
-                  cudaStream_t s) {
+                  const MatmulNorm* norm, cudaStream_t s) {
+    if (norm && !matmul_norm_prologue(t, k, m, 0, TcRows::None)) {
+        throw std::logic_error("cuda backend: mul_mat: a norm prologue on a path without one");
+    }
     if (float_weights(t) && k % 8 != 0) {
         for (int j = 0; j < n_parts; ++j) {
             if (parts[j].add) throw std::logic_error("cuda backend: mul_mat: an add epilogue on a path without one");
@@ -447,7 +531,10 @@ void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, cons
         p.row0[j + 1] = p.row0[j] + std::max<int64_t>(0, q.n_rows);
     }
     if (p.row0[n_parts] == 0) return;
-    const bool launched = with_weight_type(t, sixteen_byte_loads(t, x, xs, parts, n_parts), [&](auto type, auto vec) {
+    p.norm_w = norm ? norm->w : nullptr;
+    p.norm_eps = norm ? norm->eps : 0.0f;
+    const bool vec = sixteen_byte_loads(t, x, xs, parts, n_parts) && aligned16(p.norm_w);
+    const bool launched = with_weight_type(t, vec, [&](auto type, auto vec) {
         mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, s);
     });
     if (!launched) throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
@@ -458,9 +545,16 @@ void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, cons
 // Speed: output rows run on CUDA cores (FP32 FMA, ~67 TFLOP/s peak on the H200) and prompt rows on
 // tensor cores, unless the backend serves wide batches (matmul_tc_rows; the measurements there).
 void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
-                         int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch, cudaStream_t s) {
+                         int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch, cudaStream_t s,
+                         const MatmulNorm* norm) {
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
     if (m <= 0) return;
+    if (norm) {
+        if (!matmul_norm_prologue(t, k, m, prompt_cols, rows)) {
+            throw std::logic_error("cuda backend: mul_mat: a norm prologue on a path without one");
+        }
+        return matmul_cores(t, parts, n_parts, k, x, xs, m, norm, s);
+    }
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
     if (prompt_cols < 0 || prompt_cols > m) throw std::logic_error("cuda backend: mul_mat: bad prompt columns");
     // Tensor cores: chosen by the weight type and K, the backend and the kind of row, never by M or
@@ -470,9 +564,9 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         matmul_tc(t, parts, n_parts, k, x, xs, prompt_cols, scratch, s);
         if (prompt_cols == m) return;
         const std::vector<MatmulPart> rest = parts_from_column(parts, n_parts, prompt_cols);
-        return matmul_cores(t, rest.data(), n_parts, k, x + prompt_cols * xs, xs, m - prompt_cols, s);
+        return matmul_cores(t, rest.data(), n_parts, k, x + prompt_cols * xs, xs, m - prompt_cols, nullptr, s);
     }
-    matmul_cores(t, parts, n_parts, k, x, xs, m, s);
+    matmul_cores(t, parts, n_parts, k, x, xs, m, nullptr, s);
 }
 
 }  // namespace cuda

@@ -287,6 +287,75 @@ def test_swiglu_epilogue_gives_the_unfused_bits(dtype, monkeypatch):
     np.testing.assert_allclose(out["1", 5], ref.reshape(5, n_rows), rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+def norm_then_matmuls_build(dtype, x, norm_w, weights, tail, fetch_norm=False, eps=1e-5):
+    """RMS_NORM(x, norm_w) read by MUL_MATs over the same activations: tail "group" (q/k/v-like
+    weights of different rows, each fetched), "glu" (gate, up, then SWIGLU) or "residual" (one
+    MUL_MAT, then ADD of a residual input). fetch_norm: the norm's output is fetched too (so it
+    must reach memory)."""
+    m, k = x.shape
+    rng = np.random.default_rng(3)
+    residual = rng.standard_normal((m, weights[0][2])).astype(np.float32)
+
+    def build():
+        g = core.Graph()
+        tx = g.input("F32", [k, m], "x")
+        tw = g.external("F32", [k], "norm_w")
+        h = cpu.node(g, "RMS_NORM", "F32", [k, m], [tx, tw], fparams=[eps])
+        feeds = {tx: x, tw: norm_w}
+        mms = []
+        for name, stored, n_rows in weights:
+            t = g.external(dtype, [k, n_rows], name)
+            feeds[t] = stored
+            mms.append(cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [t, h]))
+        if tail == "glu":
+            out = [cpu.node(g, "SWIGLU", "F32", [weights[0][2], m], mms)]
+        elif tail == "residual":
+            tr = g.input("F32", [weights[0][2], m], "residual")
+            feeds[tr] = residual
+            out = [cpu.node(g, "ADD", "F32", [weights[0][2], m], [mms[0], tr])]
+        else:
+            out = mms
+        return g, feeds, out + ([h] if fetch_norm else [])
+
+    return build
+
+
+@gpu
+@pytest.mark.parametrize("tail", ["group", "glu", "residual", "norm fetched"])
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
+    """An RMS_NORM whose only readers are the MUL_MATs right after it runs inside their launch at
+    M = 1 (decode; the kernel normalises the norm's input as the norm kernel does): the bits of the
+    nodes run apart (PYSPEC_CUDA_FUSE=0) for a q/k/v-like group, gate/up with the SwiGLU epilogue
+    and one MUL_MAT with the residual epilogue, equal to the same row inside a batch (M = 5, no
+    prologue), and where the norm's output is fetched (it must then be stored: no prologue)."""
+    k = 576
+    rng = np.random.default_rng(41)
+    norm_w = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    rows = [96, 32, 32] if tail in ("group", "norm fetched") else [80, 80] if tail == "glu" else [72]
+    weights = []
+    for i, n in enumerate(rows):
+        stored, _ = mm_inputs(dtype, n, k, 1, seed=60 + i)
+        weights.append((f"w{i}", stored, n))
+    _, x = mm_inputs(dtype, 8, k, 5, seed=70)
+    x *= 3.0
+    out = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
+        for m in (1, 5):
+            b = norm_then_matmuls_build(dtype, x[:m], norm_w, weights, tail.split()[0],
+                                        fetch_norm=tail == "norm fetched")
+            out[fuse, m] = run_on(DEVICE, b)
+    for i, (a, b) in enumerate(zip(out["1", 1], out["0", 1])):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}, fused against apart")
+    for i, (a, b) in enumerate(zip(out["1", 1], out["1", 5])):
+        np.testing.assert_array_equal(a.reshape(-1), b.reshape(5, -1)[0], err_msg=f"output {i}, M=1 against M=5")
+    ref = run_on("cpu", norm_then_matmuls_build(dtype, x[:1], norm_w, weights, tail.split()[0],
+                                                fetch_norm=tail == "norm fetched"))
+    for a, b in zip(out["1", 1], ref):
+        np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * np.abs(b).max())
+
+
 @gpu
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):

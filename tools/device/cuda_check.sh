@@ -17,8 +17,9 @@
 #                                               # tensor cores (KD_MODEL, KD_STEP, KD_ENV change that;
 #                                               # the bench step makes the models: not with SKIP_BENCH)
 #   SANITIZE=1 ...                              # also compute-sanitizer memcheck and racecheck on a
-#                                               # decode + speculative step (tiny models) and on the
-#                                               # attention kernels, a split long row included
+#                                               # decode + speculative step (tiny models), on the
+#                                               # attention kernels, a split long row included, on
+#                                               # the wide GEMM's split K and on the norm prologue
 #   SPEC_BENCH=/tmp/smol.gguf ...               # also bench/bench_drafter.py on the GPU: the real
 #                                               # SmolLM2 target (carried, see train_smollm2.sh)
 #                                               # with the shipped drafter, greedy
@@ -83,7 +84,10 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h9kv3d64]"
              "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h32kv8d128]"
              "tests/test_cuda_ops.py::test_prompt_rows_attention_is_each_rows_own[h9kv3d64]"
-             "tests/test_cuda_ops.py::test_prompt_rows_attention_is_each_rows_own[h4kv2d64]")
+             "tests/test_cuda_ops.py::test_prompt_rows_attention_is_each_rows_own[h4kv2d64]"
+             "tests/test_cuda_ops.py::test_mul_mat[tensor_cores-F16-64-n257k2048]"
+             "tests/test_cuda_ops.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
+             "tests/test_cuda_ops.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]")
   for tool in memcheck racecheck; do
     timeout 600 env PYSPEC_CUDA_GRAPHS=0 compute-sanitizer --tool $tool --error-exitcode 9 \
       python3 -m pytest -q -p no:cacheprovider "${san_tests[@]}" > "$out/sanitize-$tool.log" 2>&1
