@@ -22,7 +22,8 @@
 #                                               # the wide GEMM's split K and on the norm prologue
 #   SPEC_BENCH=/tmp/smol.gguf ...               # also bench/bench_drafter.py on the GPU: the real
 #                                               # SmolLM2 target (carried, see train_smollm2.sh)
-#                                               # with the shipped drafter, greedy
+#                                               # with the shipped drafter (DRAFTER=path when it
+#                                               # was moved out of the tree), greedy
 set -u
 out=${OUT:-device-out}
 mkdir -p "$out"
@@ -72,7 +73,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 if [ -n "${SPEC_BENCH:-}" ]; then
   timeout 300 python3 bench/bench_drafter.py --model "$SPEC_BENCH" -ngl all \
-    --drafter pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf --draft-n-max "${SPEC_N_MAX:-2,3,4}" \
+    --drafter "${DRAFTER:-pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf}" --draft-n-max "${SPEC_N_MAX:-2,3,4}" \
     --modes greedy --repeats 2 --json "$out/bench-drafter-gpu.json" > "$out/bench-drafter-gpu.log" 2>&1
   echo "speculative decoding on the GPU:"
   cat "$out/bench-drafter-gpu.log" | tail -14

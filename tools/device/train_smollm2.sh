@@ -2,11 +2,20 @@
 # On a GPU machine (the workplace's device tool), from the repo root: train SmolLM2's DSpark
 # drafter on carried data shards, resuming when a run is already there, and copy what comes back
 # (hf/ checkpoint shards, validation log) to $OUT. The target GGUF (98 MB) is more than one call
-# may carry next to the tracked tree (19 MiB with the shipped drafter; 64 MiB per call), so it
-# travels in three parts (build/dev_p1/p1, build/dev_p2/p2, build/dev_p3/p3, 40 + 40 + 18 MB
-# made with head/tail -c), one or two per call: the first call that has all three joins them
-# into /tmp/smol.gguf, and later calls of the same held machine reuse it. Convert the returned hf/ here with
-# pyspec-convert --target-model-dir (the GGUF exceeds what one returned file may be).
+# may carry next to the tracked tree (64 MiB per call, tree included), so it travels in parts,
+# build/dev_p1/p1, build/dev_p2/p2, ... (made with head/tail -c), with its byte count in
+# build/dev_p1/size: the first call of a held machine that has every part joins them into
+# /tmp/smol.gguf, and later calls reuse it. With the tree at 19 MiB that is three calls (40 + 40
+# + 18 MB); with the shipped drafter moved out of the tree for those calls (2.3 MiB left) and
+# carried as build/drafter/ instead, two (60 MB, then the rest beside the drafter):
+#
+#   T=$(python3 -c "import pyspec; print(pyspec.default_model_path())")
+#   mkdir -p build/dev_p1 build/dev_p2 build/drafter; stat -c %s $T > build/dev_p1/size
+#   head -c 60000000 $T > build/dev_p1/p1; tail -c +60000001 $T > build/dev_p2/p2
+#   mv pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf build/drafter/   # back after the calls
+#
+# The calls follow each other within the machine's idle release (30 s). Convert the returned hf/
+# here with pyspec-convert --target-model-dir (the GGUF exceeds what one returned file may be).
 #
 #   DATA="build-carry/gen-gpu-s202/data build-carry/gen-gpu-s303/data" TIME=500 \
 #     bash tools/device/train_smollm2.sh [extra pyspec-train-drafter flags]
@@ -14,7 +23,7 @@
 # Without DATA the run generates its own sequences first (--data-prompts, --seed, ...; they stay
 # in $RUN/data on the held machine for the calls after). To continue from the embedded drafter,
 # whose checkpoint is not carried: --init-from pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf
-# (it travels with the tree).
+# (or build/drafter/... when it was moved out of the tree).
 set -u
 out=${OUT:-device-out}
 run=${RUN:-/tmp/run}
@@ -22,10 +31,15 @@ mkdir -p "$out" "$run"
 export PYTHONUNBUFFERED=1
 ls build/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps build/wheels/*.whl
 if [ ! -s /tmp/smol.gguf ]; then
-  if [ -f build/dev_p1/p1 ] && [ -f build/dev_p2/p2 ] && [ -f build/dev_p3/p3 ]; then
-    cat build/dev_p1/p1 build/dev_p2/p2 build/dev_p3/p3 > /tmp/smol.gguf
+  parts=$(ls -d build/dev_p*/ 2>/dev/null | sort -V | while read -r d; do n=${d%/}; n=${n##*dev_}; [ -f "$d$n" ] && echo "$d$n"; done)
+  want=$(cat build/dev_p1/size 2>/dev/null || echo 0)
+  # shellcheck disable=SC2086
+  have=$( [ -n "$parts" ] && cat $parts | wc -c || echo 0)
+  if [ "$want" -gt 0 ] && [ "$have" -eq "$want" ]; then
+    # shellcheck disable=SC2086
+    cat $parts > /tmp/smol.gguf
   else
-    echo "no /tmp/smol.gguf and not all three parts here (build/dev_p{1,2,3}/p{1,2,3})"
+    echo "no /tmp/smol.gguf, and the parts here ($(echo $parts)) hold $have of ${want} bytes (build/dev_p1/size)"
     exit 2
   fi
 fi
