@@ -29,9 +29,9 @@ QTYPE = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16, "Q8_0": QT.Q8_0, "Q4_0":
 
 
 def run(g, feeds, fetch, n_threads=1, backend="cpu"):
-    """Runs g on the CPU backend (or the one named: tests/test_cuda_ops.py reuses these helpers).
-    Fetched tensors are flagged output first: the planner may reuse the bytes of anything else once
-    its last consumer has run."""
+    """Runs g on the CPU backend (or the one named: the CUDA op tests reuse these helpers through
+    tests/cuda_op_helpers.py). Fetched tensors are flagged output first: the planner may reuse the
+    bytes of anything else once its last consumer has run."""
     for t in fetch:
         g.set_output(t)
     if backend == "cpu":

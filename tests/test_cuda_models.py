@@ -15,7 +15,7 @@ On the GPU (skipped with the reason when _core.cuda_available() is false):
   weights, Q8 blocks or F16 for quantized ones), over mixed batches (prompt chunks and single
   tokens of several sequences, batches past 16 rows and past n_batch);
 - mixed batches on CUDA against each sequence decoded alone on CUDA (within the tolerance: the
-  kernels are not batch-invariant yet, see tests/test_cuda_ops.py);
+  kernels are not batch-invariant yet, see tests/test_cuda_matmul.py);
 - SpecEngine greedy output on CUDA equals plain greedy decoding on CUDA and the known chain
   (test_speculative.Pairs' known-acceptance pair, whose margins make argmax robust);
 - drafter park / restore on CUDA (the KV cache is device memory, read and written through the

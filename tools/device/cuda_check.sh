@@ -35,7 +35,7 @@ cmake -S . -B build/cuda -G Ninja -DPYSPEC_CUDA=ON -DPYSPEC_INPLACE=ON \
   { tail -30 "$out/build.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
-tests="tests/test_cuda_ops.py tests/test_cuda_models.py tests/test_cuda_graphs.py"
+tests="tests/test_cuda_ops.py tests/test_cuda_matmul.py tests/test_cuda_attention.py tests/test_cuda_models.py tests/test_cuda_graphs.py"
 for mode in ${MODES:-plain nofuse tc notiled}; do
   case $mode in
     plain) envs=() ;;
@@ -82,13 +82,13 @@ if [ -n "${SANITIZE:-}" ]; then
   # Graph replay off: the sanitizer checks the launches themselves.
   san_tests=(tests/test_cuda_models.py::test_spec_engine_greedy_equals_plain_greedy
              "tests/test_cuda_models.py::test_logits_match_the_cpu"
-             "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h9kv3d64]"
-             "tests/test_cuda_ops.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h32kv8d128]"
-             "tests/test_cuda_ops.py::test_prompt_rows_attention_is_each_rows_own[h9kv3d64]"
-             "tests/test_cuda_ops.py::test_prompt_rows_attention_is_each_rows_own[h4kv2d64]"
-             "tests/test_cuda_ops.py::test_mul_mat[tensor_cores-F16-64-n257k2048]"
-             "tests/test_cuda_ops.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
-             "tests/test_cuda_ops.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]")
+             "tests/test_cuda_attention.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h9kv3d64]"
+             "tests/test_cuda_attention.py::test_staged_attention_gives_the_unstaged_kernels_bits[0-h32kv8d128]"
+             "tests/test_cuda_attention.py::test_prompt_rows_attention_is_each_rows_own[h9kv3d64]"
+             "tests/test_cuda_attention.py::test_prompt_rows_attention_is_each_rows_own[h4kv2d64]"
+             "tests/test_cuda_matmul.py::test_mul_mat[tensor_cores-F16-64-n257k2048]"
+             "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
+             "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]")
   for tool in memcheck racecheck; do
     timeout 600 env PYSPEC_CUDA_GRAPHS=0 compute-sanitizer --tool $tool --error-exitcode 9 \
       python3 -m pytest -q -p no:cacheprovider "${san_tests[@]}" > "$out/sanitize-$tool.log" 2>&1

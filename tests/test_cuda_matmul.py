@@ -1,0 +1,356 @@
+"""MUL_MAT on the CUDA backend (issue 8): every weight type, batch sizes M = 1, 4, 16, 64, 300 (every
+launch shape of the fixed-order kernels), strided operands, both paths (CUDA cores, tensor cores),
+and the fusions around it (groups, the residual and SwiGLU epilogues, the norm prologue).
+
+MUL_MAT may round activations as the GPU chooses (F16 for F16 weights, BF16 for BF16 weights, Q8
+blocks or F16 for quantized weights), so it is held to the error that choice allows against a
+float64 product with the dequantized weights, and to the CPU within the sum of both bounds. A
+row's result must not depend on its batch (design.md invariant 7, "on the CPU and on the GPU"):
+rows are compared bit for bit alone and in batches. Shared pieces: tests/cuda_op_helpers.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import test_cpu_ops as cpu  # the CPU tests' helpers, references and op cases
+from cuda_op_helpers import ALL_W, BATCHES, FLOAT_W, assert_close_bound, dev_and_cpu, run_on
+from cuda_status import DEVICE, gpu, real_gpu
+from pyspec import _core as core
+
+
+# --------------------------------------------------------------------------------------------
+# MUL_MAT: every weight type, batch sizes 1 .. 300, strided operands, batch invariance
+# --------------------------------------------------------------------------------------------
+
+# Relative error (of sum |x| |w|) a float-weight product may have on the GPU: F32 stays F32 (no
+# TF32), F16 weights may meet activations rounded to F16, BF16 weights activations rounded to BF16;
+# float32 accumulation in any order adds the rest.
+FLOAT_W_RTOL = {"F32": 2e-5, "F16": 2.0**-11 + 2e-5, "BF16": 2.0**-8 + 2e-5}
+
+
+def mul_mat_bound(stored, dtype, x, n_rows):
+    """(exact float64 product with the dequantized weights, per-element error bound, 6-sigma
+    statistical bound or None) for the GPU's choices of activation rounding."""
+    m, k = x.shape
+    w_deq = cpu.decode(stored, dtype).astype(np.float64).reshape(n_rows, k)
+    x64 = x.astype(np.float64)
+    exact = x64 @ w_deq.T
+    magnitude = np.abs(x64) @ np.abs(w_deq).T
+    if dtype in FLOAT_W:
+        return exact, FLOAT_W_RTOL[dtype] * magnitude + 1e-30, None
+    # Quantized weights. Activations as Q8 blocks (d = max|x| / 127, fp16 scale, as the CPU and
+    # llama.cpp's GPU kernels do) err by at most d/2 + |q| |d - fp16(d)| per element; F16
+    # activations by less. Q4_1's offset term m_w * s may use s = fp16(d * sum q) (the CPU) or
+    # fp16(sum x) (llama.cpp's q8_1 on the GPU): either is within 2^-10 (sum |x| + 16 d) of sum x.
+    dw, mw, qw = cpu.weight_blocks(stored, dtype, n_rows, k)
+    d32 = (np.abs(x.reshape(m, k // 32, 32)).max(axis=-1) / np.float32(127.0)).astype(np.float64)
+    act_err = np.repeat(d32 * (0.5 + 127 * 2.0**-11), 32, axis=-1)
+    w_abs = np.abs(dw[..., None] * qw).reshape(n_rows, k) + np.repeat(np.abs(mw), 32, axis=-1)
+    block_abs = np.abs(x64).reshape(m, k // 32, 32).sum(-1) + 16 * d32
+    s_err = block_abs @ (np.abs(mw).T * 2.0**-10)
+    bound = act_err @ w_abs.T + s_err + 2e-5 * magnitude
+    # Rounding errors are independent and uniform within +-d/2: 6 sigma catches a wrong scale.
+    sigma = np.sqrt((np.repeat(d32, 32, axis=-1) ** 2 / 12) @ (w_deq**2).T)
+    return exact, bound, 6 * sigma + s_err + 2e-5 * magnitude
+
+
+def matmul_build(stored, dtype, x, n_rows, x_pad=0, w_pad_rows=0, prompt_cols=0):
+    """MUL_MAT of n_rows weight rows by the rows of x. x_pad > 0 feeds x as a strided view (rows
+    of a wider input, starting at column x_pad); w_pad_rows > 0 reads the weight as a view that
+    skips that many leading rows of a larger matrix (a fused QKV weight's slice); prompt_cols: the
+    node's prompt columns (core/graph.h), the first rows of x."""
+    m, k = x.shape
+
+    def build():
+        g = core.Graph()
+        row_bytes = stored.reshape(n_rows, -1).shape[1] * stored.itemsize
+        if w_pad_rows:
+            w_all = np.concatenate([np.zeros((w_pad_rows,) + stored.shape[1:], stored.dtype), stored])
+            tw_all = g.external(dtype, [k, n_rows + w_pad_rows], "w_all")
+            tw = g.view(tw_all, [k, n_rows], list(g.strides(tw_all)[:2]), w_pad_rows * row_bytes)
+            feeds = {tw_all: w_all}
+        else:
+            tw = g.external(dtype, [k, n_rows], "w")
+            feeds = {tw: stored}
+        if x_pad:
+            x_all = np.zeros((m, k + 2 * x_pad), np.float32)
+            x_all[:, x_pad: x_pad + k] = x
+            tx_all = g.input("F32", [k + 2 * x_pad, m], "x_all")
+            tx = g.view(tx_all, [k, m], [4, (k + 2 * x_pad) * 4], x_pad * 4)
+            feeds[tx_all] = x_all
+        else:
+            tx = g.input("F32", [k, m], "x")
+            feeds[tx] = x
+        out = cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [tw, tx], iparams=(prompt_cols,) if prompt_cols else ())
+        return g, feeds, [out]
+
+    return build
+
+
+def mm_inputs(dtype, n_rows, k, m, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_rows, k)).astype(np.float32)
+    w[3] += 0.7  # a row with a large Q4_1 offset
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x *= (10.0 ** rng.uniform(-1, 1, (m, 1))).astype(np.float32)  # rows of different scales
+    x[0, :32] *= 1e-3  # blocks of very different scales
+    if m > 2:
+        x[2, 32:64] = 0.0  # a zero block: activation scale 0
+    return cpu.encode(w, dtype), x
+
+
+def check_mul_mat(dtype, n_rows, k, m, seed, **view):
+    stored, x = mm_inputs(dtype, n_rows, k, m, seed)
+    build = matmul_build(stored, dtype, x, n_rows, **view)
+    (got,), (ref,) = dev_and_cpu(build)
+    got, ref = got.reshape(m, n_rows), ref.reshape(m, n_rows)
+    exact, bound, stat = mul_mat_bound(stored, dtype, x, n_rows)
+    assert_close_bound(got, exact, bound, f"{dtype} M={m} vs float64")
+    if stat is not None:
+        assert_close_bound(got, exact, stat, f"{dtype} M={m} vs float64 (6 sigma)")
+    # The CPU quantizes activations to Q8 blocks; the device may not: both within their bounds.
+    assert_close_bound(got, ref, 2 * bound, f"{dtype} M={m} vs CPU")
+
+
+MM_SHAPES = [(104, 512), (257, 2048)]  # (weight rows, K): partial tiles, a long reduction
+
+
+@pytest.fixture(params=["cuda_cores", "tensor_cores"])
+def mm_path(request, monkeypatch):
+    """MUL_MAT's two CUDA paths: the default CUDA-core kernels and the opt-in tensor-core GEMM
+    (cuda/matmul_tc.cu, PYSPEC_CUDA_TC=1; F16 activations for F16 and quantized weights, BF16 for
+    BF16, which mul_mat_bound allows). The backend reads the variable at each MUL_MAT launch, and
+    run_graph makes a new backend (and graph cache) per call. The CPU ignores it."""
+    if request.param == "tensor_cores":
+        monkeypatch.setenv("PYSPEC_CUDA_TC", "1")
+    else:
+        monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    return request.param
+
+
+@gpu
+@pytest.mark.parametrize("shape", MM_SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}")
+@pytest.mark.parametrize("m", BATCHES)
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_mul_mat(dtype, m, shape, mm_path):
+    n_rows, k = shape
+    check_mul_mat(dtype, n_rows, k, m, seed=m * 7 + n_rows)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_mul_mat_strided_operands(dtype, m, mm_path):
+    """Activations as a view into wider rows, weights as a row slice of a larger matrix."""
+    check_mul_mat(dtype, 72, 256, m, seed=500 + m, x_pad=32, w_pad_rows=24)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("dtype", FLOAT_W)
+def test_mul_mat_float_weights_odd_k(dtype, m, mm_path):
+    """Float weights take any K (no 32-blocks): tails of vector loads and reductions."""
+    check_mul_mat(dtype, 33, 200, m, seed=900 + m)
+
+
+def swiglu_ffn_build(stored_g, stored_u, dtype, x, n_rows):
+    """SWIGLU(gate x, up x): the two MUL_MATs over the same activations, then the SWIGLU node."""
+    m, k = x.shape
+
+    def build():
+        g = core.Graph()
+        tg = g.external(dtype, [k, n_rows], "w_gate")
+        tu = g.external(dtype, [k, n_rows], "w_up")
+        tx = g.input("F32", [k, m], "x")
+        gate = cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [tg, tx])
+        up = cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [tu, tx])
+        out = cpu.node(g, "SWIGLU", "F32", [n_rows, m], [gate, up])
+        return g, {tg: stored_g, tu: stored_u, tx: x}, [out]
+
+    return build
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_swiglu_epilogue_gives_the_unfused_bits(dtype, monkeypatch):
+    """gate/up MUL_MATs followed by SWIGLU run as one launch that stores silu(gate) * up (M <= 16 on
+    the CUDA cores): exactly the bits of the three nodes run apart (PYSPEC_CUDA_FUSE=0), at every
+    batch size, and a row's bits alone equal its bits inside a batch that takes the unfused path
+    (M = 17)."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    n_rows, k = 200, 576
+    stored_g, x = mm_inputs(dtype, n_rows, k, 17, seed=31)
+    stored_u, _ = mm_inputs(dtype, n_rows, k, 1, seed=32)
+    out = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
+        for m in (1, 2, 3, 5, 16, 17):
+            (y,) = run_on(DEVICE, swiglu_ffn_build(stored_g, stored_u, dtype, x[:m], n_rows))
+            out[fuse, m] = y.reshape(m, n_rows)
+    for m in (1, 2, 3, 5, 16, 17):
+        np.testing.assert_array_equal(out["1", m], out["0", m], err_msg=f"M={m}")
+        np.testing.assert_array_equal(out["1", m], out["1", 17][:m], err_msg=f"M={m} against M=17")
+    (ref,) = run_on("cpu", swiglu_ffn_build(stored_g, stored_u, dtype, x[:5], n_rows))
+    np.testing.assert_allclose(out["1", 5], ref.reshape(5, n_rows), rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+def norm_then_matmuls_build(dtype, x, norm_w, weights, tail, fetch_norm=False, eps=1e-5):
+    """RMS_NORM(x, norm_w) read by MUL_MATs over the same activations: tail "group" (q/k/v-like
+    weights of different rows, each fetched), "glu" (gate, up, then SWIGLU) or "residual" (one
+    MUL_MAT, then ADD of a residual input). fetch_norm: the norm's output is fetched too (so it
+    must reach memory)."""
+    m, k = x.shape
+    rng = np.random.default_rng(3)
+    residual = rng.standard_normal((m, weights[0][2])).astype(np.float32)
+
+    def build():
+        g = core.Graph()
+        tx = g.input("F32", [k, m], "x")
+        tw = g.external("F32", [k], "norm_w")
+        h = cpu.node(g, "RMS_NORM", "F32", [k, m], [tx, tw], fparams=[eps])
+        feeds = {tx: x, tw: norm_w}
+        mms = []
+        for name, stored, n_rows in weights:
+            t = g.external(dtype, [k, n_rows], name)
+            feeds[t] = stored
+            mms.append(cpu.node(g, "MUL_MAT", "F32", [n_rows, m], [t, h]))
+        if tail == "glu":
+            out = [cpu.node(g, "SWIGLU", "F32", [weights[0][2], m], mms)]
+        elif tail == "residual":
+            tr = g.input("F32", [weights[0][2], m], "residual")
+            feeds[tr] = residual
+            out = [cpu.node(g, "ADD", "F32", [weights[0][2], m], [mms[0], tr])]
+        else:
+            out = mms
+        return g, feeds, out + ([h] if fetch_norm else [])
+
+    return build
+
+
+@gpu
+@pytest.mark.parametrize("tail", ["group", "glu", "residual", "norm fetched"])
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
+    """An RMS_NORM whose only readers are the MUL_MATs right after it runs inside their launch at
+    M = 1 (decode; the kernel normalises the norm's input as the norm kernel does): the bits of the
+    nodes run apart (PYSPEC_CUDA_FUSE=0) for a q/k/v-like group, gate/up with the SwiGLU epilogue
+    and one MUL_MAT with the residual epilogue, equal to the same row inside a batch (M = 5, no
+    prologue), and where the norm's output is fetched (it must then be stored: no prologue)."""
+    k = 576
+    rng = np.random.default_rng(41)
+    norm_w = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    rows = [96, 32, 32] if tail in ("group", "norm fetched") else [80, 80] if tail == "glu" else [72]
+    weights = []
+    for i, n in enumerate(rows):
+        stored, _ = mm_inputs(dtype, n, k, 1, seed=60 + i)
+        weights.append((f"w{i}", stored, n))
+    _, x = mm_inputs(dtype, 8, k, 5, seed=70)
+    x *= 3.0
+    out = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
+        for m in (1, 5):
+            b = norm_then_matmuls_build(dtype, x[:m], norm_w, weights, tail.split()[0],
+                                        fetch_norm=tail == "norm fetched")
+            out[fuse, m] = run_on(DEVICE, b)
+    for i, (a, b) in enumerate(zip(out["1", 1], out["0", 1])):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}, fused against apart")
+    for i, (a, b) in enumerate(zip(out["1", 1], out["1", 5])):
+        np.testing.assert_array_equal(a.reshape(-1), b.reshape(5, -1)[0], err_msg=f"output {i}, M=1 against M=5")
+    ref = run_on("cpu", norm_then_matmuls_build(dtype, x[:1], norm_w, weights, tail.split()[0],
+                                                fetch_norm=tail == "norm fetched"))
+    for a, b in zip(out["1", 1], ref):
+        np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * np.abs(b).max())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):
+    """A row's result is the same bits alone (M = 1) and at any position of a batch of 4, 16, 64 or
+    300 rows, whatever kernel each batch size takes (design.md invariant 7)."""
+    n_rows, k = 257, 1024
+    stored, x = mm_inputs(dtype, n_rows, k, 300, seed=77)
+    alone = {}
+
+    def single(i):
+        if i not in alone:
+            (y,) = run_on(DEVICE, matmul_build(stored, dtype, x[i: i + 1], n_rows))
+            alone[i] = y.reshape(n_rows)
+        return alone[i]
+
+    for m in BATCHES[1:]:
+        (got,) = run_on(DEVICE, matmul_build(stored, dtype, x[:m], n_rows))
+        got = got.reshape(m, n_rows)
+        for i in sorted({0, m // 2, m - 1}):
+            assert np.array_equal(got[i], single(i)), (m, i)
+
+
+@gpu
+@pytest.mark.parametrize("k", [1024, 576, 200, 2560])
+@pytest.mark.parametrize("dtype", ALL_W)
+def test_mul_mat_every_row_is_batch_invariant_across_tiles(dtype, k, mm_path):
+    """Every row of batches whose sizes straddle the launch shapes' and tiles' edges (1, 7, 8, 9, 31,
+    33, 63, 65, 129) equals, bit for bit, the same row in a batch of 300: no row's bits depend on the
+    tile, warp, fragment or lane it lands in, nor on the pad columns of a partial tile, nor on which
+    tensor-core kernel runs (the narrow one for M <= 16, with 16-byte copies at K = 1024 and 4-byte
+    copies for SmolLM2's K = 576 blocks; its K segments run as separate blocks whose partials the
+    last one adds, where the wide kernel adds them in registers: 2 segments at K = 576 and 1024, 5
+    at Qwen3's K = 2560). K = 200 (float weights only) ends in a partial k tile."""
+    if k % 32 and dtype not in FLOAT_W:
+        pytest.skip("block types need K % 32 == 0")
+    n_rows = 200
+    stored, x = mm_inputs(dtype, n_rows, k, 300, seed=k + 31)
+    (full,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    full = full.reshape(300, n_rows)
+    for m in [1, 7, 8, 9, 31, 33, 63, 65, 129]:
+        (got,) = run_on(DEVICE, matmul_build(stored, dtype, x[:m], n_rows))
+        got = got.reshape(m, n_rows)
+        bad = [i for i in range(m) if not np.array_equal(got[i], full[i])]
+        assert not bad, (m, bad[:8])
+
+
+@gpu
+@pytest.mark.parametrize("k", [1024, 576])
+@pytest.mark.parametrize("dtype", ["F16", "Q4_1", "Q8_0", "F32"])
+def test_mul_mat_prompt_columns_take_the_tensor_cores(dtype, k, monkeypatch):
+    """By default (PYSPEC_CUDA_TC unset) a MUL_MAT's prompt columns take the tensor-core GEMM and
+    the rest the CUDA cores, so a batch's rows get exactly the bits of their kind's path run alone
+    over the whole batch (PYSPEC_CUDA_TC=1 and 0), whatever the split: the narrow and the wide
+    tensor-core kernel, a lone output row, prompt columns only. F32 weights stay on CUDA cores."""
+    n_rows = 200
+    stored, x = mm_inputs(dtype, n_rows, k, 80, seed=k + 13)
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "1")
+    (tc,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    (cores,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    tc, cores = tc.reshape(80, n_rows), cores.reshape(80, n_rows)
+    monkeypatch.delenv("PYSPEC_CUDA_TC")
+    for p, m in [(1, 1), (1, 4), (5, 8), (16, 17), (17, 20), (40, 80), (80, 80), (0, 3)]:
+        (got,) = run_on(DEVICE, matmul_build(stored, dtype, x[:m], n_rows, prompt_cols=p))
+        got = got.reshape(m, n_rows)
+        assert np.array_equal(got[:p], tc[:p]), (p, m, "prompt columns")
+        assert np.array_equal(got[p:], cores[p:m]), (p, m, "output columns")
+
+
+@real_gpu
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "Q8_0"])
+def test_mul_mat_tensor_core_switch_takes_effect(dtype, monkeypatch):
+    """PYSPEC_CUDA_TC=1 really changes the kernel (rounded activations give other low bits than the
+    CUDA-core path's F32 activations), so the tensor_cores cases above test what they claim; F32
+    weights stay on CUDA cores either way."""
+    n_rows, k, m = 64, 512, 16
+    stored, x = mm_inputs(dtype, n_rows, k, m, seed=5)
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    (core_out,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "1")
+    (tc_out,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    assert not np.array_equal(core_out, tc_out)
+    stored32, x32 = mm_inputs("F32", n_rows, k, m, seed=5)
+    (f32_tc,) = run_on(DEVICE, matmul_build(stored32, "F32", x32, n_rows))
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    (f32_core,) = run_on(DEVICE, matmul_build(stored32, "F32", x32, n_rows))
+    assert np.array_equal(f32_tc, f32_core)
+
+
