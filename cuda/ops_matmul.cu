@@ -310,56 +310,45 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const 
 }
 
 // gate and up (equal shapes, one weight type and K) over the same activations, with the SWIGLU
-// that follows them as the epilogue: warp w of block (blockIdx.x, blockIdx.y) takes rows
-// row_base + RG * (kWarps * blockIdx.y + w) + [0, RG) of both matrices and columns
-// [C * blockIdx.x, + C), runs each output's fmaf chain exactly as k_mul_mat does (accumulate, then
-// warp_sum: the same xor tree), and stores silu(gate) * up, the SWIGLU op's formula. So the bits
-// are those of the three nodes run apart, and the two products never reach memory. Rows past the
-// end are clamped to the last one (computed, never stored). RG = 1 is what runs (2 measured slower
-// on the H200: Qwen3-4B's gate/up 34.2 -> 37.5 us a call).
-template <DType T, bool kVec, int RG, int C, bool kNorm>
+// that follows them as the epilogue: warp w of block (blockIdx.x, blockIdx.y) takes row
+// row_base + kWarps * blockIdx.y + w of both matrices and columns [C * blockIdx.x, + C), runs each
+// output's fmaf chain exactly as k_mul_mat does (accumulate, then warp_sum: the same xor tree),
+// and stores silu(gate) * up, the SWIGLU op's formula. So the bits are those of the three nodes
+// run apart, and the two products never reach memory. (Two rows of each per warp measured slower
+// on the H200: Qwen3-4B's gate/up 34.2 -> 37.5 us a call.)
+template <DType T, bool kVec, int C, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t row_base, int64_t k, const float* x,
                                                               int64_t x_stride, int64_t m, float* y, int64_t y_stride,
                                                               const float* norm_w, float norm_eps) {
     pdl_enter();
     const int lane = threadIdx.x & 31;
-    const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * RG;
+    const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
     const float* xc[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
     if constexpr (kNorm) norm_prologue<C>(xc, k, norm_w, norm_eps);  // before any warp leaves
-    if (r0 >= n_rows) return;
-    const char* wr[2 * RG];
+    if (row >= n_rows) return;
+    const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
+    float acc[2][C];
+    accumulate<T, kVec, 2, C>(wr, xc, k, lane, acc);
 #pragma unroll
-    for (int r = 0; r < RG; ++r) {
-        const int64_t row = min(r0 + r, n_rows - 1);
-        wr[r] = wg + row * rb_g;
-        wr[RG + r] = wu + row * rb_u;
-    }
-    float acc[2 * RG][C];
-    accumulate<T, kVec, 2 * RG, C>(wr, xc, k, lane, acc);
-#pragma unroll
-    for (int r = 0; r < RG; ++r) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-            const float g = warp_sum(acc[r][c]), u = warp_sum(acc[RG + r][c]);
-            if (lane == 0 && r0 + r < n_rows && c0 + c < m) y[(c0 + c) * y_stride + r0 + r] = silu_f(g) * u;
-        }
+    for (int c = 0; c < C; ++c) {
+        const float g = warp_sum(acc[0][c]), u = warp_sum(acc[1][c]);
+        if (lane == 0 && c0 + c < m) y[(c0 + c) * y_stride + row] = silu_f(g) * u;
     }
 }
 
-template <DType T, bool kVec, int RG, int C, bool kNorm = false>
+template <DType T, bool kVec, int C, bool kNorm = false>
 void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
-    constexpr int64_t rows_per_block = int64_t{RG} * kWarps;
-    constexpr int64_t max_rows = rows_per_block * 65535;
+    constexpr int64_t max_rows = int64_t{kWarps} * 65535;
     const unsigned gx = grid_for(m, C);
     for (int64_t r0 = 0; r0 < gate.n_rows; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, gate.n_rows - r0);
-        const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
-        launch(k_mul_mat_glu<T, kVec, RG, C, kNorm>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s,
+        const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
+        launch(k_mul_mat_glu<T, kVec, C, kNorm>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s,
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
             static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys, norm.w, norm.eps);
     }
@@ -368,11 +357,11 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
-    if (m == 1 && norm.w) return mul_mat_glu_tiles<T, kVec, 1, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
-    if (m == 1) return mul_mat_glu_tiles<T, kVec, 1, 1>(gate, up, k, x, xs, m, y, ys, norm, s);
-    if (m == 2) return mul_mat_glu_tiles<T, kVec, 1, 2>(gate, up, k, x, xs, m, y, ys, norm, s);
-    if (m <= 4) return mul_mat_glu_tiles<T, kVec, 1, 4>(gate, up, k, x, xs, m, y, ys, norm, s);
-    return mul_mat_glu_tiles<T, kVec, 1, 8>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (m == 1 && norm.w) return mul_mat_glu_tiles<T, kVec, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (m == 1) return mul_mat_glu_tiles<T, kVec, 1>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (m == 2) return mul_mat_glu_tiles<T, kVec, 2>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (m <= 4) return mul_mat_glu_tiles<T, kVec, 4>(gate, up, k, x, xs, m, y, ys, norm, s);
+    return mul_mat_glu_tiles<T, kVec, 8>(gate, up, k, x, xs, m, y, ys, norm, s);
 }
 
 // Row tiles go on grid.y (at most 65535 per launch), column tiles on grid.x, so the blocks that
