@@ -469,8 +469,10 @@ private:
     }
 
     // The RMS_NORM at id as the prologue of the MUL_MAT group right after it (cuda::MatmulNorm:
-    // a decode step's attention, FFN and output norms cost no launch of their own): returns that
-    // group's first node, or -1 where the norm runs apart. The group's kernel reads the norm's
+    // a decode step's attention and FFN norms cost no launch of their own; the output norm's
+    // input usually shares memory with the logits, so it stays apart): returns that group's first
+    // node, or -1 where the norm runs apart. The group's parts are collected again when it runs
+    // (eager runs and captures only: replays skip all of this). The group's kernel reads the norm's
     // input instead of its output, so: nothing computes between them (the input is as the norm
     // saw it), every reader of the output is in the group and the output is no graph output (it
     // is never written), no member's output (nor the residual's or SwiGLU's, checked where those
