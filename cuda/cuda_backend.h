@@ -24,4 +24,8 @@ bool cuda_available(std::string* reason = nullptr);
 // reason when CUDA cannot be used.
 std::unique_ptr<Backend> make_cuda_backend(int device = 0, int n_seq_max = 1);
 
+// Whether wide tensor-core MUL_MATs run on Hopper's wgmma here (built for sm_90a, a compute
+// capability 9.0 GPU, PYSPEC_CUDA_WGMMA not 0); otherwise on mma.sync, with the same bits.
+bool cuda_wgmma_gemm();
+
 }  // namespace pyspec

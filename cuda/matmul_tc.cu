@@ -67,8 +67,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/matmul_tc_common.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/matmul_tc_wide.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -89,37 +89,6 @@ constexpr int kWK = 64;                           // k per pipeline stage: two 3
 constexpr int kWRow = kWK * 2;                    // bytes of a row per stage
 constexpr int kWSegStages = kSegChunks * 16 / kWK;  // stages per K segment (8)
 static_assert(kSegChunks * 16 % kWK == 0, "a segment is whole stages");
-
-// The parts of one GEMM launch (a group's weight matrices, or a piece of them), their row tiles
-// concatenated on grid.y: part j owns tiles tile0[j] .. tile0[j + 1] - 1.
-struct WideParts {
-    const char* a[kMaxMatmulParts];  // row r of part j: a[j] + r * ars[j] bytes (halves, 16-byte aligned)
-    int64_t ars[kMaxMatmulParts];
-    int64_t n[kMaxMatmulParts];
-    float* y[kMaxMatmulParts];
-    int64_t ys[kMaxMatmulParts];
-    const float* add[kMaxMatmulParts];
-    int64_t as[kMaxMatmulParts];
-    int tile0[kMaxMatmulParts + 1];
-    int np;
-};
-
-// Element j of a parameter array, read with constant indices (a dynamic index would copy the
-// kernel's parameters to local memory).
-template <class V, int N>
-__device__ __forceinline__ V pick(const V (&v)[N], int j) {
-    V r = v[0];
-#pragma unroll
-    for (int i = 1; i < N; ++i) r = j == i ? v[i] : r;
-    return r;
-}
-
-__device__ __forceinline__ int wide_part_of(const WideParts& p, int tile) {
-    int j = 0;
-#pragma unroll
-    for (int i = 1; i < kMaxMatmulParts; ++i) j += (i < p.np && tile >= p.tile0[i]) ? 1 : 0;
-    return j;
-}
 
 extern __shared__ __align__(128) unsigned char wide_smem[];
 
@@ -389,18 +358,32 @@ __global__ void __launch_bounds__(256) k_wide_split_sum(WideParts p, int bn, int
 
 // ---- the operands as halves ------------------------------------------------------------------
 
-// Activation column c as the mma's halves at xh[c * k ..]: x_pair_halves of each value pair, the
-// rounding every kernel applies. Block c of the grid = column c.
-template <DType T>
+// Stores the 8 halves of values 8 i .. 8 i + 7 of a row: in order, or arranged (each half of the
+// 8 where arranged_index puts it: 4 consecutive halves each).
+template <bool kArranged>
+__device__ __forceinline__ void store_halves8(uint16_t* out, int64_t i, uint2 lo, uint2 hi) {
+    if constexpr (kArranged) {
+        *reinterpret_cast<uint2*>(out + arranged_index(8 * i)) = lo;
+        *reinterpret_cast<uint2*>(out + arranged_index(8 * i + 4)) = hi;
+    } else {
+        *reinterpret_cast<uint4*>(out + 8 * i) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+}
+
+// Activation column c as the mma's halves: x_pair_halves of each value pair, the rounding every
+// kernel applies; at xh[c * k ..] in order (the mma.sync GEMM), or arranged at
+// xh[c * arranged_pitch(k) ..] with a zero tail (the wgmma GEMM). Block c of the grid = column c.
+template <DType T, bool kArranged>
 __global__ void __launch_bounds__(128) k_wide_x_halves(const float* __restrict__ x, int64_t xs, bool vec, int64_t k,
                                                        uint16_t* __restrict__ xh) {
     pdl_enter();
+    const int64_t pitch = kArranged ? arranged_pitch(k) : k;
     const float* col = x + static_cast<int64_t>(blockIdx.x) * xs;
-    uint16_t* out = xh + static_cast<int64_t>(blockIdx.x) * k;
-    for (int64_t i = threadIdx.x; i < k / 8; i += blockDim.x) {
-        const float4 lo = load_x4(col, 8 * i, true, vec), hi = load_x4(col, 8 * i + 4, true, vec);
-        const uint2 a = x_halves<T>(lo), b = x_halves<T>(hi);
-        *reinterpret_cast<uint4*>(out + 8 * i) = make_uint4(a.x, a.y, b.x, b.y);
+    uint16_t* out = xh + static_cast<int64_t>(blockIdx.x) * pitch;
+    for (int64_t i = threadIdx.x; i < pitch / 8; i += blockDim.x) {
+        const bool in_k = 8 * i < k;  // K % 8 == 0
+        const float4 lo = load_x4(col, 8 * i, in_k, vec), hi = load_x4(col, 8 * i + 4, in_k, vec);
+        store_halves8<kArranged>(out, i, x_halves<T>(lo), x_halves<T>(hi));
     }
 }
 
@@ -413,8 +396,8 @@ struct WideSrc {
 };
 
 // Block-type weight rows as the halves the mma reads (w_halves, the conversion every kernel
-// uses), row r at wh[r * k ..]. Block r of the grid = row r.
-template <DType T>
+// uses), row r at wh[r * k ..], in order or arranged (K % 32 == 0). Block r of the grid = row r.
+template <DType T, bool kArranged>
 __global__ void __launch_bounds__(128) k_wide_w_halves(WideSrc src, int64_t k, uint16_t* __restrict__ wh) {
     pdl_enter();
     const int64_t r = blockIdx.x;
@@ -425,7 +408,8 @@ __global__ void __launch_bounds__(128) k_wide_w_halves(WideSrc src, int64_t k, u
     uint16_t* out = wh + r * k;
     for (int64_t i = threadIdx.x; i < k / 8; i += blockDim.x) {
         const WRaw raw = load_w<T>(row, i, true, false);
-        *reinterpret_cast<uint4*>(out + 8 * i) = w_halves<T>(raw, static_cast<int>(i & 3));
+        const uint4 h = w_halves<T>(raw, static_cast<int>(i & 3));
+        store_halves8<kArranged>(out, i, make_uint2(h.x, h.y), make_uint2(h.z, h.w));
     }
 }
 
@@ -434,25 +418,13 @@ __global__ void __launch_bounds__(128) k_wide_w_halves(WideSrc src, int64_t k, u
 // Block types are dequantized into the scratch at most this many halves at a time (128 MB), the
 // GEMM running over each piece in turn; float weights are read where they are.
 constexpr int64_t kWideWeightHalves = int64_t{1} << 26;
-constexpr int64_t kWideMaxBN = 64;  // the largest row tile
-constexpr int64_t kWideSplitMaxM = 128;  // the widest batch whose K may be split (WideConfig::run)
+constexpr int64_t kWideMaxBN = 128;  // the largest row tile (the wgmma GEMM's; the mma.sync GEMM's is 64)
 
 bool wide_dequantizes(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
 
 // The most weight rows one piece holds (a multiple of the largest row tile).
 int64_t wide_piece_rows(int64_t k) {
     return std::max<int64_t>(kWideMaxBN, kWideWeightHalves / k / kWideMaxBN * kWideMaxBN);
-}
-
-int sm_count() {
-    static const int n = [] {
-        int dev = 0, v = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-            return 132;
-        }
-        return v > 0 ? v : 132;
-    }();
-    return n;
 }
 
 // One launch configuration of k_mul_mat_tc_wide.
@@ -479,53 +451,17 @@ struct WideConfig {
     static void run(const WideParts& p, int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws,
                     cudaStream_t s) {
         const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm();
-        const int64_t tiles = p.tile0[p.np], blocks = ((m + BM - 1) / BM) * tiles;
-        const int n_seg = static_cast<int>(n_segments(k));
-        int per = n_seg, splits = 1;
-        if (m <= kWideSplitMaxM && n_seg > 1 && blocks < slots && ws.partial &&
-            static_cast<size_t>(n_seg) * static_cast<size_t>(m * tiles * BN) <= ws.partial_floats) {
-            const int64_t want = std::min<int64_t>(n_seg, (slots + blocks - 1) / blocks);
-            per = static_cast<int>((n_seg + want - 1) / want);
-            splits = (n_seg + per - 1) / per;
-        }
-        const dim3 grid(static_cast<unsigned>((m + BM - 1) / BM), static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
-        if (splits == 1) {
-            launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, n_seg, static_cast<float*>(nullptr));
+        const int64_t tiles = p.tile0[p.np];
+        const WideSplit sp = wide_split(m, tiles, BN, BM, slots, k, ws);
+        const dim3 grid(static_cast<unsigned>((m + BM - 1) / BM), static_cast<unsigned>(tiles), static_cast<unsigned>(sp.splits));
+        if (sp.splits == 1) {
+            launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, sp.per, static_cast<float*>(nullptr));
             return;
         }
-        launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, per, ws.partial);
-        const dim3 sum_grid(static_cast<unsigned>((tiles * BN + 255) / 256), static_cast<unsigned>(m));
-        launch(k_wide_split_sum, sum_grid, 256, 0, s, p, BN, n_seg, m, static_cast<const float*>(ws.partial));
+        launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, sp.per, ws.partial);
+        launch_wide_split_sum(p, BN, static_cast<int>(n_segments(k)), m, ws.partial, s);
     }
 };
-
-// The parts of rows [r0, r1) of a group (its parts' rows concatenated) for a configuration of
-// row tile bn: weight row i of the piece at a + (i - r0) * ars where a is not null (the
-// dequantized piece), else in place.
-WideParts wide_parts(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars, int bn) {
-    WideParts p{};
-    p.tile0[0] = 0;
-    int64_t base = 0;
-    for (int j = 0; j < n_parts; ++j) {
-        const MatmulPart& q = parts[j];
-        const int64_t nr = std::max<int64_t>(0, q.n_rows);
-        const int64_t lo = std::max(r0, base), hi = std::min(r1, base + nr);
-        if (lo < hi) {
-            const int i = p.np++;
-            const int64_t off = lo - base;  // the piece's first row in this part
-            p.a[i] = a ? a + (lo - r0) * ars : static_cast<const char*>(q.w) + off * static_cast<int64_t>(q.row_bytes);
-            p.ars[i] = a ? ars : static_cast<int64_t>(q.row_bytes);
-            p.n[i] = hi - lo;
-            p.y[i] = q.y + off;
-            p.ys[i] = q.y_stride;
-            p.add[i] = q.add ? q.add + off : nullptr;
-            p.as[i] = q.add_stride;
-            p.tile0[i + 1] = p.tile0[i] + static_cast<int>((hi - lo + bn - 1) / bn);
-        }
-        base += nr;
-    }
-    return p;
-}
 
 // The launch configurations (speed only: each runs every output's mma sequence unchanged), with
 // the rate of a GPU full of their blocks (H200, 2026-11-30, Qwen3-4B's F16 shapes at M = 2048, in
@@ -580,15 +516,23 @@ void wide_typed(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, c
     constexpr bool kBF16 = T == DType::BF16;
     uint16_t* xh = ws.halves;
     const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
-    launch(k_wide_x_halves<T>, dim3(static_cast<unsigned>(m)), 128, 0, s, x, xs, x_vec, k, xh);
+    // The wgmma GEMM where the GPU has it (the same bits; cuda/matmul_tc_wgmma.cu), its operands arranged.
+    const bool wg = wgmma_gemm_suits(parts, n_parts, rows, m);
+    if (wg) {
+        launch(k_wide_x_halves<T, true>, dim3(static_cast<unsigned>(m)), 128, 0, s, x, xs, x_vec, k, xh);
+    } else {
+        launch(k_wide_x_halves<T, false>, dim3(static_cast<unsigned>(m)), 128, 0, s, x, xs, x_vec, k, xh);
+    }
+    auto gemm = [&](int64_t r0, int64_t r1, const char* a, int64_t ars) {
+        if (wg) return wgmma_gemm(kBF16, parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
+        wide_gemm<kBF16>(parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
+    };
     if constexpr (T == DType::F16 || T == DType::BF16) {
         // Grid.y holds at most 65535 row tiles (of 64 rows or more, plus a partial one per part).
         const int64_t piece = int64_t{1} << 21;
-        for (int64_t r0 = 0; r0 < rows; r0 += piece) {
-            wide_gemm<kBF16>(parts, n_parts, r0, std::min(rows, r0 + piece), nullptr, 0, k, xh, m, ws, s);
-        }
+        for (int64_t r0 = 0; r0 < rows; r0 += piece) gemm(r0, std::min(rows, r0 + piece), nullptr, 0);
     } else {
-        uint16_t* wh = ws.halves + m * k;
+        uint16_t* wh = ws.halves + m * arranged_pitch(k);
         // Pieces of equal size (whole row tiles), none above the cap matmul_tc_wide_scratch reserves.
         const int64_t cap = wide_piece_rows(k);
         const int64_t n_pieces = (rows + cap - 1) / cap;
@@ -610,13 +554,79 @@ void wide_typed(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, c
                 }
                 base += nr;
             }
-            launch(k_wide_w_halves<T>, dim3(static_cast<unsigned>(r1 - r0)), 128, 0, s, src, k, wh);
-            wide_gemm<kBF16>(parts, n_parts, r0, r1, reinterpret_cast<const char*>(wh), k * 2, k, xh, m, ws, s);
+            if (wg) {
+                launch(k_wide_w_halves<T, true>, dim3(static_cast<unsigned>(r1 - r0)), 128, 0, s, src, k, wh);
+            } else {
+                launch(k_wide_w_halves<T, false>, dim3(static_cast<unsigned>(r1 - r0)), 128, 0, s, src, k, wh);
+            }
+            gemm(r0, r1, reinterpret_cast<const char*>(wh), k * 2);
         }
     }
 }
 
 }  // namespace
+
+namespace tc {
+
+int sm_count() {
+    static const int n = [] {
+        int dev = 0, v = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+            return 132;
+        }
+        return v > 0 ? v : 132;
+    }();
+    return n;
+}
+
+// The parts of rows [r0, r1) of a group (its parts' rows concatenated) for a configuration of
+// row tile bn: weight row i of the piece at a + (i - r0) * ars where a is not null (the
+// dequantized piece), else in place.
+WideParts wide_parts(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars, int bn) {
+    WideParts p{};
+    p.tile0[0] = 0;
+    int64_t base = 0;
+    for (int j = 0; j < n_parts; ++j) {
+        const MatmulPart& q = parts[j];
+        const int64_t nr = std::max<int64_t>(0, q.n_rows);
+        const int64_t lo = std::max(r0, base), hi = std::min(r1, base + nr);
+        if (lo < hi) {
+            const int i = p.np++;
+            const int64_t off = lo - base;  // the piece's first row in this part
+            p.a[i] = a ? a + (lo - r0) * ars : static_cast<const char*>(q.w) + off * static_cast<int64_t>(q.row_bytes);
+            p.ars[i] = a ? ars : static_cast<int64_t>(q.row_bytes);
+            p.n[i] = hi - lo;
+            p.y[i] = q.y + off;
+            p.ys[i] = q.y_stride;
+            p.add[i] = q.add ? q.add + off : nullptr;
+            p.as[i] = q.add_stride;
+            p.tile0[i + 1] = p.tile0[i] + static_cast<int>((hi - lo + bn - 1) / bn);
+        }
+        base += nr;
+    }
+    return p;
+}
+
+WideSplit wide_split(int64_t m, int64_t tiles, int bn, int bm, int64_t slots, int64_t k, const SplitScratch& ws) {
+    const int64_t blocks = ((m + bm - 1) / bm) * tiles;
+    const int n_seg = static_cast<int>(n_segments(k));
+    WideSplit sp{n_seg, 1};
+    if (m <= kWideSplitMaxM && n_seg > 1 && blocks < slots && ws.partial &&
+        static_cast<size_t>(n_seg) * static_cast<size_t>(m * tiles * bn) <= ws.partial_floats) {
+        const int64_t want = std::min<int64_t>(n_seg, (slots + blocks - 1) / blocks);
+        sp.per = static_cast<int>((n_seg + want - 1) / want);
+        sp.splits = (n_seg + sp.per - 1) / sp.per;
+    }
+    return sp;
+}
+
+void launch_wide_split_sum(const WideParts& p, int bn, int n_seg, int64_t m, const float* partial, cudaStream_t s) {
+    const int64_t tiles = p.tile0[p.np];
+    const dim3 grid(static_cast<unsigned>((tiles * bn + 255) / 256), static_cast<unsigned>(m));
+    launch(k_wide_split_sum, grid, 256, 0, s, p, bn, n_seg, m, partial);
+}
+
+}  // namespace tc
 
 int matmul_tc_setting() { return env_switch("PYSPEC_CUDA_TC"); }
 
@@ -654,7 +664,7 @@ SplitScratchNeed matmul_tc_wide_scratch(DType t, int64_t k, int64_t rows, int64_
     SplitScratchNeed need;
     if (m <= kMatmulTcNarrowMaxM || rows <= 0 || k <= 0 || !matmul_tc_supports(t, k)) return need;
     const int64_t w = wide_dequantizes(t) ? std::min(rows, wide_piece_rows(k)) * k : 0;
-    need.n_halves = static_cast<size_t>(m * k + w);
+    need.n_halves = static_cast<size_t>(m * arranged_pitch(k) + w);  // either GEMM's activations
     if (m <= kWideSplitMaxM && n_segments(k) > 1) {  // split K: every segment's partials, tiles padded
         const int64_t padded = rows + kMaxMatmulParts * kWideMaxBN;
         need.partial_floats = static_cast<size_t>(n_segments(k) * m * padded);

@@ -334,6 +334,34 @@ def test_mul_mat_prompt_columns_take_the_tensor_cores(dtype, k, monkeypatch):
         assert np.array_equal(got[p:], cores[p:m]), (p, m, "output columns")
 
 
+WGMMA = bool(getattr(core, "cuda_wgmma_gemm", lambda: False)())
+
+
+@real_gpu
+@pytest.mark.skipif(not WGMMA, reason="the wide tensor-core MUL_MAT does not run on wgmma here (Hopper, sm_90a)")
+@pytest.mark.parametrize("k", [200, 576, 2560])
+@pytest.mark.parametrize("dtype", [d for d in ALL_W if d != "F32"])  # F32 never takes the tensor cores
+def test_wgmma_gemm_gives_the_mma_sync_bits(dtype, k, monkeypatch):
+    """The wide tensor-core MUL_MAT on wgmma (cuda/matmul_tc_wgmma.cu) gives every output the bits of
+    the mma.sync GEMM (PYSPEC_CUDA_WGMMA=0): both tile shapes (M = 17 and 600), K split over blocks
+    (M = 64: 3 row tiles leave the GPU idle) and not (M = 130), partial row and column tiles, a
+    last stage of one 32-value tile (K = 576) and a partial one (K = 200, float weights), weights
+    read in place (F16, BF16) and converted (block types). The bits the narrow kernel and the
+    M = 300 batch give are checked by the batch-invariance tests above with both GEMMs."""
+    if k % 32 and dtype not in FLOAT_W:
+        pytest.skip("block types need K % 32 == 0")
+    n_rows = 300
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "1")
+    for m in [17, 64, 130, 600]:
+        stored, x = mm_inputs(dtype, n_rows, k, m, seed=k + m)
+        monkeypatch.setenv("PYSPEC_CUDA_WGMMA", "0")
+        (ref,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+        monkeypatch.delenv("PYSPEC_CUDA_WGMMA")
+        (got,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+        bad = np.flatnonzero(got.reshape(-1).view(np.uint32) != ref.reshape(-1).view(np.uint32))
+        assert bad.size == 0, (m, bad.size, bad[:8])
+
+
 @real_gpu
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "Q8_0"])
 def test_mul_mat_tensor_core_switch_takes_effect(dtype, monkeypatch):

@@ -130,6 +130,9 @@ void bind_compute(py::module_& m) {
         },
         "(available, reason): whether the CUDA backend was built in and a GPU is visible; reason says why "
         "not (empty when available).");
+    m.def("cuda_wgmma_gemm", []() { return cuda_available() && cuda_wgmma_gemm(); },
+          "Whether the wide tensor-core MUL_MAT runs on wgmma here (sm_90a build, Hopper GPU, "
+          "PYSPEC_CUDA_WGMMA not 0); the mma.sync GEMM otherwise, with the same bits.");
 }
 
 }  // namespace pyspec

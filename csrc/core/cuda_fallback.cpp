@@ -21,6 +21,8 @@ bool cuda_available(std::string* reason) {
 
 std::unique_ptr<Backend> make_cuda_backend(int /*device*/, int /*n_seq_max*/) { throw std::runtime_error(kNotBuilt); }
 
+bool cuda_wgmma_gemm() { return false; }
+
 }  // namespace pyspec
 
 #endif  // PYSPEC_WITH_CUDA

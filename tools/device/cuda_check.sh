@@ -3,8 +3,9 @@
 # place, run the CUDA test files four ways (as is: prompt rows on tensor cores, output rows on CUDA
 # cores; without fusions, PYSPEC_CUDA_FUSE=0; every row on tensor cores, PYSPEC_CUDA_TC=1; without
 # the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0; MODES may add cores, every row on CUDA cores:
-# PYSPEC_CUDA_TC=0, nopdl, plain launches: PYSPEC_CUDA_PDL=0, and noatttc, prompt rows' attention
-# on CUDA cores: PYSPEC_CUDA_ATT_TC=0; BENCH_MODES may add noatttc too),
+# PYSPEC_CUDA_TC=0, nopdl, plain launches: PYSPEC_CUDA_PDL=0, noatttc, prompt rows' attention
+# on CUDA cores: PYSPEC_CUDA_ATT_TC=0, and nowgmma, the wide tensor-core MUL_MAT on mma.sync:
+# PYSPEC_CUDA_WGMMA=0; BENCH_MODES may add noatttc and nowgmma too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -45,6 +46,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     cores) envs=(PYSPEC_CUDA_TC=0) ;;
     nopdl) envs=(PYSPEC_CUDA_PDL=0) ;;
     noatttc) envs=(PYSPEC_CUDA_ATT_TC=0) ;;
+    nowgmma) envs=(PYSPEC_CUDA_WGMMA=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -62,6 +64,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     [ $mode = nopdl ] && envs=(PYSPEC_CUDA_PDL=0)
     # prompt rows' attention on the CUDA cores (cuda/ops_attention_tc.cu off), for pp512's A/B
     [ $mode = noatttc ] && envs=(PYSPEC_CUDA_ATT_TC=0) && only=pp512
+    # the wide tensor-core MUL_MAT on mma.sync instead of wgmma (cuda/matmul_tc_wgmma.cu), for A/B
+    [ $mode = nowgmma ] && envs=(PYSPEC_CUDA_WGMMA=0) && only=pp512,par64
     # without the row-tiled attention for batches (pp, par64; the same bits as the per-row kernel)
     [ $mode = notiled ] && envs=(PYSPEC_CUDA_ATT_TILED=0) && only=pp512,par64 && prof=
     timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats ${REPEATS:-2} --only $only \
@@ -87,6 +91,8 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_attention.py::test_prompt_rows_attention_is_each_rows_own[h9kv3d64]"
              "tests/test_cuda_attention.py::test_prompt_rows_attention_is_each_rows_own[h4kv2d64]"
              "tests/test_cuda_matmul.py::test_mul_mat[tensor_cores-F16-64-n257k2048]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-576]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[Q4_1-2560]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]")
   for tool in memcheck racecheck; do

@@ -1,0 +1,410 @@
+// The wide tensor-core GEMM on Hopper's wgmma (sm_90a): the same outputs, bit for bit, as the
+// mma.sync GEMM of cuda/matmul_tc.cu, which stays for other GPUs and for PYSPEC_CUDA_WGMMA=0.
+//
+// Why the bits are the same. The fixed order (cuda/matmul_tc.cu) is: per output, chunks of 16
+// products (chunk 0 of a 32-value tile holds values 8q .. 8q + 3, chunk 1 values 8q + 4 .. 8q + 7,
+// q = 0..3), one k16 tensor-core step per chunk in increasing order into an F32 accumulator set to
+// +0 at each 512-value segment, the segments' partials added in order. Measured on the H200
+// (tools/device/probe_wgmma_bits.cu, 2M outputs with wide exponent ranges, 2026-11-30): a k16
+// wgmma step gives exactly the bits of a k16 mma.sync with the same C and the same 16 products; the
+// width N of the wgmma does not change a column's bits; and which k slot a product takes inside
+// the step does not change them either (the step's sum does not depend on the slots' order). So
+// this kernel only has to feed each k16 step the same 16 products: the converted operands are
+// stored "arranged" (arranged_index: each chunk's 16 values consecutive), and F16/BF16 weights,
+// read in place, are arranged on their way to shared memory by 8-byte copies.
+//
+// The kernel. A block of two warpgroups takes 128 weight rows (64 each: the wgmma's M) by BN
+// activation columns (its N, 64 or 128), a ring of kStages stages of 64 values of K: the weights'
+// 128 rows x 128 bytes and the activations' BN rows x 128 bytes, each row's 16-byte units swizzled
+// by the 128-byte pattern wgmma's descriptors name (unit u of row r at u ^ (r % 8)). All 256
+// threads copy (cp.async), then each warpgroup runs a stage's four k16 steps (two where the last
+// stage's second tile lies past K, as the mma.sync GEMM skips it) with one wgmma group in flight.
+// Every eighth stage ends a segment: the accumulators go into the running totals (registers) and
+// restart from +0. Split K (batches up to kWideSplitMaxM columns whose grid leaves SMs idle) stores
+// each segment's partial apart, as the mma.sync GEMM does, for the same k_wide_split_sum.
+#include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/launch.cuh"
+#include "cuda/matmul_tc_wide.cuh"
+
+namespace pyspec {
+namespace cuda {
+namespace tc {
+
+namespace {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PYSPEC_HAS_WGMMA 1
+#endif
+
+constexpr int kGK = 64;                           // k per stage: two 32-value tiles, four chunks
+constexpr int kGRow = kGK * 2;                    // bytes of a row per stage (one 128-byte swizzle row)
+constexpr int kGSegStages = kSegChunks * 16 / kGK;  // stages per K segment (8)
+static_assert(kSegChunks * 16 % kGK == 0, "a segment is whole stages");
+
+// wgmma's shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row
+// groups 1024 bytes apart (the leading offset is unused in this layout).
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
+    return static_cast<uint64_t>((addr >> 4) & 0x3fffu) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+           (uint64_t{1} << 62);
+}
+
+#ifdef PYSPEC_HAS_WGMMA
+// D += A B over one k16 step: A 64 weight rows, B N activation columns, both from shared memory.
+#define PYSPEC_WGMMA_M64N64K16(TY)                                                          \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                     \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"  \
+                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                  \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+                 : "l"(a), "l"(b))
+#define PYSPEC_WGMMA_M64N128K16(TY)                                                          \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                     \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"  \
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                  \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+                 : "l"(a), "l"(b))
+
+template <bool kBF16, int N>
+__device__ __forceinline__ void wgmma_step(float (&d)[N / 2], uint64_t a, uint64_t b) {
+    static_assert(N == 64 || N == 128, "the widths this file instantiates");
+    if constexpr (N == 64) {
+        if constexpr (kBF16) PYSPEC_WGMMA_M64N64K16("bf16"); else PYSPEC_WGMMA_M64N64K16("f16");
+    } else {
+        if constexpr (kBF16) PYSPEC_WGMMA_M64N128K16("bf16"); else PYSPEC_WGMMA_M64N128K16("f16");
+    }
+}
+#endif  // PYSPEC_HAS_WGMMA
+
+// Keeps the compiler from moving accesses to the accumulators across an in-flight wgmma (whose
+// writes it cannot see).
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+extern __shared__ unsigned char wgmma_smem[];
+
+// One thread's share of a stage's copies, for kThreads copying threads: the weights' kRowsA rows
+// and the activations' BN rows of 64 values, into a stage at `base` (weights, then activations;
+// rows of 128 bytes, 16-byte units swizzled). Arranged rows: unit u = tid % 8 of rows
+// tid / 8 + kPass16 i, 16-byte copies. Weights in place: the 8-byte piece pc = tid % 16 (values
+// 4 pc .. 4 pc + 3 of the stage) of rows tid / 16 + kPass8 i, stored where arranged_index puts it.
+// Either way a thread's rows share r % 8, so one swizzle serves them all. Rows past n, columns
+// past m and tiles past K are zero-filled.
+template <int kRowsA, int BN, int kThreads, bool kArrangedA>
+struct StageCopier {
+    static constexpr int kPass16 = kThreads / 8, kPass8 = kThreads / 16;  // rows one round of copies covers
+    static constexpr int kAPass = kArrangedA ? kPass16 : kPass8;
+    static constexpr int kACopies = kRowsA / kAPass, kBCopies = BN / kPass16;
+    static constexpr uint32_t kStageBytes = static_cast<uint32_t>((kRowsA + BN) * kGRow);
+    static_assert(kACopies * kAPass == kRowsA && kBCopies * kPass16 == BN, "whole copy rounds");
+
+    const char* a_base;
+    const char* a_src;
+    const char* b_src;
+    const uint16_t* xh;
+    int64_t ars, kp, k, a_rows_left, b_cols_left;  // rows / columns from this thread's first to the end
+    uint32_t a_dst, b_dst;
+    int u, pc;
+
+    __device__ __forceinline__ StageCopier(int tid, const char* a_base_, int64_t ars_, int64_t n, int64_t n0,
+                                           const uint16_t* xh_, int64_t k_, int64_t m, int64_t m0)
+        : a_base(a_base_), xh(xh_), ars(ars_), kp(arranged_pitch(k_)), k(k_), u(tid & 7), pc(tid & 15) {
+        const int ru = tid >> 3, rp = tid >> 4;
+        b_dst = static_cast<uint32_t>((kRowsA + ru) * kGRow + ((u ^ (ru & 7)) << 4));
+        b_src = reinterpret_cast<const char*>(xh + (m0 + ru) * kp) + u * 16;
+        b_cols_left = m - m0 - ru;
+        if constexpr (kArrangedA) {
+            a_dst = static_cast<uint32_t>(ru * kGRow + ((u ^ (ru & 7)) << 4));
+            a_src = a_base + (n0 + ru) * ars + u * 16;
+            a_rows_left = n - n0 - ru;
+        } else {
+            const int ao = (pc >> 3) * 64 + (pc & 1) * 32 + ((pc >> 1) & 3) * 8;  // arranged byte offset
+            a_dst = static_cast<uint32_t>(rp * kGRow + (((ao >> 4) ^ (rp & 7)) << 4) + (ao & 15));
+            a_src = a_base + (n0 + rp) * ars + pc * 8;
+            a_rows_left = n - n0 - rp;
+        }
+    }
+
+    __device__ __forceinline__ void load(uint32_t base, int st) const {
+        const int64_t koff = static_cast<int64_t>(st) * kGRow;
+        const bool b_in_k = static_cast<int64_t>(st) * kGK + (u >> 2) * 32 < k;  // whole tiles (zero tails)
+        const bool a_in_k = kArrangedA ? b_in_k : static_cast<int64_t>(st) * kGK + pc * 4 < k;
+#pragma unroll
+        for (int i = 0; i < kACopies; ++i) {
+            const bool v = a_in_k && i * kAPass < a_rows_left;
+            const char* src = v ? a_src + i * kAPass * ars + koff : a_base;
+            const uint32_t dst = base + a_dst + static_cast<uint32_t>(i * kAPass * kGRow);
+            if constexpr (kArrangedA) {
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(v ? 16 : 0) : "memory");
+            } else {
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(v ? 8 : 0) : "memory");
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kBCopies; ++i) {
+            const bool v = b_in_k && i * kPass16 < b_cols_left;
+            const char* src = v ? b_src + i * kPass16 * kp * 2 + koff : reinterpret_cast<const char*>(xh);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(base + b_dst + i * kPass16 * kGRow), "l"(src),
+                         "r"(v ? 16 : 0)
+                         : "memory");
+        }
+    }
+};
+
+// Block tile kGRows weight rows x BN activation columns; kStages-deep ring (kStages - 2 stages
+// loading while one is read and one may still be in a wgmma). kArrangedA: the weight rows are
+// arranged halves (converted); else F16/BF16 rows in place, arranged by 8-byte copies.
+template <bool kBF16, int kWG, int BN, int kStages, bool kArrangedA, int kMinBlocks>
+__global__ void __launch_bounds__(kWG * 128, kMinBlocks)
+    k_mul_mat_wgmma(WideParts p, int64_t k, const uint16_t* __restrict__ xh, int64_t m, int seg_per_split,
+                    float* __restrict__ partial) {
+#ifdef PYSPEC_HAS_WGMMA
+    pdl_enter();
+    static_assert(kStages >= 3, "a stage loads while one is read and one may be in a wgmma");
+    constexpr int kAcc = BN / 2;
+    constexpr int kGRows = 64 * kWG, kThreads = 128 * kWG;
+    using Copier = StageCopier<kGRows, BN, kThreads, kArrangedA>;
+    constexpr uint32_t kStageBytes = Copier::kStageBytes;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int tile = static_cast<int>(blockIdx.y);
+    const int j = wide_part_of(p, tile);
+    const int64_t n = pick(p.n, j), n0 = static_cast<int64_t>(tile - pick(p.tile0, j)) * kGRows;
+    const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BN;
+    const int n_stages_k = static_cast<int>((k + kGK - 1) / kGK);
+    const int st_begin = partial ? static_cast<int>(blockIdx.z) * seg_per_split * kGSegStages : 0;
+    const int st_end = partial ? min(n_stages_k, st_begin + seg_per_split * kGSegStages) : n_stages_k;
+    const int n_stages = st_end - st_begin;
+    const uint32_t smem0 = (smem_addr(wgmma_smem) + 1023u) & ~1023u;  // the swizzle's 1024-byte atoms
+    const Copier copier(tid, pick(p.a, j), pick(p.ars, j), n, n0, xh, k, m, m0);
+    auto load_stage = [&](int slot, int st) { copier.load(smem0 + static_cast<uint32_t>(slot) * kStageBytes, st); };
+
+    float acc[kAcc], tot[kAcc];
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+        acc[i] = 0.0f;
+        tot[i] = 0.0f;
+    }
+    // Accumulator i of this thread: row 16 warp + g + 8 ((i / 2) % 2) of the warpgroup's 64,
+    // column 8 (i / 4) + 2 t + i % 2.
+    const int g = lane >> 2, t = lane & 3;
+    const int64_t row_base = wg * 64 + warp * 16 + g;
+    auto end_segment = [&](bool first, bool last, int seg) {
+        if (partial) {
+            const int64_t pitch = static_cast<int64_t>(gridDim.y) * kGRows;
+#pragma unroll
+            for (int i = 0; i < kAcc; ++i) {
+                const int64_t row = static_cast<int64_t>(tile) * kGRows + row_base + 8 * ((i >> 1) & 1);
+                const int64_t c = m0 + 8 * (i >> 2) + 2 * t + (i & 1);
+                if (c < m) partial[(static_cast<int64_t>(seg) * m + c) * pitch + row] = acc[i];
+                acc[i] = 0.0f;
+            }
+            return;
+        }
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) {
+            tot[i] = first ? acc[i] : __fadd_rn(tot[i], acc[i]);  // p_0 as is, then the adds in segment order
+            if (!last) acc[i] = 0.0f;
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < kStages - 2; ++s) {
+        if (s < n_stages) load_stage(s, st_begin + s);
+        cp_async_commit();
+    }
+    for (int ls = 0; ls < n_stages; ++ls) {
+        cp_async_wait<kStages - 3>();  // stage ls has landed (this thread's copies)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async wrote it; wgmma reads it
+        __syncthreads();  // everyone's copies; and every warpgroup is done with stage ls - 2
+        const int st = st_begin + ls;
+        const uint32_t cur = smem0 + static_cast<uint32_t>(ls % kStages) * kStageBytes;
+        const uint32_t a_s = cur + static_cast<uint32_t>(wg * 64 * kGRow), b_s = cur + static_cast<uint32_t>(kGRows * kGRow);
+        // Tile 1 of the last stage may lie past the row's last chunk: skipped, not run as zeros.
+        const bool two = static_cast<int64_t>(st) * kGK + 32 < k;
+        fence_operands(acc);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        wgmma_step<kBF16, BN>(acc, wgmma_desc(a_s), wgmma_desc(b_s));
+        wgmma_step<kBF16, BN>(acc, wgmma_desc(a_s + 32), wgmma_desc(b_s + 32));
+        if (two) {
+            wgmma_step<kBF16, BN>(acc, wgmma_desc(a_s + 64), wgmma_desc(b_s + 64));
+            wgmma_step<kBF16, BN>(acc, wgmma_desc(a_s + 96), wgmma_desc(b_s + 96));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        // The copies of stage ls + kStages - 2 (into the slot of stage ls - 2) go out while the
+        // tensor cores run this stage: issued first, the wgmmas need not wait for them.
+        const int nx = ls + kStages - 2;
+        if (nx < n_stages) load_stage(nx % kStages, st_begin + nx);
+        cp_async_commit();
+        const bool last = ls + 1 == n_stages;
+        if (last || (st + 1) % kGSegStages == 0) {
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            fence_operands(acc);
+            end_segment(st < kGSegStages, last, st / kGSegStages);
+        } else {
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // stage ls - 1 is done
+        }
+    }
+    cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
+    if (partial) return;  // k_wide_split_sum stores
+
+    float* const y = pick(p.y, j);
+    const float* const add = pick(p.add, j);
+    const int64_t ys = pick(p.ys, j), as = pick(p.as, j);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+        const int64_t r = n0 + row_base + 8 * ((i >> 1) & 1), c = m0 + 8 * (i >> 2) + 2 * t + (i & 1);
+        if (r < n && c < m) y[c * ys + r] = add ? tot[i] + add[c * as + r] : tot[i];
+    }
+#else
+    (void)p; (void)k; (void)xh; (void)m; (void)seg_per_split; (void)partial;
+    __trap();  // not built for sm_90a: wgmma_gemm_ready() never selects it
+#endif
+}
+
+// Writes 1 where this build has the kernel's sm_90a code for the running GPU.
+__global__ void k_wgmma_built(int* out) {
+#ifdef PYSPEC_HAS_WGMMA
+    *out = 1;
+#else
+    *out = 0;
+#endif
+}
+
+// One launch configuration: kWG warpgroups of 64 weight rows, BN columns.
+template <bool kBF16, int kWG, int BN, int kStages, bool kArrangedA, int kMinBlocks>
+struct WgmmaConfig {
+    static constexpr int kRows = 64 * kWG, kThreads = 128 * kWG;
+    static constexpr size_t kSmem = static_cast<size_t>(kStages) * (kRows + BN) * kGRow + 1024;  // + alignment
+    static constexpr auto kernel = k_mul_mat_wgmma<kBF16, kWG, BN, kStages, kArrangedA, kMinBlocks>;
+    static int blocks_per_sm() {
+        static const int b = [] {
+            check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)),
+                  "mul_mat (wgmma): cudaFuncSetAttribute");
+            int v = 0;
+            check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kThreads, kSmem), "mul_mat (wgmma): occupancy");
+            return std::max(v, 1);
+        }();
+        return b;
+    }
+    static void run(const WideParts& p, int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s) {
+        const int64_t tiles = p.tile0[p.np];
+        const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm();
+        const WideSplit sp = wide_split(m, tiles, kRows, BN, slots, k, ws);
+        const dim3 grid(static_cast<unsigned>((m + BN - 1) / BN), static_cast<unsigned>(tiles), static_cast<unsigned>(sp.splits));
+        if (sp.splits == 1) {
+            launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, sp.per, static_cast<float*>(nullptr));
+            return;
+        }
+        launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, sp.per, ws.partial);
+        launch_wide_split_sum(p, kRows, static_cast<int>(n_segments(k)), m, ws.partial, s);
+    }
+    // The time of the launch's last wave, in units of one block's work at rate 1 (waves of SMs x
+    // blocks per SM, a wave taking blocks per SM x block tile / rate).
+    static double cost(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, int64_t m, double rate) {
+        const WideParts p = wide_parts(parts, n_parts, r0, r1, nullptr, 0, kRows);
+        const int64_t blocks = static_cast<int64_t>(p.tile0[p.np]) * ((m + BN - 1) / BN);
+        const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm();
+        return static_cast<double>((blocks + slots - 1) / slots) * blocks_per_sm() * kRows * BN / rate;
+    }
+};
+
+// The configurations (speed only; every one runs each output's steps unchanged), measured on the
+// H200 (2026-11-30, Qwen3-4B F16 pp512, MUL_MAT time of the prompt pass; the mma.sync GEMM 22.0 ms):
+//   L: 2 warpgroups, 128 rows x 128 columns, 4 stages, 129 KB: one block per SM (18.4-18.5 ms).
+//   S: 2 warpgroups, 128 x 64, 4 stages, 97 KB: two blocks per SM (20.3 ms; for narrow batches, where
+//      L's columns would be mostly padding).
+// Measured and dropped: L with 6 stages (18.5 ms), 1 warpgroup of 64 x 128 with two blocks per SM
+// (19.2-19.6 ms), and a warp-specialized kernel (a copying warpgroup, two wgmma warpgroups,
+// mbarriers, setmaxnreg: 22.5 ms). Issuing a stage's copies after its wgmmas instead of before
+// changed nothing. ncu (L, the q/k/v launch at M = 512: 62 us, 260 TFLOP/s): 1.45 waves, the
+// SMs active 69% of the time, 2 warps per scheduler issuing every 2.4 cycles, the tensor pipes far
+// from busy; the bound is feeding shared memory by cp.async (TMA cannot arrange the in-place
+// weights' 8-byte pieces).
+template <bool kBF16, bool kArrangedA>
+struct WgmmaConfigs {
+    using L = WgmmaConfig<kBF16, 2, 128, 4, kArrangedA, 1>;
+    using S = WgmmaConfig<kBF16, 2, 64, 4, kArrangedA, 2>;
+};
+
+// PYSPEC_CUDA_WGMMA_CFG=L or S forces a configuration (measurements); by default the one whose
+// last wave ends first.
+char forced_config() {
+    const char* v = std::getenv("PYSPEC_CUDA_WGMMA_CFG");
+    return v && (v[0] == 'L' || v[0] == 'S') ? v[0] : 0;
+}
+
+template <bool kBF16, bool kArrangedA>
+void wgmma_choose(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars, int64_t k,
+                  const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s) {
+    using C = WgmmaConfigs<kBF16, kArrangedA>;
+    char pick_cfg = forced_config();
+    if (!pick_cfg) pick_cfg = C::L::cost(parts, n_parts, r0, r1, m, 1.0) <= C::S::cost(parts, n_parts, r0, r1, m, 1.0) ? 'L' : 'S';
+    if (pick_cfg == 'S') return C::S::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::S::kRows), k, xh, m, ws, s);
+    C::L::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::L::kRows), k, xh, m, ws, s);
+}
+
+// Blocks of the configuration with the most of them (S) over rows [0, rows) of a group.
+int64_t wgmma_blocks(const MatmulPart* parts, int n_parts, int64_t rows, int64_t m) {
+    const WideParts p = wide_parts(parts, n_parts, 0, rows, nullptr, 0, WgmmaConfigs<false, false>::S::kRows);
+    return static_cast<int64_t>(p.tile0[p.np]) * ((m + 63) / 64);
+}
+
+}  // namespace
+
+bool wgmma_gemm_suits(const MatmulPart* parts, int n_parts, int64_t rows, int64_t m) {
+    return wgmma_gemm_ready() && (forced_config() || wgmma_blocks(parts, n_parts, rows, m) >= sm_count());
+}
+
+bool wgmma_gemm_ready() {
+    static const bool built = [] {
+        int dev = 0, major = 0, minor = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess || major != 9 || minor != 0) {
+            return false;
+        }
+        int* flag = nullptr;
+        int v = 0;
+        if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
+        k_wgmma_built<<<1, 1>>>(flag);
+        const bool ok = cudaGetLastError() == cudaSuccess && cudaMemcpy(&v, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+        cudaFree(flag);
+        return ok && v == 1;
+    }();
+    return built && env_switch("PYSPEC_CUDA_WGMMA") != 0;
+}
+
+void wgmma_gemm(bool bf16, const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars,
+                int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s) {
+    if (bf16) {
+        if (a) return wgmma_choose<true, true>(parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
+        return wgmma_choose<true, false>(parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
+    }
+    if (a) return wgmma_choose<false, true>(parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
+    wgmma_choose<false, false>(parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
+}
+
+}  // namespace tc
+}  // namespace cuda
+
+bool cuda_wgmma_gemm() { return cuda::tc::wgmma_gemm_ready(); }
+
+}  // namespace pyspec
