@@ -2,8 +2,9 @@
 // (MUL_MAT's prompt columns; faster for prefill, slower for one sequence's decode) and for every row
 // of a float weight in a backend for wide batches (see matmul_tc_rows), for every row with
 // PYSPEC_CUDA_TC=1, for none with PYSPEC_CUDA_TC=0. This file is the wide kernel (M > 16)
-// and the settings; cuda/matmul_tc_narrow.cu computes the same outputs for M <= 16, and
-// cuda/matmul_tc_fallback.cu where neither takes the rows.
+// and the settings; cuda/matmul_tc_narrow.cu computes the same outputs for M <= 16,
+// cuda/matmul_tc_wgmma.cu the same outputs on Hopper's wgmma for large calls, and
+// cuda/matmul_tc_fallback.cu where none of them takes the rows.
 //
 // What is computed. dst[n, m] = sum_k w[k, n] * x[k, m] with one mma.sync.m16n8k16 family (F32
 // accumulators): the weight rows are the mma's A (rows = n, "row" layout, k contiguous), the
@@ -477,7 +478,7 @@ struct WideConfig {
 // 128 x 64 (233), and the same kernels without the fragment pipelining (T: 10-15% slower).
 // Not the loads: ncu (the 128 x 128 configuration) shows no bank conflicts, the shared-memory pipe
 // 35% busy and the tensor pipe 36%, the top stall a fixed-latency dependency (32% of the cycles
-// between a warp's instructions); wgmma (sm_90a) would be the next step.
+// between a warp's instructions); on Hopper the wgmma GEMM (cuda/matmul_tc_wgmma.cu) takes the large calls.
 template <bool kBF16>
 struct WideConfigs {
     using T = WideConfig<kBF16, 64, 128, 2, 2, 3, 2>;
@@ -517,7 +518,7 @@ void wide_typed(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, c
     uint16_t* xh = ws.halves;
     const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
     // The wgmma GEMM where the GPU has it (the same bits; cuda/matmul_tc_wgmma.cu), its operands arranged.
-    const bool wg = wgmma_gemm_suits(parts, n_parts, rows, m);
+    const bool wg = wgmma_gemm_suits(parts, n_parts, rows, k, m);
     if (wg) {
         launch(k_wide_x_halves<T, true>, dim3(static_cast<unsigned>(m)), 128, 0, s, x, xs, x_vec, k, xh);
     } else {

@@ -362,6 +362,12 @@ void wgmma_choose(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, 
     C::L::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::L::kRows), k, xh, m, ws, s);
 }
 
+// Shorter rows stay on the mma.sync GEMM: measured on the H200 (2026-11-30, bench_cuda.py, one
+// run), SmolLM2-135M Q4_1 pp512 lost 81.5k -> 76.3k t/s with its K = 576 gate/up on wgmma (nine
+// stages a block: the ring barely fills). Qwen3-4B's K (2560 and up) gains: pp512 17.3k -> 20.4k,
+// par64 7,444 -> 7,739.
+constexpr int64_t kWgmmaMinK = 1024;
+
 // Blocks of the configuration with the most of them (S) over rows [0, rows) of a group.
 int64_t wgmma_blocks(const MatmulPart* parts, int n_parts, int64_t rows, int64_t m) {
     const WideParts p = wide_parts(parts, n_parts, 0, rows, nullptr, 0, WgmmaConfigs<false, false>::S::kRows);
@@ -370,8 +376,9 @@ int64_t wgmma_blocks(const MatmulPart* parts, int n_parts, int64_t rows, int64_t
 
 }  // namespace
 
-bool wgmma_gemm_suits(const MatmulPart* parts, int n_parts, int64_t rows, int64_t m) {
-    return wgmma_gemm_ready() && (forced_config() || wgmma_blocks(parts, n_parts, rows, m) >= sm_count());
+bool wgmma_gemm_suits(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, int64_t m) {
+    if (!wgmma_gemm_ready()) return false;
+    return forced_config() || (k >= kWgmmaMinK && wgmma_blocks(parts, n_parts, rows, m) >= sm_count());
 }
 
 bool wgmma_gemm_ready() {

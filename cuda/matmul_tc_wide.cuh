@@ -72,10 +72,11 @@ __host__ __device__ constexpr int64_t arranged_index(int64_t i) {
 // Whether the wgmma GEMM serves the wide batches: built for sm_90a, running on a compute
 // capability 9.0 GPU, and not turned off (PYSPEC_CUDA_WGMMA=0, for A/B runs; read at each call).
 bool wgmma_gemm_ready();
-// Whether a group of `rows` weight rows over m columns takes it: where it is ready and its grid
-// fills the GPU (small ones, e.g. SmolLM2-135M's 576-row matrices at M = 512, run faster on the
-// mma.sync GEMM's smaller tiles; the bits are the same either way).
-bool wgmma_gemm_suits(const MatmulPart* parts, int n_parts, int64_t rows, int64_t m);
+// Whether a group of `rows` weight rows of K values over m columns takes it: where it is ready, its
+// grid fills the GPU and K is long enough to fill its ring (smaller matrices, e.g. SmolLM2-135M's,
+// run faster on the mma.sync GEMM's smaller tiles; the bits are the same either way), or where
+// PYSPEC_CUDA_WGMMA_CFG forces a configuration.
+bool wgmma_gemm_suits(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, int64_t m);
 // Rows [r0, r1) of a group over m activation columns xh (arranged, arranged_pitch(k) halves each):
 // weight rows from a (arranged halves, ars bytes apart) where a is not null, else in place (F16 or
 // BF16 rows, 16-byte aligned).

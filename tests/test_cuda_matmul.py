@@ -339,15 +339,18 @@ WGMMA = bool(getattr(core, "cuda_wgmma_gemm", lambda: False)())
 
 @real_gpu
 @pytest.mark.skipif(not WGMMA, reason="the wide tensor-core MUL_MAT does not run on wgmma here (Hopper, sm_90a)")
+@pytest.mark.parametrize("cfg", ["L", "S"])
 @pytest.mark.parametrize("k", [200, 576, 2560])
 @pytest.mark.parametrize("dtype", [d for d in ALL_W if d != "F32"])  # F32 never takes the tensor cores
-def test_wgmma_gemm_gives_the_mma_sync_bits(dtype, k, monkeypatch):
+def test_wgmma_gemm_gives_the_mma_sync_bits(dtype, k, cfg, monkeypatch):
     """The wide tensor-core MUL_MAT on wgmma (cuda/matmul_tc_wgmma.cu) gives every output the bits of
-    the mma.sync GEMM (PYSPEC_CUDA_WGMMA=0): both tile shapes (M = 17 and 600), K split over blocks
-    (M = 64: 3 row tiles leave the GPU idle) and not (M = 130), partial row and column tiles, a
-    last stage of one 32-value tile (K = 576) and a partial one (K = 200, float weights), weights
-    read in place (F16, BF16) and converted (block types). The bits the narrow kernel and the
-    M = 300 batch give are checked by the batch-invariance tests above with both GEMMs."""
+    the mma.sync GEMM (PYSPEC_CUDA_WGMMA=0), in both launch configurations (forced by
+    PYSPEC_CUDA_WGMMA_CFG: by default such small matrices stay on mma.sync): K split over blocks
+    (M = 17, 64: 3 row tiles leave the GPU idle) and not (M = 130, 600), partial row and column
+    tiles, a last stage of one 32-value tile (K = 576) and a partial one (K = 200, float weights),
+    weights read in place (F16, BF16) and converted (block types). The bits the narrow kernel and
+    the M = 300 batch give are checked by the batch-invariance tests above (cuda_check.sh's mode
+    `wgmma` runs them with every wide call on wgmma)."""
     if k % 32 and dtype not in FLOAT_W:
         pytest.skip("block types need K % 32 == 0")
     n_rows = 300
@@ -357,7 +360,9 @@ def test_wgmma_gemm_gives_the_mma_sync_bits(dtype, k, monkeypatch):
         monkeypatch.setenv("PYSPEC_CUDA_WGMMA", "0")
         (ref,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
         monkeypatch.delenv("PYSPEC_CUDA_WGMMA")
+        monkeypatch.setenv("PYSPEC_CUDA_WGMMA_CFG", cfg)
         (got,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+        monkeypatch.delenv("PYSPEC_CUDA_WGMMA_CFG")
         bad = np.flatnonzero(got.reshape(-1).view(np.uint32) != ref.reshape(-1).view(np.uint32))
         assert bad.size == 0, (m, bad.size, bad[:8])
 

@@ -5,7 +5,8 @@
 # the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0; MODES may add cores, every row on CUDA cores:
 # PYSPEC_CUDA_TC=0, nopdl, plain launches: PYSPEC_CUDA_PDL=0, noatttc, prompt rows' attention
 # on CUDA cores: PYSPEC_CUDA_ATT_TC=0, and nowgmma, the wide tensor-core MUL_MAT on mma.sync:
-# PYSPEC_CUDA_WGMMA=0; BENCH_MODES may add noatttc and nowgmma too),
+# PYSPEC_CUDA_WGMMA=0, and wgmma, every row on tensor cores and every wide call on wgmma however
+# small: PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L; BENCH_MODES may add noatttc and nowgmma too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -47,6 +48,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     nopdl) envs=(PYSPEC_CUDA_PDL=0) ;;
     noatttc) envs=(PYSPEC_CUDA_ATT_TC=0) ;;
     nowgmma) envs=(PYSPEC_CUDA_WGMMA=0) ;;
+    wgmma) envs=(PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -91,8 +93,8 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_attention.py::test_prompt_rows_attention_is_each_rows_own[h9kv3d64]"
              "tests/test_cuda_attention.py::test_prompt_rows_attention_is_each_rows_own[h4kv2d64]"
              "tests/test_cuda_matmul.py::test_mul_mat[tensor_cores-F16-64-n257k2048]"
-             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-576]"
-             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[Q4_1-2560]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-576-L]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[Q4_1-2560-S]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]")
   for tool in memcheck racecheck; do
