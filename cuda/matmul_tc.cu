@@ -319,9 +319,7 @@ __global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
     if (partial) return;  // k_wide_split_sum stores
 
     // D fragment: e = 0, 1 at row g, columns 2t + {0, 1}; e = 2, 3 at row g + 8.
-    float* const y = pick(p.y, j);
-    const float* const add = pick(p.add, j);
-    const int64_t ys = pick(p.ys, j), as = pick(p.as, j);
+    const WideOut out(p, j);
 #pragma unroll
     for (int i = 0; i < TN; ++i) {
 #pragma unroll
@@ -331,7 +329,7 @@ __global__ void __launch_bounds__(WN * WM * 32, kMinBlocks)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int64_t r = row + (e >> 1) * 8, c = col + (e & 1);
-                if (r < n && c < m) y[c * ys + r] = add ? acc[i][jj][e] + add[c * as + r] : acc[i][jj][e];
+                if (r < n && c < m) out.store(r, c, acc[i][jj][e]);
             }
         }
     }
@@ -353,8 +351,7 @@ __global__ void __launch_bounds__(256) k_wide_split_sum(WideParts p, int bn, int
     if (r >= pick(p.n, j)) return;
     float v = partial[c * pitch + row];
     for (int s = 1; s < n_seg; ++s) v = __fadd_rn(v, partial[(s * m + c) * pitch + row]);
-    const float* const add = pick(p.add, j);
-    pick(p.y, j)[c * pick(p.ys, j) + r] = add ? v + add[c * pick(p.as, j) + r] : v;
+    WideOut(p, j).store(r, c, v);
 }
 
 // ---- the operands as halves ------------------------------------------------------------------
@@ -436,14 +433,7 @@ struct WideConfig {
     static constexpr auto kernel = k_mul_mat_tc_wide<kBF16, BN, BM, WN, WM, kStages, kMinBlocks>;
     // Blocks per SM as the driver places them (asked once; the shared memory opt-in first).
     static int blocks_per_sm() {
-        static const int b = [] {
-            check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)),
-                  "mul_mat (tensor cores): cudaFuncSetAttribute");
-            int v = 0;
-            check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kThreads, kSmem),
-                  "mul_mat (tensor cores): occupancy");
-            return std::max(v, 1);
-        }();
+        static const int b = resident_blocks(kernel, kThreads, kSmem);
         return b;
     }
     // K is split (k_mul_mat_tc_wide's split) where the grid would leave SMs idle: small batches
@@ -451,16 +441,7 @@ struct WideConfig {
     // blocks on 132 SMs), into as many splits of whole segments as fill the GPU once.
     static void run(const WideParts& p, int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws,
                     cudaStream_t s) {
-        const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm();
-        const int64_t tiles = p.tile0[p.np];
-        const WideSplit sp = wide_split(m, tiles, BN, BM, slots, k, ws);
-        const dim3 grid(static_cast<unsigned>((m + BM - 1) / BM), static_cast<unsigned>(tiles), static_cast<unsigned>(sp.splits));
-        if (sp.splits == 1) {
-            launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, sp.per, static_cast<float*>(nullptr));
-            return;
-        }
-        launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, sp.per, ws.partial);
-        launch_wide_split_sum(p, BN, static_cast<int>(n_segments(k)), m, ws.partial, s);
+        launch_wide(kernel, kThreads, kSmem, blocks_per_sm(), BN, BM, p, k, xh, m, ws, s);
     }
 };
 

@@ -266,13 +266,11 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
     cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
     if (partial) return;  // k_wide_split_sum stores
 
-    float* const y = pick(p.y, j);
-    const float* const add = pick(p.add, j);
-    const int64_t ys = pick(p.ys, j), as = pick(p.as, j);
+    const WideOut out(p, j);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) {
         const int64_t r = n0 + row_base + 8 * ((i >> 1) & 1), c = m0 + 8 * (i >> 2) + 2 * t + (i & 1);
-        if (r < n && c < m) y[c * ys + r] = add ? tot[i] + add[c * as + r] : tot[i];
+        if (r < n && c < m) out.store(r, c, tot[i]);
     }
 #else
     (void)p; (void)k; (void)xh; (void)m; (void)seg_per_split; (void)partial;
@@ -296,26 +294,11 @@ struct WgmmaConfig {
     static constexpr size_t kSmem = static_cast<size_t>(kStages) * (kRows + BN) * kGRow + 1024;  // + alignment
     static constexpr auto kernel = k_mul_mat_wgmma<kBF16, kWG, BN, kStages, kArrangedA, kMinBlocks>;
     static int blocks_per_sm() {
-        static const int b = [] {
-            check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)),
-                  "mul_mat (wgmma): cudaFuncSetAttribute");
-            int v = 0;
-            check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kThreads, kSmem), "mul_mat (wgmma): occupancy");
-            return std::max(v, 1);
-        }();
+        static const int b = resident_blocks(kernel, kThreads, kSmem);
         return b;
     }
     static void run(const WideParts& p, int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s) {
-        const int64_t tiles = p.tile0[p.np];
-        const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm();
-        const WideSplit sp = wide_split(m, tiles, kRows, BN, slots, k, ws);
-        const dim3 grid(static_cast<unsigned>((m + BN - 1) / BN), static_cast<unsigned>(tiles), static_cast<unsigned>(sp.splits));
-        if (sp.splits == 1) {
-            launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, sp.per, static_cast<float*>(nullptr));
-            return;
-        }
-        launch(kernel, grid, kThreads, kSmem, s, p, k, xh, m, sp.per, ws.partial);
-        launch_wide_split_sum(p, kRows, static_cast<int>(n_segments(k)), m, ws.partial, s);
+        launch_wide(kernel, kThreads, kSmem, blocks_per_sm(), kRows, BN, p, k, xh, m, ws, s);
     }
     // The time of the launch's last wave, in units of one block's work at rate 1 (waves of SMs x
     // blocks per SM, a wave taking blocks per SM x block tile / rate).

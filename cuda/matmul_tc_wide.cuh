@@ -3,6 +3,9 @@
 // why): the parts of a launch, the split-K sum, the activation pitch of the converted operands.
 #pragma once
 
+#include <algorithm>
+
+#include "cuda/launch.cuh"
 #include "cuda/matmul_tc_common.cuh"
 
 namespace pyspec {
@@ -40,6 +43,19 @@ __device__ __forceinline__ int wide_part_of(const WideParts& p, int tile) {
     return j;
 }
 
+// Where part j's outputs go: output (row r, column c) at y[c * ys + r], plus the residual add[c * as + r]
+// where there is one.
+struct WideOut {
+    float* y;
+    const float* add;
+    int64_t ys, as;
+    __device__ __forceinline__ WideOut(const WideParts& p, int j)
+        : y(pick(p.y, j)), add(pick(p.add, j)), ys(pick(p.ys, j)), as(pick(p.as, j)) {}
+    __device__ __forceinline__ void store(int64_t r, int64_t c, float v) const {
+        y[c * ys + r] = add ? v + add[c * as + r] : v;
+    }
+};
+
 constexpr int64_t kWideSplitMaxM = 128;  // the widest batch whose K may be split
 
 int sm_count();
@@ -57,8 +73,37 @@ struct WideSplit {
 };
 WideSplit wide_split(int64_t m, int64_t tiles, int bn, int bm, int64_t slots, int64_t k, const SplitScratch& ws);
 
-// The outputs of a split launch (row tile bn): p_0 + p_1 + ... in segment order, plus the residual.
+// Blocks of `kernel` an SM holds at `threads` threads and `smem` bytes of dynamic shared memory
+// (asked once per configuration; the shared-memory opt-in first).
+template <class Kernel>
+int resident_blocks(Kernel kernel, int threads, size_t smem) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+          "mul_mat (tensor cores): cudaFuncSetAttribute");
+    int v = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, smem), "mul_mat (tensor cores): occupancy");
+    return std::max(v, 1);
+}
+
 void launch_wide_split_sum(const WideParts& p, int bn, int n_seg, int64_t m, const float* partial, cudaStream_t s);
+
+// One launch of a wide GEMM kernel (both GEMMs' signature) over blocks of `rows` weight rows x
+// `cols` columns, K split where wide_split says, then the split's sum.
+template <class Kernel>
+void launch_wide(Kernel kernel, int threads, size_t smem, int per_sm, int rows, int cols, const WideParts& p, int64_t k,
+                 const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s) {
+    const int64_t tiles = p.tile0[p.np];
+    const WideSplit sp = wide_split(m, tiles, rows, cols, static_cast<int64_t>(sm_count()) * per_sm, k, ws);
+    const dim3 grid(static_cast<unsigned>((m + cols - 1) / cols), static_cast<unsigned>(tiles), static_cast<unsigned>(sp.splits));
+    if (sp.splits == 1) {
+        launch(kernel, grid, threads, smem, s, p, k, xh, m, sp.per, static_cast<float*>(nullptr));
+        return;
+    }
+    launch(kernel, grid, threads, smem, s, p, k, xh, m, sp.per, ws.partial);
+    launch_wide_split_sum(p, rows, static_cast<int>(n_segments(k)), m, ws.partial, s);
+}
+
+// (launch_wide_split_sum: the outputs of a split launch of row tile bn, p_0 + p_1 + ... in segment
+// order, plus the residual.)
 
 // Halves per activation column of the wgmma GEMM's operands (K rounded up to whole 32-value tiles,
 // the tail zero-filled), and of the layout it reads: within each 32-value tile, chunk 0's values
