@@ -114,14 +114,18 @@ bool matmul_add_epilogue(DType wtype, int64_t k, TcRows rows);
 // norm (optional): x holds an RMS_NORM's inputs and each column is normalised in the kernel, as
 // the norm kernel does it (warp_rms_scale, then x * scale * w: the same bits), so the norm's output
 // never reaches memory and its launch is saved. Only where matmul_norm_prologue says (the CUDA-core
-// path, m <= kMatmulNormMaxM: decode steps; since the bits are the same, choosing by M is free).
+// path, m <= kMatmulNormMaxM: decode steps, verify passes and draft blocks of up to 4 rows; since
+// the bits are the same, choosing by M is free).
 // PYSPEC_CUDA_NORM_PROLOGUE=0 turns it off (read once), PYSPEC_CUDA_FUSE=0 with the other fusions.
 struct MatmulNorm {
     const float* w = nullptr;  // the norm's weights (required)
     float eps = 0.0f;
 };
-constexpr int64_t kMatmulNormMaxM = 1;
-constexpr int64_t kMatmulNormMaxValues = 12288;  // the normalised columns in 48 KB of shared memory
+constexpr int64_t kMatmulNormMaxM = 4;
+// The normalised columns a block holds in shared memory: one column in up to 48 KB; the tiles of 2
+// or 4 columns (m = 2..4) in up to 16 KB, so that blocks still fit on an SM side by side.
+constexpr int64_t kMatmulNormMaxValues = 12288;
+constexpr int64_t kMatmulNormMaxTileValues = 4096;
 bool matmul_norm_prologue(DType wtype, int64_t k, int64_t m, int64_t prompt_cols, TcRows rows);
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
                          int64_t x_stride, int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch,

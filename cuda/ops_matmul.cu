@@ -357,7 +357,11 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
-    if (m == 1 && norm.w) return mul_mat_glu_tiles<T, kVec, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (norm.w) {
+        if (m == 1) return mul_mat_glu_tiles<T, kVec, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+        if (m == 2) return mul_mat_glu_tiles<T, kVec, 2, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+        return mul_mat_glu_tiles<T, kVec, 4, true>(gate, up, k, x, xs, m, y, ys, norm, s);  // m <= kMatmulNormMaxM
+    }
     if (m == 1) return mul_mat_glu_tiles<T, kVec, 1>(gate, up, k, x, xs, m, y, ys, norm, s);
     if (m == 2) return mul_mat_glu_tiles<T, kVec, 2>(gate, up, k, x, xs, m, y, ys, norm, s);
     if (m <= 4) return mul_mat_glu_tiles<T, kVec, 4>(gate, up, k, x, xs, m, y, ys, norm, s);
@@ -385,12 +389,19 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
 // one row per warp, many warps, bandwidth-bound (2 or 4 rows per warp at M = 1 measured slower on
 // the H200: Qwen3-4B's MUL_MATs 15.3 -> 19.6 us at 2). Larger M: 4 rows x 8 columns per warp, 32
 // FMAs per activation load and 8 columns per weight load. The norm prologue is instantiated for
-// one column (decode), as kMatmulNormMaxM promises.
-static_assert(kMatmulNormMaxM == 1, "k_mul_mat's and k_mul_mat_glu's norm prologue serve m == 1 only");
+// the tiles of m <= kMatmulNormMaxM (1, 2 and 4 columns; m = 3 normalises its last column twice).
+static_assert(kMatmulNormMaxM == 4, "k_mul_mat's and k_mul_mat_glu's norm prologue serve tiles of 1, 2 and 4 columns");
+
+// The column tile of the small-M kernels (mul_mat_typed, mul_mat_glu_typed) up to 4 columns.
+constexpr int64_t small_tile(int64_t m) { return m <= 1 ? 1 : m == 2 ? 2 : 4; }
 
 template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
-    if (m == 1 && p.norm_w) return mul_mat_tiles<T, kVec, 1, 1, true>(p, k, x, xs, m, s);
+    if (p.norm_w) {
+        if (m == 1) return mul_mat_tiles<T, kVec, 1, 1, true>(p, k, x, xs, m, s);
+        if (m == 2) return mul_mat_tiles<T, kVec, 1, 2, true>(p, k, x, xs, m, s);
+        return mul_mat_tiles<T, kVec, 1, 4, true>(p, k, x, xs, m, s);  // m <= kMatmulNormMaxM
+    }
     if (m == 1) return mul_mat_tiles<T, kVec, 1, 1>(p, k, x, xs, m, s);
     if (m == 2) return mul_mat_tiles<T, kVec, 1, 2>(p, k, x, xs, m, s);
     if (m <= 4) return mul_mat_tiles<T, kVec, 1, 4>(p, k, x, xs, m, s);
@@ -444,7 +455,9 @@ bool matmul_add_epilogue(DType t, int64_t k, TcRows rows) {
 
 bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, TcRows rows) {
     static const bool enabled = env_switch("PYSPEC_CUDA_NORM_PROLOGUE") != 0;
-    return enabled && m >= 1 && m <= kMatmulNormMaxM && k * m <= kMatmulNormMaxValues && (rows == TcRows::None || (rows == TcRows::Prompt && prompt_cols == 0)) &&
+    const int64_t held = k * small_tile(m);  // the block's normalised columns, in floats
+    const bool fits = m == 1 ? held <= kMatmulNormMaxValues : held <= kMatmulNormMaxTileValues;
+    return enabled && m >= 1 && m <= kMatmulNormMaxM && fits && (rows == TcRows::None || (rows == TcRows::Prompt && prompt_cols == 0)) &&
            !(float_weights(t) && k % 8 != 0) && k % dtype_block_size(t) == 0 &&
            with_weight_type(t, false, [](auto, auto) {});
 }

@@ -234,10 +234,11 @@ def norm_then_matmuls_build(dtype, x, norm_w, weights, tail, fetch_norm=False, e
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
     """An RMS_NORM whose only readers are the MUL_MATs right after it runs inside their launch at
-    M = 1 (decode; the kernel normalises the norm's input as the norm kernel does): the bits of the
-    nodes run apart (PYSPEC_CUDA_FUSE=0) for a q/k/v-like group, gate/up with the SwiGLU epilogue
-    and one MUL_MAT with the residual epilogue, equal to the same row inside a batch (M = 5, no
-    prologue), and where the norm's output is fetched (it must then be stored: no prologue)."""
+    M = 1 to 4 (decode, verify, draft blocks; the kernel normalises the norm's inputs as the norm
+    kernel does, M = 3 in a tile of 4): the bits of the nodes run apart (PYSPEC_CUDA_FUSE=0) for a
+    q/k/v-like group, gate/up with the SwiGLU epilogue and one MUL_MAT with the residual epilogue,
+    each row equal to the same row inside a batch (M = 5, no prologue), and where the norm's output
+    is fetched (it must then be stored: no prologue)."""
     k = 576
     rng = np.random.default_rng(41)
     norm_w = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
@@ -251,14 +252,16 @@ def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
     out = {}
     for fuse in ("1", "0"):
         monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
-        for m in (1, 5):
+        for m in (1, 2, 3, 4, 5):
             b = norm_then_matmuls_build(dtype, x[:m], norm_w, weights, tail.split()[0],
                                         fetch_norm=tail == "norm fetched")
             out[fuse, m] = run_on(DEVICE, b)
-    for i, (a, b) in enumerate(zip(out["1", 1], out["0", 1])):
-        np.testing.assert_array_equal(a, b, err_msg=f"output {i}, fused against apart")
-    for i, (a, b) in enumerate(zip(out["1", 1], out["1", 5])):
-        np.testing.assert_array_equal(a.reshape(-1), b.reshape(5, -1)[0], err_msg=f"output {i}, M=1 against M=5")
+    for m in (1, 2, 3, 4):
+        for i, (a, b) in enumerate(zip(out["1", m], out["0", m])):
+            np.testing.assert_array_equal(a, b, err_msg=f"output {i}, M={m}, fused against apart")
+        for i, (a, b) in enumerate(zip(out["1", m], out["1", 5])):
+            np.testing.assert_array_equal(a.reshape(m, -1), b.reshape(5, -1)[:m],
+                                          err_msg=f"output {i}, M={m} against M=5")
     ref = run_on("cpu", norm_then_matmuls_build(dtype, x[:1], norm_w, weights, tail.split()[0],
                                                 fetch_norm=tail == "norm fetched"))
     for a, b in zip(out["1", 1], ref):
