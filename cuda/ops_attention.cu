@@ -217,8 +217,13 @@ void launch_attention(const TDesc& dst_all, const TDesc& q_all, const TDesc& k, 
     }
     if (q.ne[2] > 65535) throw std::runtime_error("cuda backend: attention: more than 65535 rows");
     // Batches of rows take the row-tiled kernel: the same bits per row (ops_attention_tiled.cu),
-    // K/V read once per kv head and tile instead of once per query head and row.
-    if (q.ne[2] > 1 && attention_tiled_enabled() && attention_tiled_supports(q, k, v, n_kv_head)) {
+    // K/V read once per kv head and tile instead of once per query head and row. Up to
+    // kStagedMaxRows rows (a verify pass, a draft block) take the staged kernel row by row instead:
+    // a block per (head, row) rather than one per kv head for the whole tile (SmolLM2's 3-row verify:
+    // 27 blocks against 3). The same bits either way, so the choice by rows is free.
+    constexpr int64_t kStagedMaxRows = 4;
+    const bool staged_rows = q.ne[2] <= kStagedMaxRows && attention_staged_enabled() && attention_staged_supports(q, k, v);
+    if (q.ne[2] > 1 && !staged_rows && attention_tiled_enabled() && attention_tiled_supports(q, k, v, n_kv_head)) {
         launch_attention_tiled(dst, q, k, v, mask, base, n_kv_head, scale, err, s);
         return;
     }
