@@ -18,7 +18,9 @@ block position (P[draft k accepted | drafts before it accepted]), tokens/s of bo
 Greedy outputs must equal plain greedy (checked). Also where a round's time goes (the engines'
 op profiles, greedy, the first set): a plain decode step, and per speculative round the target's
 verify pass and the drafter's passes (its context rows and the drafting pass), the latter as a
-share of a plain step (the issue's "drafter cost per pass").
+share of a plain step (the issue's "drafter cost per pass"); then the same split in wall-clock
+time, unprofiled (SpecEngine.phase_times: target pass, staging rows into the drafter, drafter
+passes, the rest), which on a GPU also holds the launches, copies and waits the op profile misses.
 
     PYTHONPATH=. python bench/bench_drafter.py --drafter D.gguf [-n 128] [-t 2] [--repeats 3]
         [--draft-n-max 3,5] [--draft-p-min 0,0.5] [--modes greedy,rejection,block]
@@ -129,9 +131,12 @@ def check_held_out(llm, sets, data: Sequence[str], window: int = 12) -> int:
     return hits
 
 
-def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False, prune=None, sampler=None):
+def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False, prune=None, sampler=None,
+            phases=None):
     """Runs the prompts one at a time; returns (outputs, decode seconds, totals dict). profile:
-    the engine's op profiles cover each request's decoding (from its first token on)."""
+    the engine's op profiles cover each request's decoding (from its first token on). phases: a
+    dict that gathers the engine's wall-clock phase times (SpecEngine.phase_times) over the same
+    span."""
     outs, t_total = [], 0.0
     tot = dict(rounds=0, drafted=0, accepted=0, drafted_at=None, accepted_at=None)
     for i, p in enumerate(prompts):
@@ -145,6 +150,7 @@ def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False, pru
                 if t0 is None and o["tokens"]:
                     t0 = time.perf_counter()     # decode time: from the first token on
                     n_first = len(o["tokens"])
+                    ph0 = engine.phase_times()
                     if profile:
                         engine.set_profiling(True)
                 toks += o["tokens"]
@@ -163,6 +169,9 @@ def run_set(engine, prompts, n, temperature, verify, seed0=1, profile=False, pru
                             tot[key] = np.pad(cur, (0, m - len(cur))) + np.pad(v, (0, m - len(v)))
         t_total += time.perf_counter() - t0
         engine.set_profiling(False)
+        if phases is not None:
+            for k, v in engine.phase_times().items():
+                phases[k] = phases.get(k, 0) + v - ph0[k]
         outs.append((toks, len(toks) - n_first))
     return outs, t_total, tot
 
@@ -184,6 +193,20 @@ def cost_split(plain_engine, spec_engine, prompts, n) -> Dict[str, float]:
     step = (p1["target"] - p0["target"]) / max(1, steps)
     return dict(plain_step_s=step, verify_s=(s1["target"] - s0["target"]) / rounds,
                 drafter_s=(s1["drafter"] - s0["drafter"]) / rounds)
+
+
+def wall_split(plain_engine, spec_engine, prompts, n) -> Dict[str, float]:
+    """Wall-clock seconds per plain decode step and per speculative round, by phase
+    (SpecEngine.phase_times), greedy, ops not profiled: on a GPU the launches, copies and waits
+    the op profile cannot see."""
+    plain_ph: Dict[str, float] = {}
+    spec_ph: Dict[str, float] = {}
+    run_set(plain_engine, prompts, n, 0.0, "greedy", phases=plain_ph)
+    run_set(spec_engine, prompts, n, 0.0, "greedy", phases=spec_ph)
+    per = lambda ph, k: ph[k] / max(1, ph["steps"])  # noqa: E731
+    out = {f"plain_{k}": per(plain_ph, k) for k in ("target_s", "other_s")}
+    out.update({f"round_{k}": per(spec_ph, k) for k in ("target_s", "stage_s", "draft_s", "other_s")})
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -257,6 +280,15 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"({c['verify_s'] / c['plain_step_s']:.2f} plain steps), drafter "
               f"{c['drafter_s'] * 1e3:.2f} ms ({100 * c['drafter_s'] / c['plain_step_s']:.0f}% of a "
               f"plain step)", flush=True)
+        w = [wall_split(plain_engine, spec_engines[g], prompts[first], args.n) for _ in range(args.repeats)]
+        w = {key: min(r[key] for r in w) for key in w[0]}
+        c.update(w)
+        step = w["plain_target_s"] + w["plain_other_s"]
+        rnd = sum(w[f"round_{k}"] for k in ("target_s", "stage_s", "draft_s", "other_s"))
+        print(f"wall, n_max {g}: plain step {step * 1e3:.3f} ms (target pass {w['plain_target_s'] * 1e3:.3f}); "
+              f"per round {rnd * 1e3:.3f} ms ({rnd / step:.2f} plain steps) = target pass "
+              f"{w['round_target_s'] * 1e3:.3f} + staging {w['round_stage_s'] * 1e3:.3f} + drafter "
+              f"{w['round_draft_s'] * 1e3:.3f} + other {w['round_other_s'] * 1e3:.3f}", flush=True)
     sampler = dict(top_k=40, top_p=0.95, min_p=0.05) if args.sampler == "server" else None
     for mode in args.modes.split(","):
         temperature, verify = MODES[mode]

@@ -568,3 +568,28 @@ def test_drafts_come_from_the_drafters_whole_block(pairs, layout):
         assert first == [int(t) for t in whole], (i, first, whole)
         differs += list(whole) != list(cut)
     assert differs > 0, "the cut block drafts as the whole one here: the test cannot tell them apart"
+
+
+def test_phase_times_split_the_steps_wall_time(pairs):
+    """SpecEngine.phase_times: every step counted once, each phase a part of the wall time the
+    steps took (they cannot add up to more), and the passes that ran claimed time."""
+    import time
+    target, drafter, reqs = random_requests(pairs)
+    engine = make_engine(target, drafter, n_seq_max=2, n_slots=2, draft_n_max=3)
+    zero = engine.phase_times()
+    assert zero == dict(target_s=0.0, stage_s=0.0, draft_s=0.0, other_s=0.0, steps=0)
+    for rid in list(reqs)[:2]:
+        engine.add_request(rid, reqs[rid][0], max_tokens=reqs[rid][1])
+    wall, n_steps = 0.0, 0
+    while engine.n_requests:
+        t0 = time.perf_counter()
+        engine.step()
+        wall += time.perf_counter() - t0
+        n_steps += 1
+    ph = engine.phase_times()
+    assert ph["steps"] == n_steps == engine.steps
+    parts = [ph[k] for k in ("target_s", "stage_s", "draft_s", "other_s")]
+    assert all(p >= 0.0 for p in parts)
+    assert ph["target_s"] > 0.0 and ph["stage_s"] > 0.0 and ph["draft_s"] > 0.0
+    assert sum(parts) <= wall
+    assert sum(parts) >= 0.5 * wall, (sum(parts), wall)  # the rest: the binding, Python

@@ -152,6 +152,21 @@ void bind_spec_engine(py::module_& m) {
                 return d;
             },
             "{target, drafter}: [(op name, seconds, calls)] of the passes run while profiling.")
+        .def(
+            "phase_times",
+            [](const SpecEngine& e) {
+                const SpecEngine::PhaseTimes& t = e.phase_times();
+                py::dict d;
+                d["target_s"] = t.target_s;
+                d["stage_s"] = t.stage_s;
+                d["draft_s"] = t.draft_s;
+                d["other_s"] = t.other_s;
+                d["steps"] = t.steps;
+                return d;
+            },
+            "Wall-clock seconds step() spent since construction, by phase: {target_s (the target's pass), "
+            "stage_s (committed rows into the drafter), draft_s (the drafter's passes), other_s "
+            "(scheduling, verification), steps}.")
         .def("inject_draft_failure", &SpecEngine::inject_draft_failure, py::arg("request_id"),
              "Test hook: the next drafter pass including this request fails as a broken drafter would.")
         .def_property_readonly("n_ctx_seq", [](const SpecEngine& e) { return e.target_context().n_ctx_seq(); })

@@ -1,6 +1,7 @@
 #include "spec/spec_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
@@ -9,6 +10,19 @@
 namespace pyspec {
 
 namespace {
+
+// Adds the wall time of its scope to a PhaseTimes field.
+class PhaseClock {
+public:
+    explicit PhaseClock(double& into) : into_(into), t0_(std::chrono::steady_clock::now()) {}
+    ~PhaseClock() { into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+    PhaseClock(const PhaseClock&) = delete;
+    PhaseClock& operator=(const PhaseClock&) = delete;
+
+private:
+    double& into_;
+    std::chrono::steady_clock::time_point t0_;
+};
 
 ContextParams target_params(const SpecEngineParams& p) {
     ContextParams c;
@@ -271,6 +285,7 @@ void SpecEngine::commit_rows(Request& r, const DecodeOutput& out, size_t row0, i
 
 void SpecEngine::stage(Request& r, SlotGrant& grant) {
     if (!r.drafting) return;
+    PhaseClock clock(phase_times_.stage_s);
     try {
         stage_rows(r, grant);
     } catch (const std::exception& e) {
@@ -325,6 +340,7 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
         who.emplace_back(r, n_draft);
     }
     if (reqs.empty()) return;
+    PhaseClock clock(phase_times_.draft_s);
     // The drafter's whole trained block is decoded, and its first draft_n_max_ draft slots come
     // out (then cut to the round's room). The block's rows attend to each other, so a shorter
     // block [id_last, MASK x (n_max - 1)] is one the drafter never saw in training: SmolLM2's
@@ -406,6 +422,19 @@ std::vector<StepOutput> SpecEngine::step() {
     }
     if (run.empty()) return {};
     ++step_;
+    // Whatever the phases below do not claim is "other" (see PhaseTimes).
+    const PhaseTimes before = phase_times_;
+    const auto t_step = std::chrono::steady_clock::now();
+    struct OtherClock {
+        PhaseTimes& t;
+        const PhaseTimes& before;
+        std::chrono::steady_clock::time_point t0;
+        ~OtherClock() {
+            const double all = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            t.other_s += all - ((t.target_s - before.target_s) + (t.stage_s - before.stage_s) + (t.draft_s - before.draft_s));
+            ++t.steps;
+        }
+    } other_clock{phase_times_, before, t_step};
     std::unordered_map<uint64_t, SlotGrant> grant_of;
     if (!granted_ids.empty()) {
         for (const SlotGrant& g : registry_->schedule(step_, granted_ids)) {
@@ -473,7 +502,11 @@ std::vector<StepOutput> SpecEngine::step() {
         return !r->generating ||
                (r->params.temperature <= 0.0 && !r->params.processing.active() && r->params.n_probs == 0);
     });
-    const DecodeOutput out = ctx_->decode(batch, layers_);
+    DecodeOutput out;
+    {
+        PhaseClock clock(phase_times_.target_s);
+        out = ctx_->decode(batch, layers_);
+    }
     std::vector<int64_t> logits_row(batch.size(), -1);
     for (size_t i = 0; i < out.output_rows.size(); ++i) logits_row[static_cast<size_t>(out.output_rows[i])] = static_cast<int64_t>(i);
 

@@ -187,6 +187,18 @@ public:
     Backend::OpProfile target_op_profile() const { return ctx_->op_profile(); }
     Backend::OpProfile draft_op_profile() const { return dctx_ ? dctx_->op_profile() : Backend::OpProfile{}; }
 
+    // Wall-clock seconds step() spent, by phase, since construction: the target's pass (run
+    // and read back), staging committed rows into the drafter (inject), the
+    // drafter's passes, and the rest (scheduling, verification, bookkeeping). A GPU's queued
+    // work is waited for where results are read, so each phase holds what it waited for: the
+    // split of a speculative round that matters on a GPU, where launches and copies are a large
+    // part of it and the op profile (which runs ops one by one) cannot see them.
+    struct PhaseTimes {
+        double target_s = 0.0, stage_s = 0.0, draft_s = 0.0, other_s = 0.0;
+        int64_t steps = 0;
+    };
+    const PhaseTimes& phase_times() const { return phase_times_; }
+
     // Fault injection for tests of the graceful stop: the next drafter pass that includes this
     // request throws as a failing drafter would (the failure path is the real one).
     void inject_draft_failure(uint64_t id) { get(id).inject_failure = true; }
@@ -250,6 +262,7 @@ private:
     int64_t draft_n_max_ = 0;
     int64_t offset_ = 0;
     int64_t step_ = 0;
+    PhaseTimes phase_times_;
 };
 
 }  // namespace pyspec

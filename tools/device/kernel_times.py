@@ -6,7 +6,7 @@ small kernels that event costs more than the kernel. This runs the step under `n
 times each kernel alone (gpu__time_duration), graph-replayed kernels included, and prints the
 kernels by total time.
 
-    python3 tools/device/kernel_times.py MODEL.gguf [--step decode|par64|pp512] [--top 20]
+    python3 tools/device/kernel_times.py MODEL.gguf [--step decode|verify|par64|pp512] [--top 20]
 
 --detail REGEX prints ncu's full report (stall reasons, memory throughput, occupancy) of the
 first launches of the matching kernel instead, for one kernel's why.
@@ -54,6 +54,17 @@ def run_step(path: str, step: str, gpu: bool = True, context: int = 64) -> None:
             ctx.decode(np.full(n, 11, np.int32), positions=state["pos"], seq_ids=np.arange(n, dtype=np.int32),
                        output=np.ones(n, np.bool_))
             state["pos"] += 1
+    elif step == "verify":
+        # A speculative round's target pass: the last token and 2 drafts, one sequence, every row
+        # with logits; the drafts' rows are dropped after it as rejected ones would be.
+        ctx = pyspec.Context(model, n_ctx=max(1024, context + 64), n_seq_max=1, n_batch=512)
+        for p0 in range(0, context, 512):
+            ctx.decode(ids[p0:min(context, p0 + 512)])
+
+        def once():
+            ctx.decode([11, 12, 13], positions=np.arange(context, context + 3, dtype=np.int32),
+                       output=np.ones(3, np.bool_))
+            ctx.kv_remove(0, context, -1)
     else:
         ctx = pyspec.Context(model, n_ctx=max(1024, context + 64), n_seq_max=1, n_batch=512)
         for p0 in range(0, context, 512):     # the prompt, in batches
@@ -94,7 +105,7 @@ def short_name(name: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--step", choices=["decode", "par64", "pp512"], default="decode")
+    ap.add_argument("--step", choices=["decode", "verify", "par64", "pp512"], default="decode")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--context", type=int, default=64, help="decode: cells in the cache before the step")
     ap.add_argument("--flush-caches", action="store_true",
