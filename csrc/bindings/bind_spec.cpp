@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/philox.h"
+#include "spec/ngram.h"
 #include "spec/prune.h"
 #include "spec/verify.h"
 
@@ -100,6 +101,9 @@ void bind_spec(py::module_& parent) {
         "Drafts kept of len(confidence) after confidence pruning (csrc/spec/prune.h): stop at the first position "
         "whose confidence (mode 'first') or running product of confidences ('cumulative') is below p_min; a "
         "result below n_min becomes 0.");
+    m.def("ngram_simple_draft", &ngram_simple_draft, py::arg("history"), py::arg("n"), py::arg("m"),
+          "llama-server's ngram-simple lookup (csrc/spec/ngram.h): the up to m tokens after the latest earlier "
+          "occurrence of history's last n tokens; [] when there is none.");
     m.def(
         "philox4x32",
         [](const PhiloxCounter& counter, const PhiloxKey& key, int rounds) {

@@ -34,6 +34,9 @@ py::dict stats_dict(const RequestStats& s) {
     d["n_restaged"] = s.n_restaged;
     d["draft_stopped"] = s.draft_stopped;
     d["draft_stop_reason"] = s.draft_stop_reason;
+    d["ngram_rounds"] = s.ngram_rounds;
+    d["ngram_draft_n"] = s.ngram_draft_n;
+    d["ngram_draft_n_accepted"] = s.ngram_draft_n_accepted;
     return d;
 }
 
@@ -45,7 +48,8 @@ void bind_spec_engine(py::module_& m) {
                            "drafter slots (DraftStateRegistry), verification and rollback per request.")
         .def(py::init([](std::shared_ptr<Model> target, std::shared_ptr<DraftModel> drafter, int64_t n_ctx,
                          int64_t n_seq_max, int64_t n_draft_slots, int64_t n_batch, int64_t draft_n_batch,
-                         int n_threads, int64_t draft_n_max, int64_t prefill_chunk, const std::string& kv_dtype, const std::string& backend) {
+                         int n_threads, int64_t draft_n_max, int64_t prefill_chunk, const std::string& kv_dtype, const std::string& backend,
+                         int64_t ngram_n, int64_t ngram_m) {
                  SpecEngineParams p;
                  p.backend = parse_backend(backend);
                  p.kv_dtype = parse_kv_cache_type(kv_dtype);
@@ -57,12 +61,17 @@ void bind_spec_engine(py::module_& m) {
                  p.n_threads = n_threads;
                  p.draft_n_max = draft_n_max;
                  p.prefill_chunk = prefill_chunk;
+                 p.ngram.n = ngram_n;
+                 p.ngram.m = ngram_m;
                  return std::make_unique<SpecEngine>(*target, drafter.get(), p);
              }),
              py::arg("target_model"), py::arg("draft_model"), py::arg("n_ctx"), py::arg("n_seq_max"),
              py::arg("n_draft_slots") = 1, py::arg("n_batch") = 512, py::arg("draft_n_batch") = 512,
              py::arg("n_threads") = 1, py::arg("draft_n_max") = -1, py::arg("prefill_chunk") = 256,
-             py::arg("kv_dtype") = "f16", py::arg("backend") = "cpu", py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+             py::arg("kv_dtype") = "f16", py::arg("backend") = "cpu", py::arg("ngram_n") = 0, py::arg("ngram_m") = 48,
+             py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
+             "ngram_n > 0: llama-server's ngram-simple ahead of the drafter (drafts: the up to ngram_m tokens that "
+             "followed the latest earlier occurrence of a request's last ngram_n tokens); draft_model may be None.")
         .def(
             "add_request",
             [](SpecEngine& e, uint64_t id, const std::vector<int32_t>& prompt, int64_t max_tokens, double temperature,

@@ -65,6 +65,8 @@ SpecEngine::SpecEngine(const Model& target, const DraftModel* drafter, const Spe
         throw std::invalid_argument("the drafter was loaded for another target model");
     }
     if (params_.prefill_chunk < 1) throw std::invalid_argument("prefill_chunk must be at least 1");
+    if (params_.ngram.n < 0) throw std::invalid_argument("the n-gram lookup length must be >= 0 (0: off)");
+    if (params_.ngram.n > 0 && params_.ngram.m < 1) throw std::invalid_argument("n-gram drafts need m >= 1");
     ctx_ = std::make_unique<Context>(target_, target_params(params_));
     seq_used_.assign(static_cast<size_t>(params_.n_seq_max), 0);
     cached_.assign(static_cast<size_t>(params_.n_seq_max), {});
@@ -320,14 +322,40 @@ void SpecEngine::stage_rows(Request& r, SlotGrant& grant) {
     r.pending_rows.clear();
 }
 
+int64_t SpecEngine::draft_room(const Request& r, int64_t cap) const {
+    // A round emits its accepted drafts and one more token, whose row must fit the context too;
+    // the verify rows (1 + drafts) must fit one target graph.
+    int64_t n = std::min<int64_t>({cap, ctx_->n_ctx_seq() - 1 - r.pos0, params_.n_batch - 1});
+    if (r.params.max_tokens > 0) n = std::min<int64_t>(n, r.params.max_tokens - r.n_out - 1);
+    return n;
+}
+
+bool SpecEngine::propose_ngram(Request& r) {
+    if (params_.ngram.n <= 0 || !r.params.draft) return false;
+    const int64_t room = draft_room(r, params_.ngram.m);
+    if (room <= 0) return false;
+    std::vector<int32_t> found = ngram_simple_draft(r.history, params_.ngram.n, room);
+    if (found.empty()) return false;
+    r.drafts = std::move(found);
+    r.ngram_drafts = true;
+    r.q.clear();
+    if (r.params.temperature > 0.0) {
+        // A looked-up draft is deterministic: its proposal is the point mass on it, and rejection
+        // (or block) verification with that q stays exactly the target's law (verification.md §2.2).
+        r.q.assign(r.drafts.size() * static_cast<size_t>(n_vocab_), 0.0f);
+        for (size_t k = 0; k < r.drafts.size(); ++k) r.q[k * static_cast<size_t>(n_vocab_) + static_cast<size_t>(r.drafts[k])] = 1.0f;
+    }
+    return true;
+}
+
 void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
     std::vector<DraftRequest> reqs;
     std::vector<std::pair<Request*, int64_t>> who;  // request, drafts it keeps
     for (const auto& [r, slot] : todo) {
         r->drafts.clear();
         r->q.clear();
-        int64_t n_draft = std::min<int64_t>(draft_n_max_, ctx_->n_ctx_seq() - 1 - r->pos0);
-        if (r->params.max_tokens > 0) n_draft = std::min<int64_t>(n_draft, r->params.max_tokens - r->n_out - 1);
+        r->ngram_drafts = false;
+        const int64_t n_draft = draft_room(*r, draft_n_max_);
         if (n_draft <= 0) continue;
         DraftRequest d;
         d.seq = slot;
@@ -460,10 +488,12 @@ std::vector<StepOutput> SpecEngine::step() {
     std::vector<std::pair<Request*, int32_t>> first_blocks;
     for (Request* r : run) {
         SlotGrant* g = grant(r);
+        // A first round (its prompt was cached, or prefilled in the step before) looks up too.
+        if (r->generating && r->drafts.empty()) propose_ngram(*r);
         if (r->generating && r->needs_draft && g) {
             stage(*r, *g);
             r->needs_draft = false;
-            if (r->drafting) first_blocks.emplace_back(r, g->slot);
+            if (r->drafting && !r->ngram_drafts) first_blocks.emplace_back(r, g->slot);
         }
     }
     draft(first_blocks);
@@ -565,12 +595,18 @@ std::vector<StepOutput> SpecEngine::step() {
                 ++st.drafted_at[static_cast<size_t>(i)];
                 if (i < tau) ++st.accepted_at[static_cast<size_t>(i)];
             }
+            if (r->ngram_drafts) {
+                ++st.ngram_rounds;
+                st.ngram_draft_n += gamma;
+                st.ngram_draft_n_accepted += tau;
+            }
             // Keep id_last and the accepted drafts in the target; the rest never happened. The
             // drafter keeps no block rows, so only committed rows ever reach it.
             ctx_->kv().remove(r->seq, r->pos0 + tau + 1, -1);
             if (r->drafting) commit_rows(*r, out, sp.row0, r->pos0, static_cast<size_t>(tau) + 1);
             r->drafts.clear();
             r->q.clear();
+            r->ngram_drafts = false;
             for (size_t k = 0; k < vr.tokens.size(); ++k) {
                 const int32_t tok = vr.tokens[k];
                 r->history.push_back(tok);
@@ -599,9 +635,12 @@ std::vector<StepOutput> SpecEngine::step() {
             }
         }
         if (!so.finished) {
+            // The lookup goes first (llama-server's precedence); the drafter drafts when it finds
+            // nothing. Either way the drafter takes in the committed rows.
+            const bool looked_up = r->generating && propose_ngram(*r);
             if (SlotGrant* g = grant(r)) {
                 stage(*r, *g);
-                if (r->generating && r->drafting) next_blocks.emplace_back(r, g->slot);
+                if (r->generating && r->drafting && !looked_up) next_blocks.emplace_back(r, g->slot);
             }
         }
         result.push_back(std::move(so));

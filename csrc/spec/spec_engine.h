@@ -56,6 +56,7 @@
 #include "spec/draft_context.h"
 #include "spec/draft_state_registry.h"
 #include "spec/logit_processing.h"
+#include "spec/ngram.h"
 #include "spec/prune.h"
 #include "spec/verify.h"
 
@@ -72,6 +73,10 @@ struct SpecEngineParams {
     int64_t prefill_chunk = 256; // prompt rows a request adds to one step
     DType kv_dtype = DType::F16;
     BackendChoice backend;       // target and drafter contexts: CPU (default) or a CUDA device
+    // Draftless drafts from each request's own history (spec/ngram.h), ahead of the drafter:
+    // a round whose lookup finds a match verifies those tokens and runs no drafter pass. The
+    // drafter (if any) still takes in every committed row, so it drafts whenever no match is found.
+    NgramParams ngram;
 };
 
 struct RequestParams {
@@ -115,6 +120,9 @@ struct RequestStats {
     std::vector<int64_t> accepted_at;  // rounds that accepted block position i
     int64_t n_cached = 0;          // prompt rows reused from the sequence's kept cache
     int64_t n_restaged = 0;        // times the drafter context was restored after a reclaim
+    int64_t ngram_rounds = 0;      // rounds that verified n-gram drafts (counted in the totals above too)
+    int64_t ngram_draft_n = 0;
+    int64_t ngram_draft_n_accepted = 0;
     bool draft_stopped = false;    // drafting failed once and stopped; the request goes on plainly
     std::string draft_stop_reason;
     double mean_accepted_length() const {  // tokens per verify pass
@@ -221,6 +229,7 @@ private:
         int64_t pos0 = 0;
         int64_t n_out = 0;
         std::vector<int32_t> drafts;  // the block to verify next
+        bool ngram_drafts = false;    // ... found by the n-gram lookup (not drafted by the drafter)
         std::vector<float> q;         // [drafts, n_vocab] proposals (T > 0)
         // Committed feature rows not yet staged into the drafter slot (positions and rows).
         std::deque<int32_t> pending_pos;
@@ -238,6 +247,12 @@ private:
     // stops r's drafting instead of escaping.
     void stage(Request& r, SlotGrant& grant);
     void stage_rows(Request& r, SlotGrant& grant);
+    // How many drafts r's next round may verify, at most cap: the room left in its context and
+    // under its max_tokens.
+    int64_t draft_room(const Request& r, int64_t cap) const;
+    // The n-gram lookup's drafts for r's next round (with one-hot proposals at T > 0); false when
+    // it is off for r or finds nothing.
+    bool propose_ngram(Request& r);
     // Drafts the next block of every (request, drafter slot) pair in one drafter pass.
     void draft(const std::vector<std::pair<Request*, int32_t>>& todo);
     void release(Request& r);
