@@ -121,6 +121,27 @@ def test_concurrent_requests_equal_sequential_with_drafter(tiny):
     assert len({b["id_slot"] for b in together}) > 1
 
 
+def test_ngram_simple_without_a_drafter(tmp_path_factory, tiny):
+    """--spec-type ngram-simple alone: the same greedy content as the drafter's server (both equal
+    plain greedy), concurrent = one at a time, and the looked-up drafts are counted in timings."""
+    pairs = Pairs(tmp_path_factory.mktemp("server-ngram"))
+    target, _, _, _, _ = pairs.known_acceptance(0.7, True, seed=3)
+    srv = ServerProcess(["-m", target, "--spec-type", "ngram-simple", "--spec-ngram-size-n", "2",
+                         "-np", "4", "-c", "1024", "-t", "2", "--temp", "0"])
+    try:
+        alone = [complete(srv, p, n=60) for p in PROMPTS[:4]]
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: complete(srv, p, n=60), PROMPTS[:4]))
+        for a, b, ref in zip(alone, together, [complete(tiny, p, n=60) for p in PROMPTS[:4]]):
+            assert a["content"] == b["content"] == ref["content"]
+            assert a["timings"].get("draft_n") == b["timings"].get("draft_n")
+        drafted = sum(a["timings"].get("draft_n", 0) for a in alone)
+        accepted = sum(a["timings"].get("draft_n_accepted", 0) for a in alone)
+        assert drafted > 0 and accepted > 0.5 * drafted   # the tiny target's greedy output cycles
+    finally:
+        srv.stop()
+
+
 def test_slots_show_acceptance(tiny):
     complete(tiny, PROMPTS[0], id_slot=3)
     slots = tiny.get("/slots").json()

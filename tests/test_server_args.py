@@ -212,6 +212,34 @@ def test_spec_options():
     assert parse("--spec-type", "none").spec_type == "none"
 
 
+@pytest.mark.parametrize("argv,spec_type,ngram", [
+    ((), None, False),
+    (("--spec-type", "ngram-simple"), "none", True),              # no drafter: lookups alone
+    (("--spec-type", "ngram-simple", "-md", "d.gguf"), None, True),  # mixed; type from the file
+    (("--spec-type", "draft-dspark,ngram-simple"), "draft-dspark", True),
+    (("--spec-type", "ngram-simple,draft-dflash", "-md", "d.gguf"), "draft-dflash", True),
+    (("--spec-type", "draft-dspark"), "draft-dspark", False),
+])
+def test_spec_type_lists(argv, spec_type, ngram):
+    c = parse(*argv)
+    assert (c.spec_type, c.spec_ngram) == (spec_type, ngram)
+    assert (c.spec_ngram_size_n, c.spec_ngram_size_m) == (12, 48)   # llama-server's defaults
+
+
+def test_spec_type_list_errors_and_ngram_sizes():
+    c = parse("--spec-type", "ngram-simple", "--spec-ngram-size-n", "3", "--spec-ngram-size-m", "16",
+              "--spec-ngram-check-rate", "2", "--spec-ngram-min-hits", "1")
+    assert (c.spec_ngram, c.spec_ngram_size_n, c.spec_ngram_size_m) == (True, 3, 16)
+    assert any("--spec-ngram-check-rate" in w for w in c.warnings)
+    for argv, message in [(("--spec-type", "draft-dspark,draft-dflash"), "several drafter types"),
+                          (("--spec-type", "none,ngram-simple"), "cannot be combined"),
+                          (("--spec-type", "ngram-mod"), "not supported yet"),
+                          (("--spec-type", "ngram-simple", "--spec-ngram-size-n", "0"), "must be >= 1"),
+                          (("--spec-type", "ngram-simple", "--spec-ngram-size-m", "0"), "must be >= 1")]:
+        with pytest.raises(ArgError, match=message):
+            parse(*argv)
+
+
 def test_kv_cache_types_pass_through():
     c = parse("-ctk", "f32", "-ctv", "f32")
     assert (c.cache_type_k, c.cache_type_v) == ("f32", "f32")

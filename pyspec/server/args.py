@@ -40,9 +40,10 @@ class ArgError(UserError, ValueError):
 # --------------------------------------------------------------------------------------------
 # The result
 
-_SPEC_TYPES = ("none", "draft-dflash", "draft-dspark")
+_SPEC_TYPES = ("none", "draft-dflash", "draft-dspark", "ngram-simple")
+_SPEC_DRAFT_TYPES = ("draft-dflash", "draft-dspark")
 # llama.cpp's other speculative types: rejected by name rather than as unknown values.
-_SPEC_TYPES_UNSUPPORTED = ("draft-simple", "draft-eagle3", "draft-mtp", "ngram-simple",
+_SPEC_TYPES_UNSUPPORTED = ("draft-simple", "draft-eagle3", "draft-mtp",
                            "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 # What the core's KV cache can store (csrc/bindings/kv_cache_type.h).
 _KV_TYPES = ("f16", "f32")
@@ -66,7 +67,10 @@ class ServerConfig:
     offline: bool = False
     model_draft: Optional[str] = None
     # speculative decoding
-    spec_type: Optional[str] = None      # None: from the drafter file
+    spec_type: Optional[str] = None      # the drafter's type; None: from the drafter file
+    spec_ngram: bool = False             # ngram-simple listed in --spec-type (set by _validate)
+    spec_ngram_size_n: int = 12
+    spec_ngram_size_m: int = 48
     spec_draft_n_max: Optional[int] = None   # None: 3, or the embedded drafter's tuned value
     spec_draft_n_min: int = 0
     spec_draft_p_min: float = 0.0
@@ -203,18 +207,23 @@ def _kv_type(name: str, text: str) -> str:
 
 
 def _spec_type(name: str, text: str) -> str:
-    # llama.cpp takes a comma list (and the flag may repeat); we run one drafter at a time.
-    kinds = set(_csv(name, text)) or {"none"}
-    for kind in sorted(kinds):
+    """llama.cpp's comma list (the flag may repeat): at most one drafter type (or none), and
+    ngram-simple, which runs ahead of the drafter. Kept as the list's text; _validate splits it
+    into spec_type (the drafter's) and spec_ngram."""
+    kinds = _csv(name, text) or ["none"]
+    for kind in kinds:
         if kind in _SPEC_TYPES_UNSUPPORTED:
             raise ArgError(f"{name} {kind} is not supported yet by pyspec-server "
                            f"(supported: {', '.join(_SPEC_TYPES)})")
         if kind not in _SPEC_TYPES:
             raise ArgError(f"invalid value for {name}: '{kind}'")
-    if len(kinds) > 1:
-        raise ArgError(f"{name} with several types ({text}) is not supported yet by "
+    drafters = sorted({k for k in kinds if k in _SPEC_DRAFT_TYPES})
+    if len(drafters) > 1:
+        raise ArgError(f"{name} with several drafter types ({text}) is not supported yet by "
                        "pyspec-server: give one")
-    return kinds.pop()
+    if "none" in kinds and len(set(kinds)) > 1:
+        raise ArgError(f"{name} none cannot be combined with other types ({text})")
+    return ",".join(dict.fromkeys(kinds))
 
 
 def _choice(*allowed: str, unsupported: Tuple[str, ...] = ()) -> Callable[[str, str], str]:
@@ -282,11 +291,17 @@ _OPTIONS: Tuple[_Opt, ...] = (
          "DFlash/DSpark drafter GGUF for speculative decoding",
          env="LLAMA_ARG_SPEC_DRAFT_MODEL", metavar="FNAME"),
     _Opt(("--spec-type",), "spec_type", _spec_type,
-         "speculative decoding type: none|draft-dflash|draft-dspark (default: from the drafter)",
+         "speculative decoding types, a comma list: none|draft-dflash|draft-dspark|ngram-simple "
+         "(default: the drafter's, from its file; ngram-simple drafts from the request's own "
+         "history, ahead of any drafter)",
          env="LLAMA_ARG_SPEC_TYPE", metavar="TYPE"),
     _Opt(("--spec-draft-n-max",), "spec_draft_n_max", _int,
          "max drafted tokens per round (default: 3; 2 with the embedded drafter)",
          env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
+    _Opt(("--spec-ngram-size-n",), "spec_ngram_size_n", _int,
+         "ngram-simple: length of the lookup n-gram (default: 12)"),
+    _Opt(("--spec-ngram-size-m",), "spec_ngram_size_m", _int,
+         "ngram-simple: most tokens drafted from a match (default: 48)"),
     _Opt(("--spec-draft-n-min",), "spec_draft_n_min", _int,
          "min drafted tokens to use a draft (default: 0)", env="LLAMA_ARG_SPEC_DRAFT_N_MIN"),
     _Opt(("-sps", "--slot-prompt-similarity"), "slot_prompt_similarity", _float,
@@ -395,6 +410,8 @@ _OPTIONS: Tuple[_Opt, ...] = (
 
 _IGNORED: Tuple[Tuple[Tuple[str, ...], bool, str], ...] = (
     (("--mlock",), False, "pyspec does not pin model memory"),
+    (("--spec-ngram-check-rate",), True, "ngram-simple looks up every round (same tokens)"),
+    (("--spec-ngram-min-hits",), True, "it applies to ngram-map-k, which pyspec does not have"),
     (("--mmap",), False, "pyspec decides how it maps the model file"),
     (("--no-mmap",), False, "pyspec decides how it maps the model file"),
     (("-fa", "--flash-attn"), True, "pyspec picks its own attention kernels"),
@@ -679,6 +696,20 @@ def _validate(c: ServerConfig) -> None:
          "pyspec-server: K and V must use the same cache type")
     need(not (c.chat_template and c.chat_template_file),
          "give --chat-template or --chat-template-file, not both")
+    need(c.spec_ngram_size_n >= 1, f"--spec-ngram-size-n must be >= 1, got {c.spec_ngram_size_n}")
+    need(c.spec_ngram_size_m >= 1, f"--spec-ngram-size-m must be >= 1, got {c.spec_ngram_size_m}")
+    if c.spec_type is not None:
+        # The list: its drafter type (or none); ngram-simple alone runs without a drafter unless
+        # one is given (-md / -hfd: its type from the file), mixed as llama-server mixes them.
+        kinds = c.spec_type.split(",")
+        c.spec_ngram = "ngram-simple" in kinds
+        drafter = [k for k in kinds if k in _SPEC_DRAFT_TYPES]
+        if drafter:
+            c.spec_type = drafter[0]
+        elif c.spec_ngram and (c.model_draft is not None or c.hf_repo_draft is not None):
+            c.spec_type = None
+        else:
+            c.spec_type = "none"
     need(not (c.spec_type in ("draft-dflash", "draft-dspark")
               and c.model_draft is None and c.hf_repo_draft is None and (c.model or c.hf_repo)),
          f"--spec-type {c.spec_type} needs a draft model (-md or -hfd)")

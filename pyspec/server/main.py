@@ -107,9 +107,11 @@ class Loaded:
             n_threads=m.n_threads, kv_type=cfg.cache_type_k,
             draft_n_max=default_n_max(cfg, self.embedded_drafter), draft_n_min=cfg.spec_draft_n_min,
             draft_p_min=cfg.spec_draft_p_min, verify=cfg.spec_verify,
-            slot_prompt_similarity=cfg.slot_prompt_similarity, backend=self.backend)
+            slot_prompt_similarity=cfg.slot_prompt_similarity, backend=self.backend,
+            ngram_n=cfg.spec_ngram_size_n if cfg.spec_ngram else 0, ngram_m=cfg.spec_ngram_size_m)
+        self.spec_ngram = cfg.spec_ngram
         eog = sorted(self.tokenizer.eog_ids)
-        types = [self.spec_type] if self.spec_type else []
+        types = ([self.spec_type] if self.spec_type else []) + (["ngram-simple"] if cfg.spec_ngram else [])
         self.scheduler = Scheduler(
             m._model, self.tokenizer, self.drafter, sc,
             settings_json=lambda req: generation_settings(req, eog, speculative_types=types))
@@ -130,8 +132,13 @@ class Loaded:
             log.info("speculative decoding: off on %s by default: the embedded drafter is slower "
                      "than plain decoding there (--spec-type draft-dspark turns it on)",
                      self.model.backend.upper())
-        else:
+        elif not self.spec_ngram:
             log.info("speculative decoding: off (no drafter; -md FILE turns it on)")
+        if self.spec_ngram:
+            c = self.scheduler.config
+            log.info("ngram-simple: drafts of up to %d tokens that followed an earlier occurrence of "
+                     "the last %d tokens%s", c.ngram_m, c.ngram_n,
+                     ", ahead of the drafter" if self.drafter is not None else "")
         log.info("backend: %s", "CUDA (all layers on the GPU; weights uploaded on first use)"
                  if self.backend == "cuda" else "CPU")
         kv = eng.kv_cache_bytes

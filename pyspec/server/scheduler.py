@@ -58,6 +58,8 @@ class SchedulerConfig:
     verify: Optional[str] = None    # rejection (None) or block at T > 0; T = 0 is greedy matching
     slot_prompt_similarity: float = 0.1  # llama-server's -sps: reuse a slot above this overlap
     backend: str = "cpu"            # target and drafter contexts: "cpu" or "cuda" (-ngl / -ngld)
+    ngram_n: int = 0                # > 0: ngram-simple ahead of the drafter (--spec-ngram-size-n)
+    ngram_m: int = 48               # its most drafts a round (--spec-ngram-size-m)
 
 
 class RequestHandle:
@@ -132,7 +134,8 @@ class Scheduler:
         self.config = config
         self.n_slots = int(config.n_slots)
         self.n_ctx_slot = int(config.n_ctx_slot)
-        self.speculative = drafter is not None
+        self.has_drafter = drafter is not None
+        self.speculative = self.has_drafter or int(config.ngram_n) > 0
         self.tokenizer = tokenizer
         self._settings_json = settings_json or _default_settings_json
         self.engine = _core.SpecEngine(
@@ -140,7 +143,8 @@ class Scheduler:
             n_draft_slots=self.n_slots, n_batch=int(config.n_batch),
             draft_n_batch=max(int(config.n_batch), 64), n_threads=int(config.n_threads),
             draft_n_max=int(config.draft_n_max), prefill_chunk=int(config.n_batch),
-            kv_dtype=config.kv_type, backend=config.backend)
+            kv_dtype=config.kv_type, backend=config.backend, ngram_n=int(config.ngram_n),
+            ngram_m=int(config.ngram_m))
         self.draft_n_max = int(self.engine.draft_n_max)
         self._eog = sorted(int(t) for t in tokenizer.eog_ids)
         self._slots = [_Slot(i) for i in range(self.n_slots)]
@@ -233,7 +237,7 @@ class Scheduler:
     @property
     def registry_size(self) -> int:
         """Requests holding drafter state (0 without a drafter); read between steps."""
-        return int(self.engine.registry_size) if self.speculative else 0
+        return int(self.engine.registry_size) if self.has_drafter else 0
 
     # -- the engine thread -----------------------------------------------------------------
 
