@@ -25,5 +25,7 @@ bool device_has_pdl() {
 // replayed under the other.
 bool pdl_enabled() { return env_switch("PYSPEC_CUDA_PDL") != 0 && device_has_pdl(); }
 
+bool prefetch_enabled() { return env_switch("PYSPEC_CUDA_PREFETCH") != 0; }
+
 }  // namespace cuda
 }  // namespace pyspec

@@ -34,6 +34,11 @@ __device__ __forceinline__ void pdl_enter() {
 // Whether launches use PDL: PYSPEC_CUDA_PDL (default on) and a GPU of compute capability 9.0+.
 bool pdl_enabled();
 
+// Whether kernels ask L2 for the constant or long-written data they will read before their PDL
+// wait (the decode MUL_MATs' weights, the attention's first K/V chunk): PYSPEC_CUDA_PREFETCH
+// (default on). A prefetch is a hint: on or off gives the same bits.
+bool prefetch_enabled();
+
 // kernel<<<grid, block, smem, s>>>(args...), with the PDL attribute when pdl_enabled(); throws
 // on a launch error (the op running it adds its name: run_ops).
 template <typename... Params, typename... Args>

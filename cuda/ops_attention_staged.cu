@@ -100,7 +100,24 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
 template <int NC, int S, bool kRegK>
 __global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
                                                                     const int32_t* base, int n_kv_head, float scale,
-                                                                    float* part, unsigned* counters, unsigned* err) {
+                                                                    float* part, unsigned* counters, unsigned* err,
+                                                                    bool prefetch) {
+    // Before the PDL wait (cuda/launch.cuh): L2 prefetch of this warp's first chunk of K and V
+    // rows, one cell a lane, so their DRAM latency overlaps the kernel before. The rows are read
+    // from the cache only after the wait (the previous kernel may be writing the newest one); a
+    // prefetch is a hint that changes no value. base holds host-written positions.
+    if (prefetch) {
+        const int64_t b0 = base[blockIdx.y], span = mask.ne[0], n_cells = kc.ne[1];
+        const int64_t c_first = b0 / kChunk, c_last = (b0 + span - 1) / kChunk;
+        const int64_t ch = (c_first / kWarps + blockIdx.z) * kWarps + (threadIdx.x >> 5);
+        const int64_t cell = ch * kChunk + (threadIdx.x & 31);
+        if (span > 0 && b0 >= 0 && ch >= c_first && ch <= c_last && cell < n_cells) {
+            const int kvh = static_cast<int>(blockIdx.x) / (static_cast<int>(q.ne[1]) / n_kv_head);
+            const int64_t col_bytes = static_cast<int64_t>(kvh) * q.ne[0] * 2;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(kc.data + cell * kc.nb[1] + col_bytes));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vc.data + cell * vc.nb[1] + col_bytes));
+        }
+    }
     pdl_enter();
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ bool s_last;
@@ -284,7 +301,7 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
     });
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]), z);
     launch(k_attention_staged<NC, S, kRegK>, grid, kWarps * 32, staged_smem_bytes(static_cast<int>(q.ne[0]), S, kRegK),
-           s, dst, q, k, v, mask, base, n_kv_head, scale, part, counters, err);
+           s, dst, q, k, v, mask, base, n_kv_head, scale, part, counters, err, prefetch_enabled());
 }
 
 template <int NC>

@@ -26,6 +26,15 @@ namespace {
 
 constexpr int kWarps = 4;  // warps per block; a warp owns R weight rows of the block's tile
 
+// Whether a launch whose longest weight row has `row_bytes` prefetches its rows before the PDL
+// wait (the kernels' weight prefetch below): rows of up to 1 KiB, at most 8 lines, which a warp
+// reads in one or two rounds of loads, so the launch is a chain of DRAM round trips and the
+// prefetch takes the first one off it, behind the kernel before. H200, tg128 in alternating runs:
+// SmolLM2 Q4_1 (rows of 360-960 bytes, its Q8_0 output head 612) 992-1005 -> 1059-1071 t/s.
+// Long rows stream with many loads in flight already, and there the prefetch competed with the
+// running kernel's reads: Qwen3-4B F16 (rows of 5-19 KiB) 266-274 -> 237-238 t/s with it.
+bool prefetch_weights(int64_t row_bytes) { return prefetch_enabled() && row_bytes <= 1024; }
+
 // The 8 values of unit u of a row: v[t] belongs at column pos0 + t for t < 4, pos1 + t - 4 after.
 template <DType T, bool kAligned>
 __device__ __forceinline__ void load_unit(const char* row, int64_t u, float v[8], int64_t& pos0, int64_t& pos1) {
@@ -140,6 +149,7 @@ struct Parts {
     int n;
     const float* norm_w;  // the norm prologue's weights (kNorm kernels only)
     float norm_eps;
+    bool prefetch;        // prefetch_enabled() (cuda/launch.cuh)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -154,6 +164,34 @@ __device__ __forceinline__ void store(const Parts& p, int64_t row, int64_t col, 
     const int64_t i = row - p.row0[j];
     if (p.add[j]) v += p.add[j][col * p.as[j] + i];
     p.y[j][col * p.ys[j] + i] = v;
+}
+
+// Weight prefetch ahead of the PDL wait. A kernel launched with PDL (cuda/launch.cuh) is resident
+// while the kernel before it still runs and waits for it in pdl_enter(); the weights it will read
+// are constant, so before waiting each warp asks L2 for its rows (prefetch.global.L2, a hint: no
+// value changes, so no bits do). In a decode step of a small model every MUL_MAT otherwise starts
+// by waiting out DRAM latency after the previous kernel finished; now that wait overlaps the
+// previous kernel. PYSPEC_CUDA_PREFETCH=0 turns it off (A/B runs).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The 128-byte lines of `bytes` bytes from `row`, spread over the warp's lanes.
+__device__ __forceinline__ void prefetch_row(const char* row, int64_t bytes, int lane) {
+    for (int64_t off = static_cast<int64_t>(lane) * 128; off < bytes; off += 32 * 128) prefetch_l2(row + off);
+}
+
+// R weight rows from global row r0 (clamped to the last, as k_mul_mat reads them).
+template <int R>
+__device__ __forceinline__ void prefetch_weight_rows(const Parts& p, int64_t r0, int lane) {
+    const int64_t n_rows = p.row0[p.n];
+    if (r0 >= n_rows) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int64_t row = min(r0 + r, n_rows - 1);
+        const int j = part_of(p, row);
+        prefetch_row(p.w[j] + (row - p.row0[j]) * p.rb[j], p.rb[j], lane);
+    }
 }
 
 // The fmaf chains of one warp: R weight rows (wr) times C activation columns (xc), lane `lane`
@@ -241,10 +279,14 @@ __device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, 
 template <DType T, bool kVec, int R, int C, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_base, int64_t k, const float* x,
                                                           int64_t x_stride, int64_t m) {
-    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
+    // The small-M tiles (decode, verify, draft blocks), where latency is the cost; one column tile asks.
+    if constexpr (R == 1) {
+        if (p.prefetch && blockIdx.x == 0) prefetch_weight_rows<R>(p, r0, lane);
+    }
+    pdl_enter();
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
     const float* xc[C];
 #pragma unroll
@@ -320,10 +362,14 @@ template <DType T, bool kVec, int C, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t row_base, int64_t k, const float* x,
                                                               int64_t x_stride, int64_t m, float* y, int64_t y_stride,
-                                                              const float* norm_w, float norm_eps) {
-    pdl_enter();
+                                                              const float* norm_w, float norm_eps, bool prefetch) {
     const int lane = threadIdx.x & 31;
     const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
+    if (prefetch && blockIdx.x == 0 && row < n_rows) {  // as k_mul_mat, before the wait
+        prefetch_row(wg + row * rb_g, rb_g, lane);
+        prefetch_row(wu + row * rb_u, rb_u, lane);
+    }
+    pdl_enter();
     const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
     const float* xc[C];
 #pragma unroll
@@ -350,7 +396,8 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
         const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
         launch(k_mul_mat_glu<T, kVec, C, kNorm>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s,
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
-            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys, norm.w, norm.eps);
+            static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys, norm.w, norm.eps,
+            prefetch_weights(static_cast<int64_t>(std::max(gate.row_bytes, up.row_bytes))));
     }
 }
 
@@ -535,6 +582,9 @@ void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, cons
     if (p.row0[n_parts] == 0) return;
     p.norm_w = norm ? norm->w : nullptr;
     p.norm_eps = norm ? norm->eps : 0.0f;
+    int64_t longest_row = 0;
+    for (int j = 0; j < n_parts; ++j) longest_row = std::max(longest_row, static_cast<int64_t>(parts[j].row_bytes));
+    p.prefetch = prefetch_weights(longest_row);
     const bool vec = sixteen_byte_loads(t, x, xs, parts, n_parts) && aligned16(p.norm_w);
     const bool launched = with_weight_type(t, vec, [&](auto type, auto vec) {
         mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, s);

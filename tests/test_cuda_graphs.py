@@ -236,32 +236,46 @@ def test_same_shape_different_inputs_are_not_stale(model_dir):
         assert same_bits(a, b) == (t1 == t2)
 
 
-@gpu
-@needs_switch
-@pytest.mark.parametrize("arch,wt", [("llama", "Q4_1"), ("qwen3", "F16")])
-def test_programmatic_launches_give_the_same_bits(model_dir, monkeypatch, arch, wt):
-    """Programmatic dependent launch (cuda/launch.cuh; PYSPEC_CUDA_PDL=0 turns it off) starts a
-    kernel's launch while the previous one runs and makes it wait on the device: it must change
-    timing only. Every step of the schedule, eager and replayed (twice over, so the graphs are
-    replayed many times), gives exactly the bits of plain launches. A kernel that read or wrote
-    before waiting would race its predecessor and differ here."""
+def same_bits_either_way(model_dir, monkeypatch, arch, wt, switch):
+    """Every step of the schedule, eager and replayed (twice over, so the graphs are replayed many
+    times), with the environment switch on gives exactly the bits of the switch off."""
     tm, model = tiny(model_dir, arch, wt)
     outs = {}
-    for pdl, on in (("0", False), ("1", False), ("1", True)):
-        monkeypatch.setenv("PYSPEC_CUDA_PDL", pdl)
+    for value, on in (("0", False), ("1", False), ("1", True)):
+        monkeypatch.setenv(switch, value)
         ctx = make_context(model, DEVICE)
         got = []
         with graphs(on):
             for rnd in range(2):
                 ctx.kv_clear()
                 got += [run_step(ctx, step) for step in schedule(model.n_vocab, seed=3)]
-        outs[(pdl, on)] = got
+        outs[(value, on)] = got
     want = outs[("0", False)]
     for key in (("1", False), ("1", True)):
         for i, (g, w) in enumerate(zip(outs[key], want)):
             assert len(g) == len(w)
             for k, (a, b) in enumerate(zip(g, w)):
-                assert same_bits(a, b), f"{arch} {wt} PDL on, graphs {key[1]}: step {i} output {k}"
+                assert same_bits(a, b), f"{arch} {wt} {switch} on, graphs {key[1]}: step {i} output {k}"
+
+
+@gpu
+@needs_switch
+@pytest.mark.parametrize("arch,wt", [("llama", "Q4_1"), ("qwen3", "F16")])
+def test_programmatic_launches_give_the_same_bits(model_dir, monkeypatch, arch, wt):
+    """Programmatic dependent launch (cuda/launch.cuh; PYSPEC_CUDA_PDL=0 turns it off) starts a
+    kernel's launch while the previous one runs and makes it wait on the device: it must change
+    timing only. A kernel that read or wrote before waiting would race its predecessor and
+    differ here."""
+    same_bits_either_way(model_dir, monkeypatch, arch, wt, "PYSPEC_CUDA_PDL")
+
+
+@gpu
+@needs_switch
+@pytest.mark.parametrize("arch,wt", [("llama", "Q4_1"), ("qwen3", "F16")])
+def test_prefetch_before_the_wait_gives_the_same_bits(model_dir, monkeypatch, arch, wt):
+    """The MUL_MATs' weight rows and the staged attention's first K/V chunk are prefetched into L2
+    before the PDL wait (PYSPEC_CUDA_PREFETCH=0 turns it off): a hint, so the same bits."""
+    same_bits_either_way(model_dir, monkeypatch, arch, wt, "PYSPEC_CUDA_PREFETCH")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@
 # PYSPEC_CUDA_TC=0, nopdl, plain launches: PYSPEC_CUDA_PDL=0, noatttc, prompt rows' attention
 # on CUDA cores: PYSPEC_CUDA_ATT_TC=0, and nowgmma, the wide tensor-core MUL_MAT on mma.sync:
 # PYSPEC_CUDA_WGMMA=0, and wgmma, every row on tensor cores and every wide call on wgmma however
-# small: PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L; BENCH_MODES may add noatttc and nowgmma too),
+# small: PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L, and noprefetch, no L2 prefetch before the PDL
+# wait: PYSPEC_CUDA_PREFETCH=0; BENCH_MODES may add noatttc, nowgmma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -49,6 +50,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     noatttc) envs=(PYSPEC_CUDA_ATT_TC=0) ;;
     nowgmma) envs=(PYSPEC_CUDA_WGMMA=0) ;;
     wgmma) envs=(PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L) ;;
+    noprefetch) envs=(PYSPEC_CUDA_PREFETCH=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -68,6 +70,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     [ $mode = noatttc ] && envs=(PYSPEC_CUDA_ATT_TC=0) && only=pp512
     # the wide tensor-core MUL_MAT on mma.sync instead of wgmma (cuda/matmul_tc_wgmma.cu), for A/B
     [ $mode = nowgmma ] && envs=(PYSPEC_CUDA_WGMMA=0) && only=pp512,par64
+    # no L2 prefetch before the PDL wait (weights of the decode MUL_MATs, attention's first chunk)
+    [ $mode = noprefetch ] && envs=(PYSPEC_CUDA_PREFETCH=0) && only=${ONLY:-tg128,tgdepth}
     # without the row-tiled attention for batches (pp, par64; the same bits as the per-row kernel)
     [ $mode = notiled ] && envs=(PYSPEC_CUDA_ATT_TILED=0) && only=pp512,par64 && prof=
     timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats ${REPEATS:-2} --only $only \
