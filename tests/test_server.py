@@ -138,6 +138,10 @@ def test_ngram_simple_without_a_drafter(tmp_path_factory, tiny):
         drafted = sum(a["timings"].get("draft_n", 0) for a in alone)
         accepted = sum(a["timings"].get("draft_n_accepted", 0) for a in alone)
         assert drafted > 0 and accepted > 0.5 * drafted   # the tiny target's greedy output cycles
+        # /slots tells the lookups' part: here all of it.
+        stats = [s["speculative_stats"] for s in srv.get("/slots").json() if "speculative_stats" in s]
+        assert stats and all(x["ngram_draft_n"] == x["draft_n"] for x in stats)
+        assert sum(x["ngram_rounds"] for x in stats) > 0
     finally:
         srv.stop()
 

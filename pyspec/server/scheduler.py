@@ -446,6 +446,9 @@ class Scheduler:
         if final.draft_n:
             line += (f" | draft acceptance {final.draft_n_accepted / final.draft_n:.3f} "
                      f"({final.draft_n_accepted}/{final.draft_n})")
+        if st.get("ngram_rounds"):   # ngram-simple's share, as llama-server's per-type statistics
+            line += (f" | ngram-simple: {st['ngram_rounds']} drafts, "
+                     f"{st['ngram_draft_n_accepted']}/{st['ngram_draft_n']} tokens accepted")
         if st.get("draft_stopped"):
             line += " | drafting stopped: " + str(st.get("draft_stop_reason", ""))
         log.info(line)
@@ -493,6 +496,10 @@ class Scheduler:
                 "accepted_per_position": list(st.get("accepted_at", [])),
                 "drafted_per_position": list(st.get("drafted_at", [])),
                 "drafting_stopped": bool(st.get("draft_stopped", False)),
+                # the part of the above that ngram-simple drafted (--spec-type ngram-simple)
+                "ngram_rounds": int(st.get("ngram_rounds", 0)),
+                "ngram_draft_n": int(st.get("ngram_draft_n", 0)),
+                "ngram_draft_n_accepted": int(st.get("ngram_draft_n_accepted", 0)),
             },
         })
         return out
