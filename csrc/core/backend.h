@@ -34,6 +34,19 @@ public:
     virtual void write(const Tensor& t, const void* src, size_t bytes, size_t offset = 0) = 0;
     virtual void read(const Tensor& t, void* dst, size_t bytes, size_t offset = 0) = 0;
 
+    // Several reads after one computation, as read() would do them one by one (the default).
+    // A device backend queues them all and waits once: a drafter pass reads a dozen small
+    // outputs, and a wait per read is a host round trip each.
+    struct ReadRequest {
+        const Tensor* t = nullptr;
+        void* dst = nullptr;
+        size_t bytes = 0;
+        size_t offset = 0;
+    };
+    virtual void read_many(const std::vector<ReadRequest>& reads) {
+        for (const ReadRequest& r : reads) read(*r.t, r.dst, r.bytes, r.offset);
+    }
+
     virtual size_t arena_bytes() const = 0;
 
     // Whether MUL_MAT's prompt columns (graph.h) run on a path of their own, so a prompt row's

@@ -171,34 +171,46 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
         if (dg.in.out_rows >= 0) backend_->write(g[dg.in.out_rows], out_rows.data(), out_rows.size() * sizeof(int32_t));
         backend_->compute(g);
 
+        // The step's outputs come back in one read_many (one wait on a device backend).
+        std::vector<Backend::ReadRequest> reads;
         if (dg.argmax >= 0) {
             const size_t old = out.argmax.size();
             out.argmax.resize(old + out_rows.size());
-            backend_->read(g[dg.argmax], out.argmax.data() + old, out_rows.size() * sizeof(int32_t));
+            reads.push_back({&g[dg.argmax], out.argmax.data() + old, out_rows.size() * sizeof(int32_t), 0});
             for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(order[static_cast<size_t>(r)]));
         } else if (dg.logits >= 0) {
             const size_t old = out.logits.size();
             const size_t bytes = out_rows.size() * static_cast<size_t>(out.n_vocab) * sizeof(float);
             out.logits.resize(old + out_rows.size() * static_cast<size_t>(out.n_vocab));
-            backend_->read(g[dg.logits], out.logits.data() + old, bytes);
+            reads.push_back({&g[dg.logits], out.logits.data() + old, bytes, 0});
             for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(order[static_cast<size_t>(r)]));
         }
+        // Layer inputs: straight into place, or (rows reordered) into a buffer put in place after.
+        struct Reorder {
+            std::vector<float> rows;
+            float* dst;
+        };
+        std::vector<Reorder> reorders;
+        reorders.reserve(dg.layer_inputs.size());  // the read targets must not move
+        const size_t n_embd = static_cast<size_t>(out.n_embd);
+        const size_t count = static_cast<size_t>(n_rows) * n_embd;
         for (const auto& li : dg.layer_inputs) {
             auto it = std::find_if(out.layer_inputs.begin(), out.layer_inputs.end(),
                                    [&](const auto& e) { return e.first == li.first; });
             std::vector<float>& dst = it->second;
             const size_t old = dst.size();
-            const size_t n_embd = static_cast<size_t>(out.n_embd);
-            const size_t count = static_cast<size_t>(n_rows) * n_embd;
             dst.resize(old + count);
             if (!reordered) {
-                backend_->read(g[li.second], dst.data() + old, count * sizeof(float));
+                reads.push_back({&g[li.second], dst.data() + old, count * sizeof(float), 0});
                 continue;
             }
-            std::vector<float> rows(count);
-            backend_->read(g[li.second], rows.data(), count * sizeof(float));
+            reorders.push_back({std::vector<float>(count), dst.data() + old});
+            reads.push_back({&g[li.second], reorders.back().rows.data(), count * sizeof(float), 0});
+        }
+        backend_->read_many(reads);
+        for (const Reorder& ro : reorders) {
             for (size_t r = 0; r < order.size(); ++r) {
-                std::copy_n(rows.data() + r * n_embd, n_embd, dst.data() + old + (order[r] - begin) * n_embd);
+                std::copy_n(ro.rows.data() + r * n_embd, n_embd, ro.dst + (order[r] - begin) * n_embd);
             }
         }
     } catch (...) {

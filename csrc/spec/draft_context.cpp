@@ -324,34 +324,63 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     backend_->write(g[bg.chain_rows], chain_rows.data(), chain_rows.size() * sizeof(int32_t));
     backend_->compute(g);
 
-    // DFlash draws T > 0 slots on the host from the logits, so it reads them whatever is asked.
+    // Everything the pass returns comes back in one read_many (one wait on a device backend):
+    // DFlash draws T > 0 slots on the host from the logits, so it reads them whatever is asked;
+    // DSpark's Markov z rows are read only where a block samples (T > 0).
     bool need_logits = with_logits;
-    for (const DraftRequest& r : requests) need_logits = need_logits || (!hp.is_dspark && r.sampling.temperature > 0.0f);
-    std::vector<float> all_logits;
-    if (need_logits && bg.chain_draft_ids) {  // over draft ids: scattered here, -inf elsewhere
-        std::vector<float> draft(n_kept * vd);
-        backend_->read(g[bg.final_logits], draft.data(), draft.size() * sizeof(float));
-        scatter_draft_rows(draft.data(), n_kept, vd, model_.d2t, v, all_logits);
+    bool any_sampled = false;
+    for (const DraftRequest& r : requests) {
+        need_logits = need_logits || (!hp.is_dspark && r.sampling.temperature > 0.0f);
+        any_sampled = any_sampled || r.sampling.temperature > 0.0f;
+    }
+    std::vector<Backend::ReadRequest> reads;
+    auto read_into = [&](int t, void* dst, size_t bytes) { reads.push_back({&g[t], dst, bytes, 0}); };
+    std::vector<float> all_logits, draft_rows;
+    if (need_logits && bg.chain_draft_ids) {  // over draft ids: scattered below, -inf elsewhere
+        draft_rows.resize(n_kept * vd);
+        read_into(bg.final_logits, draft_rows.data(), draft_rows.size() * sizeof(float));
     } else if (need_logits) {
         all_logits.resize(n_kept * v);
-        backend_->read(g[bg.final_logits], all_logits.data(), all_logits.size() * sizeof(float));
+        read_into(bg.final_logits, all_logits.data(), all_logits.size() * sizeof(float));
     }
     std::vector<float> base_d, conf_h;
     if (hp.is_dspark) {
         if (with_logits) {
             base_d.resize(n_kept * vd);
-            backend_->read(g[bg.logits], base_d.data(), base_d.size() * sizeof(float));
+            read_into(bg.logits, base_d.data(), base_d.size() * sizeof(float));
         }
         if (hp.has_confidence_head) {
             conf_h.resize(n_kept);
-            backend_->read(g[bg.conf_h], conf_h.data(), conf_h.size() * sizeof(float));
+            read_into(bg.conf_h, conf_h.data(), conf_h.size() * sizeof(float));
         }
     }
-    std::vector<int32_t> markov_ids(nb);
-    std::vector<float> markov_z(nb * vd), conf_e(nb);
-
-    std::vector<DraftOutput> outs(nb);
     const size_t k = static_cast<size_t>(bg.n_candidates);
+    std::vector<DraftOutput> outs(nb);
+    for (size_t b = 0; b < nb; ++b) {
+        DraftOutput& out = outs[b];
+        out.tokens.resize(nout);
+        out.candidates.resize(nout * k);
+        out.candidate_logits.resize(nout * k);
+        out.candidate_probs.resize(nout * k);
+        for (size_t i = 0; i < nout; ++i) {
+            const size_t j = static_cast<size_t>(requests[b].seq) * nout + i;
+            read_into(bg.chain_sampled[j], &out.tokens[i], sizeof(int32_t));
+            read_into(bg.chain_candidates[j], out.candidates.data() + i * k, k * sizeof(int32_t));
+            read_into(bg.chain_logits[j], out.candidate_logits.data() + i * k, k * sizeof(float));
+            read_into(bg.chain_probs[j], out.candidate_probs.data() + i * k, k * sizeof(float));
+        }
+    }
+    const size_t n_markov = bg.markov_tokens.size();
+    std::vector<int32_t> markov_ids(n_markov * nb);
+    std::vector<float> markov_z(any_sampled ? n_markov * nb * vd : 0), conf_e(n_markov * nb);
+    for (size_t kk = 0; kk < n_markov; ++kk) {
+        read_into(bg.markov_tokens[kk], markov_ids.data() + kk * nb, nb * sizeof(int32_t));
+        if (any_sampled) read_into(bg.markov_z[kk], markov_z.data() + kk * nb * vd, nb * vd * sizeof(float));
+        if (hp.has_confidence_head) read_into(bg.conf_e[kk], conf_e.data() + kk * nb, nb * sizeof(float));
+    }
+    backend_->read_many(reads);
+    if (!draft_rows.empty()) scatter_draft_rows(draft_rows.data(), n_kept, vd, model_.d2t, v, all_logits);
+
     for (size_t b = 0; b < nb; ++b) {
         DraftOutput& out = outs[b];
         out.n_vocab = hp.n_vocab;
@@ -361,17 +390,6 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
                               all_logits.begin() + static_cast<std::ptrdiff_t>((b + 1) * nout * v));
         }
         out.n_candidates = bg.n_candidates;
-        out.tokens.resize(nout);
-        out.candidates.resize(nout * k);
-        out.candidate_logits.resize(nout * k);
-        out.candidate_probs.resize(nout * k);
-        for (size_t i = 0; i < nout; ++i) {
-            const size_t j = static_cast<size_t>(requests[b].seq) * nout + i;
-            backend_->read(g[bg.chain_sampled[j]], &out.tokens[i], sizeof(int32_t));
-            backend_->read(g[bg.chain_candidates[j]], out.candidates.data() + i * k, k * sizeof(int32_t));
-            backend_->read(g[bg.chain_logits[j]], out.candidate_logits.data() + i * k, k * sizeof(float));
-            backend_->read(g[bg.chain_probs[j]], out.candidate_probs.data() + i * k, k * sizeof(float));
-        }
         if (bg.chain_draft_ids) {  // draft ids -> target ids
             for (int32_t& t : out.tokens) t = model_.d2t[static_cast<size_t>(t)];
             for (int32_t& c : out.candidates) c = model_.d2t[static_cast<size_t>(c)];
@@ -405,20 +423,17 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
 
     // DSpark, per Markov slot: the graph drew each block's slot (T > 0: its z is the exact vector
     // the noise perturbed) and computed its confidence term.
-    for (size_t kk = 0; kk < bg.markov_tokens.size(); ++kk) {
+    for (size_t kk = 0; kk < n_markov; ++kk) {
         const size_t i = static_cast<size_t>(hp.draft_offset()) + kk;
-        backend_->read(g[bg.markov_tokens[kk]], markov_ids.data(), nb * sizeof(int32_t));
-        backend_->read(g[bg.markov_z[kk]], markov_z.data(), markov_z.size() * sizeof(float));
-        if (hp.has_confidence_head) backend_->read(g[bg.conf_e[kk]], conf_e.data(), nb * sizeof(float));
         for (size_t b = 0; b < nb; ++b) {
             DraftOutput& out = outs[b];
             if (out.temperature > 0.0f) {
-                const int32_t d = markov_ids[b];
+                const int32_t d = markov_ids[kk * nb + b];
                 out.tokens[i] = model_.d2t.empty() ? d : model_.d2t[static_cast<size_t>(d)];
-                softmax_scatter(markov_z.data() + b * vd, vd, model_.d2t, out.q.data() + i * v);
+                softmax_scatter(markov_z.data() + (kk * nb + b) * vd, vd, model_.d2t, out.q.data() + i * v);
             }
             if (hp.has_confidence_head) {
-                const double z = static_cast<double>(conf_h[b * nout + i]) + conf_e[b] + model_.conf_bias;
+                const double z = static_cast<double>(conf_h[b * nout + i]) + conf_e[kk * nb + b] + model_.conf_bias;
                 out.confidence[i] = static_cast<float>(1.0 / (1.0 + std::exp(-z)));
             }
         }
