@@ -212,13 +212,16 @@ class LLM:
                       n_parallel: Optional[int] = None, draft_slots: Optional[int] = None,
                       draft_n_batch: int = 2048, draft_p_min: Optional[float] = None,
                       draft_n_min: Optional[int] = None,
-                      draft_p_min_mode: Optional[str] = None) -> List["ManyResult"]:
+                      draft_p_min_mode: Optional[str] = None, ngram_n: int = 0,
+                      ngram_m: int = 48) -> List["ManyResult"]:
         """Continues several prompts concurrently with the drafter (needs `draft_model`): one
         C++ step per round over up to `n_parallel` prompts (default: all), each holding a drafter
         slot of `draft_slots` (default: n_parallel; fewer makes prompts share slots, reclaimed
         least recently scheduled first); `draft_n_batch` is the drafter's batch size, which caps
         its window. draft_p_min / draft_n_min / draft_p_min_mode: confidence pruning per request,
-        the rule of the single-request loop (default: this LLM's settings). Sampling as `generate`
+        the rule of the single-request loop (default: this LLM's settings). ngram_n > 0: llama-server's
+        ngram-simple ahead of the drafter (up to ngram_m tokens that followed the latest earlier
+        occurrence of a prompt's last ngram_n tokens; the engine's csrc/spec/ngram.h). Sampling as `generate`
         (temperature after top_k / top_p / min_p, same defaults; verification keeps that law);
         prompt i is seeded seed + i. Returns per prompt
         a `pyspec.many.ManyResult` (text, tokens, stop_reason, draft_n, draft_n_accepted, ...),
@@ -227,7 +230,7 @@ class LLM:
                              top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos, n_parallel=n_parallel,
                              draft_slots=draft_slots, draft_n_batch=draft_n_batch,
                              draft_p_min=draft_p_min, draft_n_min=draft_n_min,
-                             draft_p_min_mode=draft_p_min_mode)
+                             draft_p_min_mode=draft_p_min_mode, ngram_n=ngram_n, ngram_m=ngram_m)
 
     def chat(self, messages: Any, max_tokens: Optional[int] = 128,
              temperature: float = _D.temperature, top_k: int = _D.top_k, top_p: float = _D.top_p,

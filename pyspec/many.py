@@ -39,6 +39,8 @@ class ManyResult:
     drafted_at: List[int] = field(default_factory=list)   # rounds that drafted position i
     accepted_at: List[int] = field(default_factory=list)  # rounds that accepted position i
     n_restaged: int = 0          # times its drafter context was restored after a slot reclaim
+    ngram_rounds: int = 0        # rounds that verified ngram-simple's lookups (ngram_n > 0)
+    ngram_draft_n_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -57,7 +59,8 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
                   n_parallel: Optional[int] = None, draft_slots: Optional[int] = None,
                   draft_n_batch: int = 2048, draft_p_min: Optional[float] = None,
                   draft_n_min: Optional[int] = None,
-                  draft_p_min_mode: Optional[str] = None) -> List[ManyResult]:
+                  draft_p_min_mode: Optional[str] = None, ngram_n: int = 0,
+                  ngram_m: int = 48) -> List[ManyResult]:
     spec = llm.speculative
     if spec is None:
         raise ValueError("generate_many needs a draft_model (LLM(..., draft_model=...))")
@@ -111,7 +114,8 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
                               n_seq_max=n_parallel, n_draft_slots=draft_slots,
                               n_batch=llm.context.n_batch, draft_n_batch=int(draft_n_batch),
                               n_threads=llm.model.n_threads, draft_n_max=spec.draft_n_max,
-                              backend=engine_backend(llm.model.backend, spec.drafter.backend))
+                              backend=engine_backend(llm.model.backend, spec.drafter.backend),
+                              ngram_n=int(ngram_n), ngram_m=int(ngram_m))
 
     def finish(i: int, reason: str, stats: Optional[dict]) -> None:
         st = stats or {}
@@ -121,7 +125,8 @@ def generate_many(llm: "LLM", prompts: Sequence[Union[str, Sequence[int]]],
             n_rounds=int(st.get("n_rounds", 0)), draft_n=int(st.get("draft_n", 0)),
             draft_n_accepted=int(st.get("draft_n_accepted", 0)),
             drafted_at=list(st.get("drafted_at", [])), accepted_at=list(st.get("accepted_at", [])),
-            n_restaged=int(st.get("n_restaged", 0)))
+            n_restaged=int(st.get("n_restaged", 0)), ngram_rounds=int(st.get("ngram_rounds", 0)),
+            ngram_draft_n_accepted=int(st.get("ngram_draft_n_accepted", 0)))
 
     pending = list(range(len(prompts)))
     while pending or engine.n_requests:

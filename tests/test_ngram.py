@@ -145,3 +145,18 @@ def test_sampling_with_lookups_follows_the_target_law(pairs, verify):
     # Negative control: the same draws against the law at another temperature fail.
     q1, q12 = prefix_law(ctx, PROMPT_T, 2.0, 8)
     assert chi2_pvalue(np.bincount(got[:, 0] * 8 + got[:, 1], minlength=64), q12) < ALPHA
+
+
+def test_llm_generate_many_with_lookups(pairs):
+    """pyspec.LLM.generate_many(ngram_n=...): the same greedy text as without lookups, with lookups
+    counted per prompt (the known target's greedy output cycles, so they match)."""
+    target, drafter, _, _ = known_requests(pairs)
+    llm = pyspec.LLM(target, n_ctx=256, n_threads=2, draft_model=drafter, draft_n_max=3)
+    prompts = [[7 + 5 * i, 9 + i, 11] for i in range(4)]
+    base = llm.generate_many(prompts, max_tokens=60, temperature=0, ignore_eos=True)
+    looked = llm.generate_many(prompts, max_tokens=60, temperature=0, ignore_eos=True, ngram_n=2, ngram_m=8)
+    assert [r.tokens for r in looked] == [r.tokens for r in base]
+    assert all(r.ngram_rounds == 0 for r in base)
+    assert sum(r.ngram_rounds for r in looked) > 0 and sum(r.ngram_draft_n_accepted for r in looked) > 0
+    with pytest.raises(ValueError, match="n-gram"):
+        llm.generate_many(prompts, ngram_n=-1)
