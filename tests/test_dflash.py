@@ -606,6 +606,40 @@ def test_batched_draft_equals_each_sequence_drafted_alone(root, variant):
     assert batched.max_pos_written == alone.max_pos_written < batched.window
 
 
+@pytest.mark.parametrize("variant", [v for v in BATCH_VARIANTS if BATCH_VARIANTS[v][1]["kind"] == "dspark"])
+def test_dspark_pass_without_chains_gives_the_same_drafts(root, variant):
+    """DraftContext.draft_many(with_chains=False), the speculative engine's DSpark pass: no
+    sampling chains run, and the draft slots' tokens (the Markov chain's ARGMAX or draw), q rows,
+    logits and confidences are bit for bit those of the pass with chains, at T = 0 and T > 0."""
+    tm, tmodel, dm, rng = batch_variant(root, variant, "-nochains", 21)
+    block = dm.block_size
+    offset = 0 if dm.sample_from_anchor else 1
+    lens = [6, 14, 33]
+    dc = _core.DraftContext(dm, n_seq_max=3, n_batch=64, n_threads=2, check_plans=True)
+    for s, n in enumerate(lens):
+        dc.inject(s, np.arange(n, dtype=np.int32), features(tmodel, rng.integers(0, tm.n_vocab, n), dm.target_layers))
+    reqs = [dict(seq=s, id_last=int(rng.integers(0, tm.n_vocab)), pos0=lens[s], temperature=t, seed=3 + s)
+            for s, t in zip(range(3), (0.0, 0.9, 0.0))]
+    with_chains = dc.draft_logits_many(reqs, block)
+    without = dc.draft_logits_many(reqs, block, with_chains=False)
+    for g, w in zip(without, with_chains):
+        np.testing.assert_array_equal(g["tokens"][offset:], w["tokens"][offset:])
+        assert (g["tokens"][:offset] == -1).all() and g["candidates"].size == 0
+        for key in ("logits", "base_logits", "q", "confidence"):
+            assert (key in g) == (key in w), key
+            if key in w:
+                np.testing.assert_array_equal(g[key], w[key], err_msg=f"{variant} {key}")
+    assert len({tuple(w["tokens"][offset:]) for w in with_chains}) > 1   # not one constant draft
+
+
+def test_dflash_pass_needs_its_chains(root):
+    tm, tmodel, dm, rng = batch_variant(root, "dflash", "-chains", 22)
+    dc = _core.DraftContext(dm, n_seq_max=1, n_batch=64, n_threads=2)
+    dc.inject(0, np.arange(4, dtype=np.int32), features(tmodel, rng.integers(0, tm.n_vocab, 4), dm.target_layers))
+    with pytest.raises(ValueError, match="chains"):
+        dc.draft_logits_many([dict(seq=0, id_last=1, pos0=4)], dm.block_size, with_chains=False)
+
+
 @pytest.mark.parametrize("variant", list(BATCH_VARIANTS))
 def test_output_slots_are_the_whole_blocks_first_slots(root, variant):
     """n_out < n_block decodes the whole block and returns its first n_out slots: bit for bit the

@@ -87,7 +87,8 @@ py::dict draft_logits(DraftContext& ctx, int32_t seq, int32_t id_last, int32_t p
 }
 
 // requests: a list of dicts {seq, id_last, pos0[, temperature, seed, offset]}.
-py::list draft_logits_many(DraftContext& ctx, const py::list& requests, int64_t n_block, int64_t n_out) {
+py::list draft_logits_many(DraftContext& ctx, const py::list& requests, int64_t n_block, int64_t n_out,
+                           bool with_chains) {
     std::vector<DraftRequest> reqs;
     for (const py::handle& h : requests) {
         const py::dict r = py::reinterpret_borrow<py::dict>(h);
@@ -103,7 +104,7 @@ py::list draft_logits_many(DraftContext& ctx, const py::list& requests, int64_t 
     std::vector<DraftOutput> outs;
     {
         py::gil_scoped_release release;
-        outs = ctx.draft_many(reqs, n_block, n_out);
+        outs = ctx.draft_many(reqs, n_block, n_out, /*with_logits=*/true, with_chains);
     }
     py::list l;
     for (const DraftOutput& o : outs) l.append(to_dict(o));
@@ -168,9 +169,11 @@ void bind_draft(py::module_& m) {
              "Returns logits, tokens, candidates, candidate_logits, probs, and when present base_logits, "
              "confidence, q (T > 0: the exact law of each draft slot's token).")
         .def("draft_logits_many", &draft_logits_many, py::arg("requests"), py::arg("n_block"), py::arg("n_out") = -1,
+             py::arg("with_chains") = true,
              "One drafter pass over the blocks of several distinct sequences: requests is a list of dicts "
              "{seq, id_last, pos0[, temperature, seed, offset]}; returns one draft_logits dict per request, "
-             "in order, each exactly what draft_logits returns for that sequence alone.")
+             "in order, each exactly what draft_logits returns for that sequence alone. with_chains=False "
+             "(DSpark): no sampling chains (empty candidates, -1 tokens before the draft slots), the rest the same.")
         .def("remove", &DraftContext::remove, py::arg("seq"), py::arg("p0"), py::arg("p1") = -1)
         .def("clear", &DraftContext::clear, py::arg("seq") = -1)
         .def("park", &DraftContext::park, py::arg("seq"))

@@ -476,8 +476,10 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
     }
     g.set_output(g.root_of(bg.final_logits));
 
-    // Backend sampling chains, one per slot, bound to rows through chain_rows.
+    // Backend sampling chains, one per slot, bound to rows through chain_rows (none: a DSpark pass
+    // whose tokens and confidences come from the Markov chain alone).
     bg.n_candidates = n_candidates;
+    if (n_chain_slots == 0) return bg;
     bg.chain_rows = g.input(DType::I32, {n_chain_slots, 1, 1, 1}, "inp_chain_rows");
     const int64_t vc = bg.chain_draft_ids ? vd : v;  // the chains' vocabulary
     const int rows = g.get_rows(bg.final_logits, bg.chain_rows);  // F32 [vc, n_chain_slots]

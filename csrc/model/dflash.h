@@ -114,7 +114,8 @@ DraftInjectGraph build_dflash_inject_graph(const DraftModel& model, const KvCach
 // n_blocks noise blocks of `block` rows each, block-major, plus the backend sampling chains
 // (design.md invariant 1): n_chain_slots chains, each bound to one batch row by the input
 // chain_rows, so the graph (and its allocation plan) does not depend on which sequences are in
-// the batch. Every chain's outputs are pinned, bound to a live row or not.
+// the batch. Every chain's outputs are pinned, bound to a live row or not. n_chain_slots = 0
+// builds no chains (a DSpark pass whose drafts and confidences come from its Markov chain alone).
 struct DraftBlockGraph {
     Graph graph;
     int tokens = -1, positions = -1, kv_cells = -1, mask = -1, kv_base = -1;  // as in a decoder

@@ -186,9 +186,10 @@ DraftOutput DraftContext::draft(int32_t seq, int32_t id_last, int32_t pos0, int6
 }
 
 std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest>& requests, int64_t n_block,
-                                                  int64_t n_out, bool with_logits) {
+                                                  int64_t n_out, bool with_logits, bool with_chains) {
     const DraftHparams& hp = model_.hparams();
     if (requests.empty()) return {};
+    if (!with_chains && !hp.is_dspark) throw std::invalid_argument("draft: a DFlash pass drafts through its sampling chains");
     if (n_block < 1 || n_block > hp.block_size) {
         throw std::invalid_argument("draft: n_block " + std::to_string(n_block) + " must be in [1, block_size = " +
                                     std::to_string(hp.block_size) + "]");
@@ -256,7 +257,7 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         }
     }
 
-    const int64_t n_chain = params_.n_seq_max * n_out;
+    const int64_t n_chain = with_chains ? params_.n_seq_max * n_out : 0;
     DraftBlockGraph& bg = prepared(block_graphs_, std::make_tuple(n_blocks, n_block, n_out, span, n_chain, params_.n_candidates), [&] {
         return build_dflash_block_graph(model_, kv_->view(), n_blocks, n_block, n_out, span, n_chain, params_.n_candidates);
     });
@@ -315,13 +316,15 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     // Chain s * n_out + i samples output slot i of sequence s's block; the chains of sequences not in
     // the batch are bound to row 0 (their outputs are computed and ignored; the topology stays
     // the same).
-    std::vector<int32_t> chain_rows(static_cast<size_t>(n_chain), 0);
-    for (size_t b = 0; b < nb; ++b) {
-        for (size_t i = 0; i < nout; ++i) {
-            chain_rows[static_cast<size_t>(requests[b].seq) * nout + i] = static_cast<int32_t>(row_of(b, i));
+    if (n_chain > 0) {
+        std::vector<int32_t> chain_rows(static_cast<size_t>(n_chain), 0);
+        for (size_t b = 0; b < nb; ++b) {
+            for (size_t i = 0; i < nout; ++i) {
+                chain_rows[static_cast<size_t>(requests[b].seq) * nout + i] = static_cast<int32_t>(row_of(b, i));
+            }
         }
+        backend_->write(g[bg.chain_rows], chain_rows.data(), chain_rows.size() * sizeof(int32_t));
     }
-    backend_->write(g[bg.chain_rows], chain_rows.data(), chain_rows.size() * sizeof(int32_t));
     backend_->compute(g);
 
     // Everything the pass returns comes back in one read_many (one wait on a device backend):
@@ -358,7 +361,8 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     std::vector<DraftOutput> outs(nb);
     for (size_t b = 0; b < nb; ++b) {
         DraftOutput& out = outs[b];
-        out.tokens.resize(nout);
+        out.tokens.assign(nout, -1);
+        if (n_chain == 0) continue;
         out.candidates.resize(nout * k);
         out.candidate_logits.resize(nout * k);
         out.candidate_probs.resize(nout * k);
@@ -389,8 +393,8 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
             out.logits.assign(all_logits.begin() + static_cast<std::ptrdiff_t>(b * nout * v),
                               all_logits.begin() + static_cast<std::ptrdiff_t>((b + 1) * nout * v));
         }
-        out.n_candidates = bg.n_candidates;
-        if (bg.chain_draft_ids) {  // draft ids -> target ids
+        out.n_candidates = n_chain > 0 ? bg.n_candidates : 0;
+        if (bg.chain_draft_ids && n_chain > 0) {  // draft ids -> target ids
             for (int32_t& t : out.tokens) t = model_.d2t[static_cast<size_t>(t)];
             for (int32_t& c : out.candidates) c = model_.d2t[static_cast<size_t>(c)];
         }
@@ -427,9 +431,11 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         const size_t i = static_cast<size_t>(hp.draft_offset()) + kk;
         for (size_t b = 0; b < nb; ++b) {
             DraftOutput& out = outs[b];
-            if (out.temperature > 0.0f) {
+            if (out.temperature > 0.0f || n_chain == 0) {  // T = 0 with chains: their ARGMAX, the same id
                 const int32_t d = markov_ids[kk * nb + b];
                 out.tokens[i] = model_.d2t.empty() ? d : model_.d2t[static_cast<size_t>(d)];
+            }
+            if (out.temperature > 0.0f) {
                 softmax_scatter(markov_z.data() + (kk * nb + b) * vd, vd, model_.d2t, out.q.data() + i * v);
             }
             if (hp.has_confidence_head) {

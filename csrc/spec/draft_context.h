@@ -121,8 +121,12 @@ public:
     // with_logits = false: DraftOutput::logits and base_logits stay empty (the speculative engine
     // uses the tokens, candidates, q and confidences only), sparing the host two copies and a
     // scatter of [n_block, n_vocab] floats per block; everything else is the same.
+    // with_chains = false (DSpark only; std::invalid_argument for DFlash): the pass runs no
+    // sampling chains, so DraftOutput::candidates and its logits and probabilities stay empty and
+    // the tokens of slots before draft_offset() are -1; the draft slots' tokens, q and confidences
+    // are the same (the Markov chain's own ARGMAX is the chains' ARGMAX of the same row).
     std::vector<DraftOutput> draft_many(const std::vector<DraftRequest>& requests, int64_t n_block, int64_t n_out,
-                                        bool with_logits = true);
+                                        bool with_logits = true, bool with_chains = true);
 
     // Removes absolute positions [p0, p1) of a sequence (p1 < 0: to the end).
     void remove(int32_t seq, int64_t p0, int64_t p1);

@@ -379,13 +379,19 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
     // drafting it alone would give -- which is also why, when the pass fails, drafting each
     // request alone finds the one that failed without changing anyone else's drafts.
     const int64_t block = drafter_->hparams().block_size;
+    // The engine reads the draft slots' tokens, q and confidences: a DSpark pass gives them
+    // without the sampling chains (DraftContext::draft_many), unless its chains would break an
+    // ARGMAX tie another way (a d2t that does not keep the vocabulary's order). DFlash prunes
+    // with the chains' top-1 probabilities and draws through them.
+    const DraftModel& dm = *drafter_;
+    const bool chains = !(dm.hparams().is_dspark && (dm.d2t.empty() || dm.d2t_ascending));
     auto pass = [&](const std::vector<DraftRequest>& rs, const std::vector<Request*>& owners) {
         for (Request* r : owners) {
             if (r->inject_failure) {  // stays set: the request's drafting is broken for good
                 throw std::runtime_error("injected drafter failure");
             }
         }
-        return dctx_->draft_many(rs, block, draft_n_max_ + offset_, /*with_logits=*/false);
+        return dctx_->draft_many(rs, block, draft_n_max_ + offset_, /*with_logits=*/false, chains);
     };
     std::vector<Request*> owners;
     for (const auto& w : who) owners.push_back(w.first);
