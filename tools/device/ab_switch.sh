@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On a GPU machine (the workplace's device tool), from the repo root: an A/B of one environment
+# switch, its settings alternating in one run (a shared machine drifts by +-10% between runs, so
+# only alternating runs compare). Builds the CUDA core first unless pyspec/_core already has it,
+# makes the bench models it needs, then per round and setting prints bench_cuda.py's tg128 line of
+# each model and, with SPEC_BENCH (the real SmolLM2 target, carried as train_smollm2.sh's header
+# says), bench_drafter.py's wall-clock split and speed-up on chat prompts.
+#
+#   VAR=PYSPEC_CUDA_PREFETCH bash tools/device/ab_switch.sh
+#   VAR=PYSPEC_CUDA_COLUMN_SPLIT VALUES="1 0" ROUNDS=2 MODELS="smollm2 qwen3" \
+#     SPEC_BENCH=/tmp/smol.gguf DRAFTER=build/drafter/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf \
+#     bash tools/device/ab_switch.sh
+#
+# MODELS: smollm2 (Q4_1, 135M shapes) and/or qwen3 (F16, 4B shapes; its file takes ~30 s to make).
+set -u
+var=${VAR:?VAR=the environment switch to compare}
+out=${OUT:-device-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+ls build/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps build/wheels/*.whl
+if ! python3 -c "from pyspec import _core; assert _core.cuda_available()[0]" 2>/dev/null; then
+  MODES=" " SKIP_BENCH=1 OUT="$out" bash tools/device/cuda_check.sh || exit 1
+fi
+dir=/tmp/pyspec-models
+mkdir -p "$dir"
+paths=()
+for m in ${MODELS:-smollm2}; do
+  case $m in
+    smollm2) preset=smollm2-135m-q4_1 ;;
+    qwen3) preset=qwen3-4b-f16 ;;
+    *) echo "unknown model $m (smollm2, qwen3)"; exit 2 ;;
+  esac
+  [ -f "$dir/$preset.gguf" ] || python3 tools/make_random_gguf.py --preset $preset -o "$dir/$preset.gguf" -q
+  paths+=("$dir/$preset.gguf")
+done
+for r in $(seq 1 "${ROUNDS:-2}"); do
+  for v in ${VALUES:-1 0}; do
+    echo "== $var=$v (round $r)"
+    for p in "${paths[@]}"; do
+      env "$var=$v" timeout 120 python3 bench/bench_cuda.py "$p" --only tg128 --repeats "${REPEATS:-2}" 2>&1 |
+        tee -a "$out/ab-bench.log" | grep "tg128 "
+    done
+    if [ -n "${SPEC_BENCH:-}" ]; then
+      env "$var=$v" timeout 240 python3 bench/bench_drafter.py --model "$SPEC_BENCH" -ngl all \
+        --drafter "${DRAFTER:-pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf}" --draft-n-max "${SPEC_N_MAX:-2}" \
+        --modes greedy --sets "${SPEC_SETS:-chat,code}" --repeats 1 2>&1 | tee -a "$out/ab-drafter.log" |
+        grep -E "^wall|^greedy"
+    fi
+  done
+done
