@@ -606,6 +606,17 @@ def test_batched_draft_equals_each_sequence_drafted_alone(root, variant):
     assert batched.max_pos_written == alone.max_pos_written < batched.window
 
 
+def filled_sequences(tm, tmodel, dm, rng, lens, temps, seed0):
+    """A DraftContext whose sequence s holds lens[s] injected rows, and one draft request per
+    sequence (random anchor, temperature temps[s], seed seed0 + s)."""
+    dc = _core.DraftContext(dm, n_seq_max=len(lens), n_batch=64, n_threads=2, check_plans=True)
+    for s, n in enumerate(lens):
+        dc.inject(s, np.arange(n, dtype=np.int32), features(tmodel, rng.integers(0, tm.n_vocab, n), dm.target_layers))
+    reqs = [dict(seq=s, id_last=int(rng.integers(0, tm.n_vocab)), pos0=lens[s], temperature=t, seed=seed0 + s)
+            for s, t in zip(range(len(lens)), temps)]
+    return dc, reqs
+
+
 @pytest.mark.parametrize("variant", [v for v in BATCH_VARIANTS if BATCH_VARIANTS[v][1]["kind"] == "dspark"])
 def test_dspark_pass_without_chains_gives_the_same_drafts(root, variant):
     """DraftContext.draft_many(with_chains=False), the speculative engine's DSpark pass: no
@@ -614,12 +625,7 @@ def test_dspark_pass_without_chains_gives_the_same_drafts(root, variant):
     tm, tmodel, dm, rng = batch_variant(root, variant, "-nochains", 21)
     block = dm.block_size
     offset = 0 if dm.sample_from_anchor else 1
-    lens = [6, 14, 33]
-    dc = _core.DraftContext(dm, n_seq_max=3, n_batch=64, n_threads=2, check_plans=True)
-    for s, n in enumerate(lens):
-        dc.inject(s, np.arange(n, dtype=np.int32), features(tmodel, rng.integers(0, tm.n_vocab, n), dm.target_layers))
-    reqs = [dict(seq=s, id_last=int(rng.integers(0, tm.n_vocab)), pos0=lens[s], temperature=t, seed=3 + s)
-            for s, t in zip(range(3), (0.0, 0.9, 0.0))]
+    dc, reqs = filled_sequences(tm, tmodel, dm, rng, [6, 14, 33], (0.0, 0.9, 0.0), 3)
     with_chains = dc.draft_logits_many(reqs, block)
     without = dc.draft_logits_many(reqs, block, with_chains=False)
     for g, w in zip(without, with_chains):
@@ -649,11 +655,7 @@ def test_output_slots_are_the_whole_blocks_first_slots(root, variant):
     tm, tmodel, dm, rng = batch_variant(root, variant, "-out", 7)
     block = dm.block_size
     lens = [5, 12, 30]
-    dc = _core.DraftContext(dm, n_seq_max=3, n_batch=64, n_threads=2, check_plans=True)
-    for s, n in enumerate(lens):
-        dc.inject(s, np.arange(n, dtype=np.int32), features(tmodel, rng.integers(0, tm.n_vocab, n), dm.target_layers))
-    reqs = [dict(seq=s, id_last=int(rng.integers(0, tm.n_vocab)), pos0=lens[s], temperature=t, seed=9 + s)
-            for s, t in zip(range(3), (0.0, 0.8, 1.2))]
+    dc, reqs = filled_sequences(tm, tmodel, dm, rng, lens, (0.0, 0.8, 1.2), 9)
     whole = dc.draft_logits_many(reqs, block)
     for n_out in sorted({1, 2, block - 1}):
         got = dc.draft_logits_many(reqs, block, n_out=n_out)
