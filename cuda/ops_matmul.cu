@@ -386,6 +386,20 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, con
     }
 }
 
+// The column tile of the small-M kernels (mul_mat_typed, mul_mat_glu_typed) up to 4 columns.
+// Short weight rows (at most 1 KiB, as prefetch_weights: a warp's loads are one or two DRAM round
+// trips, the launch latency-bound) take one column per warp for any m <= 4: m times the warps,
+// each as short as a decode's, the weight rows read from L2 by the blocks after the first (grid.x
+// next to each other). Longer rows stream: m's columns per warp load each weight unit once. ncu on
+// the H200, SmolLM2's 3-row verify pass with 4-column tiles: 6.3-6.6 us per plain MUL_MAT and
+// 9.0-11.0 with the norm prologue, against 4.3-4.6 and 6.0-7.1 for a decode's one column.
+// PYSPEC_CUDA_COLUMN_SPLIT=0 keeps m's columns per warp (A/B); either way the same bits.
+int64_t small_tile(DType t, int64_t k, int64_t m) {
+    static const bool split = env_switch("PYSPEC_CUDA_COLUMN_SPLIT") != 0;
+    if (m <= 1 || (m <= 4 && split && static_cast<int64_t>(dtype_row_bytes(t, k)) <= 1024)) return 1;
+    return m == 2 ? 2 : 4;
+}
+
 template <DType T, bool kVec, int C, bool kNorm = false>
 void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
@@ -404,13 +418,14 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
+    const int64_t tile = m <= 4 ? small_tile(T, k, m) : 8;
     if (norm.w) {
-        if (m == 1) return mul_mat_glu_tiles<T, kVec, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
-        if (m == 2) return mul_mat_glu_tiles<T, kVec, 2, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+        if (tile == 1) return mul_mat_glu_tiles<T, kVec, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+        if (tile == 2) return mul_mat_glu_tiles<T, kVec, 2, true>(gate, up, k, x, xs, m, y, ys, norm, s);
         return mul_mat_glu_tiles<T, kVec, 4, true>(gate, up, k, x, xs, m, y, ys, norm, s);  // m <= kMatmulNormMaxM
     }
-    if (m == 1) return mul_mat_glu_tiles<T, kVec, 1>(gate, up, k, x, xs, m, y, ys, norm, s);
-    if (m == 2) return mul_mat_glu_tiles<T, kVec, 2>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (tile == 1) return mul_mat_glu_tiles<T, kVec, 1>(gate, up, k, x, xs, m, y, ys, norm, s);
+    if (tile == 2) return mul_mat_glu_tiles<T, kVec, 2>(gate, up, k, x, xs, m, y, ys, norm, s);
     if (m <= 4) return mul_mat_glu_tiles<T, kVec, 4>(gate, up, k, x, xs, m, y, ys, norm, s);
     return mul_mat_glu_tiles<T, kVec, 8>(gate, up, k, x, xs, m, y, ys, norm, s);
 }
@@ -439,18 +454,16 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
 // the tiles of m <= kMatmulNormMaxM (1, 2 and 4 columns; m = 3 normalises its last column twice).
 static_assert(kMatmulNormMaxM == 4, "k_mul_mat's and k_mul_mat_glu's norm prologue serve tiles of 1, 2 and 4 columns");
 
-// The column tile of the small-M kernels (mul_mat_typed, mul_mat_glu_typed) up to 4 columns.
-constexpr int64_t small_tile(int64_t m) { return m <= 1 ? 1 : m == 2 ? 2 : 4; }
-
 template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
+    const int64_t tile = m <= 4 ? small_tile(T, k, m) : 8;
     if (p.norm_w) {
-        if (m == 1) return mul_mat_tiles<T, kVec, 1, 1, true>(p, k, x, xs, m, s);
-        if (m == 2) return mul_mat_tiles<T, kVec, 1, 2, true>(p, k, x, xs, m, s);
+        if (tile == 1) return mul_mat_tiles<T, kVec, 1, 1, true>(p, k, x, xs, m, s);
+        if (tile == 2) return mul_mat_tiles<T, kVec, 1, 2, true>(p, k, x, xs, m, s);
         return mul_mat_tiles<T, kVec, 1, 4, true>(p, k, x, xs, m, s);  // m <= kMatmulNormMaxM
     }
-    if (m == 1) return mul_mat_tiles<T, kVec, 1, 1>(p, k, x, xs, m, s);
-    if (m == 2) return mul_mat_tiles<T, kVec, 1, 2>(p, k, x, xs, m, s);
+    if (tile == 1) return mul_mat_tiles<T, kVec, 1, 1>(p, k, x, xs, m, s);
+    if (tile == 2) return mul_mat_tiles<T, kVec, 1, 2>(p, k, x, xs, m, s);
     if (m <= 4) return mul_mat_tiles<T, kVec, 1, 4>(p, k, x, xs, m, s);
     if (m <= 16) return mul_mat_tiles<T, kVec, 1, 8>(p, k, x, xs, m, s);
     return mul_mat_tiles<T, kVec, 4, 8>(p, k, x, xs, m, s);
@@ -502,7 +515,7 @@ bool matmul_add_epilogue(DType t, int64_t k, TcRows rows) {
 
 bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, TcRows rows) {
     static const bool enabled = env_switch("PYSPEC_CUDA_NORM_PROLOGUE") != 0;
-    const int64_t held = k * small_tile(m);  // the block's normalised columns, in floats
+    const int64_t held = k * small_tile(t, k, m);  // the block's normalised columns, in floats
     const bool fits = m == 1 ? held <= kMatmulNormMaxValues : held <= kMatmulNormMaxTileValues;
     return enabled && m >= 1 && m <= kMatmulNormMaxM && fits && (rows == TcRows::None || (rows == TcRows::Prompt && prompt_cols == 0)) &&
            !(float_weights(t) && k % 8 != 0) && k % dtype_block_size(t) == 0 &&
