@@ -51,6 +51,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     nowgmma) envs=(PYSPEC_CUDA_WGMMA=0) ;;
     wgmma) envs=(PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L) ;;
     noprefetch) envs=(PYSPEC_CUDA_PREFETCH=0) ;;
+    nosplit) envs=(PYSPEC_CUDA_COLUMN_SPLIT=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -72,6 +73,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     [ $mode = nowgmma ] && envs=(PYSPEC_CUDA_WGMMA=0) && only=pp512,par64
     # no L2 prefetch before the PDL wait (weights of the decode MUL_MATs, attention's first chunk)
     [ $mode = noprefetch ] && envs=(PYSPEC_CUDA_PREFETCH=0) && only=${ONLY:-tg128,tgdepth}
+    # m's columns per warp for short rows too (cuda/ops_matmul.cu small_tile), for A/B
+    [ $mode = nosplit ] && envs=(PYSPEC_CUDA_COLUMN_SPLIT=0) && only=${ONLY:-tg128}
     # without the row-tiled attention for batches (pp, par64; the same bits as the per-row kernel)
     [ $mode = notiled ] && envs=(PYSPEC_CUDA_ATT_TILED=0) && only=pp512,par64 && prof=
     timeout 240 env ${envs[@]+"${envs[@]}"} python3 bench/bench_cuda.py --make /tmp/pyspec-models --repeats ${REPEATS:-2} --only $only \
