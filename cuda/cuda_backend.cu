@@ -594,8 +594,10 @@ private:
     void launch_rope(const Graph& g, int id, const cuda::RopeJob* jobs, int n, const int32_t* cells) {
         const Tensor& t = g[id];
         const float* ff = t.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, t.src[2])) : nullptr;
+        const auto leaf = [&g](int src) { return src < 0 || g[g.root_of(src)].op == Op::NONE; };
         cuda::launch_rope(jobs, n, reinterpret_cast<const int32_t*>(dptr(g, t.src[1])), cells, ff, t.iparams[0],
-                          t.iparams[1] == 2, t.fparams[0], t.fparams[1], err_, stream_);
+                          t.iparams[1] == 2, t.fparams[0], t.fparams[1], leaf(t.src[1]) && leaf(t.src[2]), err_,
+                          stream_);
     }
 
     // The next node after i that computes (not a leaf or a view), or g.size().

@@ -41,8 +41,10 @@ struct RopeJob {
     TDesc cache;  // kRopeStore, kStore: the cache, rows of head_dim * n_head (kStore: src's row length)
     int kind = kRope;
 };
+// inputs_fixed: pos and factors are graph leaves (inputs, weights), written by no kernel of the
+// graph, so the kernel may read them before its PDL wait.
 void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* cells, const float* factors, int n_rot,
-                 bool neox, float freq_base, float freq_scale, unsigned* err, cudaStream_t s);
+                 bool neox, float freq_base, float freq_scale, bool inputs_fixed, unsigned* err, cudaStream_t s);
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s);
 void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s);

@@ -299,13 +299,30 @@ struct RopeJobs {
 // only copies source row t to cache row cells[t] (the V of the same cells). An out-of-range cell
 // sets kErrSetRowsId and is not written, as SET_ROWS does.
 __global__ void k_rope(const __grid_constant__ RopeJobs jobs, const int32_t* pos, const int32_t* cells,
-                       const float* factors, int n_rot, int neox, double base, double fscale, unsigned* err) {
-    pdl_enter();
+                       const float* factors, int n_rot, int neox, double base, double fscale, bool early,
+                       unsigned* err) {
     const RopeJob& job = jobs.j[blockIdx.y];
     const TDesc& dst = job.dst;
     const TDesc& x = job.src;
     extern __shared__ float s_rope[];  // cos[half], sin[half]
     const int half = n_rot / 2;
+    // Token t's angles into s_rope (the caller syncs before they are read).
+    auto angles = [&](int64_t t) {
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            double theta = fscale * pos[t] * pow(base, -2.0 * i / n_rot);
+            if (factors) theta /= factors[i];
+            double sn, cs;
+            sincos(theta, &sn, &cs);
+            s_rope[i] = static_cast<float>(cs);
+            s_rope[half + i] = static_cast<float>(sn);
+        }
+    };
+    // early (the positions and factors are graph leaves, which no kernel writes): the block's first
+    // token's angles before the PDL wait (cuda/launch.cuh), so the double-precision pow and sincos
+    // run while the kernel before still does; the rotation itself waits.
+    const bool first_early = early && job.kind != RopeJob::kStore && blockIdx.x < x.ne[2];
+    if (first_early) angles(blockIdx.x);
+    pdl_enter();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const bool store = job.kind != RopeJob::kRope;
     if (job.kind == RopeJob::kStore) {
@@ -324,14 +341,9 @@ __global__ void k_rope(const __grid_constant__ RopeJobs jobs, const int32_t* pos
     }
     const int hd = static_cast<int>(x.ne[0]), n_head = static_cast<int>(x.ne[1]);
     for (int64_t t = blockIdx.x; t < x.ne[2]; t += gridDim.x) {
-        __syncthreads();  // the previous token's angles are no longer read
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            double theta = fscale * pos[t] * pow(base, -2.0 * i / n_rot);
-            if (factors) theta /= factors[i];
-            double sn, cs;
-            sincos(theta, &sn, &cs);
-            s_rope[i] = static_cast<float>(cs);
-            s_rope[half + i] = static_cast<float>(sn);
+        if (t != blockIdx.x || !first_early) {  // else computed before the wait
+            __syncthreads();                     // the previous token's angles are no longer read
+            angles(t);
         }
         __syncthreads();
         char* crow = nullptr;
@@ -585,7 +597,7 @@ void launch_unary(int kind, const TDesc& dst, const TDesc& a, float f, cudaStrea
 }
 
 void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* cells, const float* factors, int n_rot,
-                 bool neox, float freq_base, float freq_scale, unsigned* err, cudaStream_t s) {
+                 bool neox, float freq_base, float freq_scale, bool inputs_fixed, unsigned* err, cudaStream_t s) {
     if (n < 1 || n > kMaxRopeJobs) throw std::logic_error("cuda backend: bad RoPE job count");
     RopeJobs j{};
     for (int i = 0; i < n; ++i) {
@@ -596,7 +608,8 @@ void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* 
     if (tokens == 0 || jobs[0].src.ne[1] == 0) return;
     const unsigned grid = static_cast<unsigned>(tokens < 65535 * 16 ? tokens : 65535 * 16);
     launch(k_rope, dim3(grid, n), kThreads, static_cast<size_t>(n_rot) * sizeof(float), s,
-        j, pos, cells, factors, n_rot, neox ? 1 : 0, static_cast<double>(freq_base), static_cast<double>(freq_scale), err);
+        j, pos, cells, factors, n_rot, neox ? 1 : 0, static_cast<double>(freq_base), static_cast<double>(freq_scale),
+        inputs_fixed, err);
 }
 
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s) {
