@@ -90,6 +90,7 @@ public:
         if (err_) cudaFree(err_);
         if (err_host_) cudaFreeHost(err_host_);
         if (staging_) cudaFreeHost(staging_);
+        if (read_staging_) cudaFreeHost(read_staging_);
         for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
         cudaStreamDestroy(stream_);
     }
@@ -199,6 +200,50 @@ public:
         staged_ = 0;  // every staged write has run
         raise_error_word(*err_host_);
         if (!d && bytes) std::memcpy(dst, p, bytes);  // a host external never uploaded: unchanged
+    }
+
+    // Every copy into pinned memory, the error word with them, one wait, then out to dst.
+    void read_many(const std::vector<ReadRequest>& reads) override {
+        constexpr size_t kAlign = 64;
+        size_t total = 0;
+        for (const ReadRequest& r : reads) {
+            if (r.offset + r.bytes > r.t->nbytes()) throw std::logic_error("read past the end of tensor " + r.t->name);
+            total += (r.bytes + kAlign - 1) / kAlign * kAlign;
+        }
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        if (total > read_staging_bytes_) {
+            check(cudaStreamSynchronize(stream_), "read: waiting before the staging grows");
+            if (read_staging_) cudaFreeHost(read_staging_);
+            read_staging_ = nullptr;
+            read_staging_bytes_ = 0;
+            check(cudaMallocHost(&read_staging_, total), "read: allocating pinned staging");
+            read_staging_bytes_ = total;
+        }
+        std::vector<const char*> host(reads.size(), nullptr);  // host externals never uploaded
+        size_t at = 0;
+        for (size_t i = 0; i < reads.size(); ++i) {
+            const ReadRequest& r = reads[i];
+            char* p = static_cast<char*>(r.t->data) + r.offset;
+            char* d = r.bytes ? device_address(p, r.bytes) : nullptr;
+            if (d) {
+                check(cudaMemcpyAsync(read_staging_ + at, d, r.bytes, cudaMemcpyDeviceToHost, stream_),
+                      "read: cudaMemcpyAsync");
+            } else {
+                host[i] = p;
+            }
+            at += (r.bytes + kAlign - 1) / kAlign * kAlign;
+        }
+        check(cudaMemcpyAsync(err_host_, err_, sizeof(unsigned), cudaMemcpyDeviceToHost, stream_),
+              "reading the error word");
+        check(cudaStreamSynchronize(stream_), "read: synchronising with the computation");
+        staged_ = 0;  // every staged write has run
+        raise_error_word(*err_host_);
+        at = 0;
+        for (size_t i = 0; i < reads.size(); ++i) {
+            const ReadRequest& r = reads[i];
+            if (r.bytes) std::memcpy(r.dst, host[i] ? host[i] : read_staging_ + at, r.bytes);
+            at += (r.bytes + kAlign - 1) / kAlign * kAlign;
+        }
     }
 
     size_t arena_bytes() const override { return arena_size_; }
@@ -993,6 +1038,8 @@ private:
     static constexpr size_t kStagingBytes = size_t{4} << 20;      // pinned input staging (stage())
     char* staging_ = nullptr;
     size_t staged_ = 0;                                            // bytes of staging_ in use
+    char* read_staging_ = nullptr;                                 // pinned: where read_many lands
+    size_t read_staging_bytes_ = 0;
     char* arena_ = nullptr;
     size_t arena_size_ = 0;
     cuda::SplitScratch scratch_;                                   // split partials (reserve_split_scratch)
