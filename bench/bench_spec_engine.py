@@ -1,8 +1,8 @@
 """Aggregate tokens/s of the multi-request step (`_core.SpecEngine`) for 1, 2, 4 and 8 concurrent
 greedy requests, with speculation against without, in the same run.
 
-- without: plain batched greedy decoding, one target decode per step carrying one token of every
-  request (`pyspec.Context` with one sequence per request), argmax on the host;
+- without: plain batched greedy decoding, the same `SpecEngine` without a drafter (one target
+  decode per step carrying one token of every request, the argmax in the graph);
 - with: `SpecEngine` (one target decode per step over every request's verify rows, a drafter slot
   per request), greedy verification. Both emit the same tokens (checked).
 
@@ -13,6 +13,7 @@ with a useless drafter). Prompt processing is timed too (both sides prefill the 
 Run by hand on an otherwise idle machine; numbers on a shared machine are noisy.
 
     PYTHONPATH=. python bench/bench_spec_engine.py [-t 2] [-n 64] [--drafter D.gguf]
+        [--model SmolLM2.gguf] [-ngl all]     # -ngl all: both sides on the GPU
 """
 
 import argparse
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -32,31 +34,13 @@ import pyspec  # noqa: E402
 from pyspec import _core  # noqa: E402
 
 
-def plain_many(model, prompts, n, threads):
-    """Batched greedy: every step decodes one token of each unfinished request."""
+def engine_run(model, dm, prompts, n, threads, draft_n_max):
+    """Every request to its end on one SpecEngine (dm None: plain decoding); the tokens, the wall
+    time and the acceptance rate."""
     k = len(prompts)
-    ctx = pyspec.Context(model, n_ctx=1024 * k, n_seq_max=k, n_batch=512)
-    t = time.perf_counter()
-    last, pos = [], []
-    for s, p in enumerate(prompts):
-        r = ctx.decode(p, positions=np.arange(len(p)), seq_ids=np.full(len(p), s))
-        last.append(int(np.argmax(r.logits[-1])))
-        pos.append(len(p))
-    out = [[tok] for tok in last]
-    for _ in range(n - 1):
-        r = ctx.decode(last, positions=pos, seq_ids=np.arange(k), output=np.ones(k, bool))
-        last = [int(np.argmax(row)) for row in r.logits]
-        pos = [q + 1 for q in pos]
-        for s in range(k):
-            out[s].append(last[s])
-    return out, time.perf_counter() - t
-
-
-def spec_many(model, dm, prompts, n, threads, draft_n_max):
-    k = len(prompts)
-    e = _core.SpecEngine(model._model, dm, n_ctx=1024 * k, n_seq_max=k, n_draft_slots=k,
+    e = _core.SpecEngine(model._model, dm, n_ctx=1024 * k, n_seq_max=k, n_draft_slots=k if dm else 1,
                          n_batch=512, draft_n_batch=512, n_threads=threads,
-                         draft_n_max=draft_n_max, prefill_chunk=512)
+                         draft_n_max=draft_n_max if dm else -1, prefill_chunk=512, backend=model.backend)
     t = time.perf_counter()
     for i, p in enumerate(prompts):
         e.add_request(i, p, max_tokens=n)
@@ -71,17 +55,17 @@ def spec_many(model, dm, prompts, n, threads, draft_n_max):
     return [out[i] for i in range(k)], time.perf_counter() - t, accepted / max(drafted, 1)
 
 
-def bench_pair(name, target, drafter, prompts, n, threads, draft_n_max, reps):
-    model = pyspec.Model(target, n_threads=threads)
+def bench_pair(name, target, drafter, prompts, n, threads, draft_n_max, reps, n_gpu_layers=0):
+    model = pyspec.Model(target, n_threads=threads, n_gpu_layers=n_gpu_layers)
     dm = _core.DraftModel(drafter, model._model)
     for k in (1, 2, 4, 8):
         ps = prompts[:k]
         # Best of `reps` runs each: the first run of a shape also builds its allocation plans.
         t_plain = t_spec = float("inf")
         for _ in range(reps):
-            want, t = plain_many(model, ps, n, threads)
+            want, t, _ = engine_run(model, None, ps, n, threads, draft_n_max)
             t_plain = min(t_plain, t)
-            got, t, acc = spec_many(model, dm, ps, n, threads, draft_n_max)
+            got, t, acc = engine_run(model, dm, ps, n, threads, draft_n_max)
             t_spec = min(t_spec, t)
         assert got == want, f"{name}: speculative output differs from plain greedy"
         tok = k * n
@@ -99,6 +83,8 @@ def main() -> int:
                     "instead of the random-weight one")
     ap.add_argument("--draft-n-max", type=int, default=3, help="drafts per round with --drafter")
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--model", help="the SmolLM2 GGUF (default: the embedded one)")
+    ap.add_argument("-ngl", "--n-gpu-layers", default=0, help="llama.cpp's -ngl for both pairs: 0 or all")
     args = ap.parse_args()
     from test_speculative import Pairs
     from bench_speculative import smollm2_drafter
@@ -109,9 +95,10 @@ def main() -> int:
         target, drafter, *_ = pairs.known_acceptance(0.7, True, seed=3)
         prompts = [[7 + 5 * i, 9 + i, 11 + 3 * i] for i in range(8)]
         if not args.skip_tiny:
-            bench_pair("tiny known acc 0.7", target, drafter, prompts, args.n, args.threads, 5, 3)
+            bench_pair("tiny known acc 0.7", target, drafter, prompts, args.n, args.threads, 5, 3,
+                       args.n_gpu_layers)
         if not args.skip_smollm2:
-            smol = pyspec.model.default_model_path()
+            smol = args.model or pyspec.model.default_model_path()
             drafter = args.drafter or smollm2_drafter(root, smol)
             llm = pyspec.LLM(smol, n_ctx=64)
             texts = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
@@ -120,7 +107,7 @@ def main() -> int:
             prompts = [llm.tokenize(t) for t in texts]
             name = "smollm2 trained drafter" if args.drafter else "smollm2 random dspark"
             bench_pair(name, smol, drafter, prompts, args.n, args.threads,
-                       args.draft_n_max if args.drafter else 3, 2)
+                       args.draft_n_max if args.drafter else 3, 2, args.n_gpu_layers)
     return 0
 
 
