@@ -841,6 +841,41 @@ def test_bonus_draw_is_the_exponential_race_over_the_positive_entries():
         assert tau == 0 and list(tokens) == [want_c], case
 
 
+def race_winner(w, u):
+    """argmax w(t) / -log u(t) over the tokens with w(t) > 0, in float64, ties to the smallest."""
+    vals = np.where(w > 0, w / -np.log(u.astype(np.float64)), -np.inf)
+    return int(np.argmax(vals))
+
+
+def test_race_on_dense_rows_skips_no_winner():
+    """Temperature-only laws are dense (every one of 49k tokens has p > 0), and the sampler rules
+    most tokens out without their log or their noise (verify.cpp sample_weights: w / -log u <
+    w / (1 - u) <= 2^24 w). Those bounds must never skip the winner: the bonus and the correction
+    are exactly the race over every token, on dense rows of every spread, with the top token
+    repeated (equal weights), and with the winner far from the largest p."""
+    rng = np.random.default_rng(21)
+    n = 20_000
+    q0 = np.zeros((0, n), np.float32)
+    for case in range(120):
+        z = rng.normal(size=n) * [0.5, 2.0, 6.0, 15.0][case % 4]
+        if case % 5 == 0:
+            z[rng.integers(n, size=6)] = z.max()                 # equal top weights
+        p = softmax(z / [0.7, 1.0, 1.5][case % 3]).astype(np.float32)
+        seed, offset = int(rng.integers(1 << 40)), int(rng.integers(1 << 20))
+        want = race_winner(p.astype(np.float64), spec.uniforms(seed, offset, 0, n, 0))
+        for fn in (spec.verify_rejection, spec.verify_block):
+            tau, tokens, _ = fn(p[None, :], q0, np.zeros(0, np.int32), seed, offset)
+            assert tau == 0 and list(tokens) == [want], (case, fn.__name__)
+        # A dense proposal that drafted a token the target all but rules out: rejected, and the
+        # correction is the race over max(0, p - q) with the Correction stream.
+        q = softmax(z / 2.0 + rng.normal(size=n)).astype(np.float32)
+        x = int(np.argmin(p / np.maximum(q, 1e-30)))
+        tau, tokens, _ = spec.verify_rejection(np.stack([p, p]), q[None, :], np.array([x], np.int32), seed, offset)
+        if tau == 0:
+            resid = np.maximum(0.0, p.astype(np.float64) - q.astype(np.float64))
+            assert list(tokens) == [race_winner(resid, spec.uniforms(seed, offset, 0, n, 3))], case
+
+
 def test_counted_events_never_nan():
     # q(x) = 0 for a drafted token: an inconsistent q; counted, the ratio is taken as unbounded.
     p = np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]], np.float32)

@@ -120,21 +120,24 @@ inline int64_t first_index_of(const float* x, int64_t n, float v) {
     return -1;
 }
 
-// The first i with x[i] > 0, or n (NaN is not > 0). AVX2 where built.
-inline int64_t first_positive(const float* x, int64_t n) {
+// The first i with x[i] > v, or n (NaN is not > v). AVX2 where built.
+inline int64_t first_above(const float* x, int64_t n, float v) {
     int64_t i = 0;
 #if defined(__AVX2__)
-    const __m256 zero = _mm256_setzero_ps();
+    const __m256 vv = _mm256_set1_ps(v);
     for (; i + 8 <= n; i += 8) {
-        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), zero, _CMP_GT_OQ));
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vv, _CMP_GT_OQ));
         if (mask) return i + __builtin_ctz(static_cast<unsigned>(mask));
     }
 #endif
     for (; i < n; ++i) {
-        if (x[i] > 0.0f) return i;
+        if (x[i] > v) return i;
     }
     return n;
 }
+
+// The first i with x[i] > 0, or n.
+inline int64_t first_positive(const float* x, int64_t n) { return first_above(x, n, 0.0f); }
 
 // Whether every entry of x[0..n) is finite and >= 0 (*any_positive: whether one is > 0). AVX2
 // where built.
