@@ -386,18 +386,23 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, con
     }
 }
 
-// The column tile of the small-M kernels (mul_mat_typed, mul_mat_glu_typed) up to 4 columns.
+// The column tile of the small-M kernels (mul_mat_typed, mul_mat_glu_typed) up to 8 columns.
 // Short weight rows (at most 1 KiB, as prefetch_weights: a warp's loads are one or two DRAM round
-// trips, the launch latency-bound) take one column per warp for any m <= 4: m times the warps,
-// each as short as a decode's, the weight rows read from L2 by the blocks after the first (grid.x
-// next to each other). Longer rows stream: m's columns per warp load each weight unit once. ncu on
-// the H200, SmolLM2's 3-row verify pass with 4-column tiles: 6.3-6.6 us per plain MUL_MAT and
-// 9.0-11.0 with the norm prologue, against 4.3-4.6 and 6.0-7.1 for a decode's one column.
-// PYSPEC_CUDA_COLUMN_SPLIT=0 keeps m's columns per warp (A/B); either way the same bits.
+// trips, the launch latency-bound) take one column per warp for any m <= 4, and for m <= 8 (two
+// or more requests' verify rows, several sequences decoding): m times the warps, each as short as
+// a decode's, the weight rows read from L2 by the blocks after the first (grid.x next to each
+// other). Longer rows stream: m's columns per warp load each weight unit once. ncu on the H200,
+// SmolLM2's 3-row verify pass with 4-column tiles: 6.3-6.6 us per plain MUL_MAT and 9.0-11.0 with
+// the norm prologue, against 4.3-4.6 and 6.0-7.1 for a decode's one column; by the wall clock a
+// speculative round of SmolLM2 went 1.79-1.84 -> 1.39-1.42 ms with one column per warp (n_max 2).
+// PYSPEC_CUDA_COLUMN_SPLIT=0 keeps m's columns per warp, PYSPEC_CUDA_COLUMN_SPLIT_WIDE=0 only for
+// m of 5-8 (A/B); either way the same bits.
 int64_t small_tile(DType t, int64_t k, int64_t m) {
     static const bool split = env_switch("PYSPEC_CUDA_COLUMN_SPLIT") != 0;
-    if (m <= 1 || (m <= 4 && split && static_cast<int64_t>(dtype_row_bytes(t, k)) <= 1024)) return 1;
-    return m == 2 ? 2 : 4;
+    static const bool split_wide = split && env_switch("PYSPEC_CUDA_COLUMN_SPLIT_WIDE") != 0;
+    const bool short_rows = static_cast<int64_t>(dtype_row_bytes(t, k)) <= 1024;
+    if (m <= 1 || (short_rows && ((m <= 4 && split) || (m <= 8 && split_wide)))) return 1;
+    return m == 2 ? 2 : m <= 4 ? 4 : 8;
 }
 
 template <DType T, bool kVec, int C, bool kNorm = false>
@@ -418,7 +423,7 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
-    const int64_t tile = m <= 4 ? small_tile(T, k, m) : 8;
+    const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (norm.w) {
         if (tile == 1) return mul_mat_glu_tiles<T, kVec, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
         if (tile == 2) return mul_mat_glu_tiles<T, kVec, 2, true>(gate, up, k, x, xs, m, y, ys, norm, s);
@@ -456,7 +461,7 @@ static_assert(kMatmulNormMaxM == 4, "k_mul_mat's and k_mul_mat_glu's norm prolog
 
 template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
-    const int64_t tile = m <= 4 ? small_tile(T, k, m) : 8;
+    const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (p.norm_w) {
         if (tile == 1) return mul_mat_tiles<T, kVec, 1, 1, true>(p, k, x, xs, m, s);
         if (tile == 2) return mul_mat_tiles<T, kVec, 1, 2, true>(p, k, x, xs, m, s);
