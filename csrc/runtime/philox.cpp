@@ -9,30 +9,22 @@ namespace {
 // Element indices are 32-bit counter words times four; a longer vector would wrap onto itself.
 constexpr size_t kMaxNoiseElements = size_t{1} << 34;
 
-// out[i] = convert(uniform of element first + i) for i < n.
 template <typename Convert>
-void fill_noise(const NoiseKey& key, size_t first, float* out, size_t n, Convert convert) {
-    if (first + n > kMaxNoiseElements) throw std::invalid_argument("noise vector longer than 2^34 elements");
-    const size_t end = first + n;
-    for (size_t base = first & ~size_t{3}; base < end; base += 4) {
+void fill_noise(const NoiseKey& key, float* out, size_t n, Convert convert) {
+    if (n > kMaxNoiseElements) throw std::invalid_argument("noise vector longer than 2^34 elements");
+    for (size_t base = 0; base < n; base += 4) {
         const PhiloxCounter block = noise_block(key, static_cast<uint32_t>(base >> 2));
-        for (size_t j = 0; j < 4; ++j) {
-            if (base + j >= first && base + j < end) out[base + j - first] = convert(u01_open(block[j]));
-        }
+        for (size_t j = 0; j < 4 && base + j < n; ++j) out[base + j] = convert(u01_open(block[j]));
     }
 }
 
 }  // namespace
 
 void fill_uniforms(const NoiseKey& key, float* out, size_t n) {
-    fill_noise(key, 0, out, n, [](float u) { return u; });
+    fill_noise(key, out, n, [](float u) { return u; });
 }
 
-void fill_gumbel(const NoiseKey& key, float* out, size_t n) { fill_noise(key, 0, out, n, gumbel_from_u01); }
-
-void fill_gumbel_from(const NoiseKey& key, size_t first, float* out, size_t n) {
-    fill_noise(key, first, out, n, gumbel_from_u01);
-}
+void fill_gumbel(const NoiseKey& key, float* out, size_t n) { fill_noise(key, out, n, gumbel_from_u01); }
 
 void fill_gumbel_at(const NoiseKey& key, const int32_t* ids, size_t n, float* out) {
     PhiloxCounter block{};

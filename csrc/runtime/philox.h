@@ -72,9 +72,6 @@ inline float noise_uniform(const NoiseKey& key, uint32_t element) { return u01_o
 // out[0..n) = the uniforms (resp. Gumbel noise) of elements 0..n-1 under `key`.
 void fill_uniforms(const NoiseKey& key, float* out, size_t n);
 void fill_gumbel(const NoiseKey& key, float* out, size_t n);
-// out[i] = the Gumbel noise of element first + i, for i < n (fill_gumbel's values from `first` on:
-// a vector filled in parts, e.g. by several threads, is the same vector).
-void fill_gumbel_from(const NoiseKey& key, size_t first, float* out, size_t n);
 // out[i] = the Gumbel noise of element ids[i] under `key` (fill_gumbel's value there), for i < n:
 // a subset of a long vector (a drafter's 8k draft ids of a 49k vocabulary) without drawing the
 // rest. Consecutive ids in one block share its Philox call.

@@ -285,38 +285,21 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
     if (bg.gumbel >= 0) {  // DSpark: each block's 1/T and the Gumbel noise of its Markov slots (0 at T = 0)
         const size_t n_markov = static_cast<size_t>(std::max<int64_t>(0, n_out - hp.draft_offset()));
         std::vector<float> inv(nb * vd), noise(n_markov * nb * vd, 0.0f);
-        struct NoiseJob {
-            NoiseKey key;
-            float* dst;
-        };
-        std::vector<NoiseJob> jobs;
         for (size_t b = 0; b < nb; ++b) {
             const float temp = requests[b].sampling.temperature;
             std::fill(inv.begin() + static_cast<std::ptrdiff_t>(b * vd), inv.begin() + static_cast<std::ptrdiff_t>((b + 1) * vd),
                       temp > 0.0f ? 1.0f / temp : 1.0f);
             if (temp <= 0.0f) continue;
+            // The noise of the draft ids only: the target-vocabulary vector's entries at d2t.
             for (size_t k = 0; k < n_markov; ++k) {
-                jobs.push_back({draft_key(requests[b], static_cast<int64_t>(k)), noise.data() + (k * nb + b) * vd});
-            }
-        }
-        if (!jobs.empty()) {
-            // The noise of the draft ids only: the target-vocabulary vector's entries at d2t. Every
-            // value depends on its key and element alone, so the threads' parts give the vector a
-            // single thread would (SmolLM2's drafter: 8,192 Philox draws and 16,384 logs per slot,
-            // ~0.3 ms each on one thread).
-            if (!noise_pool_) noise_pool_ = ThreadPool::shared(params_.n_threads);
-            noise_pool_->run([&](int ith, int nth) {
-                int64_t begin = 0, end = 0;
-                split_range(static_cast<int64_t>(vd), ith, nth, begin, end);
-                const size_t first = static_cast<size_t>(begin), n = static_cast<size_t>(end - begin);
-                for (const NoiseJob& job : jobs) {
-                    if (model_.d2t.empty()) {
-                        fill_gumbel_from(job.key, first, job.dst + first, n);
-                    } else {
-                        fill_gumbel_at(job.key, model_.d2t.data() + first, n, job.dst + first);
-                    }
+                float* dst = noise.data() + (k * nb + b) * vd;
+                const NoiseKey key = draft_key(requests[b], static_cast<int64_t>(k));
+                if (model_.d2t.empty()) {
+                    fill_gumbel(key, dst, vd);
+                } else {
+                    fill_gumbel_at(key, model_.d2t.data(), vd, dst);
                 }
-            });
+            }
         }
         backend_->write(g[bg.inv_temp], inv.data(), inv.size() * sizeof(float));
         backend_->write(g[bg.gumbel], noise.data(), noise.size() * sizeof(float));

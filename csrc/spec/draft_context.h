@@ -14,7 +14,6 @@
 
 #include "core/built_graphs.h"
 #include "core/planner.h"
-#include "core/thread_pool.h"
 #include "cpu/cpu_backend.h"
 #include "model/dflash.h"
 #include "runtime/backend_choice.h"
@@ -184,10 +183,6 @@ private:
     BuiltGraphs<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, DraftBlockGraph> block_graphs_;
     std::vector<int64_t> pos_base_;
     int64_t max_pos_written_ = -1;
-    // The host's share of a sampled DSpark pass: the Gumbel noise of every Markov slot (n_vocab_draft
-    // values each), filled by the process's shared pool of n_threads (the CPU backend's own, idle
-    // between passes), started on the first sampled pass.
-    std::shared_ptr<ThreadPool> noise_pool_;
 };
 
 }  // namespace pyspec
