@@ -203,6 +203,11 @@ def wall_split(plain_engine, spec_engine, prompts, n) -> Dict[str, float]:
     spec_ph: Dict[str, float] = {}
     run_set(plain_engine, prompts, n, 0.0, "greedy", phases=plain_ph)
     run_set(spec_engine, prompts, n, 0.0, "greedy", phases=spec_ph)
+    return per_step(plain_ph, spec_ph)
+
+
+def per_step(plain_ph, spec_ph) -> Dict[str, float]:
+    """Gathered phase times (run_set's phases) as seconds per plain step and per round."""
     per = lambda ph, k: ph[k] / max(1, ph["steps"])  # noqa: E731
     out = {f"plain_{k}": per(plain_ph, k) for k in ("target_s", "other_s")}
     out.update({f"round_{k}": per(spec_ph, k) for k in ("target_s", "stage_s", "draft_s", "other_s")})
@@ -299,12 +304,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             t_plain = math.inf
             t_spec = {c: math.inf for c in configs}
             spec_runs = {}
+            plain_ph: Dict[str, float] = {}
+            spec_ph: Dict[tuple, Dict[str, float]] = {c: {} for c in configs}
             for _ in range(args.repeats):
-                plain, t, _ = run_set(plain_engine, ps, args.n, temperature, verify, sampler=chain)
+                plain, t, _ = run_set(plain_engine, ps, args.n, temperature, verify, sampler=chain,
+                                      phases=plain_ph)
                 t_plain = min(t_plain, t)
                 for g, p in configs:
                     spec_runs[g, p] = run_set(spec_engines[g], ps, args.n, temperature, verify, sampler=chain,
-                                              prune=prune_of[p])
+                                              prune=prune_of[p], phases=spec_ph[g, p])
                     t_spec[g, p] = min(t_spec[g, p], spec_runs[g, p][1])
             n_plain = sum(k for _, k in plain)
             for g, p in configs:
@@ -329,6 +337,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{mode:<9} {name:<5} n_max {g}{p_min}  mean accepted length {mean_len:4.2f}  "
                       f"per position [{pos}]  plain {r['plain_tps']:6.1f} tok/s  spec "
                       f"{r['spec_tps']:6.1f} tok/s  x{r['speedup']:.2f}", flush=True)
+                if temperature > 0:  # where a sampled step goes (greedy: the wall lines above)
+                    w = per_step(plain_ph, spec_ph[g, p])
+                    r["wall"] = w
+                    print(f"  wall ms: plain step target {w['plain_target_s'] * 1e3:.3f} + host "
+                          f"{w['plain_other_s'] * 1e3:.3f}; round target {w['round_target_s'] * 1e3:.3f} + staging "
+                          f"{w['round_stage_s'] * 1e3:.3f} + drafter {w['round_draft_s'] * 1e3:.3f} + host "
+                          f"{w['round_other_s'] * 1e3:.3f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results, "costs": costs}, indent=1))
     return 0
