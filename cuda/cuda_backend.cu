@@ -1023,6 +1023,11 @@ private:
             case Op::ARGMAX: cuda::launch_argmax(desc(g, id), desc(g, src(0)), stream_); return;
             case Op::TOP_K: cuda::launch_top_k(desc(g, id), desc(g, src(0)), stream_); return;
             case Op::SUM: cuda::launch_sum(desc(g, id), desc(g, src(0)), stream_); return;
+            case Op::GUMBEL:
+                cuda::launch_gumbel(desc(g, id), reinterpret_cast<const int32_t*>(dptr(g, src(0))),
+                                    reinterpret_cast<const int32_t*>(dptr(g, src(1))),
+                                    static_cast<uint32_t>(t.iparams[0]), stream_);
+                return;
             default: require(false, t, "not implemented on the GPU");
         }
     }

@@ -49,6 +49,8 @@ void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t 
 void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
+// GUMBEL (cuda/ops_noise.cu): keys I32 [5, rows], elems I32 [n]; the host's bits.
+void launch_gumbel(const TDesc& dst, const int32_t* keys, const int32_t* elems, uint32_t stream, cudaStream_t s);
 
 // Device scratch of the kernels that split one reduction over several blocks (the narrow
 // tensor-core MUL_MAT's K segments, the wide one's split K, the decode attention's pages), owned

@@ -754,6 +754,63 @@ def test_top_k_descending_ties_keep_lower_index(n, k):
         assert np.all(vals[:, :-1] >= vals[:, 1:])
 
 
+def gumbel_case(rng, rows, n):
+    """Keys I32 [rows, 5] (seeds over all 64 bits, every third row off) and elements I32 [n]
+    (ids anywhere in a 152k vocabulary, in no order, some in one counter block)."""
+    keys = np.zeros((rows, 5), np.int64)
+    seeds = rng.integers(0, 1 << 63, rows, dtype=np.int64).astype(np.uint64) * np.uint64(2) + np.uint64(1)
+    keys[:, 0] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    keys[:, 1] = (seeds >> np.uint64(32)).astype(np.int64)
+    keys[:, 2] = rng.integers(0, 1 << 31, rows)
+    keys[:, 3] = rng.integers(0, 1 << 31, rows)
+    keys[:, 4] = [0 if r % 3 == 2 else 1 for r in range(rows)]
+    elems = rng.integers(0, 151936, n)
+    elems[: min(n, 4)] = [8, 9, 10, 11][: min(n, 4)]
+    return keys.astype(np.uint32).view(np.int32), elems.astype(np.int32), seeds
+
+
+def gumbel_ref(keys, elems, seeds, stream):
+    """spec.gumbel (the host's noise: philox.h, fill_gumbel) at each element, per row; 0 when off."""
+    out = np.zeros((len(keys), len(elems)), np.float32)
+    top = int(elems.max()) + 1
+    for r, k in enumerate(keys.view(np.uint32)):
+        if k[4]:
+            out[r] = core.spec.gumbel(int(seeds[r]), int(k[2]), int(k[3]), top, stream)[elems]
+    return out
+
+
+def gumbel_run(keys, elems, stream, n_threads=1, backend="cpu"):
+    g = core.Graph()
+    tk = g.input("I32", [5, len(keys)], "keys")
+    te = g.input("I32", [len(elems)], "elements")
+    out = node(g, "GUMBEL", "F32", [len(elems), len(keys)], [tk, te], [stream])
+    (got,) = run(g, {tk: keys, te: elems}, [out], n_threads=n_threads, backend=backend)
+    return np.asarray(got).reshape(len(keys), len(elems))
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (6, 300), (4, 8192)])
+def test_gumbel_is_the_hosts_noise(rows, n):
+    """GUMBEL draws in the graph exactly the noise the host's Philox gives (spec.gumbel) for each
+    row's key and each column's element, zeros where a row is off, on 1 and 3 threads."""
+    rng = np.random.default_rng(rows * 1000 + n)
+    keys, elems, seeds = gumbel_case(rng, rows, n)
+    for stream in (1, 3):
+        want = gumbel_ref(keys, elems, seeds, stream)
+        for threads in (1, 3):
+            assert np.array_equal(gumbel_run(keys, elems, stream, threads), want), (stream, threads)
+
+
+def test_gumbel_logs_are_correctly_rounded():
+    """The noise's logarithms (runtime/noise_math.h, IEEE double operations only, so the CUDA
+    kernel computes the same bits) round like a correctly rounded float log: 2M draws against
+    float64 logs rounded to float32 at each step, as the noise takes them."""
+    u = core.spec.uniforms(7, 3, 0, 2_000_000).astype(np.float64)
+    inner = np.log(u).astype(np.float32).astype(np.float64)
+    want = -np.log(-inner).astype(np.float32)
+    got = core.spec.gumbel(7, 3, 0, 2_000_000, 0)
+    assert np.count_nonzero(got != want) <= 2   # only where float64's own log sits on a tie
+
+
 def test_sum_contiguous_and_strided():
     rng = np.random.default_rng(8)
     x = rng.standard_normal((3, 4, 50)).astype(np.float32)

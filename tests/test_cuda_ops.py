@@ -548,6 +548,18 @@ def test_top_k_descending_ties_keep_lower_index(n, k, rows):
         assert np.array_equal(got, cpu.top_k_ref(x, k))
 
 
+@gpu
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (6, 300), (4, 8192), (2, 151936)])
+def test_gumbel_equals_the_cpus_bits(rows, n):
+    """GUMBEL on the device: the host's noise (spec.gumbel) bit for bit, zeros for rows that are
+    off; the draws of a DSpark drafter's Markov slots are the same on either backend."""
+    rng = np.random.default_rng(rows * 7 + n)
+    keys, elems, seeds = cpu.gumbel_case(rng, rows, n)
+    for stream in (1, 3):
+        got = cpu.gumbel_run(keys, elems, stream, backend=DEVICE)
+        assert np.array_equal(got, cpu.gumbel_ref(keys, elems, seeds, stream)), stream
+
+
 # --------------------------------------------------------------------------------------------
 # The sampling chain (graph-allocator.md §4.2) on the device equals the CPU's
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ const char* op_name(Op op) {
         case Op::ARGMAX: return "ARGMAX";
         case Op::TOP_K: return "TOP_K";
         case Op::SUM: return "SUM";
+        case Op::GUMBEL: return "GUMBEL";
         default: return "?";
     }
 }
@@ -236,6 +237,21 @@ int Graph::top_k(int a, int k) {
 }
 
 int Graph::sum(int a) { return add_node(Op::SUM, DType::F32, {1, 1, 1, 1}, {a}); }
+
+int Graph::gumbel(int keys, int elements, int stream) {
+    const Tensor& k = (*this)[keys];
+    const Tensor& e = (*this)[elements];
+    if (k.dtype != DType::I32 || k.ne[0] != 5 || !k.is_contiguous()) {
+        throw std::invalid_argument("gumbel: keys must be contiguous I32 [5, rows]");
+    }
+    if (e.dtype != DType::I32 || e.nrows() != 1 || !e.is_contiguous()) {
+        throw std::invalid_argument("gumbel: elements must be contiguous I32 [n]");
+    }
+    if (stream < 0) throw std::invalid_argument("gumbel: negative stream");
+    const int id = add_node(Op::GUMBEL, DType::F32, {e.ne[0], k.nrows(), 1, 1}, {keys, elements});
+    (*this)[id].iparams[0] = stream;
+    return id;
+}
 
 int matmuls_sharing_activations(const Graph& g, int id, int* out, int max_parts) {
     const Tensor& t0 = g[id];

@@ -51,6 +51,11 @@ enum class Op : uint8_t {
     ARGMAX,     // I32 [1, n_rows]: index of the max over ne0 (first on ties)
     TOP_K,      // I32 [k, n_rows]: indices of the k largest over ne0, descending; iparams {k}
     SUM,        // F32 [1]: sum of all elements
+    GUMBEL,     // F32 [n, rows]: the Gumbel noise -log(-log u) of Philox uniforms, computed as the
+                // host computes it (runtime/noise_math.h), so the same bits on every backend.
+                // src0 I32 [5, rows]: each row's key {seed low word, seed high word, offset,
+                // position, on} (on = 0: the row is zeros); src1 I32 [n]: the element of each
+                // column (element e is word e % 4 of counter block e / 4). iparams {stream}
     COUNT
 };
 
@@ -125,6 +130,7 @@ public:
     int argmax(int a);
     int top_k(int a, int k);
     int sum(int a);
+    int gumbel(int keys, int elements, int stream);
 
     // Generic node creation (used by the ops above and by tests of the planner).
     int add_node(Op op, DType dtype, Shape ne, std::initializer_list<int> srcs,

@@ -12,6 +12,7 @@
 #include "cpu/attention.h"
 #include "cpu/quants.h"
 #include "cpu/vec_math.h"
+#include "runtime/noise_math.h"
 
 namespace pyspec {
 namespace {
@@ -299,6 +300,31 @@ void op_sum(const Graph& g, int id, int ith) {
     dst.as<float>()[0] = static_cast<float>(total);
 }
 
+// GUMBEL: elements split among the threads; each value is a pure function of its row's key and
+// its column's element (runtime/noise_math.h), so the split never changes a bit.
+void op_gumbel(const Graph& g, int id, int ith, int nth) {
+    const Tensor& dst = g[id];
+    const int32_t* keys = g[dst.src[0]].as<int32_t>();
+    const int32_t* elems = g[dst.src[1]].as<int32_t>();
+    const int64_t n = dst.ne[0];
+    const uint32_t stream = static_cast<uint32_t>(dst.iparams[0]);
+    int64_t e0, e1;
+    split_range(dst.nelements(), ith, nth, e0, e1);
+    for (int64_t e = e0; e < e1; ++e) {
+        const int64_t r = e / n, i = e % n;
+        const int32_t* k = keys + 5 * r;
+        float* out = reinterpret_cast<float*>(row_ptr(dst, r));
+        if (k[4] == 0) {
+            out[i] = 0.0f;
+            continue;
+        }
+        const uint32_t el = static_cast<uint32_t>(elems[i]);
+        uint32_t c[4] = {el >> 2, static_cast<uint32_t>(k[3]), static_cast<uint32_t>(k[2]), stream};
+        noise_math::philox4x32_10(c, static_cast<uint32_t>(k[0]), static_cast<uint32_t>(k[1]));
+        out[i] = noise_math::gumbel_of_u01(noise_math::u01_open(c[el & 3u]));
+    }
+}
+
 }  // namespace
 
 void run_cpu_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
@@ -324,6 +350,7 @@ void run_cpu_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         case Op::ARGMAX: return op_argmax(g, id, ith, nth);
         case Op::TOP_K: return op_top_k(g, id, ith, nth, s);
         case Op::SUM: return op_sum(g, id, ith);
+        case Op::GUMBEL: return op_gumbel(g, id, ith, nth);
         default: unsupported(g, id, "not implemented on the CPU");
     }
 }

@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "cpu/quants.h"
+#include "runtime/philox.h"
 
 namespace pyspec {
 namespace {
@@ -421,7 +422,10 @@ DraftBlockGraph build_dflash_block_graph(const DraftModel& model, const KvCacheV
         g.set_name(final_d, "drafting_logits");
         if (n_markov > 0) {
             bg.inv_temp = g.input(DType::F32, {vd, n_blocks, 1, 1}, "inp_inv_temp");
-            bg.gumbel = g.input(DType::F32, {vd, n_blocks, n_markov, 1}, "inp_draft_gumbel");
+            bg.noise_keys = g.input(DType::I32, {5, n_blocks * n_markov, 1, 1}, "inp_noise_keys");
+            bg.noise_elements = g.input(DType::I32, {vd, 1, 1, 1}, "inp_noise_elements");
+            bg.gumbel = g.gumbel(bg.noise_keys, bg.noise_elements, static_cast<int>(NoiseStream::Draft));
+            g.set_name(bg.gumbel, "draft_gumbel");
         }
         const size_t noise_slot_bytes = static_cast<size_t>(vd * n_blocks) * sizeof(float);
         int prev = bg.anchors;

@@ -140,11 +140,16 @@ struct DraftBlockGraph {
     // DSpark ancestral drafting (design.md invariant 5, verification.md §6). Markov slot k draws
     // d_k = argmax(z_k + g_k) with z_k = (base_k + bias(d_{k-1})) * inv_temp, and d_k is the
     // next slot's Markov predecessor, so each slot's bias follows the drawn chain. At T = 0 the
-    // host writes inv_temp = 1 and g = 0, which leaves the argmax chain bit for bit (x * 1 = x,
-    // x + 0 = x). One topology for every temperature, so one allocation plan.
+    // host writes inv_temp = 1 and the noise rows are off (g = 0), which leaves the argmax chain
+    // bit for bit (x * 1 = x, x + 0 = x). One topology for every temperature, so one allocation
+    // plan. The noise is drawn in the graph (GUMBEL), from keys the host writes: the bits the
+    // host's Philox would give, without the host drawing vocabulary-sized vectors every round.
     int inv_temp = -1;  // F32 [n_vocab_draft, n_blocks] input: column b = 1/T of block b
                         // in every entry (1 at T = 0)
-    int gumbel = -1;    // F32 [n_vocab_draft, n_blocks, n_markov_slots] input: Gumbel noise
+    int noise_keys = -1;      // I32 [5, n_blocks * n_markov_slots] input: row k * n_blocks + b is
+                              // slot k of block b's key (seed, offset, position, on; GUMBEL)
+    int noise_elements = -1;  // I32 [n_vocab_draft] input: the target id of each draft id
+    int gumbel = -1;    // F32 [n_vocab_draft, n_blocks, n_markov_slots] GUMBEL: the Gumbel noise
                         // of slot k over the draft vocabulary (0 at T = 0)
     std::vector<int> markov_tokens;  // per Markov slot: I32 [n_blocks] drawn draft ids
     std::vector<int> markov_z;       // per Markov slot: F32 [n_vocab_draft, n_blocks] z_k, the

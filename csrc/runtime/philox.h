@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/noise_math.h"
+
 namespace pyspec {
 
 using PhiloxCounter = std::array<uint32_t, 4>;
@@ -37,10 +39,11 @@ inline PhiloxCounter philox4x32(PhiloxCounter c, PhiloxKey k, int rounds = 10) {
 
 // Random123's u01fixedpt: odd multiples of 2^-24, all exact in float, so the value lies strictly
 // inside (0, 1): never 0 (log stays finite) and never 1 (a ratio >= 1 always accepts).
-inline float u01_open(uint32_t x) { return static_cast<float>((x >> 8) | 1u) * 0x1p-24f; }
+inline float u01_open(uint32_t x) { return noise_math::u01_open(x); }
 
-// Gumbel(0, 1) noise from a uniform strictly inside (0, 1); finite, in [-2.81, 16.64].
-inline float gumbel_from_u01(float u) { return -std::log(-std::log(u)); }
+// Gumbel(0, 1) noise from a uniform strictly inside (0, 1); finite, in [-2.81, 16.64]. Its logs
+// are noise_math's, the same bits as the CUDA backend's GUMBEL op.
+inline float gumbel_from_u01(float u) { return noise_math::gumbel_of_u01(u); }
 
 // Which consumer a draw belongs to; a proposal and the residual it is resampled from must never
 // share noise. Stored in the counter's last word, whose high bits stay reserved.

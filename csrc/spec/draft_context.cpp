@@ -70,6 +70,11 @@ DraftContext::DraftContext(const DraftModel& model, const DraftContextParams& pa
     // and the rows a verification commits.
     keep_ = std::min(window_ / 2, window_ - 2 * hp.block_size);
     backend_ = make_backend(params_.backend, params_.n_threads, params_.check_plans, params_.n_seq_max);
+    // The element of each draft id in the draft noise (GUMBEL): its target id.
+    noise_elements_.resize(static_cast<size_t>(hp.n_vocab_draft));
+    for (size_t d = 0; d < noise_elements_.size(); ++d) {
+        noise_elements_[d] = model_.d2t.empty() ? static_cast<int32_t>(d) : model_.d2t[d];
+    }
     kv_ = std::make_unique<KvCache>(*backend_, model_.cache_hparams(), params_.n_seq_max, window_, params_.kv_dtype);
     planner_.set_checking(params_.check_plans);
     pos_base_.assign(static_cast<size_t>(params_.n_seq_max), 0);
@@ -282,27 +287,29 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         return NoiseKey{r.sampling.seed, r.sampling.offset, static_cast<uint32_t>(static_cast<int64_t>(r.pos0) + 1 + k),
                         NoiseStream::Draft};
     };
-    if (bg.gumbel >= 0) {  // DSpark: each block's 1/T and the Gumbel noise of its Markov slots (0 at T = 0)
+    if (bg.gumbel >= 0) {  // DSpark: each block's 1/T and the keys of its Markov slots' noise (off at T = 0)
         const size_t n_markov = static_cast<size_t>(std::max<int64_t>(0, n_out - hp.draft_offset()));
-        std::vector<float> inv(nb * vd), noise(n_markov * nb * vd, 0.0f);
+        std::vector<float> inv(nb * vd);
+        std::vector<int32_t> keys(5 * n_markov * nb, 0);
         for (size_t b = 0; b < nb; ++b) {
             const float temp = requests[b].sampling.temperature;
             std::fill(inv.begin() + static_cast<std::ptrdiff_t>(b * vd), inv.begin() + static_cast<std::ptrdiff_t>((b + 1) * vd),
                       temp > 0.0f ? 1.0f / temp : 1.0f);
             if (temp <= 0.0f) continue;
-            // The noise of the draft ids only: the target-vocabulary vector's entries at d2t.
-            for (size_t k = 0; k < n_markov; ++k) {
-                float* dst = noise.data() + (k * nb + b) * vd;
+            for (size_t k = 0; k < n_markov; ++k) {  // GUMBEL's key row k * nb + b
                 const NoiseKey key = draft_key(requests[b], static_cast<int64_t>(k));
-                if (model_.d2t.empty()) {
-                    fill_gumbel(key, dst, vd);
-                } else {
-                    fill_gumbel_at(key, model_.d2t.data(), vd, dst);
-                }
+                int32_t* row = keys.data() + 5 * (k * nb + b);
+                row[0] = static_cast<int32_t>(static_cast<uint32_t>(key.seed));
+                row[1] = static_cast<int32_t>(static_cast<uint32_t>(key.seed >> 32));
+                row[2] = static_cast<int32_t>(key.offset);
+                row[3] = static_cast<int32_t>(key.position);
+                row[4] = 1;
             }
         }
         backend_->write(g[bg.inv_temp], inv.data(), inv.size() * sizeof(float));
-        backend_->write(g[bg.gumbel], noise.data(), noise.size() * sizeof(float));
+        backend_->write(g[bg.noise_keys], keys.data(), keys.size() * sizeof(int32_t));
+        // The noise of the draft ids only: the target-vocabulary vector's entries at d2t.
+        backend_->write(g[bg.noise_elements], noise_elements_.data(), noise_elements_.size() * sizeof(int32_t));
     }
     if (bg.fill >= 0) {
         const std::vector<float> fill(n_kept * v, -std::numeric_limits<float>::infinity());

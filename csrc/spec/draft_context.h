@@ -183,6 +183,7 @@ private:
     BuiltGraphs<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, DraftBlockGraph> block_graphs_;
     std::vector<int64_t> pos_base_;
     int64_t max_pos_written_ = -1;
+    std::vector<int32_t> noise_elements_;  // [n_vocab_draft]: each draft id's target id
 };
 
 }  // namespace pyspec
