@@ -54,9 +54,9 @@ def default_drafter_path() -> Optional[str]:
 
 # Where the embedded drafter drafts when the user did not ask for speculation: on the CPU (the
 # speed-ups above); not on the GPU, where it wins greedy decoding (H200, 2026-11-30, n_max 2: chat
-# x1.08-1.20, code x1.28-1.39, prose x1.17-1.29) but loses sampled decoding, what most requests do
-# (llama-server's chain at T 0.8, rejection: chat x0.73, code x0.83-0.90, prose x0.63-0.83; a
-# sampled round carries the drafter's proposal rows and noise through the host). README, "GPU".
+# x1.08-1.20, code x1.28-1.39, prose x1.17-1.29) but at best breaks even on sampled decoding,
+# what most requests do (llama-server's chain at T 0.8, rejection: chat x0.91, code x1.00; a
+# sampled round's drafter pass and host work cost 0.5 ms more than a greedy one's). README, "GPU".
 # --spec-type draft-dspark (or --draft-max / --spec-draft-n-max) turns it on there.
 EMBEDDED_DRAFTER_BACKENDS = ("cpu",)
 

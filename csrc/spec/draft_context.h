@@ -37,8 +37,8 @@ struct DraftContextParams {
 // Philox noise of NoiseKey{seed, offset, pos0 + 1 + k, NoiseStream::Draft}, element = target
 // token id -- exactly the keying of spec::gumbel_max as the Python loop used it. DFlash slots are
 // independent of earlier drafts and are drawn on the host with gumbel_max; DSpark slots are drawn
-// inside the graph (the noise is computed here on the host with the same Philox and fed in as an
-// input), so each slot's Markov bias follows the drawn predecessor: ancestral drafting.
+// inside the graph (the noise too, by the GUMBEL op from keys written here: the host Philox's
+// bits), so each slot's Markov bias follows the drawn predecessor: ancestral drafting.
 struct DraftSampling {
     float temperature = 0.0f;
     uint64_t seed = 0;
