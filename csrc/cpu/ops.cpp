@@ -12,7 +12,7 @@
 #include "cpu/attention.h"
 #include "cpu/quants.h"
 #include "cpu/vec_math.h"
-#include "runtime/noise_math.h"
+#include "runtime/philox.h"
 
 namespace pyspec {
 namespace {
@@ -300,28 +300,27 @@ void op_sum(const Graph& g, int id, int ith) {
     dst.as<float>()[0] = static_cast<float>(total);
 }
 
-// GUMBEL: elements split among the threads; each value is a pure function of its row's key and
-// its column's element (runtime/noise_math.h), so the split never changes a bit.
+// GUMBEL: elements split among the threads, each row's part drawn by the host's own routine
+// (fill_gumbel_at: Philox shared by the elements of one counter block, the logs of
+// runtime/noise_math.h), so the values are the host's and the CUDA kernel's, whatever the split.
 void op_gumbel(const Graph& g, int id, int ith, int nth) {
     const Tensor& dst = g[id];
     const int32_t* keys = g[dst.src[0]].as<int32_t>();
     const int32_t* elems = g[dst.src[1]].as<int32_t>();
     const int64_t n = dst.ne[0];
-    const uint32_t stream = static_cast<uint32_t>(dst.iparams[0]);
+    const NoiseStream stream = static_cast<NoiseStream>(dst.iparams[0]);
     int64_t e0, e1;
     split_range(dst.nelements(), ith, nth, e0, e1);
-    for (int64_t e = e0; e < e1; ++e) {
-        const int64_t r = e / n, i = e % n;
-        const int32_t* k = keys + 5 * r;
+    for (int64_t r = e0 / n; r * n < e1; ++r) {
+        const int64_t i0 = std::max<int64_t>(e0 - r * n, 0), i1 = std::min<int64_t>(e1 - r * n, n);
+        const uint32_t* k = reinterpret_cast<const uint32_t*>(keys + 5 * r);
         float* out = reinterpret_cast<float*>(row_ptr(dst, r));
         if (k[4] == 0) {
-            out[i] = 0.0f;
+            std::fill(out + i0, out + i1, 0.0f);
             continue;
         }
-        const uint32_t el = static_cast<uint32_t>(elems[i]);
-        uint32_t c[4] = {el >> 2, static_cast<uint32_t>(k[3]), static_cast<uint32_t>(k[2]), stream};
-        noise_math::philox4x32_10(c, static_cast<uint32_t>(k[0]), static_cast<uint32_t>(k[1]));
-        out[i] = noise_math::gumbel_of_u01(noise_math::u01_open(c[el & 3u]));
+        const NoiseKey key{static_cast<uint64_t>(k[0]) | (static_cast<uint64_t>(k[1]) << 32), k[2], k[3], stream};
+        fill_gumbel_at(key, elems + i0, static_cast<size_t>(i1 - i0), out + i0);
     }
 }
 
