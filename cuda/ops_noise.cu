@@ -23,7 +23,7 @@ __global__ void k_gumbel(TDesc dst, const int32_t* keys, const int32_t* elems, u
         if (k[4] != 0) {
             const uint32_t el = static_cast<uint32_t>(elems[i]);
             uint32_t c[4] = {el >> 2, static_cast<uint32_t>(k[3]), static_cast<uint32_t>(k[2]), stream};
-            noise_math::philox4x32_10(c, static_cast<uint32_t>(k[0]), static_cast<uint32_t>(k[1]));
+            noise_math::philox4x32(c, static_cast<uint32_t>(k[0]), static_cast<uint32_t>(k[1]));
             v = noise_math::gumbel_of_u01(noise_math::u01_open(c[el & 3u]));
         }
         reinterpret_cast<float*>(dst.row(r))[i] = v;

@@ -18,9 +18,10 @@
 namespace pyspec {
 namespace noise_math {
 
-// Philox4x32-10 of counter c under key (k0, k1), in place; round r uses key + r * Weyl.
-PYSPEC_HD void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
-    for (int r = 0; r < 10; ++r) {
+// `rounds` rounds of Philox4x32 (Salmon et al., SC'11) of counter c under key (k0, k1), in place;
+// round r uses key + r * Weyl. Ten is the standard generator.
+PYSPEC_HD void philox4x32(uint32_t c[4], uint32_t k0, uint32_t k1, int rounds = 10) {
+    for (int r = 0; r < rounds; ++r) {
         if (r > 0) {
             k0 += 0x9E3779B9u;
             k1 += 0xBB67AE85u;

@@ -16,24 +16,10 @@ namespace pyspec {
 using PhiloxCounter = std::array<uint32_t, 4>;
 using PhiloxKey = std::array<uint32_t, 2>;
 
-constexpr uint32_t kPhiloxMul0 = 0xD2511F53u;
-constexpr uint32_t kPhiloxMul1 = 0xCD9E8D57u;
-constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u;
-constexpr uint32_t kPhiloxWeyl1 = 0xBB67AE85u;
-
-// `rounds` rounds of Philox4x32; round r uses key + r * Weyl. Ten is the standard generator, the
-// known-answer tests also cover seven.
+// `rounds` rounds of Philox4x32 (runtime/noise_math.h, which the CUDA kernels share). Ten is the
+// standard generator, the known-answer tests also cover seven.
 inline PhiloxCounter philox4x32(PhiloxCounter c, PhiloxKey k, int rounds = 10) {
-    for (int r = 0; r < rounds; ++r) {
-        if (r > 0) {
-            k[0] += kPhiloxWeyl0;
-            k[1] += kPhiloxWeyl1;
-        }
-        const uint64_t prod0 = static_cast<uint64_t>(kPhiloxMul0) * c[0];
-        const uint64_t prod1 = static_cast<uint64_t>(kPhiloxMul1) * c[2];
-        c = {static_cast<uint32_t>(prod1 >> 32) ^ c[1] ^ k[0], static_cast<uint32_t>(prod1),
-             static_cast<uint32_t>(prod0 >> 32) ^ c[3] ^ k[1], static_cast<uint32_t>(prod0)};
-    }
+    noise_math::philox4x32(c.data(), k[0], k[1], rounds);
     return c;
 }
 
