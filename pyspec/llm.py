@@ -305,7 +305,7 @@ class LLM:
                 return
             ctx.kv_clear()
             t = time.perf_counter()
-            logits = ctx.decode(np.asarray(ids, dtype=np.int32)).logits[-1]
+            logits = ctx.decode(np.asarray(ids, dtype=np.int32), prompt=True).logits[-1]
             stats.prompt_seconds = time.perf_counter() - t
             while True:
                 t = time.perf_counter()
@@ -351,9 +351,10 @@ class LLM:
             # Drafting and verification only: not the time the caller held the tokens.
             stats.prompt_seconds = spec.prompt_seconds
             stats.decode_seconds = spec.draft_seconds + spec.verify_seconds
-            stats.n_decoded = spec.n_rounds
-            # Every token comes out of a round (the first round verifies at the prompt's end).
-            stats.n_decode_tokens = stats.n_generated
+            # The first token comes from the prompt's own pass (its round is prompt time), every
+            # later one out of a draft / verify round.
+            stats.n_decoded = max(0, spec.n_rounds - 1)
+            stats.n_decode_tokens = max(0, stats.n_generated - 1)
         if not stats.stop_reason:
             if max_tokens is not None and stats.n_generated >= max_tokens:
                 stats.stop_reason = "length"

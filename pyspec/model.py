@@ -223,7 +223,14 @@ class Context:
         return self._ctx.kv_cache_bytes
 
     def decode(self, tokens, positions=None, seq_ids=None, output=None,
-               layer_inputs: Iterable[int] = ()) -> DecodeResult:
+               layer_inputs: Iterable[int] = (), prompt=None) -> DecodeResult:
+        """Decodes a batch of rows (tokens at positions of sequences) into the KV cache.
+
+        output: the rows that want logits (default: the last one). prompt: the prompt rows (True:
+        every row, or one flag per row; default: the rows without logits). A backend may run
+        prompt rows on a path of their own (the GPU's tensor cores), the same for every prompt row
+        in any batch; so a prompt decoded with prompt=True gives its last token's logits from the
+        prompt pass itself. Logits come back in batch order (DecodeResult.output_rows)."""
         tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
         n = tok.shape[0]
         if n == 0:
@@ -249,8 +256,17 @@ class Context:
             out = np.ascontiguousarray(output, dtype=np.bool_).reshape(-1)
             if out.shape[0] != n:
                 raise ValueError(f"output has {out.shape[0]} entries, expected {n}")
+        if prompt is None:
+            kinds = np.zeros(0, np.uint8)
+        elif prompt is True or prompt is False:
+            kinds = np.full(n, 1 if prompt else 0, np.uint8)
+        else:
+            kinds = np.ascontiguousarray(prompt, dtype=np.bool_).reshape(-1)
+            if kinds.shape[0] != n:
+                raise ValueError(f"prompt has {kinds.shape[0]} entries, expected {n}")
+            kinds = kinds.astype(np.uint8)
         layers = [int(x) for x in layer_inputs]
-        logits, rows, inputs = self._ctx.decode(tok, pos, seq, out.astype(np.uint8), layers)
+        logits, rows, inputs = self._ctx.decode(tok, pos, seq, out.astype(np.uint8), layers, kinds)
         return DecodeResult(logits=logits, output_rows=rows, layer_inputs=dict(inputs))
 
     def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
@@ -276,7 +292,7 @@ def generate(ctx: Context, prompt_ids: Sequence[int], n_predict: int, temperatur
     rng = np.random.default_rng(seed)
     out: List[int] = []
     seqs = np.full(len(prompt), seq_id, np.int32)
-    logits = ctx.decode(prompt, seq_ids=seqs).logits[-1]
+    logits = ctx.decode(prompt, seq_ids=seqs, prompt=True).logits[-1]
     for _ in range(n_predict):
         if temperature == 0.0:
             tok = int(np.argmax(logits))

@@ -104,7 +104,9 @@ def compute_perplexity(ctx, ids: Sequence[int], n_ctx: int, n_batch: Optional[in
         rows_logits = []
         for b0 in range(0, n_ctx, n_batch):
             b1 = min(b0 + n_batch, n_ctx)
-            res = ctx.decode(chunk[b0:b1], positions=positions[b0:b1], output=scored[b0:b1])
+            # Every row is text being scored, not generated: prompt rows (the GPU's tensor cores).
+            res = ctx.decode(chunk[b0:b1], positions=positions[b0:b1], output=scored[b0:b1],
+                             prompt=True)
             if res.logits.shape[0] != int(scored[b0:b1].sum()):
                 raise RuntimeError(
                     f"decode returned {res.logits.shape[0]} logit rows, expected "

@@ -89,13 +89,13 @@ def prune_length(confidence: Sequence[float], p_min: float, mode: str = "first",
 class SpecStats:
     """Drafting and acceptance counts of one generation."""
 
-    n_rounds: int = 0            # verify passes (each emits accepted + 1 tokens)
+    n_rounds: int = 0            # target passes that emitted tokens (the prompt's, then verify
+                                 # passes): each emits accepted + 1
     draft_n: int = 0             # tokens drafted
     draft_n_accepted: int = 0    # drafted tokens kept
     drafted_at: List[int] = field(default_factory=list)   # rounds that drafted position i
     accepted_at: List[int] = field(default_factory=list)  # rounds that accepted position i
-    prompt_seconds: float = 0.0  # the prompt's prefill (all but its last token, which the
-                                 # first verify pass reads)
+    prompt_seconds: float = 0.0  # the prompt's pass (which also gives the first token)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     zero_q: int = 0              # verifier events that consistent inputs never produce
@@ -248,11 +248,22 @@ class SpeculativeGenerator:
         ctx.kv_clear()
         dctx.clear(0)
 
-        if len(prompt) > 1:
-            t = time.perf_counter()
-            self._commit(prompt[:-1], 0, len(prompt) - 1)
-            stats.prompt_seconds += time.perf_counter() - t
-        id_last, pos0, n_out = prompt[-1], len(prompt) - 1, 0
+        if max_tokens is not None and max_tokens <= 0:
+            return
+        # One pass over the prompt, every row a prompt row, the last with logits: it gives the
+        # first token, drawn as a round without drafts would draw it (the engine does the same).
+        t = time.perf_counter()
+        first = self._commit(prompt, 0, len(prompt), logits=True)
+        stats.prompt_seconds += time.perf_counter() - t
+        no_drafts = np.zeros(0, np.int32)
+        _, out, _ = self._verify(method, sampler, first, no_drafts, np.zeros((0, 0), np.float32),
+                                 len(prompt) - 1)
+        stats.add_round(0, 0)
+        id_last, pos0, n_out = int(out[0]), len(prompt), 0
+        if is_eog(id_last):
+            return
+        n_out += 1
+        yield id_last
         while max_tokens is None or n_out < max_tokens:
             if pos0 >= n_ctx:
                 return
@@ -270,12 +281,7 @@ class SpeculativeGenerator:
             batch = [id_last] + drafts.tolist()
             res = ctx.decode(batch, positions=np.arange(pos0, pos0 + len(batch)),
                              output=np.ones(len(batch), np.bool_), layer_inputs=self.layers)
-            if method == "greedy":
-                n_acc, out, events = _spec.verify_greedy(res.logits, drafts)
-            else:
-                p_rows = self._target_rows(sampler, res.logits)
-                verify = _spec.verify_rejection if method == "rejection" else _spec.verify_block
-                n_acc, out, events = verify(p_rows, q_rows, drafts, sampler.seed, pos0)
+            n_acc, out, events = self._verify(method, sampler, res.logits, drafts, q_rows, pos0)
             stats.zero_q += int(events["zero_q"])
             stats.empty_residual += int(events["empty_residual"])
             # Keep id_last and the accepted drafts in both caches; the rest never happened.
@@ -293,14 +299,26 @@ class SpeculativeGenerator:
                 yield tok
             id_last, pos0 = int(out[-1]), pos0 + n_acc + 1
 
-    def _commit(self, tokens: List[int], pos: int, n: int) -> None:
-        """Decodes committed tokens into the target and injects their features."""
-        # No logits: prompt rows throughout, as the engine prefills them (a GPU computes rows
-        # without logits on tensor cores; the last one must not be an output row here).
-        res = self.ctx.decode(tokens, positions=np.arange(pos, pos + n),
-                              output=np.zeros(n, np.bool_), layer_inputs=self.layers)
+    def _commit(self, tokens: List[int], pos: int, n: int, logits: bool = False):
+        """Decodes prompt tokens into the target as prompt rows, as the engine prefills them (a
+        GPU computes those on tensor cores), and injects their features; with logits, returns
+        the last row's ([1, n_vocab])."""
+        output = np.zeros(n, np.bool_)
+        output[-1] = logits
+        res = self.ctx.decode(tokens, positions=np.arange(pos, pos + n), output=output,
+                              layer_inputs=self.layers, prompt=True)
         feats = np.concatenate([res.layer_inputs[lid] for lid in self.layers], axis=1)
         self.drafter.context.inject(0, np.arange(pos, pos + n, dtype=np.int32), feats)
+        return res.logits
+
+    def _verify(self, method: str, sampler: Sampler, logits: np.ndarray, drafts: np.ndarray,
+                q_rows, pos0: int):
+        """(accepted, emitted tokens, events) of the target rows [id_last, drafts...]."""
+        if method == "greedy":
+            return _spec.verify_greedy(logits, drafts)
+        p_rows = self._target_rows(sampler, logits)
+        verify = _spec.verify_rejection if method == "rejection" else _spec.verify_block
+        return verify(p_rows, q_rows, drafts, sampler.seed, pos0)
 
     def _draft(self, id_last: int, pos0: int, n_draft: int, temperature: float, seed: int):
         """(drafts [γ] int32, q rows [γ, V] float32 or None at T = 0)."""

@@ -314,6 +314,30 @@ def test_kv_clear(model_dir, arch):
     assert_same_rows(decode_rows(ctx, [(1, 6, int(t1[6]))]), a1)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_marked_prompt_rows_give_logits_in_batch_order(model_dir, arch):
+    """Context.decode(prompt=...): the graph takes the prompt rows first, so rows with logits
+    leave it as [marked prompt rows, output rows]; they come back in batch order all the same,
+    each row's logits and layer inputs those of the row decoded any other way (one path here)."""
+    tm, model = tiny(model_dir, arch, "Q8_0")
+    rng = np.random.default_rng(5)
+    rows = interleaved_rows(rng, model.n_vocab, [9, 6, 4])
+    want = decode_rows(make_ctx(model, n_seq_max=3), rows, layers=[1])
+    seq, pos, tok = (np.array(c) for c in zip(*rows))
+    wants = rng.random(len(rows)) < 0.6
+    marked = rng.random(len(rows)) < 0.5
+    wants[np.flatnonzero(~marked)[0]] = wants[np.flatnonzero(marked)[-1]] = True  # both kinds
+    # an output row ahead of a marked row with logits: graph order is not batch order
+    assert any(wants[i] and not marked[i] and (wants & marked)[i + 1:].any() for i in range(len(rows)))
+    r = make_ctx(model, n_seq_max=3).decode(tok, positions=pos, seq_ids=seq, output=wants,
+                                            layer_inputs=[1], prompt=marked)
+    np.testing.assert_array_equal(r.output_rows, np.flatnonzero(wants))
+    for j, i in enumerate(r.output_rows):
+        key = (int(seq[i]), int(pos[i]))
+        np.testing.assert_array_equal(r.logits[j], want[key][0], err_msg=str(key))
+        np.testing.assert_array_equal(r.layer_inputs[1][i], want[key][1][1], err_msg=str(key))
+
+
 def test_invalid_inputs_raise_value_error(model_dir):
     tm, model = tiny(model_dir, "llama", "Q8_0")
     ctx = make_ctx(model, n_seq_max=2)
@@ -331,6 +355,7 @@ def test_invalid_inputs_raise_value_error(model_dir):
         dict(tokens=[1], positions=[0], seq_ids=[1], layer_inputs=[model.n_layer + 1]),
         dict(tokens=[1], positions=[0], seq_ids=[1], layer_inputs=[-1]),
         dict(tokens=[1, 2], positions=[0], seq_ids=[1, 1]),              # ragged arrays
+        dict(tokens=[1, 2], positions=[0, 1], seq_ids=[1, 1], prompt=[True]),
         dict(tokens=[], positions=[], seq_ids=[]),
     ]
     for kwargs in bad_calls:

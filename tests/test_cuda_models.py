@@ -388,10 +388,11 @@ def test_mixed_batches_on_the_device(model_dir, arch):
         _assert_close(got_shuffled, got[perm], 1e-2, f"{arch} shuffled")
 
 
-def _prompt_in_shuffled_chunks(ctx, prompt, other, sizes, layers, rng):
+def _prompt_in_shuffled_chunks(ctx, prompt, other, sizes, layers, rng, marked=False):
     """Decodes `prompt` (sequence 0) in chunks of `sizes` rows, each chunk shuffled with one output
-    row of sequence 1 (`other`); the prompt's last row wants logits. Returns sequence 0's layer
-    inputs by position and the logits of its last row."""
+    row of sequence 1 (`other`); the prompt's last row wants logits. marked: sequence 0's rows are
+    marked prompt rows (Context.decode's prompt=), its last one with logits too. Returns sequence
+    0's layer inputs by position and the logits of its last row."""
     n = len(prompt)
     got = {il: None for il in layers}
     last, p0 = None, 0
@@ -399,7 +400,9 @@ def _prompt_in_shuffled_chunks(ctx, prompt, other, sizes, layers, rng):
         rows = [(0, p, prompt[p], p == n - 1) for p in range(p0, p0 + size)] + [(1, o, other[o], True)]
         rows = [rows[i] for i in rng.permutation(len(rows))]
         seq, pos, tok, want_out = (np.array(c) for c in zip(*rows))
-        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want_out, layer_inputs=layers)
+        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want_out, layer_inputs=layers,
+                       prompt=(seq == 0) if marked else None)
+        assert list(r.output_rows) == sorted(r.output_rows), "logits must come back in batch order"
         for i, (s_, p_) in enumerate(zip(seq, pos)):
             if s_ == 0:
                 for il in layers:
@@ -454,6 +457,44 @@ def test_prompt_rows_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
     cores, _ = one_call(False)
     cores_as_outputs, _ = one_call(True)
     np.testing.assert_array_equal(cores[model.n_layer], cores_as_outputs[model.n_layer])
+
+
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompt_rows_with_logits_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
+    """A prompt's last row marked a prompt row (Context.decode(prompt=True)) gives its logits from
+    the prompt rows' path: the prompt pass itself yields the first token, with no second pass over
+    every weight for one output row. Its bits are its own: one call, or chunks shuffled among
+    another sequence's output rows (logits back in batch order), give the same logits and layer
+    inputs; the last row decoded as an output row instead takes the other path (close, and not
+    the same bits on a GPU), and PYSPEC_CUDA_TC=0 puts both on the CUDA cores, bit for bit."""
+    monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
+    tm, model = tiny(model_dir, arch, "F16")
+    rng = np.random.default_rng(23)
+    n = 29
+    prompt = [int(t) for t in rng.integers(0, model.n_vocab, n)]
+    other = [int(t) for t in rng.integers(0, model.n_vocab, 12)]
+    layers = [1, model.n_layer]
+    kw = dict(n_ctx=N_CTX_SEQ * 2, n_seq_max=2, n_batch=64, backend=DEVICE)
+
+    def one_call(marked):
+        r = pyspec.Context(model, **kw).decode(prompt, layer_inputs=layers, prompt=True if marked else None)
+        return r.layer_inputs, r.logits[-1]
+
+    alone, last = one_call(True)
+    got, mixed_last = _prompt_in_shuffled_chunks(pyspec.Context(model, **kw), prompt, other,
+                                                 (4, 1, 11, 8, 5), layers, rng, marked=True)
+    for il in layers:
+        np.testing.assert_array_equal(got[il], alone[il], err_msg=f"layer {il} input")
+    np.testing.assert_array_equal(mixed_last, last)
+    default, default_last = one_call(False)
+    np.testing.assert_array_equal(default[1][:-1], alone[1][:-1])  # the other prompt rows: one path
+    _assert_close(default_last, last, 2e-2, "the last row as an output row against as a prompt row")
+    if CUDA_OK and DEVICE == "cuda":
+        assert not np.array_equal(default[model.n_layer][-1], alone[model.n_layer][-1]), \
+            "the marked last row took the output rows' path"
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    np.testing.assert_array_equal(one_call(True)[1], one_call(False)[1])
 
 
 @gpu

@@ -119,12 +119,12 @@ def test_partial_prefix_equal_prompt_and_no_reuse(loaded):
     assert got[0] == fresh(loaded, p2, 12)[0]
 
     # A prompt equal to the recorded tokens: all rows but the last prompt token's are reused, and
-    # the request starts generating at once.
+    # the first step decodes that row alone and emits the first token.
     cached = list(e.cached_tokens(1))
     e.add_request(3, cached, max_tokens=9, **keep)
     assert e.stats(3)["n_cached"] == len(cached) - 1
     o = e.step()[0]
-    assert o["n_prompt_processed"] == 0 and o["tokens"]
+    assert o["n_prompt_processed"] == 1 and len(o["tokens"]) == 1
     toks = o["tokens"]
     while e.has_request(3):
         toks += e.step()[0]["tokens"]
@@ -164,9 +164,9 @@ def test_one_token_prompt_and_single_token_overlap(loaded):
 
 @pytest.mark.parametrize("when", [1, 3, 5])
 def test_cancel_leaves_a_consistent_cache(loaded, when):
-    """Cancelled while prefilling (step 1: 16 of 40 prompt rows), right after it (step 3: 39 rows,
-    nothing emitted) or while generating (step 5): the cache holds exactly the recorded tokens,
-    and a request reusing it gives the fresh output."""
+    """Cancelled while prefilling (step 1: 16 of 40 prompt rows), right after it (step 3: the
+    last 8 rows, whose last one gave the first token) or while generating (step 5): the cache
+    holds exactly the recorded tokens, and a request reusing it gives the fresh output."""
     e = engine(loaded)
     keep = dict(seq=0, keep_cache=True, reuse_cache=True)
     prompt = P1 + P1[::-1]
@@ -179,7 +179,7 @@ def test_cancel_leaves_a_consistent_cache(loaded, when):
     if when == 1:
         assert cached == prompt[:16]
     elif when == 3:
-        assert not emitted and cached == prompt[:-1]
+        assert len(emitted) == 1 and cached == prompt
     else:
         assert emitted and cached == (prompt + emitted)[:len(cached)]
         assert len(cached) >= len(prompt) + len(emitted) - 1
@@ -230,13 +230,17 @@ class _FromPosition(SpeculativeGenerator):
 
     start = 0
 
-    def _commit(self, tokens, pos, n):
-        res = self.ctx.decode(tokens, positions=np.arange(pos, pos + n), layer_inputs=self.layers)
+    def _commit(self, tokens, pos, n, logits=False):
+        output = np.zeros(n, np.bool_)
+        output[-1] = logits
+        res = self.ctx.decode(tokens, positions=np.arange(pos, pos + n), output=output,
+                              layer_inputs=self.layers, prompt=True)
         keep = np.arange(pos, pos + n) >= self.start
         if keep.any():
             feats = np.concatenate([res.layer_inputs[lid] for lid in self.layers], axis=1)
             self.drafter.context.inject(0, np.arange(pos, pos + n, dtype=np.int32)[keep],
                                         feats[keep])
+        return res.logits
 
 
 @pytest.mark.parametrize("layout", ["dflash", "dspark-bonus"])

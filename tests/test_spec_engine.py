@@ -550,21 +550,23 @@ def test_drafts_come_from_the_drafters_whole_block(pairs, layout):
     for i, prompt in enumerate(p for p in PROMPTS if len(p) > 3):
         engine = make_engine(pairs.target, pairs.drafters[layout], draft_n_max=n_max)
         engine.add_request(0, prompt, max_tokens=8)
-        first = None
+        first, emitted = None, []
         while engine.n_requests:
             for o in engine.step():
                 if first is None and o["verified"]:
                     first = list(o["verified"])
-        # The first round drafts from the rows of prompt[:-1], anchored at prompt[-1].
-        n = len(prompt) - 1
+                emitted += o["tokens"]
+        # The prompt's pass gives the first token; the first round drafts from the rows of the
+        # whole prompt, anchored at that token.
+        n = len(prompt)
         ctx.kv_clear(0)
-        _, _, inputs = ctx.decode(np.asarray(prompt[:-1], np.int32), np.arange(n, dtype=np.int32),
+        _, _, inputs = ctx.decode(np.asarray(prompt, np.int32), np.arange(n, dtype=np.int32),
                                   np.zeros(n, np.int32), np.zeros(n, np.uint8), list(dm.target_layers))
         feats = np.concatenate([np.asarray(dict(inputs)[l]) for l in dm.target_layers], axis=1)
         dc.clear(0)
         dc.inject(0, np.arange(n, dtype=np.int32), np.ascontiguousarray(feats, np.float32))
-        whole = dc.draft_logits(0, prompt[-1], n, dm.block_size)["tokens"][off:off + n_max]
-        cut = dc.draft_logits(0, prompt[-1], n, n_max + off)["tokens"][off:off + n_max]
+        whole = dc.draft_logits(0, emitted[0], n, dm.block_size)["tokens"][off:off + n_max]
+        cut = dc.draft_logits(0, emitted[0], n, n_max + off)["tokens"][off:off + n_max]
         assert first == [int(t) for t in whole], (i, first, whole)
         differs += list(whole) != list(cut)
     assert differs > 0, "the cut block drafts as the whole one here: the test cannot tell them apart"

@@ -207,7 +207,7 @@ def test_known_acceptance(pairs, anchor):
         for _ in range(n):
             expect.append(int(f[expect[-1]]))
         assert out == expect[1:]
-        rounds, pos, accepted = 0, 0, 0
+        rounds, pos, accepted = 1, 1, 0  # the prompt's pass gives the first token
         while pos < n:
             gamma = min(5, n - pos - 1)
             tau = 0
@@ -257,24 +257,38 @@ def chi2_pvalue(counts, probs):
     return float(chi2.sf(stat, len(counts) - 1))
 
 
+def _target_probs(ctx, tokens, temperature):
+    ctx.kv_clear()
+    z = ctx.decode(tokens).logits[-1].astype(np.float64) / temperature
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
 def prefix_law(ctx, prompt, temperature, n_vocab):
     """Target law of the first two generated tokens: softmax(logits / T) chained."""
-    def probs(tokens):
-        ctx.kv_clear()
-        z = ctx.decode(tokens).logits[-1].astype(np.float64) / temperature
-        e = np.exp(z - z.max())
-        return e / e.sum()
-    p1 = probs(prompt)
-    return p1, p1[:, None] * np.stack([probs(prompt + [x]) for x in range(n_vocab)])
+    p1 = _target_probs(ctx, prompt, temperature)
+    return p1, p1[:, None] * np.stack([_target_probs(ctx, prompt + [x], temperature)
+                                       for x in range(n_vocab)])
+
+
+def second_pair_law(ctx, prompt, temperature, n_vocab):
+    """Target law of the second and third generated tokens (the first marginalised out). The
+    first token comes from the prompt's own pass; these two from the first drafted round."""
+    p1, p12 = prefix_law(ctx, prompt, temperature, n_vocab)
+    p23 = np.zeros((n_vocab, n_vocab))
+    for x in range(n_vocab):
+        for y in range(n_vocab):
+            p23[y] += p12[x, y] * _target_probs(ctx, prompt + [x, y], temperature)
+    return p23
 
 
 def sample_prefixes(gen, prompt, temperature, n):
-    """First two tokens of n speculative generations with seeds 0..n-1."""
-    out = np.empty((n, 2), np.int64)
+    """First three tokens of n speculative generations with seeds 0..n-1."""
+    out = np.empty((n, 3), np.int64)
     stats = SpecStats()
     for seed in range(n):
         it = gen.tokens(prompt, SamplingParams(temperature, 0, 1.0, 0.0, seed), stats=stats)
-        out[seed] = [next(it), next(it)]
+        out[seed] = [next(it), next(it), next(it)]
         it.close()
     return out, stats
 
@@ -307,11 +321,14 @@ def test_sampling_follows_target_law(pairs, layout, verify):
     gen = generator(target, drafters[layout], draft_n_max=3, verify=verify)
     T = 1.0
     p1, p12 = prefix_law(gen.ctx, PROMPT_T, T, 8)
+    p23 = second_pair_law(gen.ctx, PROMPT_T, T, 8)
     got, stats = sample_prefixes(gen, PROMPT_T, T, N_T)
     assert stats.draft_n_accepted > 0.2 * stats.n_rounds  # drafts are accepted, not only resampled
     assert stats.draft_n_accepted <= stats.draft_n and stats.zero_q == stats.empty_residual == 0
     assert chi2_pvalue(np.bincount(got[:, 0], minlength=8), p1) > ALPHA
     assert chi2_pvalue(np.bincount(got[:, 0] * 8 + got[:, 1], minlength=64), p12) > ALPHA
+    # Tokens 2 and 3: the first drafted round's first two positions.
+    assert chi2_pvalue(np.bincount(got[:, 1] * 8 + got[:, 2], minlength=64), p23.ravel()) > ALPHA
 
 
 def test_wrong_proposal_fails_the_law(pairs, monkeypatch):
@@ -320,9 +337,9 @@ def test_wrong_proposal_fails_the_law(pairs, monkeypatch):
     target, drafters = pairs.small_vocab()
     gen = generator(target, drafters["dflash"], draft_n_max=3, verify="rejection")
     monkeypatch.setattr(gen.drafter, "context", _WrongTemperatureProposal(gen.drafter.context))
-    p1, p12 = prefix_law(gen.ctx, PROMPT_T, 1.0, 8)
-    got, _ = sample_prefixes(gen, PROMPT_T, 1.0, 1000)  # measured p ~ 1e-100 at 4000
-    assert chi2_pvalue(np.bincount(got[:, 0] * 8 + got[:, 1], minlength=64), p12) < ALPHA
+    p23 = second_pair_law(gen.ctx, PROMPT_T, 1.0, 8)
+    got, _ = sample_prefixes(gen, PROMPT_T, 1.0, 1000)
+    assert chi2_pvalue(np.bincount(got[:, 1] * 8 + got[:, 2], minlength=64), p23.ravel()) < ALPHA
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,11 +359,12 @@ def test_llm_speculates_losslessly_with_consistent_stats(pairs):
         assert st.draft_n_accepted <= st.draft_n <= 4 * st.spec.n_rounds
         assert st.n_generated == st.spec.draft_n_accepted + st.spec.n_rounds
         # The decode rate is per token, not per round.
-        assert st.n_decoded == st.spec.n_rounds and st.n_decode_tokens == st.n_generated
-        assert st.decode_tokens_per_second == pytest.approx(st.n_generated / st.decode_seconds)
+        # (the first token comes from the prompt's pass, its round counted as prompt time)
+        assert st.n_decoded == st.spec.n_rounds - 1 and st.n_decode_tokens == st.n_generated - 1
+        assert st.decode_tokens_per_second == pytest.approx((st.n_generated - 1) / st.decode_seconds)
         assert sum(st.spec.accepted_at) == st.draft_n_accepted
-        # Every round but the last drafts (the last has room for one token only).
-        assert st.spec.drafted_at[0] >= st.spec.n_rounds - 1
+        # Every round but the prompt's and the last drafts (the last has room for one token only).
+        assert st.spec.drafted_at[0] >= st.spec.n_rounds - 2
     # Sampling at T > 0 goes through rejection sampling by default and stays consistent.
     text = spec.generate("Hello", max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
     st = spec.last_stats
@@ -572,7 +590,7 @@ def test_pruning_drafts_up_to_the_first_low_confidence(pairs, monkeypatch, mode)
     stats = SpecStats()
     out = list(gen.tokens(prompt, GREEDY, max_tokens=40, stats=stats))
     assert out == plain_greedy(gen, prompt, 40)
-    assert len(rounds) == stats.n_rounds
+    assert len(rounds) == stats.n_rounds - 1  # the prompt's round drafts nothing
     drafting = [r for r in rounds if r[0] > 0]  # a round with no room drafts nothing
     assert len(drafting) == len(rec.conf)
     pruned = 0
@@ -599,13 +617,14 @@ def test_pruning_constant_confidence(pairs):
         stats = SpecStats()
         out = list(gen.tokens(prompt, GREEDY, max_tokens=30, stats=stats))
         assert out == plain_greedy(gen, prompt, 30), (p_min, mode, n_min)
-        # Every round but those near the end (room < per_round) drafts exactly per_round.
+        # Every round but the prompt's (no drafts) and those near the end (room < per_round)
+        # drafts exactly per_round.
         full = [n for n in stats.drafted_at]
         assert stats.draft_n <= per_round * stats.n_rounds
         assert len(stats.drafted_at) == per_round
         if per_round:
             # (the last rounds have less room: 30 tokens, nothing accepted)
-            assert stats.drafted_at[per_round - 1] >= stats.n_rounds - per_round, (p_min, mode, full)
+            assert stats.drafted_at[per_round - 1] >= stats.n_rounds - 1 - per_round, (p_min, mode, full)
 
 
 def test_pruning_options_are_checked(pairs):

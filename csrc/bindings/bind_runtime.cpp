@@ -25,12 +25,14 @@ py::tuple decode(Context& ctx, const py::array_t<int32_t, py::array::c_style | p
                  const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& positions,
                  const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& seq_ids,
                  const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& output,
-                 const std::vector<int>& layer_ids) {
+                 const std::vector<int>& layer_ids,
+                 const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& prompt) {
     Batch b;
     b.tokens = to_vector(tokens);
     b.positions = to_vector(positions);
     b.seq_ids = to_vector(seq_ids);
     b.output = to_vector(output);
+    b.prompt = to_vector(prompt);  // empty: the rows without logits
     DecodeOutput out;
     {
         py::gil_scoped_release release;
@@ -84,7 +86,7 @@ void bind_runtime(py::module_& m) {
              py::arg("check_plans"), py::arg("n_threads"), py::arg("kv_dtype") = "f16", py::arg("backend") = "cpu", py::keep_alive<1, 2>(),
              "backend: \"cpu\", \"cuda\" or \"cuda:N\" (a RuntimeError with the reason when CUDA cannot be used)")
         .def("decode", &decode, py::arg("tokens"), py::arg("positions"), py::arg("seq_ids"), py::arg("output"),
-             py::arg("layer_ids"))
+             py::arg("layer_ids"), py::arg("prompt") = py::array_t<uint8_t>(0))
         .def("kv_remove", [](Context& c, int32_t seq, int64_t p0, int64_t p1) { c.kv().remove(seq, p0, p1); })
         .def("kv_clear", [](Context& c, int32_t seq) { c.kv().clear(seq); })
         .def("seq_pos_max", [](Context& c, int32_t seq) {

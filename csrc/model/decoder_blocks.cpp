@@ -16,8 +16,12 @@ DecoderGraphInputs add_decoder_inputs(Graph& g, const DecoderGraphParams& p) {
     if (p.n_outputs > 0 && p.n_outputs < p.n_rows) {
         in.out_rows = g.input(DType::I32, {p.n_outputs, 1, 1, 1}, "inp_out_rows");
     }
-    if (p.n_prompt_rows < 0 || p.n_prompt_rows + p.n_outputs > p.n_rows) {
-        throw std::logic_error("decoder graph: prompt rows overlap the output rows");
+    if (p.n_prompt_rows < 0 || p.n_prompt_outputs < 0 || p.n_prompt_outputs > p.n_outputs ||
+        p.n_prompt_outputs > p.n_prompt_rows || p.n_prompt_rows - p.n_prompt_outputs + p.n_outputs > p.n_rows) {
+        throw std::logic_error("decoder graph: prompt rows and rows with logits do not fit the batch");
+    }
+    if (p.n_outputs == p.n_rows && p.n_prompt_outputs != p.n_prompt_rows) {
+        throw std::logic_error("decoder graph: every row wants logits, so every prompt row does");
     }
     in.n_prompt_rows = p.n_prompt_rows;
     return in;
@@ -73,7 +77,7 @@ void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGra
     Graph& g = dg.graph;
     if (dg.in.out_rows >= 0) x = g.get_rows(x, dg.in.out_rows);
     x = g.rms_norm(x, add_weight(g, model.output_norm), model.hparams().rms_eps);
-    dg.logits = g.mul_mat(add_weight(g, model.output), x);
+    dg.logits = g.mul_mat(add_weight(g, model.output), x, p.n_prompt_outputs);
     g.set_name(dg.logits, "logits");
     if (p.argmax) {
         dg.argmax = g.argmax(dg.logits);

@@ -21,10 +21,12 @@ struct KvCacheView {
 struct DecoderGraphParams {
     int64_t n_rows = 0;          // batch rows
     int64_t n_outputs = 0;       // rows that want logits (0: no logits computed)
-    // Rows [0, n_prompt_rows) are prompt rows: they want no logits, and their matrix products and
-    // attention may run on a path of their own (MUL_MAT's prompt columns, ATTENTION's prompt
-    // rows); 0 where the backend has none.
+    // Rows [0, n_prompt_rows) are prompt rows: their matrix products and attention may run on a
+    // path of their own (MUL_MAT's prompt columns, ATTENTION's prompt rows); 0 where the backend
+    // has none. The first n_prompt_outputs rows with logits are prompt rows (the last ones of them,
+    // a prompt's last token), so the output head takes them as its prompt columns.
     int64_t n_prompt_rows = 0;
+    int64_t n_prompt_outputs = 0;
     int64_t span = 0;            // attention span: mask columns per row
     std::vector<int> layer_ids;  // layer inputs to return (0 = embeddings, n_layer = final residual)
     // Output rows return their greedy token (ARGMAX: the first maximum) instead of logits, so a
@@ -33,6 +35,7 @@ struct DecoderGraphParams {
 
     bool operator==(const DecoderGraphParams& o) const {
         return n_rows == o.n_rows && n_outputs == o.n_outputs && n_prompt_rows == o.n_prompt_rows &&
+               n_prompt_outputs == o.n_prompt_outputs &&
                span == o.span && layer_ids == o.layer_ids && argmax == o.argmax;
     }
 };
@@ -44,7 +47,7 @@ struct DecoderGraphInputs {
     int kv_cells = -1;   // [n_rows] cache cell each row's K/V is written to
     int mask = -1;       // [span, n_rows] 0 or -inf
     int kv_base = -1;    // [n_rows] first cache cell of each row's span
-    int out_rows = -1;   // [n_outputs] rows that want logits (absent when all rows do)
+    int out_rows = -1;   // [n_outputs] rows that want logits (absent when all rows do), prompt rows first
     int64_t n_prompt_rows = 0;  // not a tensor: DecoderGraphParams::n_prompt_rows, for the MUL_MATs and ATTENTION
 };
 

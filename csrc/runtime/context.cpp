@@ -1,6 +1,7 @@
 #include "runtime/context.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <set>
@@ -39,7 +40,8 @@ void Context::validate(const Batch& b, const std::vector<int>& layer_ids) const 
     const Hparams& hp = model_.hparams();
     const size_t n = b.size();
     if (n == 0) throw std::invalid_argument("empty batch");
-    if (b.positions.size() != n || b.seq_ids.size() != n || b.output.size() != n) {
+    if (b.positions.size() != n || b.seq_ids.size() != n || b.output.size() != n ||
+        (!b.prompt.empty() && b.prompt.size() != n)) {
         throw std::invalid_argument("batch arrays must all have one entry per token");
     }
     std::set<std::pair<int32_t, int32_t>> seen;
@@ -105,23 +107,43 @@ DecodeOutput Context::decode(const Batch& batch, const std::vector<int>& layer_i
 void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::vector<int>& layer_ids,
                            DecodeOutput& out) {
     const int64_t n_rows = static_cast<int64_t>(end - begin);
-    // The graph takes the prompt rows first (those that want no logits), then the output
-    // rows, each kind in batch order: MUL_MAT's prompt columns must be its first columns. A row's
-    // result does not depend on its place in the batch (invariant 7), so only the results that
-    // come back per row (layer inputs) are put back in batch order.
+    // The graph takes the prompt rows first, then the output rows, each kind in batch order:
+    // MUL_MAT's prompt columns must be its first columns. The rows with logits are the prompt rows
+    // that want them, then the output rows (the head's prompt columns first too). A row's result
+    // does not depend on its place in the batch (invariant 7), so only the results that come back
+    // per row are put back in batch order.
+    auto is_prompt = [&b](size_t i) { return b.prompt.empty() ? !b.output[i] : b.prompt[i] != 0; };
     std::vector<size_t> order;  // graph row -> batch row
     order.reserve(static_cast<size_t>(n_rows));
+    std::vector<int32_t> out_rows;  // graph rows with logits
     int64_t max_pos = 0;
     for (size_t i = begin; i < end; ++i) {
-        if (!b.output[i]) order.push_back(i);
-        max_pos = std::max<int64_t>(max_pos, b.positions[i]);
+        if (!is_prompt(i)) continue;
+        if (b.output[i]) out_rows.push_back(static_cast<int32_t>(order.size()));
+        order.push_back(i);
     }
     const int64_t n_prompt = static_cast<int64_t>(order.size());
-    std::vector<int32_t> out_rows;  // graph rows with logits
+    const int64_t n_prompt_outputs = static_cast<int64_t>(out_rows.size());
     for (size_t i = begin; i < end; ++i) {
-        if (b.output[i]) {
-            out_rows.push_back(static_cast<int32_t>(order.size()));
-            order.push_back(i);
+        max_pos = std::max<int64_t>(max_pos, b.positions[i]);
+        if (is_prompt(i)) continue;
+        if (b.output[i]) out_rows.push_back(static_cast<int32_t>(order.size()));
+        order.push_back(i);
+    }
+    // Logits rows come back in graph order; batch order differs only when an output row precedes
+    // a prompt row with logits.
+    std::vector<size_t> logits_order;  // logits row -> its rank in batch order
+    {
+        std::vector<size_t> by_batch(out_rows.size());
+        for (size_t j = 0; j < out_rows.size(); ++j) by_batch[j] = j;
+        std::sort(by_batch.begin(), by_batch.end(), [&](size_t x, size_t y) {
+            return order[static_cast<size_t>(out_rows[x])] < order[static_cast<size_t>(out_rows[y])];
+        });
+        bool sorted = true;
+        for (size_t j = 0; j < by_batch.size(); ++j) sorted = sorted && by_batch[j] == j;
+        if (!sorted) {
+            logits_order.resize(by_batch.size());
+            for (size_t rank = 0; rank < by_batch.size(); ++rank) logits_order[by_batch[rank]] = rank;
         }
     }
     const bool reordered = n_prompt > 0 && n_prompt < n_rows;
@@ -129,6 +151,7 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
     gp.n_rows = n_rows;
     gp.n_outputs = static_cast<int64_t>(out_rows.size());
     gp.n_prompt_rows = backend_->prompt_rows_have_own_path() ? n_prompt : 0;
+    gp.n_prompt_outputs = gp.n_prompt_rows > 0 ? n_prompt_outputs : 0;
     gp.span = std::min(kv_->n_ctx_seq(), (max_pos + kSpanPadding) / kSpanPadding * kSpanPadding);
     gp.layer_ids = layer_ids;
     gp.argmax = b.argmax_only;
@@ -173,17 +196,30 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
 
         // The step's outputs come back in one read_many (one wait on a device backend).
         std::vector<Backend::ReadRequest> reads;
+        // (per-row results of `width` values, read in graph order, permuted after the read)
+        struct RowPermute {
+            void* base = nullptr;
+            size_t row_bytes = 0;
+        } permute;
+        const size_t old_rows = out.output_rows.size();
         if (dg.argmax >= 0) {
             const size_t old = out.argmax.size();
             out.argmax.resize(old + out_rows.size());
             reads.push_back({&g[dg.argmax], out.argmax.data() + old, out_rows.size() * sizeof(int32_t), 0});
-            for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(order[static_cast<size_t>(r)]));
+            permute = {out.argmax.data() + old, sizeof(int32_t)};
         } else if (dg.logits >= 0) {
             const size_t old = out.logits.size();
-            const size_t bytes = out_rows.size() * static_cast<size_t>(out.n_vocab) * sizeof(float);
+            const size_t row_bytes = static_cast<size_t>(out.n_vocab) * sizeof(float);
             out.logits.resize(old + out_rows.size() * static_cast<size_t>(out.n_vocab));
-            reads.push_back({&g[dg.logits], out.logits.data() + old, bytes, 0});
-            for (int32_t r : out_rows) out.output_rows.push_back(static_cast<int32_t>(order[static_cast<size_t>(r)]));
+            reads.push_back({&g[dg.logits], out.logits.data() + old, out_rows.size() * row_bytes, 0});
+            permute = {out.logits.data() + old, row_bytes};
+        }
+        if (dg.argmax >= 0 || dg.logits >= 0) {
+            out.output_rows.resize(old_rows + out_rows.size());
+            for (size_t j = 0; j < out_rows.size(); ++j) {
+                const size_t rank = logits_order.empty() ? j : logits_order[j];
+                out.output_rows[old_rows + rank] = static_cast<int32_t>(order[static_cast<size_t>(out_rows[j])]);
+            }
         }
         // Layer inputs: straight into place, or (rows reordered) into a buffer put in place after.
         struct Reorder {
@@ -208,6 +244,13 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
             reads.push_back({&g[li.second], reorders.back().rows.data(), count * sizeof(float), 0});
         }
         backend_->read_many(reads);
+        if (!logits_order.empty() && permute.base) {
+            auto* base = static_cast<unsigned char*>(permute.base);
+            std::vector<unsigned char> rows(base, base + out_rows.size() * permute.row_bytes);
+            for (size_t j = 0; j < out_rows.size(); ++j) {
+                std::memcpy(base + logits_order[j] * permute.row_bytes, rows.data() + j * permute.row_bytes, permute.row_bytes);
+            }
+        }
         for (const Reorder& ro : reorders) {
             for (size_t r = 0; r < order.size(); ++r) {
                 std::copy_n(ro.rows.data() + r * n_embd, n_embd, ro.dst + (order[r] - begin) * n_embd);

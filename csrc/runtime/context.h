@@ -1,8 +1,8 @@
 // A decode context: the KV cache, the backend and the planner. decode() runs a batch whose rows
 // may belong to several sequences and mix prompt chunks with single tokens; every row's result
-// equals decoding its sequence alone. A row that wants no logits is a prompt row: a backend may
-// compute those on a path of their own (Backend::prompt_rows_have_own_path), the same for every
-// prompt row wherever it sits.
+// equals decoding its sequence alone. Prompt rows (by default the rows that want no logits; a
+// batch may mark them, Batch::prompt) may run on a path of their own on a backend
+// (Backend::prompt_rows_have_own_path), the same for every prompt row wherever it sits.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +27,11 @@ struct Batch {
     std::vector<int32_t> positions;
     std::vector<int32_t> seq_ids;
     std::vector<uint8_t> output;  // nonzero: the row wants logits
+    // Empty: the rows without logits are the prompt rows. Else one entry per row, nonzero marking a
+    // prompt row, which may want logits too: a prompt's last token gives the first token's logits
+    // from the prompt pass, on the prompt rows' path, instead of a second pass over every weight
+    // for one output row. A row's kind is the caller's word about the row alone (invariant 7).
+    std::vector<uint8_t> prompt;
     // Output rows get their greedy token (DecodeOutput::argmax, the first maximum of the row, as
     // argmax_first) in place of their logits: what greedy decoding and verification need.
     bool argmax_only = false;
@@ -36,7 +41,7 @@ struct Batch {
 struct DecodeOutput {
     int64_t n_vocab = 0;
     int64_t n_embd = 0;
-    std::vector<int32_t> output_rows;  // batch rows with logits, in batch order
+    std::vector<int32_t> output_rows;  // batch rows with logits, in batch order (within each n_batch chunk)
     std::vector<float> logits;         // [output_rows.size(), n_vocab]; empty with argmax_only
     std::vector<int32_t> argmax;       // [output_rows.size()] with Batch::argmax_only
     // (layer id, [n_rows, n_embd]) for every requested layer input, rows in batch order

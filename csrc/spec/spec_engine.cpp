@@ -153,7 +153,7 @@ void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, co
     r.drafting = drafter_ != nullptr && params.draft;
     r.history = prompt;
     // Prompt cache: keep the rows of the common prefix with what a pinned sequence recorded, but
-    // never the last prompt token's (the first verify row decodes it and gives the first logits).
+    // never the last prompt token's (its row is decoded again: its pass gives the first logits).
     std::vector<int32_t>& cached = cached_[static_cast<size_t>(r.seq)];
     int64_t n_keep = 0;
     if (params.reuse_cache && params.seq >= 0) {
@@ -167,12 +167,6 @@ void SpecEngine::add_request(uint64_t id, const std::vector<int32_t>& prompt, co
     cached.clear();
     r.n_prefilled = n_keep;
     r.stats.n_cached = n_keep;
-    if (n_keep == static_cast<int64_t>(prompt.size()) - 1) {  // nothing left to prefill
-        r.generating = true;
-        r.needs_draft = r.drafting;
-        r.id_last = prompt.back();
-        r.pos0 = n_keep;
-    }
     *free_seq = 1;
     requests_.emplace(id, std::move(r));
 }
@@ -213,8 +207,8 @@ void SpecEngine::release(Request& r) {
         // stop id or max_tokens may cut it inside the last round; rows past it go.
         int64_t n_rows = r.generating ? r.pos0 : r.n_prefilled;
         // Where prompt rows have a path of their own (the GPU's tensor cores), the rows decoded
-        // as output rows (the last prompt token's, the committed tokens') hold other bits than a
-        // fresh request's prefill would give them: only the prefilled prompt rows are kept.
+        // as output rows (the committed tokens') hold other bits than a fresh request's prefill
+        // would give them: only the prompt rows are kept.
         if (ctx_->prompt_rows_have_own_path()) n_rows = std::min(n_rows, r.n_prefilled);
         const int64_t n = std::min<int64_t>(n_rows, static_cast<int64_t>(r.history.size()));
         ctx_->kv().remove(r.seq, n, -1);
@@ -431,6 +425,56 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
     }
 }
 
+VerifyResult SpecEngine::verify_rows(Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
+                                     std::vector<float>& processed) const {
+    // Row j is what the request would sample from after committing drafts[0..j).
+    const int gamma = static_cast<int>(r.drafts.size());
+    if (argmax_only) return verify_greedy_ids(out.argmax.data() + first, n_vocab_, r.drafts.data(), gamma);
+    const float* logits = out.logits.data() + first * n_vocab_;
+    const float* rows = logits;
+    const LogitProcessing& lp = r.params.processing;
+    if (lp.active()) {
+        processed.assign(logits, logits + static_cast<int64_t>(gamma + 1) * n_vocab_);
+        for (int j = 0; j <= gamma; ++j) {
+            apply_logit_processing(lp, r.history, r.drafts.data(), j, processed.data() + j * n_vocab_, n_vocab_);
+        }
+        rows = processed.data();
+    }
+    if (r.params.temperature <= 0.0) return verify_greedy(ProbRows{rows, gamma + 1, n_vocab_}, r.drafts.data(), gamma);
+    const std::vector<float> p = target_law(rows, gamma + 1, n_vocab_, r.params);
+    return verify(r.params.method, ProbRows{p.data(), gamma + 1, n_vocab_}, ProbRows{r.q.data(), gamma, n_vocab_},
+                  r.drafts.data(), gamma, r.params.seed, static_cast<uint32_t>(r.pos0));
+}
+
+void SpecEngine::emit(Request& r, const VerifyResult& vr, const float* logits, StepOutput& so) {
+    for (size_t k = 0; k < vr.tokens.size(); ++k) {
+        const int32_t tok = vr.tokens[k];
+        r.history.push_back(tok);
+        if (std::find(r.params.stop_ids.begin(), r.params.stop_ids.end(), tok) != r.params.stop_ids.end()) {
+            so.finished = true;
+            so.stop_reason = "stop";
+            so.stop_token = tok;
+            break;
+        }
+        so.tokens.push_back(tok);
+        if (r.params.n_probs > 0) {
+            so.probs.push_back(token_logprobs(logits + static_cast<int64_t>(k) * n_vocab_, n_vocab_, tok, r.params.n_probs));
+        }
+        ++r.n_out;
+        if (r.params.max_tokens > 0 && r.n_out >= r.params.max_tokens) {
+            so.finished = true;
+            so.stop_reason = "length";
+            break;
+        }
+    }
+    r.id_last = vr.tokens.back();
+    r.pos0 += vr.accepted + 1;
+    if (!so.finished && r.pos0 >= ctx_->n_ctx_seq()) {
+        so.finished = true;
+        so.stop_reason = "context";
+    }
+}
+
 std::vector<StepOutput> SpecEngine::step() {
     // Who runs (see the header): drafting requests up to one per drafter slot, holders first, then
     // least recently scheduled; the requests that do not draft always run.
@@ -508,13 +552,16 @@ std::vector<StepOutput> SpecEngine::step() {
         if (grant(r)) r->last_step = step_;
         Span sp{batch.size(), 0};
         if (!r->generating) {
-            const int64_t n_prompt = static_cast<int64_t>(r->prompt.size()) - 1;
+            // Prompt rows, every one of them (the last one with logits when this chunk ends the
+            // prompt): one pass over the weights gives the first token.
+            const int64_t n_prompt = static_cast<int64_t>(r->prompt.size());
             const int64_t n = std::min(params_.prefill_chunk, n_prompt - r->n_prefilled);
             for (int64_t i = 0; i < n; ++i) {
                 batch.tokens.push_back(r->prompt[static_cast<size_t>(r->n_prefilled + i)]);
                 batch.positions.push_back(static_cast<int32_t>(r->n_prefilled + i));
                 batch.seq_ids.push_back(r->seq);
-                batch.output.push_back(0);
+                batch.output.push_back(r->n_prefilled + i == n_prompt - 1 ? 1 : 0);
+                batch.prompt.push_back(1);
             }
             sp.n = static_cast<size_t>(n);
         } else {
@@ -525,6 +572,7 @@ std::vector<StepOutput> SpecEngine::step() {
                 batch.positions.push_back(static_cast<int32_t>(r->pos0 + static_cast<int64_t>(i)));
                 batch.seq_ids.push_back(r->seq);
                 batch.output.push_back(1);
+                batch.prompt.push_back(0);
             }
         }
         span_of.emplace(r->id, sp);
@@ -534,8 +582,10 @@ std::vector<StepOutput> SpecEngine::step() {
     // n ids cross from the backend instead of n x n_vocab floats (on a GPU with a large
     // vocabulary, the copy is a large part of a step). Same tokens: ARGMAX is argmax_first's first
     // maximum; only a row holding NaN, which argmax_first refuses, is not reported here.
-    batch.argmax_only = std::all_of(run.begin(), run.end(), [](const Request* r) {
-        return !r->generating ||
+    batch.argmax_only = std::all_of(run.begin(), run.end(), [&span_of](const Request* r) {
+        const bool wants_logits =
+            r->generating || r->n_prefilled + static_cast<int64_t>(span_of.at(r->id).n) == static_cast<int64_t>(r->prompt.size());
+        return !wants_logits ||
                (r->params.temperature <= 0.0 && !r->params.processing.active() && r->params.n_probs == 0);
     });
     DecodeOutput out;
@@ -557,37 +607,24 @@ std::vector<StepOutput> SpecEngine::step() {
             if (r->drafting) commit_rows(*r, out, sp.row0, r->n_prefilled, sp.n);
             r->n_prefilled += static_cast<int64_t>(sp.n);
             so.n_prompt_processed = static_cast<int64_t>(sp.n);
-            if (r->n_prefilled == static_cast<int64_t>(r->prompt.size()) - 1) {
+            if (r->n_prefilled == static_cast<int64_t>(r->prompt.size())) {
+                // The prompt's last row gave the first token's logits: the first token is drawn
+                // as a round without drafts would draw it (same key, position of id_last), and
+                // the request generates from there.
                 r->generating = true;
                 r->id_last = r->prompt.back();
-                r->pos0 = r->n_prefilled;
+                r->pos0 = r->n_prefilled - 1;
+                const size_t last = sp.row0 + sp.n - 1;
+                const VerifyResult vr = verify_rows(*r, out, logits_row[last], batch.argmax_only, processed);
+                ++r->stats.n_rounds;  // a round without drafts: tokens = accepted drafts + rounds
+                emit(*r, vr, batch.argmax_only ? nullptr : out.logits.data() + logits_row[last] * n_vocab_, so);
                 // Without a slot there is no block to verify next: draft one once a slot comes.
-                if (r->drafting && !grant(r)) r->needs_draft = true;
+                if (r->drafting && !grant(r) && !so.finished) r->needs_draft = true;
             }
         } else {
             const int gamma = static_cast<int>(r->drafts.size());
             so.verified = r->drafts;
-            const float* logits = batch.argmax_only ? nullptr : out.logits.data() + logits_row[sp.row0] * n_vocab_;
-            // Row j is what the request would sample from after committing drafts[0..j).
-            const float* rows = logits;
-            const LogitProcessing& lp = r->params.processing;
-            if (lp.active()) {
-                processed.assign(logits, logits + static_cast<int64_t>(gamma + 1) * n_vocab_);
-                for (int j = 0; j <= gamma; ++j) {
-                    apply_logit_processing(lp, r->history, r->drafts.data(), j, processed.data() + j * n_vocab_, n_vocab_);
-                }
-                rows = processed.data();
-            }
-            VerifyResult vr;
-            if (batch.argmax_only) {
-                vr = verify_greedy_ids(out.argmax.data() + logits_row[sp.row0], n_vocab_, r->drafts.data(), gamma);
-            } else if (r->params.temperature <= 0.0) {
-                vr = verify_greedy(ProbRows{rows, gamma + 1, n_vocab_}, r->drafts.data(), gamma);
-            } else {
-                const std::vector<float> p = target_law(rows, gamma + 1, n_vocab_, r->params);
-                vr = verify(r->params.method, ProbRows{p.data(), gamma + 1, n_vocab_}, ProbRows{r->q.data(), gamma, n_vocab_},
-                            r->drafts.data(), gamma, r->params.seed, static_cast<uint32_t>(r->pos0));
-            }
+            const VerifyResult vr = verify_rows(*r, out, logits_row[sp.row0], batch.argmax_only, processed);
             const int tau = vr.accepted;
             RequestStats& st = r->stats;
             ++st.n_rounds;
@@ -613,32 +650,7 @@ std::vector<StepOutput> SpecEngine::step() {
             r->drafts.clear();
             r->q.clear();
             r->ngram_drafts = false;
-            for (size_t k = 0; k < vr.tokens.size(); ++k) {
-                const int32_t tok = vr.tokens[k];
-                r->history.push_back(tok);
-                if (std::find(r->params.stop_ids.begin(), r->params.stop_ids.end(), tok) != r->params.stop_ids.end()) {
-                    so.finished = true;
-                    so.stop_reason = "stop";
-                    so.stop_token = tok;
-                    break;
-                }
-                so.tokens.push_back(tok);
-                if (r->params.n_probs > 0) {
-                    so.probs.push_back(token_logprobs(logits + static_cast<int64_t>(k) * n_vocab_, n_vocab_, tok, r->params.n_probs));
-                }
-                ++r->n_out;
-                if (r->params.max_tokens > 0 && r->n_out >= r->params.max_tokens) {
-                    so.finished = true;
-                    so.stop_reason = "length";
-                    break;
-                }
-            }
-            r->id_last = vr.tokens.back();
-            r->pos0 += tau + 1;
-            if (!so.finished && r->pos0 >= ctx_->n_ctx_seq()) {
-                so.finished = true;
-                so.stop_reason = "context";
-            }
+            emit(*r, vr, batch.argmax_only ? nullptr : out.logits.data() + logits_row[sp.row0] * n_vocab_, so);
         }
         if (!so.finished) {
             // The lookup goes first (llama-server's precedence); the drafter drafts when it finds

@@ -1,7 +1,8 @@
 // The speculative step over many requests (design.md data flow; invariants 3, 4 and 7). One
 // step() runs ONE target decode over every scheduled request -- prompt chunks of prefilling
 // requests and verify rows [id_last, drafts...] of generating ones, each tagged with the request's
-// own target sequence -- then per request: stages its committed rows' layer inputs into its
+// own target sequence; a prompt's rows are all prompt rows, the last one with the logits of the
+// request's first token, so one pass over the weights prefills and starts it -- then per request: stages its committed rows' layer inputs into its
 // drafter slot, verifies, accepts, rolls back the rejected target rows, and finally drafts the
 // next block of every drafting request (one DraftContext::draft call per request).
 //
@@ -29,11 +30,11 @@
 // sequence's KV rows in place when it ends and the engine records the tokens they hold -- prompt
 // and committed output, positions 0..n-1 (the last emitted token has no row yet). The next
 // request pinned to that sequence with reuse_cache keeps the rows of the longest common prefix of
-// its prompt and those tokens, but never the last prompt token's (the first verify row decodes
-// it), removes the rest and prefills from there. Kept rows equal recomputed ones bit for bit
+// its prompt and those tokens, but never the last prompt token's (its row gives the first token's
+// logits), removes the rest and prefills from there. Kept rows equal recomputed ones bit for bit
 // (batch invariance), so the output is what a fresh request gives. Where the backend computes
-// prompt rows on a path of their own (Backend::prompt_rows_have_own_path), only the prefilled
-// prompt rows are kept: the others were decoded as output rows, with other bits. The drafter keeps nothing
+// prompt rows on a path of their own (Backend::prompt_rows_have_own_path), only the prompt rows
+// are kept: the others were decoded as output rows, with other bits. The drafter keeps nothing
 // (the drafter slot is cleared when a request ends): the reusing request's drafter context
 // starts with the rows it decodes itself, which only weakens its first drafts.
 //
@@ -113,7 +114,7 @@ struct RequestParams {
 };
 
 struct RequestStats {
-    int64_t n_rounds = 0;          // verify passes
+    int64_t n_rounds = 0;          // target passes that emitted tokens (the prompt's last, then verify passes)
     int64_t draft_n = 0;           // tokens drafted (and verified)
     int64_t draft_n_accepted = 0;  // drafted tokens kept
     std::vector<int64_t> drafted_at;   // rounds that drafted block position i
@@ -217,11 +218,11 @@ private:
         RequestParams params;
         std::vector<int32_t> prompt;
         int32_t seq = -1;
-        int64_t n_prefilled = 0;  // prompt[:-1] rows decoded so far
-        bool generating = false;  // prefill done: rounds of draft / verify
+        int64_t n_prefilled = 0;  // prompt rows decoded so far
+        bool generating = false;  // prefill done (its last row gave the first token): draft / verify rounds
         bool paused = false;
-        bool needs_draft = false; // generating without a drafted block yet (one-token prompt, or
-                                  // a prompt prefilled while no drafter slot was free)
+        bool needs_draft = false; // generating without a drafted block yet (a prompt prefilled
+                                  // while no drafter slot was free)
         bool drafting = false;    // drafts (a drafter is loaded, the request wants it, not stopped)
         bool inject_failure = false;
         std::vector<int32_t> history;  // prompt + emitted tokens (the penalties' window)
@@ -243,6 +244,13 @@ private:
     Request& get(uint64_t id);
     const Request& get(uint64_t id) const;
     void commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n);
+    // Verifies r's drafts (none after its prompt pass) against the target's rows for [id_last,
+    // drafts...], which start at logits (or ARGMAX) row `first`.
+    VerifyResult verify_rows(Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
+                             std::vector<float>& processed) const;
+    // Emits what a verification gave: history, stop ids, log-probabilities, max_tokens; id_last and
+    // pos0 move past the accepted tokens; a full context finishes r.
+    void emit(Request& r, const VerifyResult& vr, const float* logits, StepOutput& so);
     // Stages r's waiting feature rows into its slot (restoring a parked state first); a failure
     // stops r's drafting instead of escaping.
     void stage(Request& r, SlotGrant& grant);
