@@ -101,7 +101,9 @@ def bench_pp(model, ids, repeats):
 
     def run():
         ctx.kv_clear()
-        ctx.decode(ids)   # returns host logits: synchronised
+        # Every row a prompt row, the last with logits, as the engine prefills (returns host
+        # logits: synchronised).
+        ctx.decode(ids, prompt=True)
     t, _ = best_of(run, repeats)
     return n / t
 
@@ -242,11 +244,11 @@ def profile_steps(model, ids, n_gen: int, n_prompt: int, top: int = 12) -> dict:
         if run is None:
             pctx = pyspec.Context(model, n_ctx=max(1024, 2 * n_prompt), n_seq_max=1,
                                   n_batch=n_prompt)
-            pctx.decode(ids[:n_prompt])
+            pctx.decode(ids[:n_prompt], prompt=True)
 
             def run(pctx=pctx):
                 pctx.kv_clear()
-                pctx.decode(ids[:n_prompt])
+                pctx.decode(ids[:n_prompt], prompt=True)
             c = pctx._ctx
         else:
             c = ctx._ctx

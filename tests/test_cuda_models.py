@@ -593,8 +593,9 @@ def test_prompt_attention_on_tensor_cores_in_a_model(model_dir, monkeypatch, arc
 @gpu
 def test_prompt_cache_reuse_equals_fresh_on_the_device(pairs):
     """The engine's prompt cache on the GPU: a second turn reusing the first's cached rows gives
-    the tokens of a fresh request. With the prompt rows' own path only the first turn's prefilled
-    prompt rows can be reused (its output rows hold other bits); on the CPU every row can."""
+    the tokens of a fresh request. With the prompt rows' own path only the first turn's prompt
+    rows can be reused, its last included (its output rows hold other bits); on the CPU every row
+    can."""
     target, e, _ = _known_engine(pairs, DEVICE, n_seq_max=2, n_slots=2)
     keep = dict(seq=0, keep_cache=True, reuse_cache=True, verify="greedy")
     p1 = [3, 17, 29, 3, 3, 100, 101, 102, 7, 40, 41, 42, 43, 44, 45, 46, 9, 9, 12, 13]
@@ -616,7 +617,7 @@ def test_prompt_cache_reuse_equals_fresh_on_the_device(pairs):
     assert st_fresh["n_cached"] == 0
     assert got == want
     own_path = CUDA_OK and DEVICE == "cuda" and os.environ.get("PYSPEC_CUDA_TC") is None
-    assert st["n_cached"] == (len(p1) - 1 if own_path else len(p1) + 5)
+    assert st["n_cached"] == (len(p1) if own_path else len(p1) + 5)
 
 
 def _known_engine(pairs, backend, n_seq_max=1, n_slots=1, **kw):

@@ -375,7 +375,7 @@ class Scheduler:
         if toks or o["finished"]:
             if task.t_prompt is None:
                 task.t_prompt = now
-                # The last prompt token is decoded with the first verify row.
+                # The prompt's last pass gave the first token: every uncached row is done.
                 task.n_prompt_done = len(task.req.prompt_ids) - task.n_cached
             task.t_last = now
         if task.handle.cancelled:

@@ -42,7 +42,7 @@ def run_step(path: str, step: str, gpu: bool = True, context: int = 64) -> None:
 
         def once():
             ctx.kv_clear()
-            ctx.decode(ids)
+            ctx.decode(ids, prompt=True)  # as the engine prefills: every row a prompt row
     elif step == "par64":
         n = 64
         ctx = pyspec.Context(model, n_ctx=160 * n, n_seq_max=n, n_batch=512)
@@ -59,7 +59,7 @@ def run_step(path: str, step: str, gpu: bool = True, context: int = 64) -> None:
         # with logits; the drafts' rows are dropped after it as rejected ones would be.
         ctx = pyspec.Context(model, n_ctx=max(1024, context + 64), n_seq_max=1, n_batch=512)
         for p0 in range(0, context, 512):
-            ctx.decode(ids[p0:min(context, p0 + 512)])
+            ctx.decode(ids[p0:min(context, p0 + 512)], prompt=True)
 
         def once():
             ctx.decode([11, 12, 13], positions=np.arange(context, context + 3, dtype=np.int32),
@@ -68,7 +68,7 @@ def run_step(path: str, step: str, gpu: bool = True, context: int = 64) -> None:
     else:
         ctx = pyspec.Context(model, n_ctx=max(1024, context + 64), n_seq_max=1, n_batch=512)
         for p0 in range(0, context, 512):     # the prompt, in batches
-            ctx.decode(ids[p0:min(context, p0 + 512)])
+            ctx.decode(ids[p0:min(context, p0 + 512)], prompt=True)
         state = {"tok": 11}
 
         def once():
