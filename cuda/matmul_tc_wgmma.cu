@@ -14,7 +14,7 @@
 // read in place, are arranged on their way to shared memory by 8-byte copies.
 //
 // The kernel. A block of two warpgroups takes 128 weight rows (64 each: the wgmma's M) by BN
-// activation columns (its N, 64 or 128), a ring of kStages stages of 64 values of K: the weights'
+// activation columns (its N, 64, 96 or 128), a ring of kStages stages of 64 values of K: the weights'
 // 128 rows x 128 bytes and the activations' BN rows x 128 bytes, each row's 16-byte units swizzled
 // by the 128-byte pattern wgmma's descriptors name (unit u of row r at u ^ (r % 8)). All 256
 // threads copy (cp.async), then each warpgroup runs a stage's four k16 steps (two where the last
@@ -64,6 +64,19 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
                  : "l"(a), "l"(b))
+#define PYSPEC_WGMMA_M64N96K16(TY)                                                          \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32." TY "." TY " {"                     \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"  \
+                 "}, %48, %49, p, 1, 1, 0, 0;\n}\n"                                  \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) \
+                 : "l"(a), "l"(b))
 #define PYSPEC_WGMMA_M64N128K16(TY)                                                          \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                     \
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
@@ -83,9 +96,11 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
 
 template <bool kBF16, int N>
 __device__ __forceinline__ void wgmma_step(float (&d)[N / 2], uint64_t a, uint64_t b) {
-    static_assert(N == 64 || N == 128, "the widths this file instantiates");
+    static_assert(N == 64 || N == 96 || N == 128, "the widths this file instantiates");
     if constexpr (N == 64) {
         if constexpr (kBF16) PYSPEC_WGMMA_M64N64K16("bf16"); else PYSPEC_WGMMA_M64N64K16("f16");
+    } else if constexpr (N == 96) {
+        if constexpr (kBF16) PYSPEC_WGMMA_M64N96K16("bf16"); else PYSPEC_WGMMA_M64N96K16("f16");
     } else {
         if constexpr (kBF16) PYSPEC_WGMMA_M64N128K16("bf16"); else PYSPEC_WGMMA_M64N128K16("f16");
     }
@@ -322,17 +337,20 @@ struct WgmmaConfig {
 // SMs active 69% of the time, 2 warps per scheduler issuing every 2.4 cycles, the tensor pipes far
 // from busy; the bound is feeding shared memory by cp.async (TMA cannot arrange the in-place
 // weights' 8-byte pieces).
+//   M: 2 warpgroups, 128 x 96, 4 stages, 113 KB: one block per SM, for grids L leaves short of a
+//      wave: Qwen3-4B's o and down (2560 rows) at M = 512 are 80 blocks of L for 132 SMs, 120 of M.
 template <bool kBF16, bool kArrangedA>
 struct WgmmaConfigs {
     using L = WgmmaConfig<kBF16, 2, 128, 4, kArrangedA, 1>;
+    using M = WgmmaConfig<kBF16, 2, 96, 4, kArrangedA, 1>;
     using S = WgmmaConfig<kBF16, 2, 64, 4, kArrangedA, 2>;
 };
 
-// PYSPEC_CUDA_WGMMA_CFG=L or S forces a configuration (measurements); by default the one whose
-// last wave ends first.
+// PYSPEC_CUDA_WGMMA_CFG=L, M or S forces a configuration (measurements); by default the one whose
+// last wave ends first (L on ties, then S).
 char forced_config() {
     const char* v = std::getenv("PYSPEC_CUDA_WGMMA_CFG");
-    return v && (v[0] == 'L' || v[0] == 'S') ? v[0] : 0;
+    return v && (v[0] == 'L' || v[0] == 'M' || v[0] == 'S') ? v[0] : 0;
 }
 
 template <bool kBF16, bool kArrangedA>
@@ -340,8 +358,13 @@ void wgmma_choose(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, 
                   const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s) {
     using C = WgmmaConfigs<kBF16, kArrangedA>;
     char pick_cfg = forced_config();
-    if (!pick_cfg) pick_cfg = C::L::cost(parts, n_parts, r0, r1, m, 1.0) <= C::S::cost(parts, n_parts, r0, r1, m, 1.0) ? 'L' : 'S';
+    if (!pick_cfg) {
+        const double l = C::L::cost(parts, n_parts, r0, r1, m, 1.0), sc = C::S::cost(parts, n_parts, r0, r1, m, 1.0),
+                     mc = C::M::cost(parts, n_parts, r0, r1, m, 1.0);
+        pick_cfg = l <= sc && l <= mc ? 'L' : sc <= mc ? 'S' : 'M';
+    }
     if (pick_cfg == 'S') return C::S::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::S::kRows), k, xh, m, ws, s);
+    if (pick_cfg == 'M') return C::M::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::M::kRows), k, xh, m, ws, s);
     C::L::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::L::kRows), k, xh, m, ws, s);
 }
 

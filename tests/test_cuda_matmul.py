@@ -342,12 +342,12 @@ WGMMA = bool(getattr(core, "cuda_wgmma_gemm", lambda: False)())
 
 @real_gpu
 @pytest.mark.skipif(not WGMMA, reason="the wide tensor-core MUL_MAT does not run on wgmma here (Hopper, sm_90a)")
-@pytest.mark.parametrize("cfg", ["L", "S"])
+@pytest.mark.parametrize("cfg", ["L", "M", "S"])
 @pytest.mark.parametrize("k", [200, 576, 2560])
 @pytest.mark.parametrize("dtype", [d for d in ALL_W if d != "F32"])  # F32 never takes the tensor cores
 def test_wgmma_gemm_gives_the_mma_sync_bits(dtype, k, cfg, monkeypatch):
     """The wide tensor-core MUL_MAT on wgmma (cuda/matmul_tc_wgmma.cu) gives every output the bits of
-    the mma.sync GEMM (PYSPEC_CUDA_WGMMA=0), in both launch configurations (forced by
+    the mma.sync GEMM (PYSPEC_CUDA_WGMMA=0), in every launch configuration (forced by
     PYSPEC_CUDA_WGMMA_CFG: by default such small matrices stay on mma.sync): K split over blocks
     (M = 17, 64: 3 row tiles leave the GPU idle) and not (M = 130, 600), partial row and column
     tiles, a last stage of one 32-value tile (K = 576) and a partial one (K = 200, float weights),
