@@ -2,8 +2,10 @@
 
 The loop (docs/reference/dflash-dspark.md §4, verification.md §0-§1):
 
-    prefill the target with prompt[:-1], collecting the layer inputs the drafter reads;
-    inject those feature rows into the drafter; id_last = prompt[-1] at pos0 = len(prompt) - 1
+    decode the whole prompt into the target as prompt rows, collecting the layer inputs the
+    drafter reads; its last row's logits give the first token, drawn as a round without drafts
+    draws it (the same keys); inject the prompt's feature rows into the drafter;
+    id_last = the first token at pos0 = len(prompt)
     each round:
         draft d_1..d_γ from the block [id_last, MASK, ...] at pos0        (one drafter pass)
         decode [id_last, d_1..d_γ] at pos0..pos0+γ in the target           (one target pass)
@@ -11,8 +13,9 @@ The loop (docs/reference/dflash-dspark.md §4, verification.md §0-§1):
         roll back the target rows after pos0 + τ; inject the committed rows' features
         id_last = the last emitted token; pos0 += τ + 1
 
-The last prompt token is decoded by the first round, so even the first generated token goes
-through verification.
+One pass over the weights turns the prompt into its first token, as in plain decoding (the
+engine, csrc/spec/spec_engine.h, does the same); on a GPU every prompt row, the last included,
+runs on the prompt rows' path (Context.decode(prompt=True)).
 
 Randomness (T > 0) is keyed, never stateful: drafts are drawn by Gumbel-max from
 (seed, offset = pos0, position = the drafted token's position, stream = draft), and the verifier
