@@ -347,7 +347,7 @@ struct WgmmaConfigs {
 };
 
 // PYSPEC_CUDA_WGMMA_CFG=L, M or S forces a configuration (measurements); by default the one whose
-// last wave ends first (L on ties, then S).
+// last wave ends first (L on ties, then S), M left out with PYSPEC_CUDA_WGMMA_M=0 (A/B runs).
 char forced_config() {
     const char* v = std::getenv("PYSPEC_CUDA_WGMMA_CFG");
     return v && (v[0] == 'L' || v[0] == 'M' || v[0] == 'S') ? v[0] : 0;
@@ -360,7 +360,7 @@ void wgmma_choose(const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, 
     char pick_cfg = forced_config();
     if (!pick_cfg) {
         const double l = C::L::cost(parts, n_parts, r0, r1, m, 1.0), sc = C::S::cost(parts, n_parts, r0, r1, m, 1.0),
-                     mc = C::M::cost(parts, n_parts, r0, r1, m, 1.0);
+                     mc = env_switch("PYSPEC_CUDA_WGMMA_M") != 0 ? C::M::cost(parts, n_parts, r0, r1, m, 1.0) : 1e300;
         pick_cfg = l <= sc && l <= mc ? 'L' : sc <= mc ? 'S' : 'M';
     }
     if (pick_cfg == 'S') return C::S::run(wide_parts(parts, n_parts, r0, r1, a, ars, C::S::kRows), k, xh, m, ws, s);

@@ -102,6 +102,8 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_matmul.py::test_mul_mat[tensor_cores-F16-64-n257k2048]"
              "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-576-L]"
              "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[Q4_1-2560-S]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[BF16-2560-M]"
+             "tests/test_cuda_models.py::test_prompt_rows_with_logits_keep_their_bits_in_any_batch[qwen3]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]")
   for tool in memcheck racecheck; do
