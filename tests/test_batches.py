@@ -361,6 +361,10 @@ def test_invalid_inputs_raise_value_error(model_dir):
     for kwargs in bad_calls:
         with pytest.raises(ValueError):
             ctx.decode(**kwargs)
+    # The core checks the prompt flags' length itself (a caller of pyspec._core directly).
+    with pytest.raises(ValueError, match="one entry per token"):
+        ctx._ctx.decode(np.array([1, 2], np.int32), np.array([0, 1], np.int32), np.array([1, 1], np.int32),
+                        np.array([1, 1], np.uint8), [], np.array([1, 0, 1], np.uint8))
     # Nothing of a rejected batch reached the cache: seq 1 is empty, seq 0 as it was.
     assert (ctx.seq_pos_max(0), ctx.seq_pos_max(1)) == (4, -1)
 
