@@ -800,6 +800,19 @@ def test_gumbel_is_the_hosts_noise(rows, n):
             assert np.array_equal(gumbel_run(keys, elems, stream, threads), want), (stream, threads)
 
 
+def test_vectorised_noise_is_the_scalar_noise_for_every_uniform():
+    """The host's noise takes its logarithms many lanes at a time (runtime/noise_simd.h, AVX-512 or
+    AVX2 where built for them): every one of the 2^23 uniforms the noise can draw, (2k + 1) 2^-24,
+    gets the scalar function's bits, so the CPU, the GPU and the verifier's own draws agree."""
+    u = ((2 * np.arange(1 << 23, dtype=np.int64) + 1) * 2.0 ** -24).astype(np.float32)
+    assert u[0] > 0 and u[-1] < 1 and len(np.unique(u)) == 1 << 23
+    got = core.spec.gumbel_of_u01(u)
+    want = core.spec.gumbel_of_u01(u, scalar=True)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # odd lengths leave a scalar tail
+    assert np.array_equal(core.spec.gumbel_of_u01(u[5:16]), want[5:16])
+
+
 def test_gumbel_logs_are_correctly_rounded():
     """The noise's logarithms (runtime/noise_math.h, IEEE double operations only, so the CUDA
     kernel computes the same bits) round like a correctly rounded float log: 2M draws against

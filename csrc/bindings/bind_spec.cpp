@@ -129,6 +129,22 @@ void bind_spec(py::module_& parent) {
         py::arg("stream") = static_cast<int>(NoiseStream::Draft),
         "Gumbel noise -log(-log(u)) of the same uniforms, float32.");
     m.def(
+        "gumbel_of_u01",
+        [](const FloatArray& u, bool scalar) {
+            if (u.ndim() != 1) throw std::invalid_argument("expected a 1-D array of uniforms");
+            py::array_t<float> out(u.size());
+            const size_t n = static_cast<size_t>(u.size());
+            if (scalar) {
+                for (size_t i = 0; i < n; ++i) out.mutable_data()[i] = gumbel_from_u01(u.data()[i]);
+            } else {
+                gumbel_of_uniforms(u.data(), out.mutable_data(), n);
+            }
+            return out;
+        },
+        py::arg("u"), py::arg("scalar") = false,
+        "-log(-log(u)) of uniforms in (0, 1) as the noise computes it: the host's vectorised path, or "
+        "with scalar=True one value at a time (the same bits).");
+    m.def(
         "gumbel_max",
         [](const FloatArray& logits, float temperature, uint64_t seed, uint32_t offset, uint32_t position, int stream) {
             const float* l = row_of(logits, "logits");

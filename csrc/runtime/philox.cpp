@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "runtime/noise_simd.h"
+
 namespace pyspec {
 
 namespace {
@@ -24,7 +26,12 @@ void fill_uniforms(const NoiseKey& key, float* out, size_t n) {
     fill_noise(key, out, n, [](float u) { return u; });
 }
 
-void fill_gumbel(const NoiseKey& key, float* out, size_t n) { fill_noise(key, out, n, gumbel_from_u01); }
+// The uniforms first, then their logarithms many lanes at a time (runtime/noise_simd.h: the
+// scalar gumbel_from_u01's bits).
+void fill_gumbel(const NoiseKey& key, float* out, size_t n) {
+    fill_uniforms(key, out, n);
+    noise_simd::gumbel_of_u01_n(out, out, n);
+}
 
 void fill_gumbel_at(const NoiseKey& key, const int32_t* ids, size_t n, float* out) {
     PhiloxCounter block{};
@@ -36,8 +43,11 @@ void fill_gumbel_at(const NoiseKey& key, const int32_t* ids, size_t n, float* ou
             block = noise_block(key, static_cast<uint32_t>(b));
             have = b;
         }
-        out[i] = gumbel_from_u01(u01_open(block[static_cast<size_t>(ids[i] & 3)]));
+        out[i] = u01_open(block[static_cast<size_t>(ids[i] & 3)]);
     }
+    noise_simd::gumbel_of_u01_n(out, out, n);
 }
+
+void gumbel_of_uniforms(const float* u, float* out, size_t n) { noise_simd::gumbel_of_u01_n(u, out, n); }
 
 }  // namespace pyspec

@@ -65,5 +65,7 @@ void fill_gumbel(const NoiseKey& key, float* out, size_t n);
 // a subset of a long vector (a drafter's 8k draft ids of a 49k vocabulary) without drawing the
 // rest. Consecutive ids in one block share its Philox call.
 void fill_gumbel_at(const NoiseKey& key, const int32_t* ids, size_t n, float* out);
+// gumbel_from_u01 of n uniforms (the host's vectorised path; out may be u).
+void gumbel_of_uniforms(const float* u, float* out, size_t n);
 
 }  // namespace pyspec

@@ -25,11 +25,17 @@ void softmax_scatter(const float* z, size_t vd, const std::vector<int32_t>& d2t,
         }
         m = std::max(m, static_cast<double>(z[d]));
     }
+    // Each exponential once (kept for the division): the same values as computing it twice.
+    thread_local std::vector<double> e;
+    e.resize(vd);
     double sum = 0.0;
-    for (size_t d = 0; d < vd; ++d) sum += std::exp(static_cast<double>(z[d]) - m);
+    for (size_t d = 0; d < vd; ++d) {
+        e[d] = std::exp(static_cast<double>(z[d]) - m);
+        sum += e[d];
+    }
     for (size_t d = 0; d < vd; ++d) {
         const size_t t = d2t.empty() ? d : static_cast<size_t>(d2t[d]);
-        out[t] = static_cast<float>(std::exp(static_cast<double>(z[d]) - m) / sum);
+        out[t] = static_cast<float>(e[d] / sum);
     }
 }
 
