@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "runtime/noise_math.h"
 
@@ -18,63 +19,82 @@
 namespace pyspec {
 namespace noise_simd {
 
+// The lanes' operations, one set per instruction width: F floats, I their int32 bits, D doubles.
 #if defined(__AVX512F__)
-constexpr size_t kLanes = 8;
-
-inline __m256 log_lanes(__m256 x) {
-    const __m256i ix = _mm256_castps_si256(x);
-    const __m256i e = _mm256_srai_epi32(_mm256_sub_epi32(ix, _mm256_set1_epi32(0x3F3504F3)), 23);
-    const __m256 m = _mm256_castsi256_ps(_mm256_sub_epi32(ix, _mm256_slli_epi32(e, 23)));
-    const __m512d f = _mm512_sub_pd(_mm512_cvtps_pd(m), _mm512_set1_pd(1.0));
-    const __m512d s = _mm512_div_pd(f, _mm512_add_pd(_mm512_set1_pd(2.0), f));
-    const __m512d z = _mm512_mul_pd(s, s);
-    __m512d p = _mm512_set1_pd(1.0 / 19.0);
-    p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / 17.0));
-    p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / 15.0));
-    p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / 13.0));
-    p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / 11.0));
-    p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / 9.0));
-    p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / 7.0));
-    p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / 5.0));
-    p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / 3.0));
-    const __m512d two_s = _mm512_add_pd(s, s);
-    const __m512d log_m = _mm512_fmadd_pd(_mm512_mul_pd(two_s, z), p, two_s);
-    return _mm512_cvtpd_ps(_mm512_fmadd_pd(_mm512_cvtepi32_pd(e), _mm512_set1_pd(0.69314718055994530942), log_m));
-}
-
-inline void gumbel_lanes(const float* u, float* out) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 inner = _mm256_xor_ps(log_lanes(_mm256_loadu_ps(u)), sign);   // -log(u)
-    _mm256_storeu_ps(out, _mm256_xor_ps(log_lanes(inner), sign));              // -log(-log(u))
-}
+struct Lanes {
+    static constexpr size_t n = 8;
+    using F = __m256;
+    using I = __m256i;
+    using D = __m512d;
+    static F load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+    static F negate(F x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
+    static I bits(F x) { return _mm256_castps_si256(x); }
+    static F from_bits(I x) { return _mm256_castsi256_ps(x); }
+    static I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }
+    static I set_i(int32_t v) { return _mm256_set1_epi32(v); }
+    static I sra_23(I x) { return _mm256_srai_epi32(x, 23); }
+    static I sll_23(I x) { return _mm256_slli_epi32(x, 23); }
+    static D widen(F x) { return _mm512_cvtps_pd(x); }
+    static D from_int(I x) { return _mm512_cvtepi32_pd(x); }
+    static F narrow(D x) { return _mm512_cvtpd_ps(x); }
+    static D set(double v) { return _mm512_set1_pd(v); }
+    static D add(D a, D b) { return _mm512_add_pd(a, b); }
+    static D sub(D a, D b) { return _mm512_sub_pd(a, b); }
+    static D mul(D a, D b) { return _mm512_mul_pd(a, b); }
+    static D div(D a, D b) { return _mm512_div_pd(a, b); }
+    static D fma(D a, D b, D c) { return _mm512_fmadd_pd(a, b, c); }
+};
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr size_t kLanes = 4;
+struct Lanes {
+    static constexpr size_t n = 4;
+    using F = __m128;
+    using I = __m128i;
+    using D = __m256d;
+    static F load(const float* p) { return _mm_loadu_ps(p); }
+    static void store(float* p, F x) { _mm_storeu_ps(p, x); }
+    static F negate(F x) { return _mm_xor_ps(x, _mm_set1_ps(-0.0f)); }
+    static I bits(F x) { return _mm_castps_si128(x); }
+    static F from_bits(I x) { return _mm_castsi128_ps(x); }
+    static I sub_i(I a, I b) { return _mm_sub_epi32(a, b); }
+    static I set_i(int32_t v) { return _mm_set1_epi32(v); }
+    static I sra_23(I x) { return _mm_srai_epi32(x, 23); }
+    static I sll_23(I x) { return _mm_slli_epi32(x, 23); }
+    static D widen(F x) { return _mm256_cvtps_pd(x); }
+    static D from_int(I x) { return _mm256_cvtepi32_pd(x); }
+    static F narrow(D x) { return _mm256_cvtpd_ps(x); }
+    static D set(double v) { return _mm256_set1_pd(v); }
+    static D add(D a, D b) { return _mm256_add_pd(a, b); }
+    static D sub(D a, D b) { return _mm256_sub_pd(a, b); }
+    static D mul(D a, D b) { return _mm256_mul_pd(a, b); }
+    static D div(D a, D b) { return _mm256_div_pd(a, b); }
+    static D fma(D a, D b, D c) { return _mm256_fmadd_pd(a, b, c); }
+};
+#endif
 
-inline __m128 log_lanes(__m128 x) {
-    const __m128i ix = _mm_castps_si128(x);
-    const __m128i e = _mm_srai_epi32(_mm_sub_epi32(ix, _mm_set1_epi32(0x3F3504F3)), 23);
-    const __m128 m = _mm_castsi128_ps(_mm_sub_epi32(ix, _mm_slli_epi32(e, 23)));
-    const __m256d f = _mm256_sub_pd(_mm256_cvtps_pd(m), _mm256_set1_pd(1.0));
-    const __m256d s = _mm256_div_pd(f, _mm256_add_pd(_mm256_set1_pd(2.0), f));
-    const __m256d z = _mm256_mul_pd(s, s);
-    __m256d p = _mm256_set1_pd(1.0 / 19.0);
-    p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / 17.0));
-    p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / 15.0));
-    p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / 13.0));
-    p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / 11.0));
-    p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / 9.0));
-    p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / 7.0));
-    p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / 5.0));
-    p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / 3.0));
-    const __m256d two_s = _mm256_add_pd(s, s);
-    const __m256d log_m = _mm256_fmadd_pd(_mm256_mul_pd(two_s, z), p, two_s);
-    return _mm256_cvtpd_ps(_mm256_fmadd_pd(_mm256_cvtepi32_pd(e), _mm256_set1_pd(0.69314718055994530942), log_m));
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr size_t kLanes = Lanes::n;
+
+// noise_math::noise_log, lane by lane (its steps, in its order).
+inline Lanes::F log_lanes(Lanes::F x) {
+    using L = Lanes;
+    const L::I ix = L::bits(x);
+    const L::I e = L::sra_23(L::sub_i(ix, L::set_i(0x3F3504F3)));
+    const L::F m = L::from_bits(L::sub_i(ix, L::sll_23(e)));
+    const L::D f = L::sub(L::widen(m), L::set(1.0));
+    const L::D s = L::div(f, L::add(L::set(2.0), f));
+    const L::D z = L::mul(s, s);
+    static constexpr double kSeries[] = {1.0 / 17.0, 1.0 / 15.0, 1.0 / 13.0, 1.0 / 11.0,
+                                         1.0 / 9.0,  1.0 / 7.0,  1.0 / 5.0,  1.0 / 3.0};
+    L::D p = L::set(1.0 / 19.0);
+    for (const double c : kSeries) p = L::fma(p, z, L::set(c));
+    const L::D two_s = L::add(s, s);
+    const L::D log_m = L::fma(L::mul(two_s, z), p, two_s);
+    return L::narrow(L::fma(L::from_int(e), L::set(0.69314718055994530942), log_m));
 }
 
 inline void gumbel_lanes(const float* u, float* out) {
-    const __m128 sign = _mm_set1_ps(-0.0f);
-    const __m128 inner = _mm_xor_ps(log_lanes(_mm_loadu_ps(u)), sign);
-    _mm_storeu_ps(out, _mm_xor_ps(log_lanes(inner), sign));
+    Lanes::store(out, Lanes::negate(log_lanes(Lanes::negate(log_lanes(Lanes::load(u))))));  // -log(-log(u))
 }
 #else
 constexpr size_t kLanes = 1;
