@@ -388,6 +388,17 @@ def test_mixed_batches_on_the_device(model_dir, arch):
         _assert_close(got_shuffled, got[perm], 1e-2, f"{arch} shuffled")
 
 
+def _prompt_case(model_dir, arch, seed, n):
+    """A tiny F16 model, an n-token prompt (sequence 0), 12 tokens of another sequence, the layer
+    inputs to compare and the context's settings."""
+    tm, model = tiny(model_dir, arch, "F16")
+    rng = np.random.default_rng(seed)
+    prompt = [int(t) for t in rng.integers(0, model.n_vocab, n)]
+    other = [int(t) for t in rng.integers(0, model.n_vocab, 12)]
+    kw = dict(n_ctx=N_CTX_SEQ * 2, n_seq_max=2, n_batch=64, backend=DEVICE)
+    return model, rng, prompt, other, [1, model.n_layer], kw
+
+
 def _prompt_in_shuffled_chunks(ctx, prompt, other, sizes, layers, rng, marked=False):
     """Decodes `prompt` (sequence 0) in chunks of `sizes` rows, each chunk shuffled with one output
     row of sequence 1 (`other`); the prompt's last row wants logits. marked: sequence 0's rows are
@@ -426,13 +437,8 @@ def test_prompt_rows_keep_their_bits_in_any_batch(model_dir, arch, monkeypatch):
     output rows take the other path: close, and the same bits once PYSPEC_CUDA_TC=0 puts every row
     on the CUDA cores."""
     monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
-    tm, model = tiny(model_dir, arch, "F16")
-    rng = np.random.default_rng(21)
-    n = 37
-    prompt = [int(t) for t in rng.integers(0, model.n_vocab, n)]
-    other = [int(t) for t in rng.integers(0, model.n_vocab, 12)]
-    layers = [1, model.n_layer]
-    kw = dict(n_ctx=N_CTX_SEQ * 2, n_seq_max=2, n_batch=64, backend=DEVICE)
+    model, rng, prompt, other, layers, kw = _prompt_case(model_dir, arch, seed=21, n=37)
+    n = len(prompt)
 
     def one_call(outputs):
         ctx = pyspec.Context(model, **kw)
@@ -469,13 +475,7 @@ def test_prompt_rows_with_logits_keep_their_bits_in_any_batch(model_dir, arch, m
     inputs; the last row decoded as an output row instead takes the other path (close, and not
     the same bits on a GPU), and PYSPEC_CUDA_TC=0 puts both on the CUDA cores, bit for bit."""
     monkeypatch.delenv("PYSPEC_CUDA_TC", raising=False)
-    tm, model = tiny(model_dir, arch, "F16")
-    rng = np.random.default_rng(23)
-    n = 29
-    prompt = [int(t) for t in rng.integers(0, model.n_vocab, n)]
-    other = [int(t) for t in rng.integers(0, model.n_vocab, 12)]
-    layers = [1, model.n_layer]
-    kw = dict(n_ctx=N_CTX_SEQ * 2, n_seq_max=2, n_batch=64, backend=DEVICE)
+    model, rng, prompt, other, layers, kw = _prompt_case(model_dir, arch, seed=23, n=29)
 
     def one_call(marked):
         r = pyspec.Context(model, **kw).decode(prompt, layer_inputs=layers, prompt=True if marked else None)
