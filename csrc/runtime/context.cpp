@@ -196,7 +196,7 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
 
         // The step's outputs come back in one read_many (one wait on a device backend).
         std::vector<Backend::ReadRequest> reads;
-        // (per-row results of `width` values, read in graph order, permuted after the read)
+        // The logits (or ARGMAX) rows are read in graph order and put in batch order after it.
         struct RowPermute {
             void* base = nullptr;
             size_t row_bytes = 0;
