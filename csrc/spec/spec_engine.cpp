@@ -425,7 +425,7 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
     }
 }
 
-VerifyResult SpecEngine::verify_rows(Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
+VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
                                      std::vector<float>& processed) const {
     // Row j is what the request would sample from after committing drafts[0..j).
     const int gamma = static_cast<int>(r.drafts.size());
@@ -446,7 +446,9 @@ VerifyResult SpecEngine::verify_rows(Request& r, const DecodeOutput& out, int64_
                   r.drafts.data(), gamma, r.params.seed, static_cast<uint32_t>(r.pos0));
 }
 
-void SpecEngine::emit(Request& r, const VerifyResult& vr, const float* logits, StepOutput& so) {
+void SpecEngine::emit(Request& r, const VerifyResult& vr, const DecodeOutput& out, int64_t first, StepOutput& so) {
+    // (an argmax-only step has no logits, and then no request asks for log-probabilities)
+    const float* logits = out.logits.empty() ? nullptr : out.logits.data() + first * n_vocab_;
     for (size_t k = 0; k < vr.tokens.size(); ++k) {
         const int32_t tok = vr.tokens[k];
         r.history.push_back(tok);
@@ -617,7 +619,7 @@ std::vector<StepOutput> SpecEngine::step() {
                 const size_t last = sp.row0 + sp.n - 1;
                 const VerifyResult vr = verify_rows(*r, out, logits_row[last], batch.argmax_only, processed);
                 ++r->stats.n_rounds;  // a round without drafts: tokens = accepted drafts + rounds
-                emit(*r, vr, batch.argmax_only ? nullptr : out.logits.data() + logits_row[last] * n_vocab_, so);
+                emit(*r, vr, out, logits_row[last], so);
                 // Without a slot there is no block to verify next: draft one once a slot comes.
                 if (r->drafting && !grant(r) && !so.finished) r->needs_draft = true;
             }
@@ -650,7 +652,7 @@ std::vector<StepOutput> SpecEngine::step() {
             r->drafts.clear();
             r->q.clear();
             r->ngram_drafts = false;
-            emit(*r, vr, batch.argmax_only ? nullptr : out.logits.data() + logits_row[sp.row0] * n_vocab_, so);
+            emit(*r, vr, out, logits_row[sp.row0], so);
         }
         if (!so.finished) {
             // The lookup goes first (llama-server's precedence); the drafter drafts when it finds

@@ -246,11 +246,12 @@ private:
     void commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n);
     // Verifies r's drafts (none after its prompt pass) against the target's rows for [id_last,
     // drafts...], which start at logits (or ARGMAX) row `first`.
-    VerifyResult verify_rows(Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
+    VerifyResult verify_rows(const Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
                              std::vector<float>& processed) const;
-    // Emits what a verification gave: history, stop ids, log-probabilities, max_tokens; id_last and
-    // pos0 move past the accepted tokens; a full context finishes r.
-    void emit(Request& r, const VerifyResult& vr, const float* logits, StepOutput& so);
+    // Emits what a verification of the rows from logits row `first` gave: history, stop ids,
+    // log-probabilities, max_tokens; id_last and pos0 move past the accepted tokens; a full
+    // context finishes r.
+    void emit(Request& r, const VerifyResult& vr, const DecodeOutput& out, int64_t first, StepOutput& so);
     // Stages r's waiting feature rows into its slot (restoring a parked state first); a failure
     // stops r's drafting instead of escaping.
     void stage(Request& r, SlotGrant& grant);
