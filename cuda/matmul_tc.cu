@@ -356,32 +356,46 @@ __global__ void __launch_bounds__(256) k_wide_split_sum(WideParts p, int bn, int
 
 // ---- the operands as halves ------------------------------------------------------------------
 
-// Stores the 8 halves of values 8 i .. 8 i + 7 of a row: in order, or arranged (each half of the
-// 8 where arranged_index puts it: 4 consecutive halves each).
-template <bool kArranged>
+// The layouts the GEMMs read their converted operands in: in order (the mma.sync GEMM), arranged
+// (the cp.async-fed wgmma GEMM: arranged_index) or in slot order (the TMA-fed wgmma GEMM's
+// activations: pair pp of a 32-value tile at k slot tile_slot(pp)).
+enum class Halves { InOrder, Arranged, Slots };
+
+// Stores the 8 halves of values 8 i .. 8 i + 7 of a row in layout L (lo: values 8 i .. 8 i + 3).
+template <Halves L>
 __device__ __forceinline__ void store_halves8(uint16_t* out, int64_t i, uint2 lo, uint2 hi) {
-    if constexpr (kArranged) {
+    if constexpr (L == Halves::Arranged) {
         *reinterpret_cast<uint2*>(out + arranged_index(8 * i)) = lo;
         *reinterpret_cast<uint2*>(out + arranged_index(8 * i + 4)) = hi;
+    } else if constexpr (L == Halves::Slots) {
+        uint16_t* tile = out + (i >> 2) * 32;
+        const int q = static_cast<int>(i & 3);  // pairs 4q .. 4q + 3 of the tile
+        *reinterpret_cast<uint32_t*>(tile + tile_slot(4 * q)) = lo.x;
+        *reinterpret_cast<uint32_t*>(tile + tile_slot(4 * q + 1)) = lo.y;
+        *reinterpret_cast<uint32_t*>(tile + tile_slot(4 * q + 2)) = hi.x;
+        *reinterpret_cast<uint32_t*>(tile + tile_slot(4 * q + 3)) = hi.y;
     } else {
         *reinterpret_cast<uint4*>(out + 8 * i) = make_uint4(lo.x, lo.y, hi.x, hi.y);
     }
 }
 
 // Activation column c as the mma's halves: x_pair_halves of each value pair, the rounding every
-// kernel applies; at xh[c * k ..] in order (the mma.sync GEMM), or arranged at
-// xh[c * arranged_pitch(k) ..] with a zero tail (the wgmma GEMM). Block c of the grid = column c.
-template <DType T, bool kArranged>
+// kernel applies; at xh[c * k ..] in order (the mma.sync GEMM), or in the wgmma GEMMs' layouts at
+// xh[c * arranged_pitch(k) ..] with a zero tail. Blocks (c, 0 ..) of the grid = column c, each
+// a share of its 8-value pieces: with one block a column, a prompt pass's 512 columns kept an SM
+// a quarter full of threads (5.2 us to convert 512 x 2560 values on the H200).
+template <DType T, Halves L>
 __global__ void __launch_bounds__(128) k_wide_x_halves(const float* __restrict__ x, int64_t xs, bool vec, int64_t k,
                                                        uint16_t* __restrict__ xh) {
     pdl_enter();
-    const int64_t pitch = kArranged ? arranged_pitch(k) : k;
+    const int64_t pitch = L == Halves::InOrder ? k : arranged_pitch(k);
     const float* col = x + static_cast<int64_t>(blockIdx.x) * xs;
     uint16_t* out = xh + static_cast<int64_t>(blockIdx.x) * pitch;
-    for (int64_t i = threadIdx.x; i < pitch / 8; i += blockDim.x) {
+    const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.y;
+    for (int64_t i = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pitch / 8; i += step) {
         const bool in_k = 8 * i < k;  // K % 8 == 0
         const float4 lo = load_x4(col, 8 * i, in_k, vec), hi = load_x4(col, 8 * i + 4, in_k, vec);
-        store_halves8<kArranged>(out, i, x_halves<T>(lo), x_halves<T>(hi));
+        store_halves8<L>(out, i, x_halves<T>(lo), x_halves<T>(hi));
     }
 }
 
@@ -395,7 +409,7 @@ struct WideSrc {
 
 // Block-type weight rows as the halves the mma reads (w_halves, the conversion every kernel
 // uses), row r at wh[r * k ..], in order or arranged (K % 32 == 0). Block r of the grid = row r.
-template <DType T, bool kArranged>
+template <DType T, Halves L>
 __global__ void __launch_bounds__(128) k_wide_w_halves(WideSrc src, int64_t k, uint16_t* __restrict__ wh) {
     pdl_enter();
     const int64_t r = blockIdx.x;
@@ -407,7 +421,7 @@ __global__ void __launch_bounds__(128) k_wide_w_halves(WideSrc src, int64_t k, u
     for (int64_t i = threadIdx.x; i < k / 8; i += blockDim.x) {
         const WRaw raw = load_w<T>(row, i, true, false);
         const uint4 h = w_halves<T>(raw, static_cast<int>(i & 3));
-        store_halves8<kArranged>(out, i, make_uint2(h.x, h.y), make_uint2(h.z, h.w));
+        store_halves8<L>(out, i, make_uint2(h.x, h.y), make_uint2(h.z, h.w));
     }
 }
 
@@ -498,12 +512,16 @@ void wide_typed(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, c
     constexpr bool kBF16 = T == DType::BF16;
     uint16_t* xh = ws.halves;
     const bool x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && xs % 4 == 0;
-    // The wgmma GEMM where the GPU has it (the same bits; cuda/matmul_tc_wgmma.cu), its operands arranged.
-    const bool wg = wgmma_gemm_suits(parts, n_parts, rows, k, m);
-    if (wg) {
-        launch(k_wide_x_halves<T, true>, dim3(static_cast<unsigned>(m)), 128, 0, s, x, xs, x_vec, k, xh);
+    // The wgmma GEMM where the GPU has it (the same bits; cuda/matmul_tc_wgmma.cu), fed by TMA where
+    // it can be (its activations in slot order, cuda/matmul_tc_tma.cu), else by cp.async (arranged).
+    const bool wg = wgmma_gemm_suits(parts, n_parts, rows, k, m), tma = wg && wgmma_tma_ready();
+    const dim3 cols(static_cast<unsigned>(m), static_cast<unsigned>(std::min<int64_t>(8, (arranged_pitch(k) / 8 + 127) / 128)));
+    if (tma) {
+        launch(k_wide_x_halves<T, Halves::Slots>, cols, 128, 0, s, x, xs, x_vec, k, xh);
+    } else if (wg) {
+        launch(k_wide_x_halves<T, Halves::Arranged>, cols, 128, 0, s, x, xs, x_vec, k, xh);
     } else {
-        launch(k_wide_x_halves<T, false>, dim3(static_cast<unsigned>(m)), 128, 0, s, x, xs, x_vec, k, xh);
+        launch(k_wide_x_halves<T, Halves::InOrder>, cols, 128, 0, s, x, xs, x_vec, k, xh);
     }
     auto gemm = [&](int64_t r0, int64_t r1, const char* a, int64_t ars) {
         if (wg) return wgmma_gemm(kBF16, parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
@@ -536,10 +554,11 @@ void wide_typed(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, c
                 }
                 base += nr;
             }
-            if (wg) {
-                launch(k_wide_w_halves<T, true>, dim3(static_cast<unsigned>(r1 - r0)), 128, 0, s, src, k, wh);
+            const dim3 rws(static_cast<unsigned>(r1 - r0));
+            if (wg && !tma) {
+                launch(k_wide_w_halves<T, Halves::Arranged>, rws, 128, 0, s, src, k, wh);
             } else {
-                launch(k_wide_w_halves<T, false>, dim3(static_cast<unsigned>(r1 - r0)), 128, 0, s, src, k, wh);
+                launch(k_wide_w_halves<T, Halves::InOrder>, rws, 128, 0, s, src, k, wh);
             }
             gemm(r0, r1, reinterpret_cast<const char*>(wh), k * 2);
         }

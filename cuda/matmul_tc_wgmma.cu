@@ -1,5 +1,7 @@
-// The wide tensor-core GEMM on Hopper's wgmma (sm_90a): the same outputs, bit for bit, as the
-// mma.sync GEMM of cuda/matmul_tc.cu, which stays for other GPUs and for PYSPEC_CUDA_WGMMA=0.
+// The wide tensor-core GEMM on Hopper's wgmma (sm_90a), fed by cp.async: the same outputs, bit for
+// bit, as the mma.sync GEMM of cuda/matmul_tc.cu, which stays for other GPUs and for
+// PYSPEC_CUDA_WGMMA=0. The TMA-fed GEMM (cuda/matmul_tc_tma.cu) takes its calls where the driver
+// makes tensor maps and PYSPEC_CUDA_WGMMA_TMA is not 0; this one serves the rest.
 //
 // Why the bits are the same. The fixed order (cuda/matmul_tc.cu) is: per output, chunks of 16
 // products (chunk 0 of a 32-value tile holds values 8q .. 8q + 3, chunk 1 values 8q + 4 .. 8q + 7,
@@ -29,6 +31,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/launch.cuh"
 #include "cuda/matmul_tc_wide.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -36,84 +39,10 @@ namespace tc {
 
 namespace {
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define PYSPEC_HAS_WGMMA 1
-#endif
-
 constexpr int kGK = 64;                           // k per stage: two 32-value tiles, four chunks
 constexpr int kGRow = kGK * 2;                    // bytes of a row per stage (one 128-byte swizzle row)
 constexpr int kGSegStages = kSegChunks * 16 / kGK;  // stages per K segment (8)
 static_assert(kSegChunks * 16 % kGK == 0, "a segment is whole stages");
-
-// wgmma's shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row
-// groups 1024 bytes apart (the leading offset is unused in this layout).
-__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
-    return static_cast<uint64_t>((addr >> 4) & 0x3fffu) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-           (uint64_t{1} << 62);
-}
-
-#ifdef PYSPEC_HAS_WGMMA
-// D += A B over one k16 step: A 64 weight rows, B N activation columns, both from shared memory.
-#define PYSPEC_WGMMA_M64N64K16(TY)                                                          \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                     \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"  \
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                  \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-                 : "l"(a), "l"(b))
-#define PYSPEC_WGMMA_M64N96K16(TY)                                                          \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32." TY "." TY " {"                     \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"  \
-                 "}, %48, %49, p, 1, 1, 0, 0;\n}\n"                                  \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) \
-                 : "l"(a), "l"(b))
-#define PYSPEC_WGMMA_M64N128K16(TY)                                                          \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                     \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"  \
-                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                  \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-                 : "l"(a), "l"(b))
-
-template <bool kBF16, int N>
-__device__ __forceinline__ void wgmma_step(float (&d)[N / 2], uint64_t a, uint64_t b) {
-    static_assert(N == 64 || N == 96 || N == 128, "the widths this file instantiates");
-    if constexpr (N == 64) {
-        if constexpr (kBF16) PYSPEC_WGMMA_M64N64K16("bf16"); else PYSPEC_WGMMA_M64N64K16("f16");
-    } else if constexpr (N == 96) {
-        if constexpr (kBF16) PYSPEC_WGMMA_M64N96K16("bf16"); else PYSPEC_WGMMA_M64N96K16("f16");
-    } else {
-        if constexpr (kBF16) PYSPEC_WGMMA_M64N128K16("bf16"); else PYSPEC_WGMMA_M64N128K16("f16");
-    }
-}
-#endif  // PYSPEC_HAS_WGMMA
-
-// Keeps the compiler from moving accesses to the accumulators across an in-flight wgmma (whose
-// writes it cannot see).
-template <int N>
-__device__ __forceinline__ void fence_operands(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 extern __shared__ unsigned char wgmma_smem[];
 
@@ -407,6 +336,7 @@ bool wgmma_gemm_ready() {
 
 void wgmma_gemm(bool bf16, const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars,
                 int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s) {
+    if (wgmma_tma_ready()) return wgmma_tma_gemm(bf16, forced_config(), parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
     if (bf16) {
         if (a) return wgmma_choose<true, true>(parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);
         return wgmma_choose<true, false>(parts, n_parts, r0, r1, a, ars, k, xh, m, ws, s);

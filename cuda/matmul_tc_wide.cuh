@@ -122,9 +122,17 @@ bool wgmma_gemm_ready();
 // run faster on the mma.sync GEMM's smaller tiles; the bits are the same either way), or where
 // PYSPEC_CUDA_WGMMA_CFG forces a configuration.
 bool wgmma_gemm_suits(const MatmulPart* parts, int n_parts, int64_t rows, int64_t k, int64_t m);
-// Rows [r0, r1) of a group over m activation columns xh (arranged, arranged_pitch(k) halves each):
-// weight rows from a (arranged halves, ars bytes apart) where a is not null, else in place (F16 or
-// BF16 rows, 16-byte aligned).
+// The wgmma GEMM fed by TMA (cuda/matmul_tc_tma.cu): where wgmma_gemm_ready(), the driver makes
+// tensor maps and PYSPEC_CUDA_WGMMA_TMA is not 0 (read at each call). Its activations are stored in
+// slot order (xh: pair pp of each 32-value tile at k slot tile_slot(pp)), block-type weights
+// dequantized in order; wgmma_gemm runs it where it is ready. forced: a configuration letter or 0.
+bool wgmma_tma_ready();
+void wgmma_tma_gemm(bool bf16, char forced, const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a,
+                    int64_t ars, int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s);
+// Rows [r0, r1) of a group over m activation columns xh (arranged_pitch(k) halves each): weight
+// rows from a (halves, ars bytes apart) where a is not null, else in place (F16 or BF16 rows,
+// 16-byte aligned). On the TMA-fed GEMM where wgmma_tma_ready() (xh in slot order, a's rows in
+// order), else on the cp.async-fed one (xh and a's rows arranged).
 void wgmma_gemm(bool bf16, const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a, int64_t ars,
                 int64_t k, const uint16_t* xh, int64_t m, const SplitScratch& ws, cudaStream_t s);
 

@@ -342,11 +342,13 @@ WGMMA = bool(getattr(core, "cuda_wgmma_gemm", lambda: False)())
 
 @real_gpu
 @pytest.mark.skipif(not WGMMA, reason="the wide tensor-core MUL_MAT does not run on wgmma here (Hopper, sm_90a)")
+@pytest.mark.parametrize("feed", ["tma", "cp.async"])
 @pytest.mark.parametrize("cfg", ["L", "M", "S"])
 @pytest.mark.parametrize("k", [200, 576, 2560])
 @pytest.mark.parametrize("dtype", [d for d in ALL_W if d != "F32"])  # F32 never takes the tensor cores
-def test_wgmma_gemm_gives_the_mma_sync_bits(dtype, k, cfg, monkeypatch):
-    """The wide tensor-core MUL_MAT on wgmma (cuda/matmul_tc_wgmma.cu) gives every output the bits of
+def test_wgmma_gemm_gives_the_mma_sync_bits(dtype, k, cfg, feed, monkeypatch):
+    """The wide tensor-core MUL_MAT on wgmma, fed by TMA (cuda/matmul_tc_tma.cu) or by cp.async
+    (cuda/matmul_tc_wgmma.cu, PYSPEC_CUDA_WGMMA_TMA=0), gives every output the bits of
     the mma.sync GEMM (PYSPEC_CUDA_WGMMA=0), in every launch configuration (forced by
     PYSPEC_CUDA_WGMMA_CFG: by default such small matrices stay on mma.sync): K split over blocks
     (M = 17, 64: 3 row tiles leave the GPU idle) and not (M = 130, 600), partial row and column
@@ -364,8 +366,10 @@ def test_wgmma_gemm_gives_the_mma_sync_bits(dtype, k, cfg, monkeypatch):
         (ref,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
         monkeypatch.delenv("PYSPEC_CUDA_WGMMA")
         monkeypatch.setenv("PYSPEC_CUDA_WGMMA_CFG", cfg)
+        monkeypatch.setenv("PYSPEC_CUDA_WGMMA_TMA", "1" if feed == "tma" else "0")
         (got,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
         monkeypatch.delenv("PYSPEC_CUDA_WGMMA_CFG")
+        monkeypatch.delenv("PYSPEC_CUDA_WGMMA_TMA")
         bad = np.flatnonzero(got.reshape(-1).view(np.uint32) != ref.reshape(-1).view(np.uint32))
         assert bad.size == 0, (m, bad.size, bad[:8])
 

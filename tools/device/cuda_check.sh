@@ -5,9 +5,10 @@
 # the row-tiled attention, PYSPEC_CUDA_ATT_TILED=0; MODES may add cores, every row on CUDA cores:
 # PYSPEC_CUDA_TC=0, nopdl, plain launches: PYSPEC_CUDA_PDL=0, noatttc, prompt rows' attention
 # on CUDA cores: PYSPEC_CUDA_ATT_TC=0, and nowgmma, the wide tensor-core MUL_MAT on mma.sync:
-# PYSPEC_CUDA_WGMMA=0, and wgmma, every row on tensor cores and every wide call on wgmma however
+# PYSPEC_CUDA_WGMMA=0, and notma, the wgmma MUL_MAT fed by cp.async: PYSPEC_CUDA_WGMMA_TMA=0,
+# and wgmma, every row on tensor cores and every wide call on wgmma however
 # small: PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L, and noprefetch, no L2 prefetch before the PDL
-# wait: PYSPEC_CUDA_PREFETCH=0; BENCH_MODES may add noatttc, nowgmma and noprefetch too),
+# wait: PYSPEC_CUDA_PREFETCH=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -49,6 +50,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     nopdl) envs=(PYSPEC_CUDA_PDL=0) ;;
     noatttc) envs=(PYSPEC_CUDA_ATT_TC=0) ;;
     nowgmma) envs=(PYSPEC_CUDA_WGMMA=0) ;;
+    notma) envs=(PYSPEC_CUDA_WGMMA_TMA=0) ;;
     wgmma) envs=(PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L) ;;
     noprefetch) envs=(PYSPEC_CUDA_PREFETCH=0) ;;
     nosplit) envs=(PYSPEC_CUDA_COLUMN_SPLIT=0) ;;
@@ -71,6 +73,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     [ $mode = noatttc ] && envs=(PYSPEC_CUDA_ATT_TC=0) && only=pp512
     # the wide tensor-core MUL_MAT on mma.sync instead of wgmma (cuda/matmul_tc_wgmma.cu), for A/B
     [ $mode = nowgmma ] && envs=(PYSPEC_CUDA_WGMMA=0) && only=pp512,par64
+    # the wgmma MUL_MAT fed by cp.async instead of TMA (cuda/matmul_tc_tma.cu), for A/B
+    [ $mode = notma ] && envs=(PYSPEC_CUDA_WGMMA_TMA=0) && only=pp512,par64
     # no L2 prefetch before the PDL wait (weights of the decode MUL_MATs, attention's first chunk)
     [ $mode = noprefetch ] && envs=(PYSPEC_CUDA_PREFETCH=0) && only=${ONLY:-tg128,tgdepth}
     # m's columns per warp for short rows too (cuda/ops_matmul.cu small_tile), for A/B
@@ -100,9 +104,11 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_attention.py::test_prompt_rows_attention_is_each_rows_own[h9kv3d64]"
              "tests/test_cuda_attention.py::test_prompt_rows_attention_is_each_rows_own[h4kv2d64]"
              "tests/test_cuda_matmul.py::test_mul_mat[tensor_cores-F16-64-n257k2048]"
-             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-576-L]"
-             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[Q4_1-2560-S]"
-             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[BF16-2560-M]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-576-L-tma]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-200-S-tma]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[Q4_1-2560-S-tma]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[BF16-2560-M-tma]"
+             "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-576-L-cp.async]"
              "tests/test_cuda_models.py::test_prompt_rows_with_logits_keep_their_bits_in_any_batch[qwen3]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]")
