@@ -327,7 +327,7 @@ struct TmaConfig {
 
 // The configurations, as the cp.async GEMM's (cuda/matmul_tc_wgmma.cu): L 128 x 128, M 128 x 96
 // and S 128 x 64, one block per SM (the multiplying warpgroups take 232 registers a thread). The
-// choice is the cp.async GEMM's (the last wave's end). Measured and dropped (H200, 2026-12-01,
+// choice is the cp.async GEMM's (the last wave's end). Measured and dropped (H200, 2026-11-30,
 // Qwen3-4B pp512): weighting a column of M by 1.35 and of S by 1.5 against L's (their ncu rates),
 // which put every call on L: MUL_MAT 11.8 -> 12.3 ms (o and down at 80 blocks of L for 132 SMs).
 template <bool kBF16>
