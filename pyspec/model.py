@@ -183,11 +183,18 @@ class DecodeResult:
     layer_inputs: Dict[int, np.ndarray] = field(default_factory=dict)  # id -> [n_rows, n_embd]
 
 
-def _as_index_array(name: str, values, n: int) -> np.ndarray:
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+_NO_FLAGS = np.zeros(0, np.uint8)  # decode's "no prompt flags" (never written)
+
+
+def _as_index_array(name: str, values, n: Optional[int]) -> np.ndarray:
+    """values as int32, one per token (n of them; None: any number), refusing what int32 cannot
+    hold. Called per decode step, so it costs two reductions, not temporary arrays (a GPU step of
+    SmolLM2 is ~0.8 ms, and this wrapper's overhead counts)."""
     arr = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
-    if arr.shape[0] != n:
+    if n is not None and arr.shape[0] != n:
         raise ValueError(f"{name} has {arr.shape[0]} entries, expected {n} (one per token)")
-    if np.any(arr < np.iinfo(np.int32).min) or np.any(arr > np.iinfo(np.int32).max):
+    if arr.shape[0] and (int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX):
         raise ValueError(f"{name} has values outside the 32-bit range")
     return arr.astype(np.int32)
 
@@ -231,13 +238,15 @@ class Context:
         prompt rows on a path of their own (the GPU's tensor cores), the same for every prompt row
         in any batch; so a prompt decoded with prompt=True gives its last token's logits from the
         prompt pass itself. Logits come back in batch order (DecodeResult.output_rows)."""
-        tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+        tok = _as_index_array("tokens", tokens, None)
         n = tok.shape[0]
         if n == 0:
             raise ValueError("empty batch: give at least one token")
-        tok = _as_index_array("tokens", tok, n)
         seq = np.zeros(n, np.int32) if seq_ids is None else _as_index_array("seq_ids", seq_ids, n)
-        if positions is None:
+        if positions is None and seq_ids is None:  # one sequence, continued: the common step
+            first = self._ctx.seq_pos_max(0) + 1
+            pos = np.arange(first, first + n, dtype=np.int32)
+        elif positions is None:
             pos = np.empty(n, np.int32)
             next_pos: Dict[int, int] = {}
             for i, s in enumerate(seq.tolist()):
@@ -250,14 +259,15 @@ class Context:
         else:
             pos = _as_index_array("positions", positions, n)
         if output is None:
-            out = np.zeros(n, np.bool_)
-            out[-1] = True
+            out = np.zeros(n, np.uint8)
+            out[-1] = 1
         else:
             out = np.ascontiguousarray(output, dtype=np.bool_).reshape(-1)
             if out.shape[0] != n:
                 raise ValueError(f"output has {out.shape[0]} entries, expected {n}")
+            out = out.astype(np.uint8)
         if prompt is None:
-            kinds = np.zeros(0, np.uint8)
+            kinds = _NO_FLAGS
         elif prompt is True or prompt is False:
             kinds = np.full(n, 1 if prompt else 0, np.uint8)
         else:
@@ -266,7 +276,7 @@ class Context:
                 raise ValueError(f"prompt has {kinds.shape[0]} entries, expected {n}")
             kinds = kinds.astype(np.uint8)
         layers = [int(x) for x in layer_inputs]
-        logits, rows, inputs = self._ctx.decode(tok, pos, seq, out.astype(np.uint8), layers, kinds)
+        logits, rows, inputs = self._ctx.decode(tok, pos, seq, out, layers, kinds)
         return DecodeResult(logits=logits, output_rows=rows, layer_inputs=dict(inputs))
 
     def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:

@@ -357,6 +357,9 @@ def test_invalid_inputs_raise_value_error(model_dir):
         dict(tokens=[1, 2], positions=[0], seq_ids=[1, 1]),              # ragged arrays
         dict(tokens=[1, 2], positions=[0, 1], seq_ids=[1, 1], prompt=[True]),
         dict(tokens=[], positions=[], seq_ids=[]),
+        dict(tokens=[2 ** 40], positions=[0], seq_ids=[1]),              # beyond int32
+        dict(tokens=[1], positions=[2 ** 33], seq_ids=[1]),
+        dict(tokens=[1], seq_ids=[2 ** 31]),
     ]
     for kwargs in bad_calls:
         with pytest.raises(ValueError):
@@ -382,6 +385,25 @@ def test_invalid_inputs_raise_value_error(model_dir):
                  lambda: pyspec.Context(model, n_ctx=64, n_seq_max=0)):
         with pytest.raises(ValueError):
             call()
+
+
+def test_default_positions_continue_each_sequence(model_dir):
+    # Without positions, rows continue their sequence from its last cell (sequence 0 without
+    # seq_ids): the same bits as the positions given explicitly.
+    _, model = tiny(model_dir, "llama", "Q8_0")
+    toks = [5, 9, 3, 7]
+    a, b = make_ctx(model, n_seq_max=2), make_ctx(model, n_seq_max=2)
+    got = [a.decode(toks[:2]).logits, a.decode([toks[2]]).logits, a.decode([toks[3]], seq_ids=[1]).logits,
+           a.decode([toks[0], toks[1]], seq_ids=[1, 0]).logits]
+    want = [b.decode(toks[:2], positions=[0, 1], seq_ids=[0, 0]).logits,
+            b.decode([toks[2]], positions=[2], seq_ids=[0]).logits,
+            b.decode([toks[3]], positions=[0], seq_ids=[1]).logits,
+            b.decode([toks[0], toks[1]], positions=[1, 3], seq_ids=[1, 0]).logits]
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+    assert (a.seq_pos_max(0), a.seq_pos_max(1)) == (3, 1)
+    with pytest.raises(ValueError, match="32-bit range"):
+        a.decode([2 ** 40])
 
 
 def test_unknown_architecture_is_named(tmp_path):
