@@ -208,7 +208,7 @@ class NoGeneration:
     n_ctx_slot = 256
     speculative = False
 
-    def submit(self, req):
+    def submit(self, req, stream=True):
         raise AssertionError("these tests must fail before generation")
 
     def slots(self):

@@ -495,7 +495,7 @@ def create_app(settings: AppSettings, get_scheduler: Callable[[], Any]) -> FastA
         handles = []
         try:
             for t in tasks:
-                handles.append(s.submit(t))
+                handles.append(s.submit(t, stream=params.stream))
         except BaseException:
             for h in handles:
                 h.cancel()

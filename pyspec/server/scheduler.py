@@ -63,13 +63,19 @@ class SchedulerConfig:
 
 
 class RequestHandle:
-    """One submitted request: async-iterate for Chunk..., Final; cancel() from any thread."""
+    """One submitted request: async-iterate for Chunk..., Final (only Final when the request does
+    not stream); cancel() from any thread."""
 
     def __init__(self, task_id: int, req: GenerationRequest, loop: asyncio.AbstractEventLoop,
-                 wake: Callable[[], None]):
+                 wake: Callable[[], None], stream: bool = True):
         self.id = task_id
         self.id_slot = -1
         self.request = req
+        # Whether the reader wants a Chunk per step. Each one wakes the event loop, whose Python
+        # then competes with the engine's compute threads for the cores: SmolLM2 on 2 CPU threads
+        # (bench/bench_server_decode.py, old and new alternating) took 1.05-1.19x the engine's own
+        # time a token for a whole (non-streamed) reply with a Chunk a step, 1.01-1.04x without.
+        self.stream = stream
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._wake = wake
@@ -181,7 +187,8 @@ class Scheduler:
 
     # -- the HTTP side ---------------------------------------------------------------------
 
-    def submit(self, req: GenerationRequest) -> RequestHandle:
+    def submit(self, req: GenerationRequest, stream: bool = True) -> RequestHandle:
+        """Queues req; stream=False: its handle yields only the Final (RequestHandle.stream)."""
         n = len(req.prompt_ids)
         if n == 0:
             raise ServerError("the prompt is empty: give some text or token ids")
@@ -193,7 +200,7 @@ class Scheduler:
         vocab = self.tokenizer.n_vocab
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise ServerError(f"a prompt token id is outside the vocabulary (0..{vocab - 1})")
-        handle = RequestHandle(next(self._ids), req, asyncio.get_running_loop(), self._wake)
+        handle = RequestHandle(next(self._ids), req, asyncio.get_running_loop(), self._wake, stream)
         with self._cv:
             self._queue.append(handle)
             self._cv.notify_all()
@@ -398,7 +405,8 @@ class Scheduler:
         new = "".join(text)
         if new or used:
             task.text.append(new)
-            task.handle._put(Chunk(new, used, probs[:len(used)] if probs else []))
+            if task.handle.stream:
+                task.handle._put(Chunk(new, used, probs[:len(used)] if probs else []))
         if hit:
             if not o["finished"]:
                 self.engine.cancel(task.handle.id)
