@@ -94,6 +94,10 @@ def main(argv=None) -> int:
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
+            if proc.poll() is not None:
+                log.seek(0)
+                print(f"pyspec-server exited with {proc.returncode}:\n{log.read()}", file=sys.stderr)
+                return 1
             try:
                 if requests.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -101,17 +105,17 @@ def main(argv=None) -> int:
                 pass
             time.sleep(0.1)
         server_ms(url, 8, False)  # warm-up
-        rows = []
         for r in range(args.rounds):
             e = engine_ms(model, prompt_ids, args.tokens, args.threads)
             whole = min(server_ms(url, args.tokens, False) for _ in range(2))
             streamed = min(server_ms(url, args.tokens, True) for _ in range(2))
-            rows.append((e, whole, streamed))
             print(f"round {r + 1}: engine {e:.2f} ms/token | server, whole reply {whole:.2f} ({whole / e:.2f}x)"
                   f" | server, streamed {streamed:.2f} ({streamed / e:.2f}x)", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
+        os.unlink(log.name)
     return 0
 
 
