@@ -22,10 +22,10 @@
 // bad indices (get_rows/set_rows ids, attention spans outside the cache) set bits in a device
 // error word; read() checks it after synchronising and throws, as the CPU backend would have.
 //
-// CUDA graphs (issue 8 item 2; cuda/cuda_graphs.h, cuda/graph_cache.cuh). compute() first resolves
-// every operand's device address (the pre-pass: weight uploads happen here, never inside a
-// capture), then keys the launch sequence by the graph's full structure, op
-// parameters and those addresses. First sighting of a key: eager (warm-up). Second: the ops are
+// CUDA graphs (issue 8 item 2; cuda/cuda_graphs.h, cuda/graph_cache.cuh). compute() keys the
+// launch sequence by the graph's full structure, op parameters and data pointers (a replay needs
+// nothing else); on a miss it resolves every operand's device address (the pre-pass: weight
+// uploads happen here, never inside a capture). First sighting of a key: eager (warm-up). Second: the ops are
 // captured on the stream (thread-local capture mode, so an allocation by this thread would fail the
 // capture instead of going unnoticed), instantiated and launched. Later: cudaGraphLaunch of the
 // cached exec. Nothing in the launch path allocates (the arena only grows in apply_plan, which
@@ -139,14 +139,24 @@ public:
             run_profiled(graph);
             return;
         }
-        if (!cuda_graphs_enabled() || graphs_.capacity() == 0 || !resolve_all(graph)) {
-            run_eager(graph);  // after a failed pre-pass, the eager run raises the error in context
+        if (!cuda_graphs_enabled() || graphs_.capacity() == 0) {
+            run_eager(graph);
             return;
         }
-        const uint64_t h = cuda::graph_exec_key(graph, resolved_, key_);
+        // The key holds the tensors' data pointers as the graph has them, not their resolved
+        // device addresses: resolving is a function of those pointers that holds while the cache
+        // holds graphs (arena and persistent pointers are their own device addresses, a host
+        // external's copy is made once and kept; a moved arena gives new pointers, new scratch
+        // empties the cache), so an equal key means equal addresses and a replay resolves
+        // nothing. Resolving every tensor took ~30 us of a SmolLM2 step's host time (H200).
+        const uint64_t h = cuda::graph_exec_key(graph, key_);
         if (cudaGraphExec_t exec = graphs_.find(h, key_)) {
             check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
             cuda::count_graph_event(cuda::GraphEvent::Replay);
+            return;
+        }
+        if (!resolve_all(graph)) {
+            run_eager(graph);  // after a failed pre-pass, the eager run raises the error in context
             return;
         }
         if (graphs_.failed(h) || !graphs_.sighted_before(h)) {

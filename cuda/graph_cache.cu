@@ -117,7 +117,7 @@ inline uint32_t fbits(float f) {
 
 }  // namespace
 
-uint64_t graph_exec_key(const Graph& g, const std::vector<char*>& resolved, std::vector<uint64_t>& key) {
+uint64_t graph_exec_key(const Graph& g, std::vector<uint64_t>& key) {
     constexpr size_t kWordsPerTensor = 1 + 2 * kMaxDims + 9;
     const int n = g.size();
     key.resize(static_cast<size_t>(n) * kWordsPerTensor + 2);  // written in place: no push_back checks
@@ -140,7 +140,7 @@ uint64_t graph_exec_key(const Graph& g, const std::vector<char*>& resolved, std:
         *k++ = pack2(static_cast<uint32_t>(t.iparams[2]), static_cast<uint32_t>(t.iparams[3]));
         *k++ = pack2(fbits(t.fparams[0]), fbits(t.fparams[1]));
         *k++ = pack2(fbits(t.fparams[2]), fbits(t.fparams[3]));
-        *k++ = reinterpret_cast<uintptr_t>(resolved[static_cast<size_t>(id)]);
+        *k++ = reinterpret_cast<uintptr_t>(t.data);
     }
     if (k != key.data() + key.size()) throw std::logic_error("graph_exec_key: words per tensor");
     return hash_words(key);

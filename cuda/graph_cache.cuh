@@ -22,11 +22,12 @@ enum class GraphEvent { Capture, Replay, Eager, CaptureFailure, Eviction };
 void count_graph_event(GraphEvent e);
 
 // The key of one compute(graph): per tensor its op, flags, type, shape, strides, sources, view
-// relation, op parameters (bit patterns) and the device address compute() resolved for it (0
-// when it was not resolved: a tensor no op reads or writes). Everything a launcher decides
-// (kernel, grid, arguments, vectorised loads by alignment) follows from these, so two computes
-// with equal keys launch the same kernels with the same arguments. Returns the key's hash.
-uint64_t graph_exec_key(const Graph& g, const std::vector<char*>& resolved, std::vector<uint64_t>& key);
+// relation, op parameters (bit patterns) and data pointer as the graph has it (device memory, or
+// a host external's, which compute() maps to the same device copy every time). Everything a
+// launcher decides (kernel, grid, arguments, vectorised loads by alignment) follows from these,
+// so two computes with equal keys launch the same kernels with the same arguments. Returns the
+// key's hash.
+uint64_t graph_exec_key(const Graph& g, std::vector<uint64_t>& key);
 
 class GraphCache {
 public:
