@@ -462,6 +462,7 @@ private:
 
     template <typename BeforeOp>
     void run_ops(Graph& graph, BeforeOp before) {
+        mark_written(graph);
         const bool fuse = cuda::matmul_fusion_enabled();
         if (fuse) count_uses(graph);
         for (int id = 0; id < graph.size(); ++id) {
@@ -780,6 +781,28 @@ private:
         return true;
     }
 
+    // The device memory every computing node of the graph writes, for constant(): a MUL_MAT may
+    // load weights no node writes before its PDL wait.
+    void mark_written(const Graph& g) {
+        written_.clear();
+        for (int j = 0; j < g.size(); ++j) {
+            const Op op = g[j].op;
+            if (op != Op::NONE && op != Op::VIEW) written_.push_back(span(g, j));
+        }
+    }
+
+    // Whether tensor id is a leaf's memory that no node of the graph writes (model weights; not a
+    // KV cache, which SET_ROWS writes, through whichever tensor). Inputs written before compute()
+    // are ordered by the stream.
+    bool constant(const Graph& g, int id) {
+        if (g[g.root_of(id)].op != Op::NONE) return false;
+        const Span w = span(g, id);
+        for (const Span& x : written_) {
+            if (overlaps(w, x)) return false;
+        }
+        return true;
+    }
+
     // How many nodes read each tensor (as a source or as a view's base), for run_mul_mat_group.
     void count_uses(const Graph& g) {
         uses_.assign(static_cast<size_t>(g.size()), 0);
@@ -861,8 +884,10 @@ private:
         require(!dtype_is_integer(w.dtype), t, "integer weights");
         require(w.nb[1] >= dtype_row_bytes(w.dtype, w.ne[0]), t, "row stride is smaller than a row");
         require(x.nb[1] % sizeof(float) == 0 && t.nb[1] % sizeof(float) == 0, t, "row strides not in floats");
-        return cuda::MatmulPart{dptr(g, t.src[0]), w.ne[1], w.nb[1], reinterpret_cast<float*>(dptr(g, id)),
-                                static_cast<int64_t>(t.nb[1] / sizeof(float))};
+        cuda::MatmulPart part{dptr(g, t.src[0]), w.ne[1], w.nb[1], reinterpret_cast<float*>(dptr(g, id)),
+                              static_cast<int64_t>(t.nb[1] / sizeof(float))};
+        part.constant = constant(g, t.src[0]);
+        return part;
     }
 
     // --- memory ------------------------------------------------------------------------------
@@ -1062,6 +1087,7 @@ private:
     std::map<std::pair<uintptr_t, size_t>, char*> uploads_;        // (host address, bytes) -> device copy
     std::vector<char*> resolved_;                                  // per tensor, during compute
     std::vector<int> uses_;                                        // readers per tensor (count_uses)
+    std::vector<std::pair<const char*, const char*>> written_;    // what the graph's nodes write (mark_written)
     cuda::GraphCache graphs_;                                      // instantiated graphs by key
     std::vector<uint64_t> key_;                                    // the key of this compute
     bool capture_failure_logged_ = false;

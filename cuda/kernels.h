@@ -107,6 +107,7 @@ struct MatmulPart {
     int64_t y_stride;
     const float* add = nullptr;
     int64_t add_stride = 0;
+    bool constant = false;  // nothing in the graph writes w: a kernel may load it before its PDL wait
 };
 // Which rows of a weight's MUL_MATs take the tensor cores (matmul_tc_rows): none, the prompt
 // columns only (the rest the CUDA cores), or all.

@@ -35,6 +35,18 @@ constexpr int kWarps = 4;  // warps per block; a warp owns R weight rows of the 
 // running kernel's reads: Qwen3-4B F16 (rows of 5-19 KiB) 266-274 -> 237-238 t/s with it.
 bool prefetch_weights(int64_t row_bytes) { return prefetch_enabled() && row_bytes <= 1024; }
 
+// The 8 values of a 16-bit float unit from its 16 bytes (values 2t and 2t + 1 in word t).
+template <DType T>
+__device__ __forceinline__ void halves_unit(uint4 a, float v[8]) {
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const uint16_t lo = static_cast<uint16_t>(w[t] & 0xffffu), hi = static_cast<uint16_t>(w[t] >> 16);
+        v[2 * t] = T == DType::F16 ? h2f(lo) : bf2f(lo);
+        v[2 * t + 1] = T == DType::F16 ? h2f(hi) : bf2f(hi);
+    }
+}
+
 // The 8 values of unit u of a row: v[t] belongs at column pos0 + t for t < 4, pos1 + t - 4 after.
 template <DType T, bool kAligned>
 __device__ __forceinline__ void load_unit(const char* row, int64_t u, float v[8], int64_t& pos0, int64_t& pos1) {
@@ -53,21 +65,12 @@ __device__ __forceinline__ void load_unit(const char* row, int64_t u, float v[8]
         pos0 = u * 8;
         pos1 = pos0 + 4;
         const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + u * 8;
-        uint16_t h[8];
         if constexpr (kAligned) {
-            const uint4 a = *reinterpret_cast<const uint4*>(p);
-            const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                h[2 * t] = static_cast<uint16_t>(w[t] & 0xffffu);
-                h[2 * t + 1] = static_cast<uint16_t>(w[t] >> 16);
-            }
+            halves_unit<T>(*reinterpret_cast<const uint4*>(p), v);
         } else {
 #pragma unroll
-            for (int t = 0; t < 8; ++t) h[t] = p[t];
+            for (int t = 0; t < 8; ++t) v[t] = T == DType::F16 ? h2f(p[t]) : bf2f(p[t]);
         }
-#pragma unroll
-        for (int t = 0; t < 8; ++t) v[t] = T == DType::F16 ? h2f(h[t]) : bf2f(h[t]);
     } else if constexpr (T == DType::Q8_0) {
         const int64_t b = u >> 2;
         const int part = static_cast<int>(u & 3);
@@ -150,6 +153,7 @@ struct Parts {
     const float* norm_w;  // the norm prologue's weights (kNorm kernels only)
     float norm_eps;
     bool prefetch;        // prefetch_enabled() (cuda/launch.cuh)
+    bool early;           // every part's weights MatmulPart::constant (k_mul_mat_rows)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -231,39 +235,53 @@ __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const flo
 // The norm prologue (kNorm kernels): the block normalises its C activation columns, an RMS_NORM's
 // inputs, into shared memory exactly as the RMS_NORM kernels would (common.cuh: the summation
 // order by row length, then x * scale * w), and points xc at those rows; every thread of the block
-// must call it. The block's threads are the long-row order's kNormBlockThreads.
+// (kThreads, at least the long-row order's kNormBlockThreads) must call it. Long rows are summed
+// by the block's first kNormBlockThreads threads in that order; all of them scale.
 extern __shared__ float4 normed_rows[];  // C * k floats
 
-template <int C>
+template <int C, int kThreads = kWarps * 32>
 __device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, const float* nw, float eps) {
-    static_assert(kWarps * 32 == kNormBlockThreads, "the norm prologue sums in the norm kernel's order");
+    static_assert(kThreads % kNormBlockThreads == 0, "the norm prologue sums in the norm kernel's order");
     float* hs = reinterpret_cast<float*>(normed_rows);
     const int tid = threadIdx.x, lane = tid & 31;
     if (k > kWarpNormMax) {
-        __shared__ float sums[C][kWarps];
+        __shared__ float sums[C][kNormBlockThreads / 32];
+        // A wider block first copies the columns with all its threads (one round of loads each
+        // instead of k / 128), and the summing threads then read them from shared memory: the
+        // same values in the same order.
+        constexpr bool kCopyFirst = kThreads > kNormBlockThreads;
+        if constexpr (kCopyFirst) {
 #pragma unroll
-        for (int c = 0; c < C; ++c) {
-            float acc = 0.0f;
-#pragma unroll 8
-            for (int64_t i = tid; i < k; i += kNormBlockThreads) {
-                const float v = xc[c][i];
-                hs[c * k + i] = v;
-                acc = fmaf(v, v, acc);
+            for (int c = 0; c < C; ++c) {
+                for (int64_t i = tid; i < k; i += kThreads) hs[c * k + i] = xc[c][i];
             }
-            acc = warp_sum(acc);
-            if (lane == 0) sums[c][tid >> 5] = acc;
+            __syncthreads();
+        }
+        if (tid < kNormBlockThreads) {
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                float acc = 0.0f;
+#pragma unroll 8
+                for (int64_t i = tid; i < k; i += kNormBlockThreads) {
+                    const float v = kCopyFirst ? hs[c * k + i] : xc[c][i];
+                    if (!kCopyFirst) hs[c * k + i] = v;
+                    acc = fmaf(v, v, acc);
+                }
+                acc = warp_sum(acc);
+                if (lane == 0) sums[c][tid >> 5] = acc;
+            }
         }
         __syncthreads();
 #pragma unroll
         for (int c = 0; c < C; ++c) {
             const float scale = rms_scale_of_warp_sums(sums[c], k, eps);
-            for (int64_t i = tid; i < k; i += kNormBlockThreads) hs[c * k + i] = hs[c * k + i] * scale * nw[i];
+            for (int64_t i = tid; i < k; i += kThreads) hs[c * k + i] = hs[c * k + i] * scale * nw[i];
         }
     } else {
 #pragma unroll
         for (int c = 0; c < C; ++c) {
             const float scale = warp_rms_scale(xc[c], k, lane, eps);  // each warp the same value
-            for (int64_t i = tid; i < k; i += kNormBlockThreads) hs[c * k + i] = xc[c][i] * scale * nw[i];
+            for (int64_t i = tid; i < k; i += kThreads) hs[c * k + i] = xc[c][i] * scale * nw[i];
         }
     }
     __syncthreads();
@@ -386,6 +404,156 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, con
     }
 }
 
+// Long 16-bit float rows at M = 1 (decode of a model like Qwen3-4B F16: rows of 5-19 KiB, the
+// step bound by streaming its weights): blocks of kRowWarps warps, each warp two weight rows (two
+// consecutive rows, or the gate and up rows of k_mul_mat_glu_rows) in the order of every other
+// tile (a lane's units u = lane (mod 32) in increasing u, each unit's fmaf chain, then warp_sum's
+// xor tree), so the bits are k_mul_mat's. What differs is how the bytes come:
+// - the block stages its activation column in shared memory once (normalised when the norm is
+//   the prologue), one copy for 32 rows instead of every warp reading it through L1, whose loads
+//   (twice the weights' bytes) were what kept the old kernel from the weights' bandwidth;
+// - each lane loads its first kEarlyUnits units of both rows before the PDL wait, so they arrive
+//   while the kernel before still runs, where the weights are constant (MatmulPart::constant:
+//   no node of the graph writes them);
+// - weights are read past L1 (ld.global.nc.L1::no_allocate), which they would only pollute.
+// H200, a probe of Qwen3-4B's 144 decode matvecs in one graph (tools/device/probe_gemv_f16.cu):
+// 2,723-2,795 -> 2,354-2,382 us a step, against 1,830-1,870 for a plain read of the same bytes.
+// In the model the gain is smaller: tg128 300-306 -> 306-316 t/s (alternating runs).
+// PYSPEC_CUDA_ROW_STREAM=0 keeps k_mul_mat (A/B); the same bits either way.
+constexpr int kRowWarps = 16;
+constexpr int kRowThreads = kRowWarps * 32;
+constexpr int kEarlyUnits = 4;
+
+__device__ __forceinline__ uint4 ld_stream(const char* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// A lane's first kEarlyUnits units of two rows.
+__device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t units, int lane,
+                                           uint4 (&pre)[2][kEarlyUnits]) {
+#pragma unroll
+    for (int i = 0; i < kEarlyUnits; ++i) {
+        const int64_t u = lane + 32 * i;
+        if (u < units) {
+            pre[0][i] = ld_stream(wr[0] + u * 16);
+            pre[1][i] = ld_stream(wr[1] + u * 16);
+        }
+    }
+}
+
+// The block's activation column in shared memory, normalised (kNorm) or copied; every thread of
+// the block calls it.
+template <bool kNorm>
+__device__ __forceinline__ const float* stage_column(const float* x, int64_t k, const float* nw, float eps) {
+    if constexpr (kNorm) {
+        const float* xc[1] = {x};
+        norm_prologue<1, kRowThreads>(xc, k, nw, eps);
+        return xc[0];
+    } else {
+        float* hs = reinterpret_cast<float*>(normed_rows);
+        for (int64_t i = threadIdx.x; i < k; i += kRowThreads) hs[i] = x[i];
+        __syncthreads();
+        return hs;
+    }
+}
+
+// Both rows' fmaf chains over the staged column (pre: the first units, when early).
+template <DType T>
+__device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const float* xs, int64_t k, int lane, bool early,
+                                            const uint4 (&pre)[2][kEarlyUnits], float (&acc)[2]) {
+    acc[0] = acc[1] = 0.0f;
+    const int64_t units = k / 8;
+    int64_t u = lane;
+    const auto unit = [&](const uint4 (&w)[2], int64_t uu) {
+        float xv[8];
+        load_x<true>(xs, uu * 8, uu * 8 + 4, xv);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float v[8];
+            halves_unit<T>(w[r], v);
+            float a = acc[r];
+#pragma unroll
+            for (int t = 0; t < 8; ++t) a = fmaf(v[t], xv[t], a);
+            acc[r] = a;
+        }
+    };
+    if (early) {
+#pragma unroll
+        for (int i = 0; i < kEarlyUnits; ++i, u += 32) {
+            if (u < units) unit({pre[0][i], pre[1][i]}, u);
+        }
+    }
+#pragma unroll 4
+    for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16), ld_stream(wr[1] + u * 16)}, u);
+}
+
+// k_mul_mat's one-column case for long 16-bit rows: warp w of block b the global rows
+// 2 * (kRowWarps * b + w) and the one after (clamped to the last, as k_mul_mat reads them).
+template <DType T, bool kNorm>
+__global__ void __launch_bounds__(kRowThreads) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
+    const int lane = threadIdx.x & 31;
+    const int64_t n_rows = p.row0[p.n];
+    const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5)) * 2;
+    const char* wr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int64_t row = min(r0 + r, n_rows - 1);
+        const int j = part_of(p, row);
+        wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
+    }
+    const bool early = p.early && r0 < n_rows;
+    uint4 pre[2][kEarlyUnits];
+    if (early) load_early(wr, k / 8, lane, pre);
+    pdl_enter();
+    const float* xs = stage_column<kNorm>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
+    if (r0 >= n_rows) return;
+    float acc[2];
+    stream_rows<T>(wr, xs, k, lane, early, pre, acc);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float sum = warp_sum(acc[r]);
+        if (lane == 0 && r0 + r < n_rows) store(p, r0 + r, 0, sum);
+    }
+}
+
+// k_mul_mat_glu's one-column case for long 16-bit rows: warp w of block b gate and up row
+// kRowWarps * b + w, storing silu(gate) * up.
+template <DType T, bool kNorm>
+__global__ void __launch_bounds__(kRowThreads) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g,
+                                                                   int64_t rb_u, int64_t n_rows, int64_t k,
+                                                                   const float* x, float* y, const float* norm_w,
+                                                                   float norm_eps, bool constant) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+    const int64_t rc = min(row, n_rows - 1);
+    const char* const wr[2] = {wg + rc * rb_g, wu + rc * rb_u};
+    const bool early = constant && row < n_rows;
+    uint4 pre[2][kEarlyUnits];
+    if (early) load_early(wr, k / 8, lane, pre);
+    pdl_enter();
+    const float* xs = stage_column<kNorm>(x, k, norm_w, norm_eps);  // before any warp leaves
+    if (row >= n_rows) return;
+    float acc[2];
+    stream_rows<T>(wr, xs, k, lane, early, pre, acc);
+    const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+    if (lane == 0) y[row] = silu_f(g) * u;
+}
+
+// Whether a launch of weight type T (kVec: 16-byte loads) takes the row-streaming kernels.
+template <DType T, bool kVec>
+bool streams_rows(int64_t k, int64_t m) {
+    static const bool enabled = env_switch("PYSPEC_CUDA_ROW_STREAM") != 0;
+    if constexpr ((T == DType::F16 || T == DType::BF16) && kVec) {
+        return enabled && m == 1 && static_cast<int64_t>(dtype_row_bytes(T, k)) > 1024 && k <= kMatmulNormMaxValues;
+    } else {
+        return false;
+    }
+}
+
 // The column tile of the small-M kernels (mul_mat_typed, mul_mat_glu_typed) up to 8 columns.
 // Short weight rows (at most 1 KiB, as prefetch_weights: a warp's loads are one or two DRAM round
 // trips, the launch latency-bound) take one column per warp for any m <= 4, and for m <= 8 (two
@@ -423,6 +591,13 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
+    if (streams_rows<T, kVec>(k, m)) {
+        const auto kernel = norm.w ? k_mul_mat_glu_rows<T, true> : k_mul_mat_glu_rows<T, false>;
+        launch(kernel, grid_for(gate.n_rows, kRowWarps), kRowThreads, k * sizeof(float), s,
+               static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
+               static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps, gate.constant && up.constant);
+        return;
+    }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (norm.w) {
         if (tile == 1) return mul_mat_glu_tiles<T, kVec, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
@@ -461,6 +636,10 @@ static_assert(kMatmulNormMaxM == 4, "k_mul_mat's and k_mul_mat_glu's norm prolog
 
 template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
+    if (streams_rows<T, kVec>(k, m)) {
+        const auto kernel = p.norm_w ? k_mul_mat_rows<T, true> : k_mul_mat_rows<T, false>;
+        return launch(kernel, grid_for(p.row0[p.n], 2 * kRowWarps), kRowThreads, k * sizeof(float), s, p, k, x);
+    }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (p.norm_w) {
         if (tile == 1) return mul_mat_tiles<T, kVec, 1, 1, true>(p, k, x, xs, m, s);
@@ -603,6 +782,8 @@ void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, cons
     int64_t longest_row = 0;
     for (int j = 0; j < n_parts; ++j) longest_row = std::max(longest_row, static_cast<int64_t>(parts[j].row_bytes));
     p.prefetch = prefetch_weights(longest_row);
+    p.early = true;
+    for (int j = 0; j < n_parts; ++j) p.early = p.early && parts[j].constant;
     const bool vec = sixteen_byte_loads(t, x, xs, parts, n_parts) && aligned16(p.norm_w);
     const bool launched = with_weight_type(t, vec, [&](auto type, auto vec) {
         mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, s);

@@ -291,6 +291,36 @@ def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_weights_written_in_the_graph_are_read_after_the_write(dtype):
+    """A one-row MUL_MAT over long 16-bit rows loads its first weight units before waiting for the
+    kernel before it, but only for weights no node of the graph writes: here SET_ROWS fills a zero
+    matrix right before the MUL_MAT reads it, so weights loaded early would be zeros. The result
+    is the CPU backend's for the written rows (and for the same weights as a plain leaf, bit for
+    bit the same as here)."""
+    n_rows, k = 96, 2048
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((n_rows, k)).astype(np.float32)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    zeros = cpu.encode(np.zeros((n_rows, k), np.float32), dtype)
+
+    def build():
+        g = core.Graph()
+        tw = g.external(dtype, [k, n_rows], "w")
+        tr = g.input("F32", [k, n_rows], "rows")
+        ti = g.input("I32", [n_rows], "ids")
+        tx = g.input("F32", [k, 1], "x")
+        ts = g.set_rows(tw, tr, ti)
+        out = cpu.node(g, "MUL_MAT", "F32", [n_rows, 1], [ts, tx])
+        return g, {tw: zeros.copy(), tr: rows, ti: np.arange(n_rows, dtype=np.int32), tx: x}, [out]
+
+    (got,), (ref,) = dev_and_cpu(build)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    (leaf,) = run_on(DEVICE, matmul_build(cpu.encode(rows, dtype), dtype, x, n_rows))
+    np.testing.assert_array_equal(got.reshape(-1), leaf.reshape(-1))
+
+
+@gpu
 @pytest.mark.parametrize("k", [1024, 576, 200, 2560])
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_mul_mat_every_row_is_batch_invariant_across_tiles(dtype, k, mm_path):

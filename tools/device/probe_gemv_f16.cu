@@ -1,0 +1,831 @@
+// Probe (H200): how fast can a one-row F16 decode step's matrix-vector products go, with the
+// batch-invariant order pyspec's MUL_MAT keeps (cuda/ops_matmul.cu: lane l sums the 8-value units
+// u = l, l + 32, ... in increasing u, each unit's products t = 0..7 as one fmaf chain, then the
+// xor tree)? Every variant here keeps that order, so each could replace the kernel bit for bit;
+// they differ in how loads are issued and how a block starts.
+//
+// One "step" is Qwen3-4B's 36 layers of q/k/v (N 6144, K 2560, RMS-norm prologue), o (2560 x
+// 4096), gate/up (2 x 9728 x 2560, norm prologue, two rows a warp as k_mul_mat_glu) and down
+// (2560 x 9728), every layer its own weights (7.3 GB, far beyond L2), captured in one CUDA graph
+// with programmatic dependent launch as the backend launches. Per variant: microseconds a step and
+// the weights' bytes over that time. A plain read of the same bytes in the same 144 launches, and
+// one read of them all in a single launch, bound what a kernel boundary and DRAM allow.
+//
+//   base       the kernel before the twenty-first session: 4 warps a block, a warp a row, the
+//              unit loop unrolled 4, x read through L1 (nofma / nox: without the fmaf chains / the
+//              x loads, to see what each costs)
+//   batchN     a lane loads N units into registers, then runs their fmaf chains (N = 8 / 16)
+//   earlyN     batchN whose first batch is loaded before the PDL wait and the norm prologue
+//              (weights are constant, so reading them early is safe); hintN with L2::256B hints
+//   streamN    persistent warps over contiguous rows, double-buffered batches, x in shared memory
+//   sWrR[e]    blocks of W warps, R rows a warp, x staged in shared memory once a block, weights
+//              past L1; e: the first 4 units loaded before the PDL wait (s16r2e became
+//              k_mul_mat_rows in cuda/ops_matmul.cu); pWrR[e] with x as two conflict-free planes
+//   gN[e]      the base shape with each group of N units loaded by volatile loads first
+//   bulkX      each warp streams its rows through a ring of shared-memory stages filled by
+//              cp.async.bulk (the copy engine), x in shared memory
+// Every variant but read/nofma/nox checks its o and down outputs against base bit for bit.
+// Measured (H200, 36 layers, us a step of the 144 launches): read 1,830-1,870, base 2,723-2,795,
+// nox 2,246-2,334, batch16 2,504-2,516, stream8 2,454-2,472, s16r2e 2,354-2,382, g6e 2,439,
+// bulkA 2,619, p16r2e 2,446; one read of all 7.27 GB in one launch 1,594-1,651 (4.4-4.6 TB/s).
+// usage: probe [layers, default 36] [comma-separated variants, default all]
+// Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_gemv_f16.cu -o probe
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_go() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    return v;
+}
+
+template <int kHint>
+__device__ __forceinline__ uint4 ldw(const uint4* p) {
+    if constexpr (kHint) {
+        uint4 r;
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+        return r;
+    } else {
+        return __ldg(p);
+    }
+}
+
+// One unit's 8 products on acc, in order t = 0..7.
+__device__ __forceinline__ float unit_fma(uint4 w, const float* xu, float acc) {
+    const float4 a = *reinterpret_cast<const float4*>(xu), b = *reinterpret_cast<const float4*>(xu + 4);
+    const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        acc = fmaf(__half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] & 0xffffu))), xv[2 * t], acc);
+        acc = fmaf(__half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] >> 16))), xv[2 * t + 1], acc);
+    }
+    return acc;
+}
+
+// unit_fma with the unit's x halves apart (x staged as two planes: conflict-free shared loads).
+__device__ __forceinline__ float unit_fma2(uint4 w, float4 a, float4 b, float acc) {
+    const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        acc = fmaf(__half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] & 0xffffu))), xv[2 * t], acc);
+        acc = fmaf(__half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] >> 16))), xv[2 * t + 1], acc);
+    }
+    return acc;
+}
+
+// The norm prologue's shape (not its exact order; the cost is what matters here): the block's
+// 128 threads copy x to shared memory summing squares, a barrier, then x * scale * w, a barrier.
+extern __shared__ float hs[];
+__device__ __forceinline__ const float* norm_prologue(const float* x, const float* nw, int k) {
+    __shared__ float sums[kWarps];
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < k; i += kThreads) {
+        const float v = x[i];
+        hs[i] = v;
+        acc = fmaf(v, v, acc);
+    }
+    acc = warp_sum(acc);
+    if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    const float scale = rsqrtf((sums[0] + sums[1] + sums[2] + sums[3]) / k + 1e-6f);
+    for (int i = threadIdx.x; i < k; i += kThreads) hs[i] = hs[i] * scale * nw[i];
+    __syncthreads();
+    return hs;
+}
+
+struct Job {
+    const __half* w;  // rows x k, row-major
+    int64_t rows;     // rows (R rows a warp: row pairs r, r + rows / 2 for R = 2)
+    int k;
+    const float* x;
+    const float* nw;  // norm weights or nullptr
+    float* y;
+};
+
+// One unit without the fmaf chain (kMode 1: the x values and weights xor-ed as bits) or without
+// the activations (kMode 2: the weights' own products), to see what the arithmetic and the x
+// loads cost.
+template <int kMode>
+__device__ __forceinline__ float unit_op(uint4 w, const float* xu, float acc) {
+    if constexpr (kMode == 0) return unit_fma(w, xu, acc);
+    if constexpr (kMode == 1) {
+        const float4 a = *reinterpret_cast<const float4*>(xu), b = *reinterpret_cast<const float4*>(xu + 4);
+        const uint32_t v = w.x ^ w.y ^ w.z ^ w.w ^ __float_as_uint(a.x) ^ __float_as_uint(a.y) ^ __float_as_uint(a.z) ^
+                           __float_as_uint(a.w) ^ __float_as_uint(b.x) ^ __float_as_uint(b.y) ^ __float_as_uint(b.z) ^
+                           __float_as_uint(b.w);
+        return __uint_as_float(__float_as_uint(acc) ^ v);
+    }
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const float lo = __half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] & 0xffffu)));
+        const float hi = __half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] >> 16)));
+        acc = fmaf(lo, hi, acc);
+        acc = fmaf(hi, lo, acc);
+    }
+    return acc;
+}
+
+// base: the production loop (unroll 4 over a lane's units).
+template <int R, int kMode = 0>
+__global__ void __launch_bounds__(kThreads) k_base(Job j) {
+    pdl_wait();
+    pdl_go();
+    const float* x = j.nw ? norm_prologue(j.x, j.nw, j.k) : j.x;
+    const int lane = threadIdx.x & 31;
+    const int64_t half = j.rows / R;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    if (row >= half) return;
+    const uint4* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (row + r * half) * j.k);
+    float acc[R] = {};
+    const int units = j.k / 8;
+#pragma unroll 4
+    for (int u = lane; u < units; u += 32) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = unit_op<kMode>(__ldg(wr[r] + u), x + u * 8, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0) j.y[row + r * half] = s;
+    }
+}
+
+// batch / early / hint: a lane's units in batches of N, each batch's loads issued before its
+// fmaf chains; kEarly loads the first batch before the PDL wait and the prologue.
+template <int R, int N, bool kEarly, int kHint>
+__global__ void __launch_bounds__(kThreads) k_batch(Job j) {
+    const int lane = threadIdx.x & 31;
+    const int64_t half = j.rows / R;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    const bool live = row < half;
+    const uint4* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (live ? row + r * half : 0) * j.k);
+    const int units = j.k / 8;
+    const int mine = (units - lane + 31) / 32;  // units of this lane
+    uint4 buf[R][N];
+    auto fill = [&](int b0) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (b0 + i < mine) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) buf[r][i] = ldw<kHint>(wr[r] + lane + 32 * (b0 + i));
+            }
+        }
+    };
+    if (kEarly && live) fill(0);
+    pdl_wait();
+    pdl_go();
+    const float* x = j.nw ? norm_prologue(j.x, j.nw, j.k) : j.x;
+    if (!live) return;
+    if (!kEarly) fill(0);
+    float acc[R] = {};
+    for (int b0 = 0; b0 < mine; b0 += N) {
+        if (b0 > 0) fill(b0);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (b0 + i < mine) {
+                const int u = lane + 32 * (b0 + i);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] = unit_fma(buf[r][i], x + u * 8, acc[r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0) j.y[row + r * half] = s;
+    }
+}
+
+// stream: each warp a contiguous range of rows (rows_per_warp), its units in batches of N per
+// lane, double-buffered across batches and rows (the next batch's loads issued before this one's
+// fmaf chains), x (normalised where the job has a norm) staged once per block in shared memory
+// after the first batch's loads are in flight. The grid is sized to what is resident at once.
+template <int R, int N>
+__global__ void __launch_bounds__(kThreads) k_stream(Job j, int rows_per_warp) {
+    const int lane = threadIdx.x & 31;
+    const int64_t half = j.rows / R;
+    const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    const int64_t row0 = gw * rows_per_warp;
+    const int64_t row1 = row0 + rows_per_warp < half ? row0 + rows_per_warp : half;
+    const int units = j.k / 8;
+    const int mine = (units - lane + 31) / 32;
+    const int nb = (mine + N - 1) / N;  // batches a row
+    const int n_items = row1 > row0 ? static_cast<int>(row1 - row0) * nb : 0;
+    uint4 a[R][N], b[R][N];
+    auto fill = [&](uint4 (&buf)[R][N], int item) {
+        const int64_t row = row0 + item / nb;
+        const int b0 = (item % nb) * N;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (b0 + i < mine) {
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    buf[r][i] = __ldg(reinterpret_cast<const uint4*>(j.w + (row + r * half) * j.k) + lane + 32 * (b0 + i));
+            }
+        }
+    };
+    if (n_items > 0) fill(a, 0);
+    pdl_wait();
+    pdl_go();
+    const float* x = hs;
+    if (j.nw) {
+        norm_prologue(j.x, j.nw, j.k);
+    } else {
+        for (int i = threadIdx.x; i < j.k; i += kThreads) hs[i] = j.x[i];
+        __syncthreads();
+    }
+    float acc[R] = {};
+    auto run = [&](const uint4 (&buf)[R][N], int item) {
+        const int64_t row = row0 + item / nb;
+        const int bi = item % nb, b0 = bi * N;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (b0 + i < mine) {
+                const int u = lane + 32 * (b0 + i);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] = unit_fma(buf[r][i], x + u * 8, acc[r]);
+            }
+        }
+        if (bi == nb - 1) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float s = warp_sum(acc[r]);
+                if (lane == 0) j.y[row + r * half] = s;
+                acc[r] = 0.0f;
+            }
+        }
+    };
+    for (int item = 0; item < n_items; item += 2) {
+        if (item + 1 < n_items) fill(b, item + 1);
+        run(a, item);
+        if (item + 2 < n_items) fill(a, item + 2);
+        if (item + 1 < n_items) run(b, item + 1);
+    }
+}
+
+// smem: blocks of W warps stage x (normalised where the job has a norm) in shared memory once,
+// then each warp runs the production loop (unroll 4) over R rows at once, x from shared memory
+// (a load serves R rows) and the weights past L1 (no_allocate, so they do not evict anything);
+// kEarly loads a lane's first 4 units of each row before the PDL wait and the staging.
+template <int W, int R, bool kEarly, bool kPlanes = false>
+__global__ void __launch_bounds__(W * 32) k_smem(Job j) {
+    const int lane = threadIdx.x & 31;
+    const int64_t half = j.rows / R;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * W + (threadIdx.x >> 5);
+    const bool live = row < half;
+    const uint4* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (live ? row + r * half : 0) * j.k);
+    const int units = j.k / 8;
+    uint4 pre[R][4];
+    if (kEarly && live) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (lane + 32 * i < units) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) pre[r][i] = ldw<1>(wr[r] + lane + 32 * i);
+            }
+        }
+    }
+    pdl_wait();
+    pdl_go();
+    {
+        __shared__ float sums[W];
+        float acc = 0.0f;
+        for (int i = threadIdx.x; i < j.k; i += W * 32) {
+            const float v = j.x[i];
+            hs[i] = v;
+            acc = fmaf(v, v, acc);
+        }
+        if (j.nw) {
+            acc = warp_sum(acc);
+            if (lane == 0) sums[threadIdx.x >> 5] = acc;
+            __syncthreads();
+            float t = 0.0f;
+            for (int w = 0; w < W; ++w) t += sums[w];
+            const float scale = rsqrtf(t / j.k + 1e-6f);
+            for (int i = threadIdx.x; i < j.k; i += W * 32) hs[i] = hs[i] * scale * j.nw[i];
+        }
+        __syncthreads();
+        if constexpr (kPlanes) {  // x[8u + t] -> plane t / 4 at 4u + t % 4, after hs[0, k)
+            float* pl = hs + j.k;
+            const int n = j.k / 8;
+            for (int uu = threadIdx.x; uu < n; uu += W * 32) {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) pl[(t / 4) * (j.k / 2) + 4 * uu + t % 4] = hs[8 * uu + t];
+            }
+            __syncthreads();
+        }
+    }
+    if (!live) return;
+    const float4* pa = reinterpret_cast<const float4*>(hs + j.k);
+    const float4* pb = reinterpret_cast<const float4*>(hs + j.k + j.k / 2);
+    auto fma_unit = [&](uint4 w, int uu, float a) {
+        if constexpr (kPlanes) return unit_fma2(w, pa[uu], pb[uu], a);
+        else return unit_fma(w, hs + uu * 8, a);
+    };
+    float acc[R] = {};
+    int u = lane;
+    if (kEarly) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (u < units) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] = fma_unit(pre[r][i], u, acc[r]);
+            }
+            u += 32;
+        }
+    }
+#pragma unroll 4
+    for (; u < units; u += 32) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = fma_unit(ldw<1>(wr[r] + u), u, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0) j.y[row + r * half] = s;
+    }
+}
+
+// bulk: each warp streams a contiguous range of rows through its own ring of S shared-memory
+// stages of CH bytes, filled by its lane 0 with cp.async.bulk (the copy engine; no registers
+// hold loads in flight) and signalled by one mbarrier per stage. A chunk starts at a multiple of
+// CH bytes, a multiple of 512, so lane l still takes the units u = l (mod 32) of its row in
+// increasing u: the production order. x (normalised where the job has a norm) sits in shared
+// memory once per block. The first S chunks are asked for before the PDL wait (weights are
+// constant).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+template <int W, int S, int CH>
+__global__ void __launch_bounds__(W * 32) k_bulk(Job j, int rows_per_warp) {
+    extern __shared__ __align__(128) unsigned char bulk_smem[];
+    __shared__ __align__(8) uint64_t bars[W][S];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned char* ring = bulk_smem + warp * S * CH;
+    float* xs = reinterpret_cast<float*>(bulk_smem + W * S * CH);
+    const int64_t gw = static_cast<int64_t>(blockIdx.x) * W + warp;
+    const int64_t row0 = gw * rows_per_warp;
+    const int64_t row1 = row0 + rows_per_warp < j.rows ? row0 + rows_per_warp : j.rows;
+    const int64_t rb = int64_t{j.k} * 2;
+    const int nc = static_cast<int>((rb + CH - 1) / CH);  // chunks a row
+    const int n_items = row1 > row0 ? static_cast<int>(row1 - row0) * nc : 0;
+    auto issue = [&](int item) {
+        const int64_t row = row0 + item / nc;
+        const int64_t off = int64_t{item % nc} * CH;
+        const uint32_t bytes = static_cast<uint32_t>(rb - off < CH ? rb - off : CH);
+        const int st = item % S;
+        bulk_load(saddr(ring + st * CH), reinterpret_cast<const char*>(j.w) + row * rb + off, bytes, saddr(&bars[warp][st]));
+    };
+    if (lane == 0) {
+        for (int st = 0; st < S; ++st) mbar_init(saddr(&bars[warp][st]), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        for (int i = 0; i < S && i < n_items; ++i) issue(i);
+    }
+    __syncwarp();
+    pdl_wait();
+    pdl_go();
+    {
+        __shared__ float sums[W];
+        float acc = 0.0f;
+        for (int i = threadIdx.x; i < j.k; i += W * 32) {
+            const float v = j.x[i];
+            xs[i] = v;
+            acc = fmaf(v, v, acc);
+        }
+        if (j.nw) {
+            acc = warp_sum(acc);
+            if (lane == 0) sums[warp] = acc;
+            __syncthreads();
+            float t = 0.0f;
+            for (int w = 0; w < W; ++w) t += sums[w];
+            const float scale = rsqrtf(t / j.k + 1e-6f);
+            for (int i = threadIdx.x; i < j.k; i += W * 32) xs[i] = xs[i] * scale * j.nw[i];
+        }
+        __syncthreads();
+    }
+    const int units_row = j.k / 8;
+    float acc = 0.0f;
+    for (int item = 0; item < n_items; ++item) {
+        const int st = item % S;
+        mbar_wait(saddr(&bars[warp][st]), static_cast<uint32_t>((item / S) & 1));
+        const int c = item % nc;
+        const int u0 = c * (CH / 16);  // first unit of the chunk
+        const int un = units_row - u0 < CH / 16 ? units_row - u0 : CH / 16;
+        const uint4* wst = reinterpret_cast<const uint4*>(ring + st * CH);
+#pragma unroll 4
+        for (int i = lane; i < un; i += 32) acc = unit_fma(wst[i], xs + (u0 + i) * 8, acc);
+        __syncwarp();
+        if (lane == 0 && item + S < n_items) {
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            issue(item + S);
+        }
+        if (c == nc - 1) {
+            const float sum = warp_sum(acc);
+            if (lane == 0) j.y[row0 + item / nc] = sum;
+            acc = 0.0f;
+        }
+    }
+}
+
+// grouped: the production kernel's shape (4 warps a block, a warp R rows, x from global memory)
+// with each group of G units a lane loaded by G volatile loads issued before any of the group's
+// fmaf chains (ptxas otherwise reuses the first unit's registers for the last and issues that
+// load one round trip late), full groups first, then the remainder one unit at a time; kEarly
+// issues the first group before the PDL wait.
+__device__ __forceinline__ uint4 ldv(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+template <int R, int G, bool kEarly>
+__global__ void __launch_bounds__(kThreads) k_grouped(Job j) {
+    const int lane = threadIdx.x & 31;
+    const int64_t half = j.rows / R;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    const bool live = row < half;
+    const uint4* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (live ? row + r * half : 0) * j.k) + lane;
+    const int units = j.k / 8;
+    const int mine = (units - lane + 31) / 32;
+    const int full = mine / G;  // full groups
+    uint4 w[R][G];
+    if (kEarly && live && full > 0) {
+#pragma unroll
+        for (int i = 0; i < G; ++i)
+#pragma unroll
+            for (int r = 0; r < R; ++r) w[r][i] = ldv(wr[r] + 32 * i);
+    }
+    pdl_wait();
+    pdl_go();
+    const float* x = j.nw ? norm_prologue(j.x, j.nw, j.k) : j.x;
+    if (!live) return;
+    float acc[R] = {};
+    for (int g = 0; g < full; ++g) {
+        if (!kEarly || g > 0) {
+#pragma unroll
+            for (int i = 0; i < G; ++i)
+#pragma unroll
+                for (int r = 0; r < R; ++r) w[r][i] = ldv(wr[r] + 32 * (g * G + i));
+        }
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+            const int u = lane + 32 * (g * G + i);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = unit_fma(w[r][i], x + u * 8, acc[r]);
+        }
+    }
+    for (int i = full * G; i < mine; ++i) {
+        const int u = lane + 32 * i;
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = unit_fma(ldv(wr[r] + 32 * i), x + u * 8, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float sum = warp_sum(acc[r]);
+        if (lane == 0) j.y[row + r * half] = sum;
+    }
+}
+
+// A plain read of the job's weights (the same grid as base), summing them so nothing is elided.
+__global__ void __launch_bounds__(kThreads) k_read(Job j) {
+    pdl_wait();
+    pdl_go();
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    if (row >= j.rows) return;
+    const uint4* wr = reinterpret_cast<const uint4*>(j.w + row * j.k);
+    uint32_t s = 0;
+#pragma unroll 4
+    for (int u = lane; u < j.k / 8; u += 32) {
+        const uint4 v = __ldg(wr + u);
+        s ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (s == 0x12345678u) j.y[row] = 1.0f;
+}
+
+// All the bytes in one grid-stride launch.
+__global__ void k_read_all(const uint4* p, int64_t n, float* y) {
+    uint32_t s = 0;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const uint4 v = __ldg(p + i);
+        s ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (s == 0x12345678u) y[0] = 1.0f;
+}
+
+template <typename K, typename... A>
+static void launch_pdl(K kernel, unsigned grid, size_t smem, cudaStream_t s, A... args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+struct Layer {
+    Job qkv, o, gu, down;
+};
+
+template <int R, int M = 0>
+static void run_base(const Job& j, cudaStream_t s) {
+    const unsigned grid = static_cast<unsigned>((j.rows / R + kWarps - 1) / kWarps);
+    launch_pdl(k_base<R, M>, grid, j.nw ? j.k * sizeof(float) : 0, s, j);
+}
+template <int R, int N, bool E, int H>
+static void run_batch(const Job& j, cudaStream_t s) {
+    const unsigned grid = static_cast<unsigned>((j.rows / R + kWarps - 1) / kWarps);
+    launch_pdl(k_batch<R, N, E, H>, grid, j.nw ? j.k * sizeof(float) : 0, s, j);
+}
+template <int R, int N>
+static void run_stream(const Job& j, cudaStream_t s) {
+    static int per_sm = -1, sms = 0;
+    const size_t smem = 9728 * sizeof(float);
+    if (per_sm < 0) {
+        CK(cudaFuncSetAttribute(k_stream<R, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_stream<R, N>, kThreads, smem));
+        CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        printf("[stream<%d,%d>: %d blocks/SM] ", R, N, per_sm);
+    }
+    const int64_t warps_cap = int64_t{sms} * per_sm * kWarps;
+    const int64_t n = j.rows / R;
+    const int64_t rpw = (n + warps_cap - 1) / warps_cap;
+    const int64_t warps = (n + rpw - 1) / rpw;
+    launch_pdl(k_stream<R, N>, static_cast<unsigned>((warps + kWarps - 1) / kWarps), j.k * sizeof(float), s, j,
+               static_cast<int>(rpw));
+}
+template <int W, int R, bool E, bool P = false>
+static void run_smem(const Job& j, cudaStream_t s) {
+    static bool once = false;
+    if (!once) {
+        once = true;
+        CK(cudaFuncSetAttribute(k_smem<W, R, E, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * 9728 * 4));
+    }
+    const int64_t n = j.rows / R;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>((n + W - 1) / W));
+    cfg.blockDim = dim3(W * 32);
+    cfg.dynamicSmemBytes = (P ? 2 : 1) * j.k * sizeof(float);
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, k_smem<W, R, E, P>, j));
+}
+template <int W, int S, int CH>
+static void run_bulk(const Job& j, cudaStream_t s) {
+    static int per_sm = -1, sms = 0;
+    const size_t smem = size_t{W} * S * CH + 9728 * sizeof(float);
+    if (per_sm < 0) {
+        CK(cudaFuncSetAttribute(k_bulk<W, S, CH>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_bulk<W, S, CH>, W * 32, smem));
+        CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        printf("[bulk<%d,%d,%d>: %d blocks/SM] ", W, S, CH, per_sm);
+    }
+    const int64_t warps_cap = int64_t{sms} * per_sm * W;
+    const int64_t rpw = (j.rows + warps_cap - 1) / warps_cap;
+    const int64_t warps = (j.rows + rpw - 1) / rpw;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>((warps + W - 1) / W));
+    cfg.blockDim = dim3(W * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, k_bulk<W, S, CH>, j, static_cast<int>(rpw)));
+}
+template <int R, int G, bool E>
+static void run_grouped(const Job& j, cudaStream_t s) {
+    const unsigned grid = static_cast<unsigned>((j.rows / R + kWarps - 1) / kWarps);
+    launch_pdl(k_grouped<R, G, E>, grid, j.nw ? j.k * sizeof(float) : 0, s, j);
+}
+static void run_read(const Job& j, cudaStream_t s) {
+    launch_pdl(k_read, static_cast<unsigned>((j.rows + kWarps - 1) / kWarps), 0, s, j);
+}
+
+struct Variant {
+    const char* name;
+    void (*r1)(const Job&, cudaStream_t);
+    void (*r2)(const Job&, cudaStream_t);
+};
+
+static float time_graph(cudaGraphExec_t exec, cudaStream_t s, int reps) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    float best = 1e30f;
+    for (int r = 0; r < reps; ++r) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(exec, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (ms < best) best = ms;
+    }
+    return best;
+}
+
+__global__ void k_fill(__half* p, int64_t n, uint32_t seed) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        p[i] = __float2half((static_cast<float>(h & 0xffff) / 65536.0f - 0.5f) * 0.05f);
+    }
+}
+
+int main(int argc, char** argv) {
+    const int n_layer = argc > 1 ? atoi(argv[1]) : 36;
+    const int hidden = 2560, q = 4096, kv = 1024, ffn = 9728;
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const int64_t per_layer = int64_t{hidden} * (q + 2 * kv) + int64_t{q} * hidden + int64_t{2} * ffn * hidden +
+                              int64_t{ffn} * hidden;  // halves
+    __half* w = nullptr;
+    CK(cudaMalloc(&w, per_layer * n_layer * sizeof(__half)));
+    k_fill<<<1024, 256, 0, s>>>(w, per_layer * n_layer, 1234u);
+    float *x = nullptr, *nw = nullptr, *y = nullptr;
+    CK(cudaMalloc(&x, ffn * 2 * sizeof(float)));
+    CK(cudaMalloc(&nw, hidden * sizeof(float)));
+    CK(cudaMalloc(&y, int64_t{2} * ffn * sizeof(float)));
+    {
+        std::vector<float> hx(ffn * 2), hn(hidden);
+        for (size_t i = 0; i < hx.size(); ++i) hx[i] = 0.01f * static_cast<float>((i * 37) % 101) - 0.5f;
+        for (size_t i = 0; i < hn.size(); ++i) hn[i] = 1.0f + 0.001f * static_cast<float>(i % 7);
+        CK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(nw, hn.data(), hn.size() * 4, cudaMemcpyHostToDevice));
+    }
+    std::vector<Layer> layers(n_layer);
+    for (int l = 0; l < n_layer; ++l) {
+        __half* p = w + per_layer * l;
+        Layer& L = layers[l];
+        L.qkv = {p, q + 2 * kv, hidden, x, nw, y};
+        p += int64_t{hidden} * (q + 2 * kv);
+        L.o = {p, hidden, q, x, nullptr, y};
+        p += int64_t{q} * hidden;
+        L.gu = {p, 2 * ffn, hidden, x, nw, y};
+        p += int64_t{2} * ffn * hidden;
+        L.down = {p, hidden, ffn, x, nullptr, y};
+    }
+    const double bytes = static_cast<double>(per_layer) * n_layer * 2;
+    const Variant variants[] = {
+        {"read", run_read, run_read},
+        {"base", run_base<1>, run_base<2>},
+        {"nofma", run_base<1, 1>, run_base<2, 1>},
+        {"nox", run_base<1, 2>, run_base<2, 2>},
+        {"batch8", run_batch<1, 8, false, 0>, run_batch<2, 8, false, 0>},
+        {"batch16", run_batch<1, 16, false, 0>, run_batch<2, 16, false, 0>},
+        {"early8", run_batch<1, 8, true, 0>, run_batch<2, 8, true, 0>},
+        {"early16", run_batch<1, 16, true, 0>, run_batch<2, 16, true, 0>},
+        {"hint8", run_batch<1, 8, true, 1>, run_batch<2, 8, true, 1>},
+        {"hint16", run_batch<1, 16, true, 1>, run_batch<2, 16, true, 1>},
+        {"stream4", run_stream<1, 4>, run_stream<2, 4>},
+        {"stream8", run_stream<1, 8>, run_stream<2, 4>},
+        {"streamX", run_stream<1, 12>, run_stream<2, 6>},
+        {"s4r1", run_smem<4, 1, false>, run_smem<4, 2, false>},
+        {"s8r1", run_smem<8, 1, false>, run_smem<8, 2, false>},
+        {"s16r1", run_smem<16, 1, false>, run_smem<16, 2, false>},
+        {"s8r2", run_smem<8, 2, false>, run_smem<8, 2, false>},
+        {"s16r2", run_smem<16, 2, false>, run_smem<16, 2, false>},
+        {"s8r1e", run_smem<8, 1, true>, run_smem<8, 2, true>},
+        {"s16r1e", run_smem<16, 1, true>, run_smem<16, 2, true>},
+        {"s16r2e", run_smem<16, 2, true>, run_smem<16, 2, true>},
+        {"s32r1e", run_smem<32, 1, true>, run_smem<32, 2, true>},
+        {"g4", run_grouped<1, 4, false>, run_grouped<2, 4, false>},
+        {"g4e", run_grouped<1, 4, true>, run_grouped<2, 4, true>},
+        {"g8", run_grouped<1, 8, false>, run_grouped<2, 8, false>},
+        {"g8e", run_grouped<1, 8, true>, run_grouped<2, 8, true>},
+        {"g6e", run_grouped<1, 6, true>, run_grouped<2, 6, true>},
+        {"g10e", run_grouped<1, 10, true>, run_grouped<2, 5, true>},
+        {"p8r1", run_smem<8, 1, false, true>, run_smem<8, 2, false, true>},
+        {"p8r1e", run_smem<8, 1, true, true>, run_smem<8, 2, true, true>},
+        {"p16r1e", run_smem<16, 1, true, true>, run_smem<16, 2, true, true>},
+        {"p16r2e", run_smem<16, 2, true, true>, run_smem<16, 2, true, true>},
+        {"p8r2e", run_smem<8, 2, true, true>, run_smem<8, 2, true, true>},
+        {"p4r1e", run_smem<4, 1, true, true>, run_smem<4, 2, true, true>},
+        {"bulkA", run_bulk<4, 4, 4096>, run_bulk<4, 4, 4096>},
+        {"bulkB", run_bulk<8, 3, 4096>, run_bulk<8, 3, 4096>},
+        {"bulkC", run_bulk<4, 6, 2048>, run_bulk<4, 6, 2048>},
+        {"bulkD", run_bulk<4, 3, 8192>, run_bulk<4, 3, 8192>},
+        {"bulkE", run_bulk<2, 8, 4096>, run_bulk<2, 8, 4096>},
+    };
+    // Per kind alone too (every layer's launches of one kind), to see which ones lag.
+    const char* kinds[] = {"all", "qkv", "o", "gate/up", "down"};
+    // The bits: o and down (no norm) of layer 0 by each variant against base, bit for bit.
+    std::vector<float> ref_o(hidden), ref_d(hidden), got(hidden);
+    auto out_of = [&](void (*r)(const Job&, cudaStream_t), const Job& jb, std::vector<float>& dst) {
+        CK(cudaMemsetAsync(y, 0xff, hidden * sizeof(float), s));
+        r(jb, s);
+        CK(cudaStreamSynchronize(s));
+        CK(cudaMemcpy(dst.data(), y, hidden * sizeof(float), cudaMemcpyDeviceToHost));
+    };
+    out_of(run_base<1>, layers[0].o, ref_o);
+    out_of(run_base<1>, layers[0].down, ref_d);
+    const char* only = argc > 2 ? argv[2] : nullptr;  // a comma-separated list of variants
+    for (const Variant& v : variants) {
+        if (only && !strstr(only, v.name)) continue;
+        printf("%-8s", v.name);
+        if (strcmp(v.name, "read") && strcmp(v.name, "nofma") && strcmp(v.name, "nox")) {
+            out_of(v.r1, layers[0].o, got);
+            const bool same_o = memcmp(got.data(), ref_o.data(), hidden * 4) == 0;
+            out_of(v.r1, layers[0].down, got);
+            const bool same_d = memcmp(got.data(), ref_d.data(), hidden * 4) == 0;
+            printf(" bits %s", same_o && same_d ? "same" : "DIFFER");
+        }
+        for (int kind = 0; kind < 5; ++kind) {
+            double kb = 0;
+            cudaGraph_t g;
+            CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            for (const Layer& L : layers) {
+                const bool read = v.r1 == run_read;
+                if (kind == 0 || kind == 1) { v.r1(L.qkv, s); kb += double(L.qkv.rows) * L.qkv.k * 2; }
+                if (kind == 0 || kind == 2) { v.r1(L.o, s); kb += double(L.o.rows) * L.o.k * 2; }
+                if (kind == 0 || kind == 3) { (read ? v.r1 : v.r2)(L.gu, s); kb += double(L.gu.rows) * L.gu.k * 2; }
+                if (kind == 0 || kind == 4) { v.r1(L.down, s); kb += double(L.down.rows) * L.down.k * 2; }
+            }
+            CK(cudaStreamEndCapture(s, &g));
+            cudaGraphExec_t exec;
+            CK(cudaGraphInstantiate(&exec, g, 0));
+            time_graph(exec, s, 2);
+            const float ms = time_graph(exec, s, 8);
+            printf("  %s %7.1f us %5.2f TB/s", kinds[kind], ms * 1e3, kb / (ms * 1e-3) / 1e12);
+            CK(cudaGraphExecDestroy(exec));
+            CK(cudaGraphDestroy(g));
+        }
+        printf("\n");
+    }
+    {
+        float best = 1e30f;
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        int sms = 0;
+        CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        for (int r = 0; r < 6; ++r) {
+            CK(cudaEventRecord(e0, s));
+            k_read_all<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(w), static_cast<int64_t>(bytes / 16), y);
+            CK(cudaEventRecord(e1, s));
+            CK(cudaEventSynchronize(e1));
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            best = ms < best ? ms : best;
+        }
+        printf("one read of %.2f GB: %.1f us, %.2f TB/s\n", bytes / 1e9, best * 1e3, bytes / (best * 1e-3) / 1e12);
+    }
+    CK(cudaDeviceSynchronize());
+    return 0;
+}
