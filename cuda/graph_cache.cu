@@ -115,35 +115,59 @@ inline uint32_t fbits(float f) {
     return u;
 }
 
+constexpr size_t kWordsPerTensor = 1 + 2 * kMaxDims + 9;
+
+size_t key_words(const Graph& g) { return static_cast<size_t>(g.size()) * kWordsPerTensor + 2; }
+
+// The key's words in order, each handed to sink(word); stops early (false) when sink says so.
+template <class Sink>
+inline bool for_each_key_word(const Graph& g, Sink&& sink) {
+    const int n = g.size();
+    if (!sink(static_cast<uint64_t>(n))) return false;
+    // The launch choices read from the environment at each compute: a graph captured under one
+    // setting is never replayed under another.
+    if (!sink(static_cast<uint64_t>(matmul_tc_setting() + 1) | (matmul_fusion_enabled() ? 4u : 0u) |
+              (attention_tiled_enabled() ? 8u : 0u) | (pdl_enabled() ? 16u : 0u) |
+              (attention_tc_enabled() ? 32u : 0u))) {
+        return false;
+    }
+    for (int id = 0; id < n; ++id) {
+        const Tensor& t = g[id];
+        bool same = sink((static_cast<uint64_t>(t.op) << 16) | (static_cast<uint64_t>(t.flags) << 8) |
+                         static_cast<uint64_t>(t.dtype));
+        for (int i = 0; i < kMaxDims; ++i) same = sink(static_cast<uint64_t>(t.ne[static_cast<size_t>(i)])) && same;
+        for (int i = 0; i < kMaxDims; ++i) same = sink(static_cast<uint64_t>(t.nb[static_cast<size_t>(i)])) && same;
+        same = sink(pack2(static_cast<uint32_t>(t.src[0]), static_cast<uint32_t>(t.src[1]))) && same;
+        same = sink(pack2(static_cast<uint32_t>(t.src[2]), static_cast<uint32_t>(t.src[3]))) && same;
+        same = sink(pack2(static_cast<uint32_t>(t.src[4]), static_cast<uint32_t>(t.view_src))) && same;
+        same = sink(static_cast<uint64_t>(t.view_offset)) && same;
+        same = sink(pack2(static_cast<uint32_t>(t.iparams[0]), static_cast<uint32_t>(t.iparams[1]))) && same;
+        same = sink(pack2(static_cast<uint32_t>(t.iparams[2]), static_cast<uint32_t>(t.iparams[3]))) && same;
+        same = sink(pack2(fbits(t.fparams[0]), fbits(t.fparams[1]))) && same;
+        same = sink(pack2(fbits(t.fparams[2]), fbits(t.fparams[3]))) && same;
+        same = sink(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(t.data))) && same;
+        if (!same) return false;  // checked once a tensor: a branch a word would cost more
+    }
+    return true;
+}
+
 }  // namespace
 
 uint64_t graph_exec_key(const Graph& g, std::vector<uint64_t>& key) {
-    constexpr size_t kWordsPerTensor = 1 + 2 * kMaxDims + 9;
-    const int n = g.size();
-    key.resize(static_cast<size_t>(n) * kWordsPerTensor + 2);  // written in place: no push_back checks
+    key.resize(key_words(g));  // written in place: no push_back checks
     uint64_t* k = key.data();
-    *k++ = static_cast<uint64_t>(n);
-    // The launch choices read from the environment at each compute: a graph captured under one
-    // setting is never replayed under another.
-    *k++ = static_cast<uint64_t>(matmul_tc_setting() + 1) | (matmul_fusion_enabled() ? 4u : 0u) |
-           (attention_tiled_enabled() ? 8u : 0u) | (pdl_enabled() ? 16u : 0u) | (attention_tc_enabled() ? 32u : 0u);
-    for (int id = 0; id < n; ++id) {
-        const Tensor& t = g[id];
-        *k++ = (static_cast<uint64_t>(t.op) << 16) | (static_cast<uint64_t>(t.flags) << 8) | static_cast<uint64_t>(t.dtype);
-        for (int i = 0; i < kMaxDims; ++i) *k++ = static_cast<uint64_t>(t.ne[static_cast<size_t>(i)]);
-        for (int i = 0; i < kMaxDims; ++i) *k++ = static_cast<uint64_t>(t.nb[static_cast<size_t>(i)]);
-        *k++ = pack2(static_cast<uint32_t>(t.src[0]), static_cast<uint32_t>(t.src[1]));
-        *k++ = pack2(static_cast<uint32_t>(t.src[2]), static_cast<uint32_t>(t.src[3]));
-        *k++ = pack2(static_cast<uint32_t>(t.src[4]), static_cast<uint32_t>(t.view_src));
-        *k++ = static_cast<uint64_t>(t.view_offset);
-        *k++ = pack2(static_cast<uint32_t>(t.iparams[0]), static_cast<uint32_t>(t.iparams[1]));
-        *k++ = pack2(static_cast<uint32_t>(t.iparams[2]), static_cast<uint32_t>(t.iparams[3]));
-        *k++ = pack2(fbits(t.fparams[0]), fbits(t.fparams[1]));
-        *k++ = pack2(fbits(t.fparams[2]), fbits(t.fparams[3]));
-        *k++ = reinterpret_cast<uintptr_t>(t.data);
-    }
+    for_each_key_word(g, [&k](uint64_t w) {
+        *k++ = w;
+        return true;
+    });
     if (k != key.data() + key.size()) throw std::logic_error("graph_exec_key: words per tensor");
     return hash_words(key);
+}
+
+bool graph_has_key(const Graph& g, const std::vector<uint64_t>& key) {
+    if (key.size() != key_words(g)) return false;
+    const uint64_t* k = key.data();
+    return for_each_key_word(g, [&k](uint64_t w) { return *k++ == w; });
 }
 
 GraphCache::GraphCache(size_t capacity) : capacity_(capacity) {}
@@ -181,6 +205,11 @@ void GraphCache::insert(uint64_t hash, const std::vector<uint64_t>& key, cudaGra
     lru_.push_front(Entry{hash, key, exec});
     index_[hash] = lru_.begin();
     ++g_live;
+}
+
+cudaGraphExec_t GraphCache::find_recent(const Graph& g) const {
+    if (lru_.empty() || !graph_has_key(g, lru_.front().key)) return nullptr;
+    return lru_.front().exec;
 }
 
 bool GraphCache::sighted_before(uint64_t hash) {
