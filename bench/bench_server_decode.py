@@ -62,10 +62,13 @@ def server_ms(url, n_tokens, stream):
     r.raise_for_status()
     timings = None
     if stream:
-        for line in r.iter_lines():
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                d = json.loads(line[6:])
-                timings = d.get("timings", timings)
+        # Only the bytes as they come (the client shares the cores with the server here): the
+        # last event with timings is parsed after the reply ends.
+        raw = b"".join(r.iter_content(chunk_size=None))
+        for line in reversed(raw.split(b"\n")):
+            if line.startswith(b"data: {") and b'"timings"' in line:
+                timings = json.loads(line[6:])["timings"]
+                break
     else:
         timings = r.json()["timings"]
     return timings["predicted_per_token_ms"]

@@ -33,8 +33,12 @@ def sse(obj) -> bytes:
 
 def dumps(obj) -> str:
     """Compact JSON as llama sends it; non-finite floats become null (nlohmann does the same,
-    and Python's NaN/Infinity literals are not JSON)."""
-    return json.dumps(_finite(obj), separators=(",", ":"), ensure_ascii=False)
+    and Python's NaN/Infinity literals are not JSON). The copy that replaces them is made only
+    when the encoder meets one: a streamed token's event is encoded once, not walked first."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a NaN or an infinity somewhere
+        return json.dumps(_finite(obj), separators=(",", ":"), ensure_ascii=False)
 
 
 def _finite(obj):
