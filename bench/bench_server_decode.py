@@ -5,9 +5,12 @@ call; everything else it does per step (the outputs' detokenising and stop strin
 pieces to the HTTP side, the event loop's work) competes with the compute threads for the cores.
 This prints, alternating in one run, the engine alone (a Python loop over `SpecEngine.step`, no
 drafter, greedy) and the server (no drafter, greedy, `/v1/chat/completions` with and without
-`stream`), each as ms a generated token, and the server's cost over the engine's.
+`stream`), each as ms a generated token, and the server's cost over the engine's. On Linux it
+also prints the CPU time the server's event-loop thread spent a streamed token (from /proc).
+--compare-loop runs a second server on plain asyncio and h11 (PYSPEC_SERVER_LOOP/HTTP) and
+alternates the two servers' streamed replies.
 
-    python bench/bench_server_decode.py [MODEL.gguf] [--tokens 96] [--rounds 3] [-t 2]
+    python bench/bench_server_decode.py [MODEL.gguf] [--tokens 96] [--rounds 3] [-t 2] [--compare-loop]
 (from the repo root; default model: the embedded SmolLM2)
 """
 from __future__ import annotations
@@ -74,6 +77,55 @@ def server_ms(url, n_tokens, stream):
     return timings["predicted_per_token_ms"]
 
 
+def loop_thread_cpu(pid):
+    """CPU seconds of the process's main thread (the event loop's), or None off Linux."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            st = f.read()
+    except OSError:
+        return None
+    fields = st[st.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def streamed_loop_ms(proc, url, n_tokens):
+    """(ms a streamed token by the server's timings, event-loop CPU ms a token or None)."""
+    c0 = loop_thread_cpu(proc.pid)
+    ms = server_ms(url, n_tokens, True)
+    c1 = loop_thread_cpu(proc.pid)
+    return ms, None if c0 is None or c1 is None else (c1 - c0) / n_tokens * 1e3
+
+
+def start_server(model_path, threads, parallel, env_extra):
+    """(process, url, log file) of a pyspec-server without a drafter, once it answers /health."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "pyspec.server.main", "--port", str(port), "--spec-type", "none",
+           "-t", str(threads), "-m", model_path] + (["-np", str(parallel)] if parallel else [])
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), **env_extra))
+    url = f"http://127.0.0.1:{port}"
+    why = "pyspec-server did not answer /health in 60 s"
+    for _ in range(600):
+        if proc.poll() is not None:
+            log.seek(0)
+            why = f"pyspec-server exited with {proc.returncode}:\n{log.read()}"
+            break
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, log
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.1)
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+    os.unlink(log.name)
+    raise RuntimeError(why)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="GGUF path (default: the embedded default model)")
@@ -81,44 +133,43 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-np", "--parallel", type=int, default=0, help="server slots (default: the server's)")
+    ap.add_argument("--compare-loop", action="store_true",
+                    help="also a server on plain asyncio and h11, alternating with the default one")
     args = ap.parse_args(argv)
     import pyspec
     model = pyspec.Model(args.model, n_threads=args.threads)
     from pyspec.tokenizer import Tokenizer
     prompt_ids = Tokenizer.from_gguf(model.path).encode(PROMPT, add_special=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "pyspec.server.main", "--port", str(port), "--spec-type", "none",
-           "-t", str(args.threads), "-m", model.path] + (["-np", str(args.parallel)] if args.parallel else [])
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    url = f"http://127.0.0.1:{port}"
+    servers = []  # (label, process, url, log)
     try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                log.seek(0)
-                print(f"pyspec-server exited with {proc.returncode}:\n{log.read()}", file=sys.stderr)
-                return 1
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.1)
-        server_ms(url, 8, False)  # warm-up
+        try:
+            servers.append(("auto",) + start_server(model.path, args.threads, args.parallel, {}))
+            if args.compare_loop:
+                servers.append(("asyncio+h11",) + start_server(
+                    model.path, args.threads, args.parallel,
+                    {"PYSPEC_SERVER_LOOP": "asyncio", "PYSPEC_SERVER_HTTP": "h11"}))
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        for _, _, url, _ in servers:
+            server_ms(url, 8, False)  # warm-up
         for r in range(args.rounds):
             e = engine_ms(model, prompt_ids, args.tokens, args.threads)
-            whole = min(server_ms(url, args.tokens, False) for _ in range(2))
-            streamed = min(server_ms(url, args.tokens, True) for _ in range(2))
-            print(f"round {r + 1}: engine {e:.2f} ms/token | server, whole reply {whole:.2f} ({whole / e:.2f}x)"
-                  f" | server, streamed {streamed:.2f} ({streamed / e:.2f}x)", flush=True)
+            line = f"round {r + 1}: engine {e:.2f} ms/token"
+            for label, proc, url, _ in servers:
+                whole = min(server_ms(url, args.tokens, False) for _ in range(2))
+                runs = [streamed_loop_ms(proc, url, args.tokens) for _ in range(2)]
+                streamed = min(ms for ms, _ in runs)
+                loop = [c for _, c in runs if c is not None]
+                line += (f" | [{label}] whole reply {whole:.2f} ({whole / e:.2f}x), streamed {streamed:.2f}"
+                         f" ({streamed / e:.2f}x)" + (f", event loop {min(loop):.2f} ms CPU a token" if loop else ""))
+            print(line, flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-        os.unlink(log.name)
+        for _, proc, _, log in servers:
+            proc.terminate()
+            proc.wait(timeout=30)
+            log.close()
+            os.unlink(log.name)
     return 0
 
 

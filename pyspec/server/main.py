@@ -182,7 +182,11 @@ def run(cfg: ServerConfig) -> int:
         n_batch=cfg.batch_size, spm_infill=cfg.spm_infill)
     state = {"scheduler": None}
     app = create_app(settings, lambda: state["scheduler"])
+    # PYSPEC_SERVER_LOOP / PYSPEC_SERVER_HTTP: uvicorn's loop and http choices (default "auto":
+    # uvloop and httptools where installed), for bench/bench_server_decode.py's A/B.
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           loop=os.environ.get("PYSPEC_SERVER_LOOP", "auto"),
+                                           http=os.environ.get("PYSPEC_SERVER_HTTP", "auto"),
                                            server_header=False,
                                            timeout_keep_alive=min(cfg.timeout, 3600)))
     failed: List[str] = []
