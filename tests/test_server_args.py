@@ -347,3 +347,14 @@ def test_the_embedded_drafter_stays_off_where_it_does_not_pay(monkeypatch):
         on = Loaded(parse(*base, *asked))
         assert on.drafter is not None and on.embedded_drafter, asked
 
+
+
+@pytest.mark.parametrize("var, bad", [("PYSPEC_SERVER_LOOP", "uv-loop"), ("PYSPEC_SERVER_HTTP", "h2")])
+def test_unknown_event_loop_or_http_choice_is_a_clear_error(monkeypatch, capsys, var, bad):
+    """PYSPEC_SERVER_LOOP / PYSPEC_SERVER_HTTP (uvicorn's choices, for A/B runs) refuse a value
+    uvicorn does not know before anything is loaded, naming the variable and the choices."""
+    from pyspec.server.main import main
+    monkeypatch.setenv(var, bad)
+    assert main(["--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert var in err and repr(bad) in err and "auto" in err

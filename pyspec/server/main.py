@@ -161,7 +161,20 @@ class Loaded:
                 "n_params": 0, "size": self.file_bytes, "ftype": ""}
 
 
-def run(cfg: ServerConfig) -> int:
+# PYSPEC_SERVER_LOOP / PYSPEC_SERVER_HTTP: uvicorn's event loop and HTTP parser (default "auto":
+# uvloop and httptools where installed), for bench/bench_server_decode.py's A/B.
+_SERVER_CHOICES = {"PYSPEC_SERVER_LOOP": ("auto", "asyncio", "uvloop"),
+                   "PYSPEC_SERVER_HTTP": ("auto", "h11", "httptools")}
+
+
+def _server_choice(var: str) -> str:
+    value = os.environ.get(var, "auto")
+    if value not in _SERVER_CHOICES[var]:
+        raise ArgError(f"{var}={value!r}: expected one of {', '.join(_SERVER_CHOICES[var])}")
+    return value
+
+
+def run(cfg: ServerConfig, loop: str = "auto", http: str = "auto") -> int:
     import uvicorn
 
     from .app import AppSettings, create_app
@@ -182,12 +195,8 @@ def run(cfg: ServerConfig) -> int:
         n_batch=cfg.batch_size, spm_infill=cfg.spm_infill)
     state = {"scheduler": None}
     app = create_app(settings, lambda: state["scheduler"])
-    # PYSPEC_SERVER_LOOP / PYSPEC_SERVER_HTTP: uvicorn's loop and http choices (default "auto":
-    # uvloop and httptools where installed), for bench/bench_server_decode.py's A/B.
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                           loop=os.environ.get("PYSPEC_SERVER_LOOP", "auto"),
-                                           http=os.environ.get("PYSPEC_SERVER_HTTP", "auto"),
-                                           server_header=False,
+                                           loop=loop, http=http, server_header=False,
                                            timeout_keep_alive=min(cfg.timeout, 3600)))
     failed: List[str] = []
 
@@ -226,12 +235,13 @@ def run(cfg: ServerConfig) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = parse_args(argv)
+        loop, http = _server_choice("PYSPEC_SERVER_LOOP"), _server_choice("PYSPEC_SERVER_HTTP")
     except ArgError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.DEBUG if cfg.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(cfg)
+    return run(cfg, loop, http)
 
 
 if __name__ == "__main__":
