@@ -38,7 +38,7 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+#include "probe_common.cuh"
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -64,9 +64,8 @@ __device__ __forceinline__ uint4 ldw(const uint4* p) {
     }
 }
 
-// One unit's 8 products on acc, in order t = 0..7.
-__device__ __forceinline__ float unit_fma(uint4 w, const float* xu, float acc) {
-    const float4 a = *reinterpret_cast<const float4*>(xu), b = *reinterpret_cast<const float4*>(xu + 4);
+// One unit's 8 products on acc, in order t = 0..7, its x as two halves a, b.
+__device__ __forceinline__ float unit_fma2(uint4 w, float4 a, float4 b, float acc) {
     const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -77,16 +76,9 @@ __device__ __forceinline__ float unit_fma(uint4 w, const float* xu, float acc) {
     return acc;
 }
 
-// unit_fma with the unit's x halves apart (x staged as two planes: conflict-free shared loads).
-__device__ __forceinline__ float unit_fma2(uint4 w, float4 a, float4 b, float acc) {
-    const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        acc = fmaf(__half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] & 0xffffu))), xv[2 * t], acc);
-        acc = fmaf(__half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] >> 16))), xv[2 * t + 1], acc);
-    }
-    return acc;
+// unit_fma2 with the unit's 8 x values at xu.
+__device__ __forceinline__ float unit_fma(uint4 w, const float* xu, float acc) {
+    return unit_fma2(w, *reinterpret_cast<const float4*>(xu), *reinterpret_cast<const float4*>(xu + 4), acc);
 }
 
 // The norm prologue's shape (not its exact order; the cost is what matters here): the block's
@@ -169,17 +161,27 @@ __global__ void __launch_bounds__(kThreads) k_base(Job j) {
     }
 }
 
+// This warp's row (warps_per_block warps a block) and the pointers to its R weight rows, rows
+// row + r * rows / R (row 0's where the warp is past the end); whether it has a row.
+template <int R>
+__device__ __forceinline__ bool warp_rows(const Job& j, int warps_per_block, int64_t& row, const uint4* (&wr)[R]) {
+    const int64_t half = j.rows / R;
+    row = static_cast<int64_t>(blockIdx.x) * warps_per_block + (threadIdx.x >> 5);
+    const bool live = row < half;
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (live ? row + r * half : 0) * j.k);
+    return live;
+}
+
 // batch / early / hint: a lane's units in batches of N, each batch's loads issued before its
 // fmaf chains; kEarly loads the first batch before the PDL wait and the prologue.
 template <int R, int N, bool kEarly, int kHint>
 __global__ void __launch_bounds__(kThreads) k_batch(Job j) {
     const int lane = threadIdx.x & 31;
     const int64_t half = j.rows / R;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-    const bool live = row < half;
+    int64_t row;
     const uint4* wr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (live ? row + r * half : 0) * j.k);
+    const bool live = warp_rows<R>(j, kWarps, row, wr);
     const int units = j.k / 8;
     const int mine = (units - lane + 31) / 32;  // units of this lane
     uint4 buf[R][N];
@@ -284,6 +286,29 @@ __global__ void __launch_bounds__(kThreads) k_stream(Job j, int rows_per_warp) {
     }
 }
 
+// The job's x into shared memory by a block of W warps, normalised where the job has a norm
+// (the norm prologue's shape, its order the block's: the cost is what matters here).
+template <int W>
+__device__ __forceinline__ void stage_x(const Job& j, float* dst) {
+    __shared__ float sums[W];
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < j.k; i += W * 32) {
+        const float v = j.x[i];
+        dst[i] = v;
+        acc = fmaf(v, v, acc);
+    }
+    if (j.nw) {
+        acc = warp_sum(acc);
+        if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = acc;
+        __syncthreads();
+        float t = 0.0f;
+        for (int w = 0; w < W; ++w) t += sums[w];
+        const float scale = rsqrtf(t / j.k + 1e-6f);
+        for (int i = threadIdx.x; i < j.k; i += W * 32) dst[i] = dst[i] * scale * j.nw[i];
+    }
+    __syncthreads();
+}
+
 // smem: blocks of W warps stage x (normalised where the job has a norm) in shared memory once,
 // then each warp runs the production loop (unroll 4) over R rows at once, x from shared memory
 // (a load serves R rows) and the weights past L1 (no_allocate, so they do not evict anything);
@@ -292,11 +317,9 @@ template <int W, int R, bool kEarly, bool kPlanes = false>
 __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
     const int lane = threadIdx.x & 31;
     const int64_t half = j.rows / R;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * W + (threadIdx.x >> 5);
-    const bool live = row < half;
+    int64_t row;
     const uint4* wr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (live ? row + r * half : 0) * j.k);
+    const bool live = warp_rows<R>(j, W, row, wr);
     const int units = j.k / 8;
     uint4 pre[R][4];
     if (kEarly && live) {
@@ -311,23 +334,7 @@ __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
     pdl_wait();
     pdl_go();
     {
-        __shared__ float sums[W];
-        float acc = 0.0f;
-        for (int i = threadIdx.x; i < j.k; i += W * 32) {
-            const float v = j.x[i];
-            hs[i] = v;
-            acc = fmaf(v, v, acc);
-        }
-        if (j.nw) {
-            acc = warp_sum(acc);
-            if (lane == 0) sums[threadIdx.x >> 5] = acc;
-            __syncthreads();
-            float t = 0.0f;
-            for (int w = 0; w < W; ++w) t += sums[w];
-            const float scale = rsqrtf(t / j.k + 1e-6f);
-            for (int i = threadIdx.x; i < j.k; i += W * 32) hs[i] = hs[i] * scale * j.nw[i];
-        }
-        __syncthreads();
+        stage_x<W>(j, hs);
         if constexpr (kPlanes) {  // x[8u + t] -> plane t / 4 at 4u + t % 4, after hs[0, k)
             float* pl = hs + j.k;
             const int n = j.k / 8;
@@ -423,25 +430,7 @@ __global__ void __launch_bounds__(W * 32) k_bulk(Job j, int rows_per_warp) {
     __syncwarp();
     pdl_wait();
     pdl_go();
-    {
-        __shared__ float sums[W];
-        float acc = 0.0f;
-        for (int i = threadIdx.x; i < j.k; i += W * 32) {
-            const float v = j.x[i];
-            xs[i] = v;
-            acc = fmaf(v, v, acc);
-        }
-        if (j.nw) {
-            acc = warp_sum(acc);
-            if (lane == 0) sums[warp] = acc;
-            __syncthreads();
-            float t = 0.0f;
-            for (int w = 0; w < W; ++w) t += sums[w];
-            const float scale = rsqrtf(t / j.k + 1e-6f);
-            for (int i = threadIdx.x; i < j.k; i += W * 32) xs[i] = xs[i] * scale * j.nw[i];
-        }
-        __syncthreads();
-    }
+    stage_x<W>(j, xs);
     const int units_row = j.k / 8;
     float acc = 0.0f;
     for (int item = 0; item < n_items; ++item) {
@@ -481,11 +470,11 @@ template <int R, int G, bool kEarly>
 __global__ void __launch_bounds__(kThreads) k_grouped(Job j) {
     const int lane = threadIdx.x & 31;
     const int64_t half = j.rows / R;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-    const bool live = row < half;
+    int64_t row;
     const uint4* wr[R];
+    const bool live = warp_rows<R>(j, kWarps, row, wr);
 #pragma unroll
-    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (live ? row + r * half : 0) * j.k) + lane;
+    for (int r = 0; r < R; ++r) wr[r] += lane;
     const int units = j.k / 8;
     const int mine = (units - lane + 31) / 32;
     const int full = mine / G;  // full groups
@@ -556,18 +545,23 @@ __global__ void k_read_all(const uint4* p, int64_t n, float* y) {
 }
 
 template <typename K, typename... A>
-static void launch_pdl(K kernel, unsigned grid, size_t smem, cudaStream_t s, A... args) {
+static void launch_pdl_block(K kernel, unsigned grid, unsigned block, size_t smem, cudaStream_t s, A... args) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
+    cfg.blockDim = dim3(block);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+template <typename K, typename... A>
+static void launch_pdl(K kernel, unsigned grid, size_t smem, cudaStream_t s, A... args) {
+    launch_pdl_block(kernel, grid, kThreads, smem, s, args...);
 }
 
 struct Layer {
@@ -609,17 +603,8 @@ static void run_smem(const Job& j, cudaStream_t s) {
         CK(cudaFuncSetAttribute(k_smem<W, R, E, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * 9728 * 4));
     }
     const int64_t n = j.rows / R;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>((n + W - 1) / W));
-    cfg.blockDim = dim3(W * 32);
-    cfg.dynamicSmemBytes = (P ? 2 : 1) * j.k * sizeof(float);
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, k_smem<W, R, E, P>, j));
+    launch_pdl_block(k_smem<W, R, E, P>, static_cast<unsigned>((n + W - 1) / W), W * 32,
+                     (P ? 2 : 1) * j.k * sizeof(float), s, j);
 }
 template <int W, int S, int CH>
 static void run_bulk(const Job& j, cudaStream_t s) {
@@ -634,17 +619,8 @@ static void run_bulk(const Job& j, cudaStream_t s) {
     const int64_t warps_cap = int64_t{sms} * per_sm * W;
     const int64_t rpw = (j.rows + warps_cap - 1) / warps_cap;
     const int64_t warps = (j.rows + rpw - 1) / rpw;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>((warps + W - 1) / W));
-    cfg.blockDim = dim3(W * 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, k_bulk<W, S, CH>, j, static_cast<int>(rpw)));
+    launch_pdl_block(k_bulk<W, S, CH>, static_cast<unsigned>((warps + W - 1) / W), W * 32, smem, s, j,
+                     static_cast<int>(rpw));
 }
 template <int R, int G, bool E>
 static void run_grouped(const Job& j, cudaStream_t s) {
@@ -660,23 +636,6 @@ struct Variant {
     void (*r1)(const Job&, cudaStream_t);
     void (*r2)(const Job&, cudaStream_t);
 };
-
-static float time_graph(cudaGraphExec_t exec, cudaStream_t s, int reps) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    float best = 1e30f;
-    for (int r = 0; r < reps; ++r) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(exec, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (ms < best) best = ms;
-    }
-    return best;
-}
 
 __global__ void k_fill(__half* p, int64_t n, uint32_t seed) {
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;

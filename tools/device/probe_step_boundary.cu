@@ -16,7 +16,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+#include "probe_common.cuh"
 
 constexpr int kThreads = 128;
 
@@ -55,23 +55,6 @@ __global__ void k_phases(float* a, float* b, int n, int steps, unsigned* counter
         out[blockIdx.x * kThreads + threadIdx.x] = step_work(in, n, s);
         grid_barrier(counter, static_cast<unsigned>((s + 1) * gridDim.x));
     }
-}
-
-static float time_graph(cudaGraphExec_t exec, cudaStream_t s, int reps) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    float best = 1e30f;
-    for (int r = 0; r < reps; ++r) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(exec, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (ms < best) best = ms;
-    }
-    return best;
 }
 
 int main() {
