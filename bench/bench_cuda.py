@@ -6,7 +6,10 @@ Models: random-weight GGUFs shaped like SmolLM2-135M Q4_1 and Qwen3-4B F16 (tool
 compared with SmolLM2's figures, a qwen3 file with Qwen3-4B's).
 
 tg128: after an 8-token prompt (not timed), 128 single-token decodes, each feeding the greedy
-       (numpy argmax) choice of the previous step; tokens / s.
+       choice of the previous step; tokens / s. Two paths, as par64: "context" (pyspec.Context.decode,
+       the logits copied to the host and numpy's argmax) and "engine" (_core.SpecEngine without a
+       drafter, one request, the argmax in the graph: the server's path); the faster is the row's
+       figure, both are printed (--tg-mode picks one).
 tg32@dN (--only ...,tgdepth; --depth N, default 4096): 32 single-token decodes after an N-token
        prompt (not timed), as llama-bench's -d N: what long-context attention costs a step.
 pp512: one 512-token prompt from an empty cache (logits of the last row); tokens / s.
@@ -124,6 +127,33 @@ def bench_tg(model, ids, n_gen, repeats):
             tok = int(np.argmax(ctx.decode([tok]).logits[-1]))
 
     return n_gen / best_of(run, repeats, prep=prep)[0]
+
+
+def bench_tg_engine(model, ids, n_gen, repeats):
+    """tg128 on the server's path: one greedy request on a SpecEngine without a drafter; the steps
+    after the one that prefilled the prompt and gave the first token are timed."""
+    from pyspec import _core
+    engine = _core.SpecEngine(model._model, None, n_ctx=1024, n_seq_max=1, n_draft_slots=1,
+                              n_batch=512, draft_n_batch=512, n_threads=model.n_threads,
+                              draft_n_max=-1, prefill_chunk=512, backend=model.backend)
+    prompt = [int(x) for x in ids[:8]]
+
+    def one_run() -> float:
+        engine.add_request(0, prompt, max_tokens=n_gen + 1, temperature=0.0, verify="greedy",
+                           draft=False)
+        n_first = 0
+        while not n_first:  # the prompt's pass gives the first token (not timed)
+            n_first = sum(len(o["tokens"]) for o in engine.step())
+        n, t0 = 0, time.perf_counter()
+        while engine.n_requests:
+            n += sum(len(o["tokens"]) for o in engine.step())
+        t = time.perf_counter() - t0
+        if n != n_gen:
+            raise RuntimeError(f"engine gave {n} timed tokens, expected {n_gen}")
+        return n / t
+
+    one_run()
+    return max(one_run() for _ in range(repeats))
 
 
 def bench_tg_depth(model, n_vocab, depth, n_gen, repeats):
@@ -274,6 +304,21 @@ def profile_steps(model, ids, n_gen: int, n_prompt: int, top: int = 12) -> dict:
     return out
 
 
+def run_paths(test, choice, fns, call):
+    """{path: t/s} of each of test's paths ("context", "engine"; choice "both" or one of them);
+    one path failing must not lose the other's figure."""
+    per = {}
+    for mode in (list(fns) if choice == "both" else [choice]):
+        t0 = time.perf_counter()
+        try:
+            per[mode] = call(fns[mode])
+        except Exception as e:
+            print(f"  {test} {mode}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        print(f"  {test} {mode}: {per[mode]:.1f} t/s ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return per
+
+
 def fmt_rate(x):
     if x is None:
         return "-"
@@ -299,6 +344,7 @@ def main(argv=None) -> int:
     ap.add_argument("--par-steps", type=int, default=128)
     ap.add_argument("--par-mode", choices=["context", "engine", "both"], default="both")
     ap.add_argument("--par-all", action="store_true", help="par64 for every model, not only qwen3")
+    ap.add_argument("--tg-mode", choices=["context", "engine", "both"], default="both")
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--profile", action="store_true",
@@ -351,14 +397,18 @@ def main(argv=None) -> int:
         ref = REFERENCE[label] if full == (model.arch, model.n_layer, model.n_embd,
                                            model.n_vocab) else {}
         if "tg128" in only:
-            t0 = time.perf_counter()
-            v = bench_tg(model, ids, args.n_gen, args.repeats)
-            res["tg128"] = v
-            bw = wbytes * v
-            res["tg128_bandwidth"] = bw
-            rows.append((name, f"tg{args.n_gen}", v, ref.get("tg128"), GOALS["tg128"],
-                         f"{bw / 1e12:.2f} TB/s weights ({100 * bw / PEAK_BW:.0f}% of 4.3)"))
-            print(f"  tg{args.n_gen}: {v:.1f} t/s ({time.perf_counter() - t0:.1f}s)", flush=True)
+            per = run_paths(f"tg{args.n_gen}", args.tg_mode,
+                            {"context": bench_tg, "engine": bench_tg_engine},
+                            lambda fn: fn(model, ids, args.n_gen, args.repeats))
+            if per:
+                v = max(per.values())
+                res["tg128"] = v
+                res["tg128_modes"] = per
+                bw = wbytes * v
+                res["tg128_bandwidth"] = bw
+                rows.append((name, f"tg{args.n_gen}", v, ref.get("tg128"), GOALS["tg128"],
+                             f"{bw / 1e12:.2f} TB/s weights ({100 * bw / PEAK_BW:.0f}% of 4.3); "
+                             + ", ".join(f"{k} {fmt_rate(x)}" for k, x in per.items())))
         if "tgdepth" in only:
             t0 = time.perf_counter()
             v = bench_tg_depth(model, model.n_vocab, args.depth, 32, args.repeats)
@@ -372,19 +422,10 @@ def main(argv=None) -> int:
             rows.append((name, f"pp{args.n_prompt}", v, ref.get("pp512"), GOALS["pp512"], ""))
             print(f"  pp{args.n_prompt}: {v:.1f} t/s ({time.perf_counter() - t0:.1f}s)", flush=True)
         if "par64" in only and (label == "qwen3" or args.par_all):
-            modes = ["context", "engine"] if args.par_mode == "both" else [args.par_mode]
-            per = {}
-            for mode in modes:
-                t0 = time.perf_counter()
-                fn = bench_par_context if mode == "context" else bench_par_engine
-                try:
-                    per[mode] = fn(model, ids, args.par, args.par_prompt, args.par_steps,
-                                   args.repeats)
-                except Exception as e:  # one path failing must not lose the other's figure
-                    print(f"  par{args.par} {mode}: FAILED {type(e).__name__}: {e}", flush=True)
-                    continue
-                print(f"  par{args.par} {mode}: {per[mode]:.1f} t/s "
-                      f"({time.perf_counter() - t0:.1f}s)", flush=True)
+            per = run_paths(f"par{args.par}", args.par_mode,
+                            {"context": bench_par_context, "engine": bench_par_engine},
+                            lambda fn: fn(model, ids, args.par, args.par_prompt, args.par_steps,
+                                          args.repeats))
             if per:
                 mode = max(per, key=per.get)
                 res["par64"] = per[mode]

@@ -787,13 +787,27 @@ private:
     }
 
     // The device memory every computing node of the graph writes, for constant(): a MUL_MAT may
-    // load weights no node writes before its PDL wait.
+    // load weights no node writes before its PDL wait. Kept as disjoint spans sorted by address
+    // (the planner reuses memory, so the nodes' outputs merge into a few), so constant() is a
+    // binary search, not a pass over every node for every MUL_MAT of an eager run or capture.
     void mark_written(const Graph& g) {
         written_.clear();
         for (int j = 0; j < g.size(); ++j) {
             const Op op = g[j].op;
-            if (op != Op::NONE && op != Op::VIEW) written_.push_back(span(g, j));
+            if (op == Op::NONE || op == Op::VIEW) continue;
+            const Span s = span(g, j);
+            if (s.first < s.second) written_.push_back(s);
         }
+        std::sort(written_.begin(), written_.end());
+        size_t n = 0;
+        for (const Span& s : written_) {
+            if (n > 0 && s.first <= written_[n - 1].second) {
+                written_[n - 1].second = std::max(written_[n - 1].second, s.second);
+            } else {
+                written_[n++] = s;
+            }
+        }
+        written_.resize(n);
     }
 
     // Whether tensor id is a leaf's memory that no node of the graph writes (model weights; not a
@@ -802,10 +816,10 @@ private:
     bool constant(const Graph& g, int id) {
         if (g[g.root_of(id)].op != Op::NONE) return false;
         const Span w = span(g, id);
-        for (const Span& x : written_) {
-            if (overlaps(w, x)) return false;
-        }
-        return true;
+        // The first written span that ends after w starts (ends increase with starts: disjoint).
+        const auto it = std::upper_bound(written_.begin(), written_.end(), w.first,
+                                         [](const char* p, const Span& x) { return p < x.second; });
+        return it == written_.end() || !overlaps(w, *it);
     }
 
     // How many nodes read each tensor (as a source or as a view's base), for run_mul_mat_group.
@@ -1092,7 +1106,7 @@ private:
     std::map<std::pair<uintptr_t, size_t>, char*> uploads_;        // (host address, bytes) -> device copy
     std::vector<char*> resolved_;                                  // per tensor, during compute
     std::vector<int> uses_;                                        // readers per tensor (count_uses)
-    std::vector<std::pair<const char*, const char*>> written_;    // what the graph's nodes write (mark_written)
+    std::vector<std::pair<const char*, const char*>> written_;    // what the graph's nodes write, disjoint, sorted (mark_written)
     cuda::GraphCache graphs_;                                      // instantiated graphs by key
     std::vector<uint64_t> key_;                                    // the key of this compute
     bool capture_failure_logged_ = false;

@@ -23,6 +23,10 @@ struct CudaGraphStats {
     uint64_t capture_failures = 0;  // captures that failed and fell back to eager execution
     uint64_t evictions = 0;         // instantiated graphs dropped by the LRU bound
     uint64_t live = 0;              // instantiated graphs held now, over all CUDA backends
+    // Launches (eager or captured, not replays) of a row-streaming MUL_MAT that loads its weights
+    // before its PDL wait, i.e. that the backend judged constant: what tests check that weights a
+    // node of the graph writes are never loaded early (a race the GPU rarely shows by itself).
+    uint64_t early_weight_launches = 0;
 };
 
 // On by default; PYSPEC_CUDA_GRAPHS=0 (or off/false/no) in the environment turns it off at start.

@@ -17,7 +17,7 @@ namespace pyspec {
 namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
-std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0};
+std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0};
 
 }  // namespace
 
@@ -41,6 +41,7 @@ CudaGraphStats cuda_graph_stats() {
     s.capture_failures = g_failures.load();
     s.evictions = g_evictions.load();
     s.live = g_live.load();
+    s.early_weight_launches = g_early.load();
     return s;
 }
 
@@ -50,6 +51,7 @@ void reset_cuda_graph_stats() {
     g_eager = 0;
     g_failures = 0;
     g_evictions = 0;
+    g_early = 0;
 }
 
 namespace cuda {
@@ -61,6 +63,7 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::Eager: ++g_eager; break;
         case GraphEvent::CaptureFailure: ++g_failures; break;
         case GraphEvent::Eviction: ++g_evictions; break;
+        case GraphEvent::EarlyWeightLaunch: ++g_early; break;
     }
 }
 

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/graph_cache.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 
@@ -592,6 +593,7 @@ template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
     if (streams_rows<T, kVec>(k, m)) {
+        if (gate.constant && up.constant) count_graph_event(GraphEvent::EarlyWeightLaunch);
         const auto kernel = norm.w ? k_mul_mat_glu_rows<T, true> : k_mul_mat_glu_rows<T, false>;
         launch(kernel, grid_for(gate.n_rows, kRowWarps), kRowThreads, k * sizeof(float), s,
                static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
@@ -637,6 +639,7 @@ static_assert(kMatmulNormMaxM == 4, "k_mul_mat's and k_mul_mat_glu's norm prolog
 template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
     if (streams_rows<T, kVec>(k, m)) {
+        if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
         const auto kernel = p.norm_w ? k_mul_mat_rows<T, true> : k_mul_mat_rows<T, false>;
         return launch(kernel, grid_for(p.row0[p.n], 2 * kRowWarps), kRowThreads, k * sizeof(float), s, p, k, x);
     }

@@ -290,21 +290,15 @@ def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):
             assert np.array_equal(got[i], single(i)), (m, i)
 
 
-@gpu
-@pytest.mark.parametrize("dtype", ["F16", "BF16"])
-def test_weights_written_in_the_graph_are_read_after_the_write(dtype):
-    """A one-row MUL_MAT over long 16-bit rows loads its first weight units before waiting for the
-    kernel before it, but only for weights no node of the graph writes: here SET_ROWS fills a zero
-    matrix right before the MUL_MAT reads it, so weights loaded early would be zeros. The result
-    is the CPU backend's for the written rows (and for the same weights as a plain leaf, bit for
-    bit the same as here)."""
-    n_rows, k = 96, 2048
+def written_weights_case(dtype, n_rows=96, k=2048):
+    """A graph whose MUL_MAT reads weights that a SET_ROWS writes right before it (a zero matrix
+    filled with random rows), and the same product over the rows as a plain leaf."""
     rng = np.random.default_rng(5)
     rows = rng.standard_normal((n_rows, k)).astype(np.float32)
     x = rng.standard_normal((1, k)).astype(np.float32)
     zeros = cpu.encode(np.zeros((n_rows, k), np.float32), dtype)
 
-    def build():
+    def written():
         g = core.Graph()
         tw = g.external(dtype, [k, n_rows], "w")
         tr = g.input("F32", [k, n_rows], "rows")
@@ -314,10 +308,39 @@ def test_weights_written_in_the_graph_are_read_after_the_write(dtype):
         out = cpu.node(g, "MUL_MAT", "F32", [n_rows, 1], [ts, tx])
         return g, {tw: zeros.copy(), tr: rows, ti: np.arange(n_rows, dtype=np.int32), tx: x}, [out]
 
-    (got,), (ref,) = dev_and_cpu(build)
+    return written, matmul_build(cpu.encode(rows, dtype), dtype, x, n_rows)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_weights_written_in_the_graph_are_read_after_the_write(dtype):
+    """A one-row MUL_MAT over long 16-bit rows loads its first weight units before waiting for the
+    kernel before it, but only for weights no node of the graph writes: here SET_ROWS fills a zero
+    matrix right before the MUL_MAT reads it, so weights loaded early would be zeros. The result
+    is the CPU backend's for the written rows (and for the same weights as a plain leaf, bit for
+    bit the same as here). The GPU rarely shows that race by itself (the SET_ROWS is done before
+    the MUL_MAT's blocks start): the test below checks the launch decision itself."""
+    written, leaf_build = written_weights_case(dtype)
+    (got,), (ref,) = dev_and_cpu(written)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    (leaf,) = run_on(DEVICE, matmul_build(cpu.encode(rows, dtype), dtype, x, n_rows))
+    (leaf,) = run_on(DEVICE, leaf_build)
     np.testing.assert_array_equal(got.reshape(-1), leaf.reshape(-1))
+
+
+@real_gpu
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_weights_a_node_writes_are_never_loaded_early(dtype):
+    """The backend's launch decision behind the test above, counted (cuda_graph_stats'
+    early_weight_launches): the leaf weights' MUL_MAT loads before its PDL wait, the written
+    weights' never does. Treating every leaf as constant, SET_ROWS's target included, fails here."""
+    written, leaf_build = written_weights_case(dtype)
+    core.reset_cuda_graph_stats()
+    run_on(DEVICE, leaf_build)
+    if core.cuda_graph_stats()["early_weight_launches"] == 0:
+        pytest.skip("this mode sends one-row MUL_MATs elsewhere (tensor cores, no row streaming)")
+    core.reset_cuda_graph_stats()
+    run_on(DEVICE, written)
+    assert core.cuda_graph_stats()["early_weight_launches"] == 0
 
 
 @gpu

@@ -39,10 +39,12 @@ void bind_cuda(py::module_& m) {
             d["capture_failures"] = s.capture_failures;
             d["evictions"] = s.evictions;
             d["live"] = s.live;
+            d["early_weight_launches"] = s.early_weight_launches;
             return d;
         },
         "Counters over every CUDA backend of the process: captures, replays, eager computes, "
-        "capture_failures, evictions, live (instantiated graphs held now).");
+        "capture_failures, evictions, live (instantiated graphs held now), early_weight_launches "
+        "(MUL_MAT launches that load weights before waiting for the kernel before them).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
 }
 
