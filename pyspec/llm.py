@@ -303,13 +303,20 @@ class LLM:
                 yield from self._spec_tokens(ids, params, sampler.seed, max_tokens, ignore_eos,
                                              stats)
                 return
+            # Greedy: each step's token is the argmax taken in the graph (Context.decode's
+            # argmax; the first maximum, as Sampler's), so no row of logits crosses from the
+            # backend and none is widened on the host.
+            greedy = sampler.params.greedy
+
+            def step(r):
+                return int(r.tokens[-1]) if greedy else r.logits[-1]
             ctx.kv_clear()
             t = time.perf_counter()
-            logits = ctx.decode(np.asarray(ids, dtype=np.int32), prompt=True).logits[-1]
+            out = step(ctx.decode(np.asarray(ids, dtype=np.int32), prompt=True, argmax=greedy))
             stats.prompt_seconds = time.perf_counter() - t
             while True:
                 t = time.perf_counter()
-                tok = sampler.sample(logits)
+                tok = out if greedy else sampler.sample(out)
                 stats.sample_seconds += time.perf_counter() - t
                 if not ignore_eos and self.tokenizer.is_eog(tok):
                     stats.stop_reason = "eog"
@@ -323,7 +330,7 @@ class LLM:
                     stats.stop_reason = "context"
                     return
                 t = time.perf_counter()
-                logits = ctx.decode([tok]).logits[-1]
+                out = step(ctx.decode([tok], argmax=greedy))
                 stats.decode_seconds += time.perf_counter() - t
                 stats.n_decoded += 1
                 stats.n_decode_tokens += 1

@@ -178,9 +178,10 @@ class Model:
 
 @dataclass
 class DecodeResult:
-    logits: np.ndarray                  # float32 [n_outputs, n_vocab]
+    logits: Optional[np.ndarray]        # float32 [n_outputs, n_vocab]; None with argmax=True
     output_rows: np.ndarray             # int32 batch rows that produced logits, in batch order
     layer_inputs: Dict[int, np.ndarray] = field(default_factory=dict)  # id -> [n_rows, n_embd]
+    tokens: Optional[np.ndarray] = None  # int32 [n_outputs]: the greedy ids, with argmax=True
 
 
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
@@ -230,14 +231,18 @@ class Context:
         return self._ctx.kv_cache_bytes
 
     def decode(self, tokens, positions=None, seq_ids=None, output=None,
-               layer_inputs: Iterable[int] = (), prompt=None) -> DecodeResult:
+               layer_inputs: Iterable[int] = (), prompt=None, argmax: bool = False) -> DecodeResult:
         """Decodes a batch of rows (tokens at positions of sequences) into the KV cache.
 
         output: the rows that want logits (default: the last one). prompt: the prompt rows (True:
         every row, or one flag per row; default: the rows without logits). A backend may run
         prompt rows on a path of their own (the GPU's tensor cores), the same for every prompt row
         in any batch; so a prompt decoded with prompt=True gives its last token's logits from the
-        prompt pass itself. Logits come back in batch order (DecodeResult.output_rows)."""
+        prompt pass itself. Logits come back in batch order (DecodeResult.output_rows).
+        argmax: each output row's greedy token (the first maximum of its logits, NaN skipped)
+        comes back in DecodeResult.tokens instead of its logits, taken in the graph: what greedy
+        decoding needs, without the vocabulary-wide row crossing from the backend (the server's
+        greedy steps do the same)."""
         tok = _as_index_array("tokens", tokens, None)
         n = tok.shape[0]
         if n == 0:
@@ -276,8 +281,10 @@ class Context:
                 raise ValueError(f"prompt has {kinds.shape[0]} entries, expected {n}")
             kinds = kinds.astype(np.uint8)
         layers = [int(x) for x in layer_inputs]
-        logits, rows, inputs = self._ctx.decode(tok, pos, seq, out, layers, kinds)
-        return DecodeResult(logits=logits, output_rows=rows, layer_inputs=dict(inputs))
+        first, rows, inputs = self._ctx.decode(tok, pos, seq, out, layers, kinds, bool(argmax))
+        if argmax:
+            return DecodeResult(logits=None, output_rows=rows, layer_inputs=dict(inputs), tokens=first)
+        return DecodeResult(logits=first, output_rows=rows, layer_inputs=dict(inputs))
 
     def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         self._ctx.kv_remove(int(seq_id), int(p0), int(p1))
@@ -301,17 +308,20 @@ def generate(ctx: Context, prompt_ids: Sequence[int], n_predict: int, temperatur
     stops = set(int(s) for s in stop_ids)
     rng = np.random.default_rng(seed)
     out: List[int] = []
-    seqs = np.full(len(prompt), seq_id, np.int32)
-    logits = ctx.decode(prompt, seq_ids=seqs, prompt=True).logits[-1]
-    for _ in range(n_predict):
-        if temperature == 0.0:
-            tok = int(np.argmax(logits))
-        else:
-            z = logits.astype(np.float64) / temperature
-            p = np.exp(z - z.max())
-            tok = int(rng.choice(p.shape[0], p=p / p.sum()))
+    greedy = temperature == 0.0  # the argmax taken in the graph (Context.decode's argmax)
+
+    def next_token(r: DecodeResult) -> int:
+        if greedy:
+            return int(r.tokens[-1])
+        z = r.logits[-1].astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        return int(rng.choice(p.shape[0], p=p / p.sum()))
+
+    tok = next_token(ctx.decode(prompt, seq_ids=np.full(len(prompt), seq_id, np.int32), prompt=True,
+                                argmax=greedy))
+    while n_predict > 0:
         out.append(tok)
         if tok in stops or len(out) == n_predict:
             break
-        logits = ctx.decode([tok], seq_ids=[seq_id]).logits[-1]
+        tok = next_token(ctx.decode([tok], seq_ids=[seq_id], argmax=greedy))
     return out

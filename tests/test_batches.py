@@ -207,6 +207,39 @@ def test_batch_larger_than_n_batch_is_split(model_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_argmax_gives_each_output_rows_first_maximum(model_dir, arch):
+    """decode(argmax=True): each output row's greedy id, taken in the graph, equals numpy's argmax
+    of the same row's logits (the first maximum), in batch order, over split batches too; the
+    logits themselves are not returned, the layer inputs still are."""
+    tm, model = tiny(model_dir, arch, "Q8_0")
+    rows = interleaved_rows(np.random.default_rng(12), model.n_vocab, [6, 8, 5])
+    tok, pos, seq = [r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]
+    want = np.zeros(len(rows), bool)
+    want[[0, 3, 4, 10, 17, 18]] = True
+    full = decode_rows(make_ctx(model, n_seq_max=3), rows, (1,))
+    for n_batch in (512, 4):
+        ctx = make_ctx(model, n_seq_max=3, n_batch=n_batch)
+        r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want, layer_inputs=(1,), argmax=True)
+        assert r.logits is None
+        np.testing.assert_array_equal(r.output_rows, [0, 3, 4, 10, 17, 18])
+        assert r.tokens.dtype == np.int32
+        np.testing.assert_array_equal(
+            r.tokens, [int(np.argmax(full[(seq[i], pos[i])][0])) for i in r.output_rows])
+        for i in range(len(rows)):
+            assert np.array_equal(r.layer_inputs[1][i], full[(seq[i], pos[i])][1][1])
+    # The greedy loop of pyspec.generate takes the same tokens either way.
+    ctx = make_ctx(model)
+    greedy = pyspec.generate(ctx, [1, 2, 3], 10)
+    ctx.kv_clear()
+    logits = ctx.decode([1, 2, 3], prompt=True).logits[-1]
+    by_logits = []
+    for _ in range(10):
+        by_logits.append(int(np.argmax(logits)))
+        logits = ctx.decode([by_logits[-1]]).logits[-1]
+    assert greedy == by_logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_split_batch_with_unordered_positions(model_dir, arch):
     # A sequence's rows out of position order: unsplit, every row sees all of its sequence's
     # rows at lower positions. Split into n_batch chunks, the engine must give the same logits

@@ -3,7 +3,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstring>
 #include <memory>
 
 #include "bindings/kv_cache_type.h"
@@ -21,13 +20,25 @@ std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::fo
     return std::vector<T>(a.data(), a.data() + a.size());
 }
 
+// A vector's contents as a numpy array without a copy: the array owns the moved vector.
+template <typename T>
+py::array_t<T> array_owning(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
+    if (v.empty()) return py::array_t<T>(std::move(shape));
+    auto* owned = new std::vector<T>(std::move(v));
+    py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+    return py::array_t<T>(std::move(shape), owned->data(), free_when_done);
+}
+
+// (logits [n_out, n_vocab], output rows, {layer id: inputs}); with argmax_only the first is the
+// output rows' greedy ids [n_out] (the graph's ARGMAX) instead of their logits.
 py::tuple decode(Context& ctx, const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& tokens,
                  const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& positions,
                  const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& seq_ids,
                  const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& output,
                  const std::vector<int>& layer_ids,
-                 const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& prompt) {
+                 const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& prompt, bool argmax_only) {
     Batch b;
+    b.argmax_only = argmax_only;
     b.tokens = to_vector(tokens);
     b.positions = to_vector(positions);
     b.seq_ids = to_vector(seq_ids);
@@ -39,18 +50,21 @@ py::tuple decode(Context& ctx, const py::array_t<int32_t, py::array::c_style | p
         out = ctx.decode(b, layer_ids);
     }
     const auto n_out = static_cast<py::ssize_t>(out.output_rows.size());
-    py::array_t<float> logits({n_out, static_cast<py::ssize_t>(out.n_vocab)});
-    if (!out.logits.empty()) std::memcpy(logits.mutable_data(), out.logits.data(), out.logits.size() * sizeof(float));
-    py::array_t<int32_t> rows(n_out);
-    if (n_out) std::memcpy(rows.mutable_data(), out.output_rows.data(), out.output_rows.size() * sizeof(int32_t));
-    py::dict inputs;
-    for (const auto& li : out.layer_inputs) {
-        const auto n_rows = static_cast<py::ssize_t>(li.second.size() / static_cast<size_t>(out.n_embd));
-        py::array_t<float> a({n_rows, static_cast<py::ssize_t>(out.n_embd)});
-        std::memcpy(a.mutable_data(), li.second.data(), li.second.size() * sizeof(float));
-        inputs[py::int_(li.first)] = a;
+    // Moved, not copied: a SmolLM2 row of logits is 192 KiB a token.
+    py::object first;
+    if (argmax_only) {
+        first = array_owning(std::move(out.argmax), {n_out});
+    } else {
+        out.logits.resize(static_cast<size_t>(n_out) * static_cast<size_t>(out.n_vocab));  // no outputs: empty
+        first = array_owning(std::move(out.logits), {n_out, static_cast<py::ssize_t>(out.n_vocab)});
     }
-    return py::make_tuple(logits, rows, inputs);
+    py::array_t<int32_t> rows = array_owning(std::move(out.output_rows), {n_out});
+    py::dict inputs;
+    for (auto& li : out.layer_inputs) {
+        const auto n_rows = static_cast<py::ssize_t>(li.second.size() / static_cast<size_t>(out.n_embd));
+        inputs[py::int_(li.first)] = array_owning(std::move(li.second), {n_rows, static_cast<py::ssize_t>(out.n_embd)});
+    }
+    return py::make_tuple(first, rows, inputs);
 }
 
 }  // namespace
@@ -86,7 +100,7 @@ void bind_runtime(py::module_& m) {
              py::arg("check_plans"), py::arg("n_threads"), py::arg("kv_dtype") = "f16", py::arg("backend") = "cpu", py::keep_alive<1, 2>(),
              "backend: \"cpu\", \"cuda\" or \"cuda:N\" (a RuntimeError with the reason when CUDA cannot be used)")
         .def("decode", &decode, py::arg("tokens"), py::arg("positions"), py::arg("seq_ids"), py::arg("output"),
-             py::arg("layer_ids"), py::arg("prompt") = py::array_t<uint8_t>(0))
+             py::arg("layer_ids"), py::arg("prompt") = py::array_t<uint8_t>(0), py::arg("argmax_only") = false)
         .def("kv_remove", [](Context& c, int32_t seq, int64_t p0, int64_t p1) { c.kv().remove(seq, p0, p1); })
         .def("kv_clear", [](Context& c, int32_t seq) { c.kv().clear(seq); })
         .def("seq_pos_max", [](Context& c, int32_t seq) {
