@@ -134,33 +134,6 @@ __device__ __forceinline__ float unit_op(uint4 w, const float* xu, float acc) {
     return acc;
 }
 
-// base: the production loop (unroll 4 over a lane's units).
-template <int R, int kMode = 0>
-__global__ void __launch_bounds__(kThreads) k_base(Job j) {
-    pdl_wait();
-    pdl_go();
-    const float* x = j.nw ? norm_prologue(j.x, j.nw, j.k) : j.x;
-    const int lane = threadIdx.x & 31;
-    const int64_t half = j.rows / R;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-    if (row >= half) return;
-    const uint4* wr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (row + r * half) * j.k);
-    float acc[R] = {};
-    const int units = j.k / 8;
-#pragma unroll 4
-    for (int u = lane; u < units; u += 32) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = unit_op<kMode>(__ldg(wr[r] + u), x + u * 8, acc[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0) j.y[row + r * half] = s;
-    }
-}
-
 // This warp's row (warps_per_block warps a block) and the pointers to its R weight rows, rows
 // row + r * rows / R (row 0's where the warp is past the end); whether it has a row.
 template <int R>
@@ -173,12 +146,42 @@ __device__ __forceinline__ bool warp_rows(const Job& j, int warps_per_block, int
     return live;
 }
 
+// Row r of this warp's R rows gets the warp's sum of acc[r] (lane 0 stores it).
+template <int R>
+__device__ __forceinline__ void store_rows(const Job& j, int64_t row, const float (&acc)[R]) {
+    const int64_t half = j.rows / R;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float s = warp_sum(acc[r]);
+        if ((threadIdx.x & 31) == 0) j.y[row + r * half] = s;
+    }
+}
+
+// base: the production loop (unroll 4 over a lane's units).
+template <int R, int kMode = 0>
+__global__ void __launch_bounds__(kThreads) k_base(Job j) {
+    pdl_wait();
+    pdl_go();
+    const float* x = j.nw ? norm_prologue(j.x, j.nw, j.k) : j.x;
+    const int lane = threadIdx.x & 31;
+    int64_t row;
+    const uint4* wr[R];
+    if (!warp_rows<R>(j, kWarps, row, wr)) return;
+    float acc[R] = {};
+    const int units = j.k / 8;
+#pragma unroll 4
+    for (int u = lane; u < units; u += 32) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = unit_op<kMode>(__ldg(wr[r] + u), x + u * 8, acc[r]);
+    }
+    store_rows<R>(j, row, acc);
+}
+
 // batch / early / hint: a lane's units in batches of N, each batch's loads issued before its
 // fmaf chains; kEarly loads the first batch before the PDL wait and the prologue.
 template <int R, int N, bool kEarly, int kHint>
 __global__ void __launch_bounds__(kThreads) k_batch(Job j) {
     const int lane = threadIdx.x & 31;
-    const int64_t half = j.rows / R;
     int64_t row;
     const uint4* wr[R];
     const bool live = warp_rows<R>(j, kWarps, row, wr);
@@ -212,11 +215,7 @@ __global__ void __launch_bounds__(kThreads) k_batch(Job j) {
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0) j.y[row + r * half] = s;
-    }
+    store_rows<R>(j, row, acc);
 }
 
 // stream: each warp a contiguous range of rows (rows_per_warp), its units in batches of N per
@@ -316,7 +315,6 @@ __device__ __forceinline__ void stage_x(const Job& j, float* dst) {
 template <int W, int R, bool kEarly, bool kPlanes = false>
 __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
     const int lane = threadIdx.x & 31;
-    const int64_t half = j.rows / R;
     int64_t row;
     const uint4* wr[R];
     const bool live = warp_rows<R>(j, W, row, wr);
@@ -369,11 +367,7 @@ __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = fma_unit(ldw<1>(wr[r] + u), u, acc[r]);
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0) j.y[row + r * half] = s;
-    }
+    store_rows<R>(j, row, acc);
 }
 
 // bulk: each warp streams a contiguous range of rows through its own ring of S shared-memory
@@ -469,7 +463,6 @@ __device__ __forceinline__ uint4 ldv(const uint4* p) {
 template <int R, int G, bool kEarly>
 __global__ void __launch_bounds__(kThreads) k_grouped(Job j) {
     const int lane = threadIdx.x & 31;
-    const int64_t half = j.rows / R;
     int64_t row;
     const uint4* wr[R];
     const bool live = warp_rows<R>(j, kWarps, row, wr);
@@ -509,11 +502,7 @@ __global__ void __launch_bounds__(kThreads) k_grouped(Job j) {
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = unit_fma(ldv(wr[r] + 32 * i), x + u * 8, acc[r]);
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float sum = warp_sum(acc[r]);
-        if (lane == 0) j.y[row + r * half] = sum;
-    }
+    store_rows<R>(j, row, acc);
 }
 
 // A plain read of the job's weights (the same grid as base), summing them so nothing is elided.
