@@ -97,8 +97,15 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
 // acc); the row's last block to finish (counters[h], left zero again) combines the pages in order.
 // kRegK (the split instantiation for wide heads): each lane loads its cell's K row straight into
 // registers and only V is staged, which halves the shared memory so two blocks share an SM.
+// Blocks per SM: the staged variants are held to one by their shared memory (~135-140 KB), the
+// register-K split variant is sized for two. Without the minimum, CUDA 13's ptxas held the staged
+// variants to 64 registers and spilled (sm_90a, -Xptxas -v: <4,1,0> and <2,2,0> 64 registers, 12
+// and 8 bytes of spill stores; ncu counted 896 spill requests in a Qwen3-4B decode launch); with it,
+// 87-92 registers and no spills. The arithmetic and its order are the same either way.
+// H200 (2026-12-01, two alternating rounds, tg128): SmolLM2 1,376 / 1,314 -> 1,392 / 1,379 t/s,
+// Qwen3-4B 331 / 328 -> 330 / 330; the CUDA tests pass either way.
 template <int NC, int S, bool kRegK>
-__global__ void __launch_bounds__(kWarps * 32) k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
+__global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
                                                                     const int32_t* base, int n_kv_head, float scale,
                                                                     float* part, unsigned* counters, unsigned* err,
                                                                     bool prefetch) {
