@@ -675,36 +675,8 @@ private:
     // conversion as SET_ROWS). Nothing written may overlap anything read. Returns the last
     // SET_ROWS, or -1 (nothing launched) when the pattern or a check does not hold.
     int run_rope_and_store(const Graph& g, int a, int b) {
-        const int c = next_computed(g, b);
-        const int d = c < g.size() ? next_computed(g, c) : g.size();
-        if (d >= g.size() || g[c].op != Op::SET_ROWS || g[d].op != Op::SET_ROWS || g[c].src[2] != g[d].src[2]) return -1;
-        const Tensor& rk = g[b];
-        const Tensor& kv = g[g[c].src[1]];  // b's rows, [head_dim * n_head, n_rows]
-        const Tensor& kc = g[g[c].src[0]];
-        const Tensor& vc = g[g[d].src[0]];
-        const Tensor& v = g[g[d].src[1]];
-        const size_t f = sizeof(float);
-        const bool contiguous_b = rk.nb[0] == f && rk.nb[1] == static_cast<size_t>(rk.ne[0]) * f &&
-                                  rk.nb[2] == static_cast<size_t>(rk.ne[1]) * rk.nb[1] && rk.ne[3] == 1;
-        if (!contiguous_b || kv.view_src != b || kv.view_offset != 0 || kv.ne[0] != rk.ne[0] * rk.ne[1] ||
-            kv.ne[1] != rk.ne[2] || kv.nb[0] != f || kv.nb[1] != static_cast<size_t>(kv.ne[0]) * f) {
-            return -1;
-        }
-        for (const Tensor* cache : {&kc, &vc}) {
-            if (cache->dtype != DType::F16 && cache->dtype != DType::F32) return -1;
-        }
-        if (kc.ne[0] != kv.ne[0] || vc.ne[0] != v.ne[0] || v.dtype != DType::F32 || v.nrows() != kv.ne[1]) return -1;
-        const Span written[] = {span(g, a), span(g, b), span(g, g[c].src[0]), span(g, g[d].src[0])};
-        const Span read[] = {span(g, g[a].src[0]), span(g, g[b].src[0]), span(g, g[d].src[1]), span(g, g[a].src[1]),
-                             span(g, g[c].src[2])};
-        for (size_t i = 0; i < std::size(written); ++i) {
-            for (size_t j = i + 1; j < std::size(written); ++j) {
-                if (overlaps(written[i], written[j])) return -1;
-            }
-            for (const Span& r : read) {
-                if (overlaps(written[i], r)) return -1;
-            }
-        }
+        int c = -1, d = -1;
+        if (!rope_store_nodes(g, a, b, c, d)) return -1;
         cuda::RopeJob jobs[3];
         const int ids[2] = {a, b};
         for (int i = 0; i < 2; ++i) {
@@ -719,6 +691,94 @@ private:
         jobs[2].cache = desc(g, g[d].src[0]);
         launch_rope(g, a, jobs, 3, reinterpret_cast<const int32_t*>(dptr(g, g[c].src[2])));
         return d;
+    }
+
+    // The K/V SET_ROWS pair (c, d) that run_rope_and_store runs with the q/k RoPE pair (a, b):
+    // false when the pattern or a check does not hold.
+    bool rope_store_nodes(const Graph& g, int a, int b, int& c, int& d) {
+        c = next_computed(g, b);
+        d = c < g.size() ? next_computed(g, c) : g.size();
+        if (d >= g.size() || g[c].op != Op::SET_ROWS || g[d].op != Op::SET_ROWS || g[c].src[2] != g[d].src[2]) {
+            return false;
+        }
+        const Tensor& rk = g[b];
+        const Tensor& kv = g[g[c].src[1]];  // b's rows, [head_dim * n_head, n_rows]
+        const Tensor& kc = g[g[c].src[0]];
+        const Tensor& vc = g[g[d].src[0]];
+        const Tensor& v = g[g[d].src[1]];
+        const size_t f = sizeof(float);
+        const bool contiguous_b = rk.nb[0] == f && rk.nb[1] == static_cast<size_t>(rk.ne[0]) * f &&
+                                  rk.nb[2] == static_cast<size_t>(rk.ne[1]) * rk.nb[1] && rk.ne[3] == 1;
+        if (!contiguous_b || kv.view_src != b || kv.view_offset != 0 || kv.ne[0] != rk.ne[0] * rk.ne[1] ||
+            kv.ne[1] != rk.ne[2] || kv.nb[0] != f || kv.nb[1] != static_cast<size_t>(kv.ne[0]) * f) {
+            return false;
+        }
+        for (const Tensor* cache : {&kc, &vc}) {
+            if (cache->dtype != DType::F16 && cache->dtype != DType::F32) return false;
+        }
+        if (kc.ne[0] != kv.ne[0] || vc.ne[0] != v.ne[0] || v.dtype != DType::F32 || v.nrows() != kv.ne[1]) return false;
+        const Span written[] = {span(g, a), span(g, b), span(g, g[c].src[0]), span(g, g[d].src[0])};
+        const Span read[] = {span(g, g[a].src[0]), span(g, g[b].src[0]), span(g, g[d].src[1]), span(g, g[a].src[1]),
+                             span(g, g[c].src[2])};
+        for (size_t i = 0; i < std::size(written); ++i) {
+            for (size_t j = i + 1; j < std::size(written); ++j) {
+                if (overlaps(written[i], written[j])) return false;
+            }
+            for (const Span& r : read) {
+                if (overlaps(written[i], r)) return false;
+            }
+        }
+        return true;
+    }
+
+    // A single decode row's q/k RoPE pair (a, b), its K/V SET_ROWS pair and the ATTENTION that reads
+    // them as one launch of the staged attention kernel (cuda::DecodeRope): when the SET_ROWS pair
+    // fuses with the RoPE pair (rope_store_nodes), the next computed node is ATTENTION over a's rows
+    // and the two SET_ROWS, with one row, no prompt rows and F16 caches, the positions, frequency
+    // factors and cells are graph leaves (read before the PDL wait), and the attention's output
+    // overlaps nothing the launch reads or writes (the planner keeps those live through the
+    // ATTENTION: core/planner.cpp). Returns the ATTENTION's id, or -1 (nothing launched).
+    int run_rope_store_attention(const Graph& g, int a, int b) {
+        if (!cuda::attention_rope_enabled()) return -1;
+        int c = -1, d = -1;
+        if (!rope_store_nodes(g, a, b, c, d)) return -1;
+        const int e = next_computed(g, d);
+        if (e >= g.size()) return -1;
+        const Tensor& att = g[e];
+        if (att.op != Op::ATTENTION || att.src[0] != a || att.src[1] != c || att.src[2] != d || att.iparams[1] != 0 ||
+            g[a].ne[2] != 1 || g[g[c].src[0]].dtype != DType::F16 || g[g[d].src[0]].dtype != DType::F16) {
+            return -1;
+        }
+        const Tensor& ra = g[a];
+        const auto leaf = [&g](int src) { return src < 0 || g[g.root_of(src)].op == Op::NONE; };
+        if (!leaf(ra.src[1]) || !leaf(ra.src[2]) || !leaf(g[c].src[2])) return -1;
+        const Span out = span(g, e);
+        for (int i : {a, b, g[c].src[0], g[d].src[0], ra.src[0], g[b].src[0], g[d].src[1], ra.src[1], ra.src[2],
+                      g[c].src[2], att.src[3], att.src[4]}) {
+            if (i >= 0 && overlaps(out, span(g, i))) return -1;
+        }
+        for (int i : {att.src[3], att.src[4]}) {  // the mask and the first cells: read, never written here
+            for (int w : {a, b, g[c].src[0], g[d].src[0]}) {
+                if (overlaps(span(g, i), span(g, w))) return -1;
+            }
+        }
+        cuda::DecodeRope rope;
+        rope.q_src = desc(g, ra.src[0]);
+        rope.k_src = desc(g, g[b].src[0]);
+        rope.v_src = desc(g, g[d].src[1]);
+        rope.q_dst = desc(g, a);
+        rope.k_dst = desc(g, b);
+        rope.pos = reinterpret_cast<const int32_t*>(dptr(g, ra.src[1]));
+        rope.cells = reinterpret_cast<const int32_t*>(dptr(g, g[c].src[2]));
+        rope.factors = ra.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, ra.src[2])) : nullptr;
+        rope.n_rot = ra.iparams[0];
+        rope.neox = ra.iparams[1] == 2 ? 1 : 0;
+        rope.base = ra.fparams[0];
+        rope.fscale = ra.fparams[1];
+        const bool launched = cuda::launch_attention_rope(
+            desc(g, e), desc(g, c), desc(g, d), desc(g, att.src[3]), reinterpret_cast<const int32_t*>(dptr(g, att.src[4])),
+            att.iparams[0], att.fparams[0], rope, scratch_, err_, stream_);
+        return launched ? e : -1;
     }
 
     // Bytes [first, second) a tensor spans on the device, and whether two spans share a byte: the
@@ -741,7 +801,8 @@ private:
             return id;
         }
         if (g[id].op == Op::ROPE) {
-            const int last = run_rope_and_store(g, id, b);
+            int last = run_rope_store_attention(g, id, b);
+            if (last < 0) last = run_rope_and_store(g, id, b);
             if (last >= 0) return last;
         }
         const cuda::OpJob jobs[2] = {op_job(g, id), op_job(g, b)};

@@ -27,6 +27,9 @@ struct CudaGraphStats {
     // before its PDL wait, i.e. that the backend judged constant: what tests check that weights a
     // node of the graph writes are never loaded early (a race the GPU rarely shows by itself).
     uint64_t early_weight_launches = 0;
+    // Launches (eager or captured) of a decode row's attention that ran its q/k RoPE and K/V store
+    // too (cuda::DecodeRope): what tests check that the fusion happens where it should.
+    uint64_t rope_attention_launches = 0;
 };
 
 // On by default; PYSPEC_CUDA_GRAPHS=0 (or off/false/no) in the environment turns it off at start.

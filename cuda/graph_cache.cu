@@ -17,7 +17,8 @@ namespace pyspec {
 namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
-std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0};
+std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
+    g_rope_attention{0};
 
 }  // namespace
 
@@ -42,6 +43,7 @@ CudaGraphStats cuda_graph_stats() {
     s.evictions = g_evictions.load();
     s.live = g_live.load();
     s.early_weight_launches = g_early.load();
+    s.rope_attention_launches = g_rope_attention.load();
     return s;
 }
 
@@ -52,6 +54,7 @@ void reset_cuda_graph_stats() {
     g_failures = 0;
     g_evictions = 0;
     g_early = 0;
+    g_rope_attention = 0;
 }
 
 namespace cuda {
@@ -64,6 +67,7 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::CaptureFailure: ++g_failures; break;
         case GraphEvent::Eviction: ++g_evictions; break;
         case GraphEvent::EarlyWeightLaunch: ++g_early; break;
+        case GraphEvent::RopeAttentionLaunch: ++g_rope_attention; break;
     }
 }
 
@@ -131,7 +135,7 @@ inline bool for_each_key_word(const Graph& g, Sink&& sink) {
     // setting is never replayed under another.
     if (!sink(static_cast<uint64_t>(matmul_tc_setting() + 1) | (matmul_fusion_enabled() ? 4u : 0u) |
               (attention_tiled_enabled() ? 8u : 0u) | (pdl_enabled() ? 16u : 0u) |
-              (attention_tc_enabled() ? 32u : 0u))) {
+              (attention_tc_enabled() ? 32u : 0u) | (attention_rope_enabled() ? 64u : 0u))) {
         return false;
     }
     for (int id = 0; id < n; ++id) {

@@ -18,7 +18,7 @@ namespace pyspec {
 namespace cuda {
 
 // The counters behind cuda_graph_stats().
-enum class GraphEvent { Capture, Replay, Eager, CaptureFailure, Eviction, EarlyWeightLaunch };
+enum class GraphEvent { Capture, Replay, Eager, CaptureFailure, Eviction, EarlyWeightLaunch, RopeAttentionLaunch };
 void count_graph_event(GraphEvent e);
 
 // The key of one compute(graph): per tensor its op, flags, type, shape, strides, sources, view

@@ -85,6 +85,29 @@ bool attention_tc_enabled();
 // Which shapes it serves (F16 cache, head_dim 32, 64 or 128): a shape always takes the same kernel,
 // whatever the batch. Rows of other shapes stay on the CUDA-core kernels.
 bool attention_tc_shape(int64_t hd, DType kv_dtype);
+// A single decode row's q/k RoPE and K/V store (the ROPE pair and the SET_ROWS pair before its
+// ATTENTION), run by the attention launch itself instead of a launch of their own: each block
+// rotates its q head, and the new cell's K and V rows as the RoPE kernel would (cuda/rope_common.cuh,
+// the same bits), uses them in place of the cache's row, and the first block of each kv head
+// stores them (and the ROPEs' outputs). For the staged kernel's layouts (attention_staged_supports)
+// with F16 caches; pos, cells and factors must be graph leaves (read before the PDL wait).
+// Returns false, launching nothing, for other layouts (the caller runs the nodes apart).
+// PYSPEC_CUDA_ATT_ROPE=0 turns it off (read at each compute; part of the CUDA graph key).
+struct DecodeRope {
+    TDesc q_src, k_src;  // the ROPEs' inputs: [hd, n_head, 1] and [hd, n_kv_head, 1] F32
+    TDesc v_src;         // the V row stored: [hd * n_kv_head, 1] F32
+    TDesc q_dst, k_dst;  // the ROPEs' outputs, written as the RoPE kernel writes them
+    const int32_t* pos = nullptr;
+    const int32_t* cells = nullptr;
+    const float* factors = nullptr;
+    int n_rot = 0;
+    int neox = 0;
+    double base = 0.0, fscale = 1.0;
+};
+bool attention_rope_enabled();
+bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,
+                           int n_kv_head, float scale, const DecodeRope& rope, const SplitScratch& scratch,
+                           unsigned* err, cudaStream_t s);
 // What an ATTENTION over q [hd, n_head, rows] with a mask span of span cells needs of the scratch
 // (a single row over more than two pages is split over blocks, a page per block).
 SplitScratchNeed attention_split_scratch(int64_t hd, int64_t n_head, int64_t rows, int64_t span);

@@ -29,9 +29,11 @@
 #include <stdexcept>
 
 #include "cuda/async_copy.cuh"
+#include "cuda/graph_cache.cuh"
 #include "cuda/attention_common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
+#include "cuda/rope_common.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -43,12 +45,14 @@ constexpr int kKPad = 8;  // halves after each staged K row: the lanes' 16-byte 
 constexpr int stages_for(int nc) { return nc <= 2 ? 2 : 1; }
 
 // Shared memory: q [hd] floats; the warps' states acc [kWarps][hd] and (m, l) [kWarps][2] floats;
-// per warp and stage, K [32][hd + kKPad] (unless each lane holds its K row in registers) and V
-// [32][hd] halves.
-inline size_t staged_smem_bytes(int hd, int stages, bool reg_k) {
-    const size_t floats = static_cast<size_t>(hd) + static_cast<size_t>(kWarps) * hd + 2 * kWarps;
+// with the row's RoPE (DecodeRope), its angles [hd] floats and the new cell's K and V rows [2][hd]
+// halves; per warp and stage, K [32][hd + kKPad] (unless each lane holds its K row in registers)
+// and V [32][hd] halves.
+inline size_t staged_smem_bytes(int hd, int stages, bool reg_k, bool rope) {
+    const size_t floats = static_cast<size_t>(hd) + static_cast<size_t>(kWarps) * hd + 2 * kWarps + (rope ? hd : 0);
     const size_t stage = static_cast<size_t>(kChunk) * (reg_k ? hd : 2 * hd + kKPad) * sizeof(uint16_t);
-    return floats * sizeof(float) + static_cast<size_t>(kWarps) * stages * stage;
+    return floats * sizeof(float) + (rope ? 2 * static_cast<size_t>(hd) * sizeof(uint16_t) : 0) +
+           static_cast<size_t>(kWarps) * stages * stage;
 }
 
 // Scores and folds warp's chunk ch (staged in sk / sv) from the empty state into (m, l, acc).
@@ -92,6 +96,70 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
     }
 }
 
+// kRope's prologue, after the PDL wait (the angles in s_cs): this block's q head rotated into s_q,
+// and its kv head's new K row (rotated) and V row, as F16, into s_new ([K: hd][V: hd]), every value
+// as the RoPE kernel and SET_ROWS compute it. Block z = 0 of each q head also writes what the ROPE
+// of q writes for it, and block z = 0 of each kv head's first q head what the ROPE of k and the two
+// SET_ROWS write for that kv head. Returns the new cell, or -1 when it lies outside the cache (the
+// error bit is set and nothing is stored, as SET_ROWS does).
+__device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const TDesc& q, const TDesc& kc,
+                                                 const TDesc& vc, int n_kv_head, int64_t cell, const float* s_cs,
+                                                 float* s_q, uint16_t* s_new, unsigned* err) {
+    const int hd = static_cast<int>(q.ne[0]), h = blockIdx.x;
+    const int group = static_cast<int>(q.ne[1]) / n_kv_head, kvh = h / group;
+    const int half = rope.n_rot / 2;
+    const bool cell_ok = cell >= 0 && cell < kc.ne[1];
+    const bool q_writer = blockIdx.z == 0, kv_writer = q_writer && h % group == 0;
+    const float* xq = reinterpret_cast<const float*>(rope.q_src.data + h * rope.q_src.nb[1]);
+    float* yq = reinterpret_cast<float*>(rope.q_dst.data + h * rope.q_dst.nb[1]);
+    const float* xk = reinterpret_cast<const float*>(rope.k_src.data + kvh * rope.k_src.nb[1]);
+    float* yk = reinterpret_cast<float*>(rope.k_dst.data + kvh * rope.k_dst.nb[1]);
+    const float* xv = reinterpret_cast<const float*>(rope.v_src.data) + static_cast<int64_t>(kvh) * hd;
+    uint16_t* ck = kv_writer && cell_ok ? reinterpret_cast<uint16_t*>(kc.data + cell * kc.nb[1]) + kvh * hd : nullptr;
+    uint16_t* cv = kv_writer && cell_ok ? reinterpret_cast<uint16_t*>(vc.data + cell * vc.nb[1]) + kvh * hd : nullptr;
+    __syncthreads();  // the angles
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        int i0, i1;
+        rope_pair(i, half, rope.neox != 0, i0, i1);
+        const float cs = s_cs[i], sn = s_cs[half + i];
+        float y0, y1;
+        rope_rotate(xq[i0], xq[i1], cs, sn, y0, y1);
+        s_q[i0] = y0;
+        s_q[i1] = y1;
+        if (q_writer) {
+            yq[i0] = y0;
+            yq[i1] = y1;
+        }
+        rope_rotate(xk[i0], xk[i1], cs, sn, y0, y1);
+        const uint16_t h0 = f2h(y0), h1 = f2h(y1);
+        s_new[i0] = h0;
+        s_new[i1] = h1;
+        if (kv_writer) {
+            yk[i0] = y0;
+            yk[i1] = y1;
+        }
+        if (ck) {
+            ck[i0] = h0;
+            ck[i1] = h1;
+        }
+    }
+    for (int i = rope.n_rot + threadIdx.x; i < hd; i += blockDim.x) {  // the unrotated tail
+        const float a = xq[i], b = xk[i];
+        s_q[i] = a;
+        if (q_writer) yq[i] = a;
+        s_new[i] = f2h(b);
+        if (kv_writer) yk[i] = b;
+        if (ck) ck[i] = f2h(b);
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const uint16_t v = f2h(xv[d]);
+        s_new[hd + d] = v;
+        if (cv) cv[d] = v;
+    }
+    if (kv_writer && !cell_ok && threadIdx.x == 0) atomicOr(err, kErrSetRowsId);
+    return cell_ok ? cell : -1;
+}
+
 // Grid (n_head, rows, Z). Z = 1: the block walks the row's pages in order. Z > 1 (one row): block z
 // takes the row's page z alone and stores its state in part ([n_head][Z][2 + hd] floats: m, l,
 // acc); the row's last block to finish (counters[h], left zero again) combines the pages in order.
@@ -104,11 +172,14 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
 // 87-92 registers and no spills. The arithmetic and its order are the same either way.
 // H200 (2026-12-01, two alternating rounds, tg128): SmolLM2 1,376 / 1,314 -> 1,392 / 1,379 t/s,
 // Qwen3-4B 331 / 328 -> 330 / 330; the CUDA tests pass either way.
-template <int NC, int S, bool kRegK>
-__global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask,
-                                                                    const int32_t* base, int n_kv_head, float scale,
-                                                                    float* part, unsigned* counters, unsigned* err,
-                                                                    bool prefetch) {
+// kRope (a decode row's DecodeRope, one row): the block computes its q head, and the new cell's K
+// and V rows of its kv head, from the RoPE's inputs (rope_prologue), and stages those in place of
+// the cell's cache row, which this launch itself writes.
+template <int NC, int S, bool kRegK, bool kRope>
+__global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
+    k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask, const int32_t* base, int n_kv_head,
+                       float scale, float* part, unsigned* counters, unsigned* err, bool prefetch,
+                       const __grid_constant__ DecodeRope rope) {
     // Before the PDL wait (cuda/launch.cuh): L2 prefetch of this warp's first chunk of K and V
     // rows, one cell a lane, so their DRAM latency overlaps the kernel before. The rows are read
     // from the cache only after the wait (the previous kernel may be writing the newest one); a
@@ -125,14 +196,30 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vc.data + cell * vc.nb[1] + col_bytes));
         }
     }
-    pdl_enter();
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ bool s_last;
+    const int hd = static_cast<int>(q.ne[0]);
+    float* s_q = reinterpret_cast<float*>(smem);
+    float* s_acc = s_q + hd;                      // [kWarps][hd]
+    float* s_ml = s_acc + kWarps * hd;            // [kWarps][2]
+    float* s_cs = s_ml + 2 * kWarps;              // kRope: the angles [hd]
+    uint16_t* s_new = reinterpret_cast<uint16_t*>(s_cs + (kRope ? hd : 0));  // kRope: the new K, V rows
+    int64_t new_cell = -1;  // kRope: the cache row this launch writes, staged from s_new instead
+    if constexpr (kRope) {
+        // Graph leaves (launch_attention_rope's caller checks), so read before the PDL wait: the
+        // double-precision angles overlap the kernel before.
+        new_cell = rope.cells[0];
+        rope_angles(rope.pos[0], rope.factors, rope.n_rot, rope.base, rope.fscale, s_cs, threadIdx.x, blockDim.x);
+    }
+    pdl_enter();
+    // kRope: every block runs the prologue (it stores the new rows), here or after its first copies.
+    const auto prologue = [&] {
+        if constexpr (kRope) new_cell = rope_prologue(rope, q, kc, vc, n_kv_head, new_cell, s_cs, s_q, s_new, err);
+    };
     const int h = blockIdx.x;
     const int64_t r = blockIdx.y;
     const bool split = gridDim.z > 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int hd = static_cast<int>(q.ne[0]);
     const int kvh = h / (static_cast<int>(q.ne[1]) / n_kv_head);
     const int64_t span = mask.ne[0];
     const int64_t n_cells = kc.ne[1];
@@ -143,6 +230,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged
     const int64_t g_first = c_first / kWarps, g_last = c_last >= 0 ? c_last / kWarps : -1;
     const bool bad = b0 < 0 || b0 + span > n_cells;
     if (bad || (split && g_last < 0)) {  // (a split row has cells: splits())
+        prologue();
         if (blockIdx.z == 0) {
             if (bad && threadIdx.x == 0) atomicOr(err, kErrAttentionSpan);
             for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = 0.0f;
@@ -151,14 +239,13 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged
     }
     int64_t g = g_first + blockIdx.z;
     const int64_t g_end = split ? g : g_last;  // the block's last page (none: an empty row's zeros)
-    if (split && g > g_last) return;           // past the row's pages
+    if (split && g > g_last) {                 // past the row's pages
+        prologue();
+        return;
+    }
 
-    float* s_q = reinterpret_cast<float*>(smem);
-    float* s_acc = s_q + hd;                      // [kWarps][hd]
-    float* s_ml = s_acc + kWarps * hd;            // [kWarps][2]
     const int ks = kRegK ? 0 : hd + kKPad;  // staged K row pitch (none with K in registers)
-    uint16_t* s_stage = reinterpret_cast<uint16_t*>(s_ml + 2 * kWarps) +
-                        static_cast<size_t>(warp) * S * kChunk * (ks + hd);
+    uint16_t* s_stage = s_new + (kRope ? 2 * hd : 0) + static_cast<size_t>(warp) * S * kChunk * (ks + hd);
     const int64_t col_bytes = static_cast<int64_t>(kvh) * hd * 2;  // the kv head's columns of a cache row
     const int units = hd / 8;                                       // 16-byte units per row
 
@@ -173,7 +260,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged
             for (int u = lane; u < kChunk * units; u += 32) {
                 const int i = u / units, col = u % units;
                 const int64_t cell = ch * kChunk + i;
-                const bool ok = cell < n_cells;
+                const bool ok = cell < n_cells && cell != new_cell;  // the new cell: from s_new
                 const int64_t c = ok ? cell : 0;
                 if (!kRegK) cp_async<16>(sk + i * ks + col * 8, kc.data + c * kc.nb[1] + col_bytes + col * 16, ok);
                 cp_async<16>(sv + i * hd + col * 8, vc.data + c * vc.nb[1] + col_bytes + col * 16, ok);
@@ -182,9 +269,13 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged
         cp_async_commit();
     };
 
-    stage_page(g, 0);  // in flight while q arrives
-    const float* qr = reinterpret_cast<const float*>(q.data + h * q.nb[1] + r * q.nb[2]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) s_q[d] = qr[d];
+    stage_page(g, 0);  // in flight while q arrives (or is rotated: the new cell is left out of it)
+    if constexpr (kRope) {
+        prologue();
+    } else {
+        const float* qr = reinterpret_cast<const float*>(q.data + h * q.nb[1] + r * q.nb[2]);
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) s_q[d] = qr[d];
+    }
     __syncthreads();
     const float* mrow = reinterpret_cast<const float*>(mask.data + r * mask.nb[1]);
 
@@ -199,8 +290,9 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged
         uint4 kreg[kRegK ? 4 * NC : 1];  // kRegK: this lane's K row, loaded while V is copied
         if constexpr (kRegK) {
             if (in_span) {
-                const uint4* krow =
-                    reinterpret_cast<const uint4*>(kc.data + (ch * kChunk + lane) * kc.nb[1] + col_bytes);
+                const int64_t cell = ch * kChunk + lane;
+                const uint4* krow = reinterpret_cast<const uint4*>(
+                    cell == new_cell ? reinterpret_cast<const char*>(s_new) : kc.data + cell * kc.nb[1] + col_bytes);
 #pragma unroll
                 for (int u = 0; u < 4 * NC; ++u) {
                     if (u < units) kreg[u] = krow[u];
@@ -214,6 +306,18 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1) k_attention_staged
             cp_async_wait<0>();
         }
         __syncwarp();
+        if constexpr (kRope) {
+            // The new cell's rows into its slot (its copy was left out), by the warp that reads them.
+            const int64_t i = new_cell - ch * kChunk;
+            if (active && new_cell >= 0 && i >= 0 && i < kChunk) {
+                uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
+                for (int d = lane; d < hd; d += 32) {
+                    if (!kRegK) sk[i * ks + d] = s_new[d];
+                    sk[kChunk * ks + i * hd + d] = s_new[hd + d];
+                }
+                __syncwarp();
+            }
+        }
         float acc[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
@@ -294,38 +398,40 @@ inline int64_t pages_touched_max(int64_t span) { return span > 0 ? (span + kPage
 // One row over more than two pages splits (a page per block); two are walked by one block as fast.
 inline bool splits(int64_t rows, int64_t span) { return rows == 1 && pages_touched_max(span) > 2; }
 
-template <int NC, int S, bool kRegK>
+template <int NC, int S, bool kRegK, bool kRope>
 void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                const int32_t* base, int n_kv_head, float scale, unsigned z, float* part, unsigned* counters,
-               unsigned* err, cudaStream_t s) {
+               unsigned* err, const DecodeRope& rope, cudaStream_t s) {
     // Above 48 KiB a kernel must ask for its dynamic shared memory; the most it uses is the
     // largest head dim of this instantiation.
     static std::once_flag once;
     std::call_once(once, [] {
-        check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(staged_smem_bytes(32 * NC, S, kRegK))),
+        check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK, kRope>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(staged_smem_bytes(32 * NC, S, kRegK, kRope))),
               "attention (staged): cudaFuncSetAttribute");
     });
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]), z);
-    launch(k_attention_staged<NC, S, kRegK>, grid, kWarps * 32, staged_smem_bytes(static_cast<int>(q.ne[0]), S, kRegK),
-           s, dst, q, k, v, mask, base, n_kv_head, scale, part, counters, err, prefetch_enabled());
+    launch(k_attention_staged<NC, S, kRegK, kRope>, grid, kWarps * 32,
+           staged_smem_bytes(static_cast<int>(q.ne[0]), S, kRegK, kRope), s, dst, q, k, v, mask, base, n_kv_head,
+           scale, part, counters, err, prefetch_enabled(), rope);
 }
 
-template <int NC>
+template <int NC, bool kRope>
 void launch_split_or_walk(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                           const int32_t* base, int n_kv_head, float scale, const SplitScratch& scratch, unsigned* err,
-                          cudaStream_t s) {
+                          const DecodeRope& rope, cudaStream_t s) {
     const SplitScratchNeed need = attention_split_scratch(q.ne[0], q.ne[1], q.ne[2], mask.ne[0]);
     if (need.partial_floats > 0 && need.partial_floats <= scratch.partial_floats &&
         need.n_counters <= scratch.n_counters) {
         // K in registers where staging it would leave one block per SM (head_dim 128: 137 KB of
         // shared memory; H200, ncu, Qwen3-4B at 4000 cells 43 -> 37 us per layer); SmolLM2's
         // 64-wide heads fit three staged blocks per SM and were slower from registers (17 -> 18).
-        launch_nc<NC, 1, (NC > 2)>(dst, q, k, v, mask, base, n_kv_head, scale,
-                         static_cast<unsigned>(pages_touched_max(mask.ne[0])), scratch.partial, scratch.counters, err,
-                         s);
+        launch_nc<NC, 1, (NC > 2), kRope>(dst, q, k, v, mask, base, n_kv_head, scale,
+                                          static_cast<unsigned>(pages_touched_max(mask.ne[0])), scratch.partial,
+                                          scratch.counters, err, rope, s);
     } else {
-        launch_nc<NC, stages_for(NC), false>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr, nullptr, err, s);
+        launch_nc<NC, stages_for(NC), false, kRope>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr, nullptr,
+                                                    err, rope, s);
     }
 }
 
@@ -354,11 +460,37 @@ void launch_attention_staged(const TDesc& dst, const TDesc& q, const TDesc& k, c
                              unsigned* err, cudaStream_t s) {
     if (!attention_staged_supports(q, k, v)) throw std::logic_error("attention (staged): unsupported layout");
     if (mask.ne[0] / kPageCells + 2 > 65535) throw std::runtime_error("cuda backend: attention: span too long");
+    const DecodeRope none{};
     if (q.ne[0] <= 64) {
-        launch_split_or_walk<2>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, s);
+        launch_split_or_walk<2, false>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, none, s);
     } else {
-        launch_split_or_walk<4>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, s);
+        launch_split_or_walk<4, false>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, none, s);
     }
+}
+
+bool attention_rope_enabled() { return env_switch("PYSPEC_CUDA_ATT_ROPE") != 0; }
+
+bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,
+                           int n_kv_head, float scale, const DecodeRope& rope, const SplitScratch& scratch,
+                           unsigned* err, cudaStream_t s) {
+    const TDesc& q = rope.q_dst;
+    const int64_t hd = q.ne[0];
+    const auto f32_heads = [hd](const TDesc& t) { return t.dtype == DType::F32 && t.ne[0] == hd && t.nb[0] == 4; };
+    if (!attention_staged_enabled() || !attention_staged_supports(q, k, v) || q.ne[2] != 1 || n_kv_head <= 0 ||
+        q.ne[1] % n_kv_head != 0 || !f32_heads(q) || !f32_heads(rope.q_src) || !f32_heads(rope.k_dst) ||
+        !f32_heads(rope.k_src) || rope.q_src.ne[1] != q.ne[1] || rope.k_src.ne[1] != n_kv_head ||
+        rope.k_dst.ne[1] != n_kv_head || rope.v_src.dtype != DType::F32 || rope.v_src.ne[0] != hd * n_kv_head ||
+        rope.v_src.nb[0] != 4 || k.ne[0] != hd * n_kv_head || v.ne[0] != hd * n_kv_head || rope.n_rot < 0 ||
+        rope.n_rot > hd || rope.n_rot % 2 != 0 || mask.ne[0] / kPageCells + 2 > 65535) {
+        return false;
+    }
+    count_graph_event(GraphEvent::RopeAttentionLaunch);
+    if (hd <= 64) {
+        launch_split_or_walk<2, true>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, rope, s);
+    } else {
+        launch_split_or_walk<4, true>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, rope, s);
+    }
+    return true;
 }
 
 }  // namespace cuda

@@ -7,6 +7,7 @@
 
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
+#include "cuda/rope_common.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -338,14 +339,7 @@ __global__ void k_rope(const __grid_constant__ RopeJobs jobs, const int32_t* pos
     const int half = n_rot / 2;
     // Token t's angles into s_rope (the caller syncs before they are read).
     auto angles = [&](int64_t t) {
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            double theta = fscale * pos[t] * pow(base, -2.0 * i / n_rot);
-            if (factors) theta /= factors[i];
-            double sn, cs;
-            sincos(theta, &sn, &cs);
-            s_rope[i] = static_cast<float>(cs);
-            s_rope[half + i] = static_cast<float>(sn);
-        }
+        rope_angles(pos[t], factors, n_rot, base, fscale, s_rope, threadIdx.x, blockDim.x);
     };
     // early (the positions and factors are graph leaves, which no kernel writes): the block's first
     // token's angles before the PDL wait (cuda/launch.cuh), so the double-precision pow and sincos
@@ -393,12 +387,10 @@ __global__ void k_rope(const __grid_constant__ RopeJobs jobs, const int32_t* pos
             float* yr = reinterpret_cast<float*>(dst.data + t * dst.nb[2] + h * dst.nb[1]);
             const int64_t c0 = static_cast<int64_t>(h) * hd;  // the head's first element in the cache row
             for (int i = lane; i < half; i += 32) {
-                const float cs = s_rope[i], sn = s_rope[half + i];
-                const int i0 = neox ? i : 2 * i;
-                const int i1 = neox ? i + half : 2 * i + 1;
-                const float a = xr[i0], b = xr[i1];
-                const float y0 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
-                const float y1 = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
+                int i0, i1;
+                rope_pair(i, half, neox, i0, i1);
+                float y0, y1;
+                rope_rotate(xr[i0], xr[i1], s_rope[i], s_rope[half + i], y0, y1);
                 yr[i0] = y0;
                 yr[i1] = y1;
                 if (crow) {

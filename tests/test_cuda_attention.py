@@ -6,6 +6,8 @@ Shared pieces: tests/cuda_op_helpers.py.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -451,3 +453,88 @@ def test_rope_and_kv_store_as_one_launch(cache_dtype, mode, monkeypatch):
             run_on(DEVICE, build_for(bad))
 
 
+
+
+@real_gpu
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (6, 3, 40)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+@pytest.mark.parametrize("case", ["short", "middle", "long", "neox_half", "factors", "q_kept"])
+def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case):
+    """A decode row's q/k ROPE, K/V SET_ROWS and ATTENTION (a decoder layer's order) run as one
+    launch of the staged attention kernel (cuda::DecodeRope): the attention's output, the rotated q
+    and k and both caches are the bits of the nodes run apart (PYSPEC_CUDA_ATT_ROPE=0), the launch
+    counter says which way each ran, and an out-of-range cell is reported either way. Cases: a short
+    row with the new cell last; the new cell in the middle of the span; a row long enough to be
+    split over blocks (the register-K variant for 128-wide heads); neox with half the dims rotated
+    (the unrotated tail); frequency factors; q's input fetched too."""
+    if any(os.environ.get(v) == "0" for v in ("PYSPEC_CUDA_FUSE", "PYSPEC_CUDA_ATT_STAGED", "PYSPEC_CUDA_ATT_ROPE")):
+        pytest.skip("the launch is off (PYSPEC_CUDA_FUSE, PYSPEC_CUDA_ATT_STAGED or PYSPEC_CUDA_ATT_ROPE is 0)")
+    n_q, n_kv, hd = heads
+    rng = np.random.default_rng(100 * ["short", "middle", "long", "neox_half", "factors", "q_kept"].index(case) + hd)
+    n_cells = 1300
+    mode = 2 if case == "neox_half" else 0
+    n_rot = hd // 2 if case == "neox_half" else hd
+    span = {"long": 1100}.get(case, 70)
+    kv_base = 5
+    new_cell = kv_base + (span // 2 if case == "middle" else span - 1)
+    width = hd * n_kv
+    q = rng.standard_normal((1, n_q, hd)).astype(np.float32)
+    k = rng.standard_normal((1, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((1, width)).astype(np.float32)
+    pos = np.array([span + 3], np.int32)
+    factors = (1.0 + rng.random(n_rot // 2)).astype(np.float32)
+    k_all = cpu.encode(rng.standard_normal((n_cells, width)), "F16")
+    v_all = cpu.encode(rng.standard_normal((n_cells, width)), "F16")
+    mask = np.zeros((1, span), np.float32)
+    mask[0, rng.random(span) < 0.1] = NEG_INF
+    mask[0, new_cell - kv_base] = 0.0
+
+    def build_for(cells):
+        def build():
+            g = core.Graph()
+            tq = g.input("F32", [hd, n_q, 1], "q")
+            tk = g.input("F32", [hd, n_kv, 1], "k")
+            tv = g.input("F32", [width, 1], "v")
+            tp = g.input("I32", [1], "pos")
+            tc = g.input("I32", [1], "cells")
+            tm = g.input("F32", [span, 1], "mask")
+            tb = g.input("I32", [1], "kv_base")
+            srcs = [tp]
+            if case == "factors":
+                srcs.append(g.input("F32", [n_rot // 2], "factors"))
+            rq = cpu.node(g, "ROPE", "F32", [hd, n_q, 1], [tq] + srcs, [n_rot, mode], [10000.0, 1.0])
+            rk = cpu.node(g, "ROPE", "F32", [hd, n_kv, 1], [tk] + srcs, [n_rot, mode], [10000.0, 1.0])
+            kc = g.external("F16", [width, n_cells], "k_cache")
+            vc = g.external("F16", [width, n_cells], "v_cache")
+            ks = g.set_rows(kc, g.reshape(rk, [width, 1]), tc)
+            vs = g.set_rows(vc, tv, tc)
+            att = cpu.node(g, "ATTENTION", "F32", [hd, n_q, 1], [rq, ks, vs, tm, tb], [n_kv], [hd ** -0.5])
+            feeds = {tq: q, tk: k, tv: v, tp: pos, tc: cells, tm: mask, tb: np.array([kv_base], np.int32),
+                     kc: k_all, vc: v_all}
+            if case == "factors":
+                feeds[srcs[1]] = factors
+            return g, feeds, [att, rq, rk, ks, vs] + ([tq] if case == "q_kept" else [])
+        return build
+
+    cells = np.array([new_cell], np.int32)
+    out, launches = {}, {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_ROPE", fused)
+        core.reset_cuda_graph_stats()
+        out[fused] = run_on(DEVICE, build_for(cells))
+        launches[fused] = core.cuda_graph_stats()["rope_attention_launches"]
+    assert launches["1"] > 0 and launches["0"] == 0, launches
+    for a, b, what in zip(out["1"], out["0"], ("attention", "q", "k", "k cache", "v cache")):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), what
+    # And against the CPU, whose angles may differ from the device's in the last bit (so may the
+    # rotated values, and the F16 cache rows one rounding step); V is only converted.
+    ref = run_on("cpu", build_for(cells))
+    for a, b, what in zip(out["1"][:5], ref[:5], ("attention", "q", "k", "k cache", "v cache")):
+        if what.endswith("cache"):
+            a, b = (np.asarray(x).reshape(-1).view(np.float16).astype(np.float32) for x in (a, b))
+        tol = dict(rtol=0, atol=0) if what == "v cache" else ATT_TOL["F16"]
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), err_msg=what, **tol)
+    bad = np.array([n_cells], np.int32)
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_ATT_ROPE", fused)
+        with pytest.raises(RuntimeError, match="out of range"):
+            run_on(DEVICE, build_for(bad))

@@ -84,7 +84,8 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 @needs_switch
 def test_switch_and_counters():
-    keys = {"captures", "replays", "eager", "capture_failures", "evictions", "live", "early_weight_launches"}
+    keys = {"captures", "replays", "eager", "capture_failures", "evictions", "live", "early_weight_launches",
+            "rope_attention_launches"}
     assert set(stats()) == keys
     with graphs(False):
         assert _core.cuda_graphs_enabled() is False

@@ -280,7 +280,8 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
     """The backend's fusions (PYSPEC_CUDA_FUSE=0 turns them off) change launches, not bits: MUL_MAT
     groups (q/k/v and gate/up as one launch each), the residual ADD in the o/down MUL_MAT's store,
     the SWIGLU in the gate/up launch's store, pairs of row-wise ops (q/k RoPE, K/V SET_ROWS,
-    q/k norms), and the RoPE pair with the K/V SET_ROWS after it. Every batch of the mixed steps (matvec and tiled sizes) gives exactly the unfused
+    q/k norms), the RoPE pair with the K/V SET_ROWS after it, and in a one-row step those with the
+    attention after them. Every batch of the mixed steps (matvec and tiled sizes) gives exactly the unfused
     logits, with 3 MUL_MAT launches fewer per layer on the GPU and, in a 3-row step, no ADD,
     SWIGLU or SET_ROWS launch of their own and one RoPE launch per layer, which also stores K and
     V (the planner keeps those fusions' operands apart); in a one-row step the attention and FFN
@@ -323,6 +324,12 @@ def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
         left = launches["1", 1].get("RMS_NORM", 0) - qk_pairs
         assert left in ((0, 1) if on_cores else (2 * model.n_layer + 1,)), launches["1", 1]
         assert launches["0", 1]["RMS_NORM"] == 2 * qk_pairs + 2 * model.n_layer + 1
+        # one row: the q/k RoPE, the K/V store and the attention are one launch of the attention
+        # kernel (cuda::DecodeRope), counted under the RoPE
+        rope_attention = all(os.environ.get(v) != "0" for v in ("PYSPEC_CUDA_ATT_ROPE", "PYSPEC_CUDA_ATT_STAGED"))
+        one = launches["1", 1]
+        assert one["ROPE"] == model.n_layer, one
+        assert one.get("ATTENTION", 0) == (0 if rope_attention else model.n_layer), one
         fused, apart = launches["1"], launches["0"]
         # three rows (a verify step): the norms are prologues too (tiles of up to 4 columns)
         left3 = fused.get("RMS_NORM", 0) - qk_pairs

@@ -459,6 +459,36 @@ def test_sources_outlive_a_fusable_next_node():
     assert core.make_plan(g, 64).offsets[other] == core.make_plan(g, 64).offsets[act]
 
 
+def test_decode_attention_chain_stays_live_through_the_attention():
+    """A single-row ATTENTION over a ROPE's q and the K/V SET_ROWS before it (a decode step's layer):
+    CUDA runs the q/k ROPEs, the SET_ROWS and the ATTENTION as one launch, which reads the ROPEs'
+    and SET_ROWS' sources and writes the k ROPE's output while the attention's output is stored.
+    So the output shares bytes with none of them. Without the rule it took the q norm's output (the
+    q ROPE's source, dead at that ROPE), as in Qwen3's layers."""
+    n_q, n_kv, hd, n_cells = 4, 2, 32, 64
+    g = core.Graph()
+    x = g.input("F32", [hd * n_q + 2 * hd * n_kv, 1], "x")
+    xq = g.view(x, [hd, n_q, 1], [4, hd * 4, hd * n_q * 4], 0)
+    xk = g.view(x, [hd, n_kv, 1], [4, hd * 4, hd * n_kv * 4], hd * n_q * 4)
+    v = g.view(x, [hd * n_kv, 1], [4, hd * n_kv * 4], (hd * n_q + hd * n_kv) * 4)
+    q = g.add_node("RMS_NORM", "F32", [hd, n_q, 1], [xq, g.input("F32", [hd], "wq")], "q_norm")
+    k = g.add_node("RMS_NORM", "F32", [hd, n_kv, 1], [xk, g.input("F32", [hd], "wk")], "k_norm")
+    pos, cells = g.input("I32", [1], "pos"), g.input("I32", [1], "cells")
+    mask, base = g.input("F32", [70, 1], "mask"), g.input("I32", [1], "kv_base")
+    rq = g.add_node("ROPE", "F32", [hd, n_q, 1], [q, pos], "rq")
+    rk = g.add_node("ROPE", "F32", [hd, n_kv, 1], [k, pos], "rk")
+    kc = g.external("F16", [hd * n_kv, n_cells], "k_cache")
+    vc = g.external("F16", [hd * n_kv, n_cells], "v_cache")
+    ks = g.set_rows(kc, g.reshape(rk, [hd * n_kv, 1]), cells)
+    vs = g.set_rows(vc, v, cells)
+    att = g.add_node("ATTENTION", "F32", [hd, n_q, 1], [rq, ks, vs, mask, base], "att")
+    g.set_output(att)
+    plan = core.make_plan(g, 64)
+    for t in (q, k, rk, x, pos, cells, mask, base):
+        assert not _overlap(plan, g, att, t), g.name(t)
+    assert py_check(g, plan) == []
+
+
 def test_output_view_pins_its_root():
     g = core.Graph()
     x = g.input("F32", [32], "x")

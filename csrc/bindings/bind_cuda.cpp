@@ -40,11 +40,13 @@ void bind_cuda(py::module_& m) {
             d["evictions"] = s.evictions;
             d["live"] = s.live;
             d["early_weight_launches"] = s.early_weight_launches;
+            d["rope_attention_launches"] = s.rope_attention_launches;
             return d;
         },
         "Counters over every CUDA backend of the process: captures, replays, eager computes, "
         "capture_failures, evictions, live (instantiated graphs held now), early_weight_launches "
-        "(MUL_MAT launches that load weights before waiting for the kernel before them).");
+        "(MUL_MAT launches that load weights before waiting for the kernel before them), "
+        "rope_attention_launches (decode attention launches that ran the row's RoPE and K/V store too).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
 }
 

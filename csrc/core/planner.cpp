@@ -101,6 +101,31 @@ Liveness analyse(const Graph& g) {
             if (s >= 0) use(s, j);
         }
     }
+    // A single-row ATTENTION over a ROPE's q and the K/V SET_ROWS before it: the CUDA backend runs
+    // the q/k ROPEs, the SET_ROWS and the ATTENTION as one launch of its decode attention
+    // (cuda::DecodeRope), whose blocks still read the ROPEs' and SET_ROWS' sources and write the k
+    // ROPE's output while others store the attention's output. So those sources and that output
+    // stay live through the ATTENTION. Without this rule the attention's output took the bytes of
+    // the k ROPE's output and of V (freed at the SET_ROWS; Qwen3's layers), and the launch had to be
+    // skipped. Only single rows (a decode step), so batches keep their tighter arenas.
+    const auto use_sources = [&](int node, int at) {
+        for (int s : g[node].src) {
+            if (s >= 0) use(s, at);
+        }
+    };
+    for (int e = 0; e < n; ++e) {
+        const Tensor& att = g[e];
+        if (att.op != Op::ATTENTION || att.src[0] < 0 || g[att.src[0]].op != Op::ROPE || g[att.src[0]].ne[2] != 1) {
+            continue;
+        }
+        use_sources(att.src[0], e);
+        for (int kv : {att.src[1], att.src[2]}) {
+            if (kv < 0 || g[kv].op != Op::SET_ROWS) continue;
+            use_sources(kv, e);
+            const int rows = lv.root[static_cast<size_t>(g[kv].src[1])];  // the k ROPE, through its reshape
+            if (g[rows].op == Op::ROPE) use_sources(rows, e);
+        }
+    }
     for (int i = 0; i < n; ++i) {
         if (g[i].has(kOutput | kPinned)) lv.last[lv.root[i]] = kForever;
     }
