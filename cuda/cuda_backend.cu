@@ -655,11 +655,14 @@ private:
     void launch_rope(const Graph& g, int id, const cuda::RopeJob* jobs, int n, const int32_t* cells) {
         const Tensor& t = g[id];
         const float* ff = t.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, t.src[2])) : nullptr;
-        const auto leaf = [&g](int src) { return src < 0 || g[g.root_of(src)].op == Op::NONE; };
         cuda::launch_rope(jobs, n, reinterpret_cast<const int32_t*>(dptr(g, t.src[1])), cells, ff, t.iparams[0],
-                          t.iparams[1] == 2, t.fparams[0], t.fparams[1], leaf(t.src[1]) && leaf(t.src[2]), err_,
-                          stream_);
+                          t.iparams[1] == 2, t.fparams[0], t.fparams[1], is_leaf(g, t.src[1]) && is_leaf(g, t.src[2]),
+                          err_, stream_);
     }
+
+    // Whether optional source src (-1: none) is a graph leaf's memory (an input, a weight), which no
+    // kernel of the graph writes, so a kernel may read it before its PDL wait.
+    static bool is_leaf(const Graph& g, int src) { return src < 0 || g[g.root_of(src)].op == Op::NONE; }
 
     // The next node after i that computes (not a leaf or a view), or g.size().
     static int next_computed(const Graph& g, int i) {
@@ -750,8 +753,7 @@ private:
             return -1;
         }
         const Tensor& ra = g[a];
-        const auto leaf = [&g](int src) { return src < 0 || g[g.root_of(src)].op == Op::NONE; };
-        if (!leaf(ra.src[1]) || !leaf(ra.src[2]) || !leaf(g[c].src[2])) return -1;
+        if (!is_leaf(g, ra.src[1]) || !is_leaf(g, ra.src[2]) || !is_leaf(g, g[c].src[2])) return -1;
         const Span out = span(g, e);
         for (int i : {a, b, g[c].src[0], g[d].src[0], ra.src[0], g[b].src[0], g[d].src[1], ra.src[1], ra.src[2],
                       g[c].src[2], att.src[3], att.src[4]}) {

@@ -29,8 +29,8 @@
 #include <stdexcept>
 
 #include "cuda/async_copy.cuh"
-#include "cuda/graph_cache.cuh"
 #include "cuda/attention_common.cuh"
+#include "cuda/graph_cache.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "cuda/rope_common.cuh"
@@ -145,11 +145,12 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
     }
     for (int i = rope.n_rot + threadIdx.x; i < hd; i += blockDim.x) {  // the unrotated tail
         const float a = xq[i], b = xk[i];
+        const uint16_t hb = f2h(b);
         s_q[i] = a;
         if (q_writer) yq[i] = a;
-        s_new[i] = f2h(b);
+        s_new[i] = hb;
         if (kv_writer) yk[i] = b;
-        if (ck) ck[i] = f2h(b);
+        if (ck) ck[i] = hb;
     }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         const uint16_t v = f2h(xv[d]);
