@@ -741,7 +741,9 @@ private:
     // factors and cells are graph leaves (read before the PDL wait), and the attention's output
     // overlaps nothing the launch reads or writes (the planner keeps those live through the
     // ATTENTION: core/planner.cpp). Returns the ATTENTION's id, or -1 (nothing launched).
-    int run_rope_store_attention(const Graph& g, int a, int b) {
+    // nq, nk (or -1): the per-head RMS_NORM pair whose outputs a and b rotate (Qwen3's q/k norms),
+    // run by the same launch when a and b are their outputs' only readers.
+    int run_rope_store_attention(const Graph& g, int a, int b, int nq = -1, int nk = -1) {
         if (!cuda::attention_rope_enabled()) return -1;
         int c = -1, d = -1;
         if (!rope_store_nodes(g, a, b, c, d)) return -1;
@@ -754,9 +756,24 @@ private:
         }
         const Tensor& ra = g[a];
         if (!is_leaf(g, ra.src[1]) || !is_leaf(g, ra.src[2]) || !is_leaf(g, g[c].src[2])) return -1;
+        const bool norms = nq >= 0;
+        if (norms) {
+            for (int n : {nq, nk}) {
+                const Tensor& t = g[n];
+                const Tensor& x = g[t.src[0]];
+                if (t.op != Op::RMS_NORM || t.src[1] < 0 || t.has(kOutput) || t.has(kPinned) ||
+                    uses_[static_cast<size_t>(n)] != 1 || g[t.src[1]].dtype != DType::F32 ||
+                    g[t.src[1]].nelements() != t.ne[0] || x.dtype != DType::F32 || x.ne != t.ne ||
+                    x.nb[0] != sizeof(float)) {
+                    return -1;
+                }
+            }
+            if (ra.src[0] != nq || g[b].src[0] != nk || g[nq].fparams[0] != g[nk].fparams[0]) return -1;
+        }
         const Span out = span(g, e);
         for (int i : {a, b, g[c].src[0], g[d].src[0], ra.src[0], g[b].src[0], g[d].src[1], ra.src[1], ra.src[2],
-                      g[c].src[2], att.src[3], att.src[4]}) {
+                      g[c].src[2], att.src[3], att.src[4], norms ? g[nq].src[0] : -1, norms ? g[nk].src[0] : -1,
+                      norms ? g[nq].src[1] : -1, norms ? g[nk].src[1] : -1}) {
             if (i >= 0 && overlaps(out, span(g, i))) return -1;
         }
         for (int i : {att.src[3], att.src[4]}) {  // the mask and the first cells: read, never written here
@@ -765,8 +782,13 @@ private:
             }
         }
         cuda::DecodeRope rope;
-        rope.q_src = desc(g, ra.src[0]);
-        rope.k_src = desc(g, g[b].src[0]);
+        rope.q_src = desc(g, norms ? g[nq].src[0] : ra.src[0]);
+        rope.k_src = desc(g, norms ? g[nk].src[0] : g[b].src[0]);
+        if (norms) {
+            rope.q_norm = reinterpret_cast<const float*>(dptr(g, g[nq].src[1]));
+            rope.k_norm = reinterpret_cast<const float*>(dptr(g, g[nk].src[1]));
+            rope.norm_eps = g[nq].fparams[0];
+        }
         rope.v_src = desc(g, g[d].src[1]);
         rope.q_dst = desc(g, a);
         rope.k_dst = desc(g, b);
@@ -801,6 +823,17 @@ private:
         if (b >= g.size() || !pairable(g, id, b)) {
             run_node(g, id);
             return id;
+        }
+        if (g[id].op == Op::RMS_NORM) {
+            // Qwen3's q/k norms, then the RoPE pair over their outputs: all of it in the decode
+            // attention's launch where that applies (run_rope_store_attention).
+            const int ra = next_computed(g, b);
+            const int rb = ra < g.size() ? next_computed(g, ra) : g.size();
+            if (rb < g.size() && g[ra].op == Op::ROPE && g[rb].op == Op::ROPE && g[ra].src[0] == id &&
+                g[rb].src[0] == b && pairable(g, ra, rb)) {
+                const int last = run_rope_store_attention(g, ra, rb, id, b);
+                if (last >= 0) return last;
+            }
         }
         if (g[id].op == Op::ROPE) {
             int last = run_rope_store_attention(g, id, b);

@@ -94,7 +94,8 @@ bool attention_tc_shape(int64_t hd, DType kv_dtype);
 // Returns false, launching nothing, for other layouts (the caller runs the nodes apart).
 // PYSPEC_CUDA_ATT_ROPE=0 turns it off (read at each compute; part of the CUDA graph key).
 struct DecodeRope {
-    TDesc q_src, k_src;  // the ROPEs' inputs: [hd, n_head, 1] and [hd, n_kv_head, 1] F32
+    TDesc q_src, k_src;  // the ROPEs' inputs: [hd, n_head, 1] and [hd, n_kv_head, 1] F32 (with q_norm:
+                         // the inputs of the per-head RMS_NORMs before them, Qwen3's q/k norms)
     TDesc v_src;         // the V row stored: [hd * n_kv_head, 1] F32
     TDesc q_dst, k_dst;  // the ROPEs' outputs, written as the RoPE kernel writes them
     const int32_t* pos = nullptr;
@@ -103,6 +104,11 @@ struct DecodeRope {
     int n_rot = 0;
     int neox = 0;
     double base = 0.0, fscale = 1.0;
+    // Per-head RMS_NORMs of q and k run first, as the norm kernel does (warp_rms_scale, then
+    // x * scale * w), or none (nullptr); their outputs are read by the ROPEs alone and not written.
+    const float* q_norm = nullptr;
+    const float* k_norm = nullptr;
+    float norm_eps = 0.0f;
 };
 bool attention_rope_enabled();
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,

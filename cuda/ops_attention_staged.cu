@@ -117,20 +117,30 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
     const float* xv = reinterpret_cast<const float*>(rope.v_src.data) + static_cast<int64_t>(kvh) * hd;
     uint16_t* ck = kv_writer && cell_ok ? reinterpret_cast<uint16_t*>(kc.data + cell * kc.nb[1]) + kvh * hd : nullptr;
     uint16_t* cv = kv_writer && cell_ok ? reinterpret_cast<uint16_t*>(vc.data + cell * vc.nb[1]) + kvh * hd : nullptr;
-    __syncthreads();  // the angles
+    // The q/k norms' scales (warp 0: q's head, warp 1: k's), with the norm kernel's reduction.
+    __shared__ float s_scale[2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (rope.q_norm && warp < 2) {
+        const float sc = warp_rms_scale(warp == 0 ? xq : xk, hd, lane, rope.norm_eps);
+        if (lane == 0) s_scale[warp] = sc;
+    }
+    __syncthreads();  // the angles and the scales
+    // Element i of q's / k's head as the ROPE reads it: the norm's output, x * scale * w.
+    const auto qv = [&](int i) { return rope.q_norm ? xq[i] * s_scale[0] * rope.q_norm[i] : xq[i]; };
+    const auto kv = [&](int i) { return rope.k_norm ? xk[i] * s_scale[1] * rope.k_norm[i] : xk[i]; };
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         int i0, i1;
         rope_pair(i, half, rope.neox != 0, i0, i1);
         const float cs = s_cs[i], sn = s_cs[half + i];
         float y0, y1;
-        rope_rotate(xq[i0], xq[i1], cs, sn, y0, y1);
+        rope_rotate(qv(i0), qv(i1), cs, sn, y0, y1);
         s_q[i0] = y0;
         s_q[i1] = y1;
         if (q_writer) {
             yq[i0] = y0;
             yq[i1] = y1;
         }
-        rope_rotate(xk[i0], xk[i1], cs, sn, y0, y1);
+        rope_rotate(kv(i0), kv(i1), cs, sn, y0, y1);
         const uint16_t h0 = f2h(y0), h1 = f2h(y1);
         s_new[i0] = h0;
         s_new[i1] = h1;
@@ -144,7 +154,7 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
         }
     }
     for (int i = rope.n_rot + threadIdx.x; i < hd; i += blockDim.x) {  // the unrotated tail
-        const float a = xq[i], b = xk[i];
+        const float a = qv(i), b = kv(i);
         const uint16_t hb = f2h(b);
         s_q[i] = a;
         if (q_writer) yq[i] = a;
@@ -482,7 +492,8 @@ bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, con
         !f32_heads(rope.k_src) || rope.q_src.ne[1] != q.ne[1] || rope.k_src.ne[1] != n_kv_head ||
         rope.k_dst.ne[1] != n_kv_head || rope.v_src.dtype != DType::F32 || rope.v_src.ne[0] != hd * n_kv_head ||
         rope.v_src.nb[0] != 4 || k.ne[0] != hd * n_kv_head || v.ne[0] != hd * n_kv_head || rope.n_rot < 0 ||
-        rope.n_rot > hd || rope.n_rot % 2 != 0 || mask.ne[0] / kPageCells + 2 > 65535) {
+        rope.n_rot > hd || rope.n_rot % 2 != 0 || mask.ne[0] / kPageCells + 2 > 65535 ||
+        (rope.q_norm == nullptr) != (rope.k_norm == nullptr) || (rope.q_norm && hd > kWarpNormMax)) {
         return false;
     }
     count_graph_event(GraphEvent::RopeAttentionLaunch);

@@ -457,7 +457,7 @@ def test_rope_and_kv_store_as_one_launch(cache_dtype, mode, monkeypatch):
 
 @real_gpu
 @pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (6, 3, 40)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
-@pytest.mark.parametrize("case", ["short", "middle", "long", "neox_half", "factors", "q_kept"])
+@pytest.mark.parametrize("case", ["short", "middle", "long", "neox_half", "factors", "q_kept", "qk_norm"])
 def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case):
     """A decode row's q/k ROPE, K/V SET_ROWS and ATTENTION (a decoder layer's order) run as one
     launch of the staged attention kernel (cuda::DecodeRope): the attention's output, the rotated q
@@ -465,11 +465,12 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case):
     counter says which way each ran, and an out-of-range cell is reported either way. Cases: a short
     row with the new cell last; the new cell in the middle of the span; a row long enough to be
     split over blocks (the register-K variant for 128-wide heads); neox with half the dims rotated
-    (the unrotated tail); frequency factors; q's input fetched too."""
+    (the unrotated tail); frequency factors; q's input fetched too; per-head q/k RMS_NORMs before the
+    ROPEs (Qwen3's), which the launch runs too."""
     if any(os.environ.get(v) == "0" for v in ("PYSPEC_CUDA_FUSE", "PYSPEC_CUDA_ATT_STAGED", "PYSPEC_CUDA_ATT_ROPE")):
         pytest.skip("the launch is off (PYSPEC_CUDA_FUSE, PYSPEC_CUDA_ATT_STAGED or PYSPEC_CUDA_ATT_ROPE is 0)")
     n_q, n_kv, hd = heads
-    rng = np.random.default_rng(100 * ["short", "middle", "long", "neox_half", "factors", "q_kept"].index(case) + hd)
+    rng = np.random.default_rng(100 * ["short", "middle", "long", "neox_half", "factors", "q_kept", "qk_norm"].index(case) + hd)
     n_cells = 1300
     mode = 2 if case == "neox_half" else 0
     n_rot = hd // 2 if case == "neox_half" else hd
@@ -482,6 +483,7 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case):
     v = rng.standard_normal((1, width)).astype(np.float32)
     pos = np.array([span + 3], np.int32)
     factors = (1.0 + rng.random(n_rot // 2)).astype(np.float32)
+    norm_w = (0.5 + rng.random((2, hd))).astype(np.float32)
     k_all = cpu.encode(rng.standard_normal((n_cells, width)), "F16")
     v_all = cpu.encode(rng.standard_normal((n_cells, width)), "F16")
     mask = np.zeros((1, span), np.float32)
@@ -501,8 +503,13 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case):
             srcs = [tp]
             if case == "factors":
                 srcs.append(g.input("F32", [n_rot // 2], "factors"))
-            rq = cpu.node(g, "ROPE", "F32", [hd, n_q, 1], [tq] + srcs, [n_rot, mode], [10000.0, 1.0])
-            rk = cpu.node(g, "ROPE", "F32", [hd, n_kv, 1], [tk] + srcs, [n_rot, mode], [10000.0, 1.0])
+            xq, xk = tq, tk
+            if case == "qk_norm":
+                twq, twk = g.input("F32", [hd], "q_norm"), g.input("F32", [hd], "k_norm")
+                xq = cpu.node(g, "RMS_NORM", "F32", [hd, n_q, 1], [tq, twq], [], [1e-6])
+                xk = cpu.node(g, "RMS_NORM", "F32", [hd, n_kv, 1], [tk, twk], [], [1e-6])
+            rq = cpu.node(g, "ROPE", "F32", [hd, n_q, 1], [xq] + srcs, [n_rot, mode], [10000.0, 1.0])
+            rk = cpu.node(g, "ROPE", "F32", [hd, n_kv, 1], [xk] + srcs, [n_rot, mode], [10000.0, 1.0])
             kc = g.external("F16", [width, n_cells], "k_cache")
             vc = g.external("F16", [width, n_cells], "v_cache")
             ks = g.set_rows(kc, g.reshape(rk, [width, 1]), tc)
@@ -512,6 +519,8 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case):
                      kc: k_all, vc: v_all}
             if case == "factors":
                 feeds[srcs[1]] = factors
+            if case == "qk_norm":
+                feeds[twq], feeds[twk] = norm_w
             return g, feeds, [att, rq, rk, ks, vs] + ([tq] if case == "q_kept" else [])
         return build
 

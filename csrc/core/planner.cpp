@@ -102,7 +102,7 @@ Liveness analyse(const Graph& g) {
         }
     }
     // A single-row ATTENTION over a ROPE's q and the K/V SET_ROWS before it: the CUDA backend runs
-    // the q/k ROPEs, the SET_ROWS and the ATTENTION as one launch of its decode attention
+    // the q/k ROPEs (and q/k norms), the SET_ROWS and the ATTENTION as one launch of its decode attention
     // (cuda::DecodeRope), whose blocks still read the ROPEs' and SET_ROWS' sources and write the k
     // ROPE's output while others store the attention's output. So those sources and that output
     // stay live through the ATTENTION. Without this rule the attention's output took the bytes of
@@ -118,12 +118,19 @@ Liveness analyse(const Graph& g) {
         if (att.op != Op::ATTENTION || att.src[0] < 0 || g[att.src[0]].op != Op::ROPE || g[att.src[0]].ne[2] != 1) {
             continue;
         }
-        use_sources(att.src[0], e);
+        // A ROPE's sources, and those of the per-head RMS_NORM before it (Qwen3's q/k norms, which
+        // that launch runs too).
+        const auto keep_rope = [&](int rope) {
+            use_sources(rope, e);
+            const int x = lv.root[static_cast<size_t>(g[rope].src[0])];
+            if (g[x].op == Op::RMS_NORM) use_sources(x, e);
+        };
+        keep_rope(att.src[0]);
         for (int kv : {att.src[1], att.src[2]}) {
             if (kv < 0 || g[kv].op != Op::SET_ROWS) continue;
             use_sources(kv, e);
             const int rows = lv.root[static_cast<size_t>(g[kv].src[1])];  // the k ROPE, through its reshape
-            if (g[rows].op == Op::ROPE) use_sources(rows, e);
+            if (g[rows].op == Op::ROPE) keep_rope(rows);
         }
     }
     for (int i = 0; i < n; ++i) {
