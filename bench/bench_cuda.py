@@ -32,6 +32,7 @@ synchronises), so no torch.cuda is needed. Bandwidth: bytes of weights one decod
 from __future__ import annotations
 
 import argparse
+import os
 import importlib.util
 import json
 import sys
@@ -319,6 +320,19 @@ def run_paths(test, choice, fns, call):
     return per
 
 
+def print_step_times(stats, tokens_per_s):
+    """A decode token's wall time (the best repeat) split into the GPU's time for its replayed
+    graph (mean over every timed replay of the run) and the rest: host work and gaps."""
+    n = stats.get("timed_replays", 0)
+    if not n or not tokens_per_s:
+        print("    step times: no replay was timed", flush=True)
+        return
+    gpu = stats["replay_gpu_ns"] / n / 1e3
+    wall = 1e6 / tokens_per_s
+    print(f"    step times: GPU {gpu:.0f} us a replayed step ({n} timed), wall {wall:.0f} us a token: "
+          f"host and gaps {wall - gpu:.0f} us ({100 * (wall - gpu) / wall:.0f}%)", flush=True)
+
+
 def fmt_rate(x):
     if x is None:
         return "-"
@@ -350,9 +364,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also print where a decode step and a prompt pass spend their time "
                          "(per-op device time, CUDA-graph replays)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="tg128: also time each replayed step's graph on the GPU (events; "
+                         "PYSPEC_CUDA_STEP_TIMES=1) and print the host's share of a token's wall time")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
+    if args.step_times:
+        os.environ["PYSPEC_CUDA_STEP_TIMES"] = "1"  # read by each CUDA backend when it is made
 
     import pyspec
     from pyspec import _core
@@ -397,9 +416,15 @@ def main(argv=None) -> int:
         ref = REFERENCE[label] if full == (model.arch, model.n_layer, model.n_embd,
                                            model.n_vocab) else {}
         if "tg128" in only:
+            def tg(fn):
+                if args.step_times:
+                    _core.reset_cuda_graph_stats()
+                v = fn(model, ids, args.n_gen, args.repeats)
+                if args.step_times:
+                    print_step_times(_core.cuda_graph_stats(), v)
+                return v
             per = run_paths(f"tg{args.n_gen}", args.tg_mode,
-                            {"context": bench_tg, "engine": bench_tg_engine},
-                            lambda fn: fn(model, ids, args.n_gen, args.repeats))
+                            {"context": bench_tg, "engine": bench_tg_engine}, tg)
             if per:
                 v = max(per.values())
                 res["tg128"] = v

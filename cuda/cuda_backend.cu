@@ -60,7 +60,10 @@ using cuda::check;
 class CudaBackend final : public Backend {
 public:
     CudaBackend(int device, bool wide_batches)
-        : device_(device), wide_batches_(wide_batches), graphs_(cuda::graph_cache_capacity_from_env()) {
+        : device_(device),
+          wide_batches_(wide_batches),
+          step_times_(cuda::env_switch("PYSPEC_CUDA_STEP_TIMES") == 1),
+          graphs_(cuda::graph_cache_capacity_from_env()) {
         check(cudaSetDevice(device_), "cudaSetDevice");
         check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
         cudaError_t e = cudaMalloc(&err_, sizeof(unsigned));
@@ -92,6 +95,9 @@ public:
         if (staging_) cudaFreeHost(staging_);
         if (read_staging_) cudaFreeHost(read_staging_);
         for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
+        for (cudaEvent_t ev : replay_events_) {
+            if (ev) cudaEventDestroy(ev);
+        }
         cudaStreamDestroy(stream_);
     }
 
@@ -149,17 +155,46 @@ public:
         // external's copy is made once and kept; a moved arena gives new pointers, new scratch
         // empties the cache), so an equal key means equal addresses and a replay resolves
         // nothing. Resolving every tensor took ~30 us of a SmolLM2 step's host time (H200).
-        if (cudaGraphExec_t exec = graphs_.find_recent(graph)) {  // a step like the one before
-            check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
-            cuda::count_graph_event(cuda::GraphEvent::Replay);
-            return;
+        cudaGraphExec_t exec = graphs_.find_recent(graph);  // a step like the one before
+        if (!exec) {
+            const uint64_t h = cuda::graph_exec_key(graph, key_);
+            exec = graphs_.find(h, key_);
+            if (!exec) {
+                capture_or_run_eager(graph, h);
+                return;
+            }
         }
-        const uint64_t h = cuda::graph_exec_key(graph, key_);
-        if (cudaGraphExec_t exec = graphs_.find(h, key_)) {
-            check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
-            cuda::count_graph_event(cuda::GraphEvent::Replay);
-            return;
+        if (step_times_) replay_timing_begin();
+        check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
+        if (step_times_) replay_timing_end();
+        cuda::count_graph_event(cuda::GraphEvent::Replay);
+    }
+
+    // PYSPEC_CUDA_STEP_TIMES=1: events around each replay's launch (after the inputs' copies, so
+    // they time the graph alone). A replay's time is collected at the next one, whose step has
+    // normally been read by then; otherwise this waits for it (the timing mode only).
+    void replay_timing_begin() {
+        if (!replay_events_[0]) {
+            check(cudaEventCreate(&replay_events_[0]), "step times: cudaEventCreate");
+            check(cudaEventCreate(&replay_events_[1]), "step times: cudaEventCreate");
         }
+        if (replay_timed_) {
+            replay_timed_ = false;
+            check(cudaEventSynchronize(replay_events_[1]), "step times: cudaEventSynchronize");
+            float ms = 0.0f;
+            check(cudaEventElapsedTime(&ms, replay_events_[0], replay_events_[1]), "step times: cudaEventElapsedTime");
+            cuda::count_replay_gpu_time(ms);
+        }
+        check(cudaEventRecord(replay_events_[0], stream_), "step times: cudaEventRecord");
+    }
+    void replay_timing_end() {
+        check(cudaEventRecord(replay_events_[1], stream_), "step times: cudaEventRecord");
+        replay_timed_ = true;
+    }
+
+    // A compute whose key has no instantiated graph: eager on a first sighting or after a failed
+    // capture, else captured, instantiated and launched.
+    void capture_or_run_eager(Graph& graph, uint64_t h) {
         if (!resolve_all(graph)) {
             run_eager(graph);  // after a failed pre-pass, the eager run raises the error in context
             return;
@@ -1186,6 +1221,9 @@ private:
     // Made for wide batches (kTcAllRowsMinSeqs sequences or more): float weights' output rows take
     // the tensor cores too (cuda::matmul_tc_rows). Fixed for the backend's life.
     bool wide_batches_;
+    bool step_times_;                    // PYSPEC_CUDA_STEP_TIMES=1 when made: replays timed by events
+    cudaEvent_t replay_events_[2] = {nullptr, nullptr};
+    bool replay_timed_ = false;          // replay_events_ hold a replay not yet counted
     int tc_setting_ = -1;  // PYSPEC_CUDA_TC, read at each compute
     cudaStream_t stream_ = nullptr;
     unsigned* err_ = nullptr;

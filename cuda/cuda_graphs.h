@@ -30,6 +30,11 @@ struct CudaGraphStats {
     // Launches (eager or captured) of a decode row's attention that ran its q/k RoPE and K/V store
     // too (cuda::DecodeRope): what tests check that the fusion happens where it should.
     uint64_t rope_attention_launches = 0;
+    // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
+    // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench
+    // can split a step's wall time into the GPU's and the host's (plus the gaps between them).
+    uint64_t timed_replays = 0;
+    uint64_t replay_gpu_ns = 0;
 };
 
 // On by default; PYSPEC_CUDA_GRAPHS=0 (or off/false/no) in the environment turns it off at start.

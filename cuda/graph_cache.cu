@@ -18,7 +18,7 @@ namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
-    g_rope_attention{0};
+    g_rope_attention{0}, g_timed_replays{0}, g_replay_gpu_ns{0};
 
 }  // namespace
 
@@ -44,6 +44,8 @@ CudaGraphStats cuda_graph_stats() {
     s.live = g_live.load();
     s.early_weight_launches = g_early.load();
     s.rope_attention_launches = g_rope_attention.load();
+    s.timed_replays = g_timed_replays.load();
+    s.replay_gpu_ns = g_replay_gpu_ns.load();
     return s;
 }
 
@@ -55,6 +57,8 @@ void reset_cuda_graph_stats() {
     g_evictions = 0;
     g_early = 0;
     g_rope_attention = 0;
+    g_timed_replays = 0;
+    g_replay_gpu_ns = 0;
 }
 
 namespace cuda {
@@ -69,6 +73,11 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::EarlyWeightLaunch: ++g_early; break;
         case GraphEvent::RopeAttentionLaunch: ++g_rope_attention; break;
     }
+}
+
+void count_replay_gpu_time(float ms) {
+    ++g_timed_replays;
+    g_replay_gpu_ns += static_cast<uint64_t>(static_cast<double>(ms) * 1e6);
 }
 
 size_t graph_cache_capacity_from_env() {

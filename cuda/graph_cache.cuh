@@ -20,6 +20,7 @@ namespace cuda {
 // The counters behind cuda_graph_stats().
 enum class GraphEvent { Capture, Replay, Eager, CaptureFailure, Eviction, EarlyWeightLaunch, RopeAttentionLaunch };
 void count_graph_event(GraphEvent e);
+void count_replay_gpu_time(float ms);  // one timed replay (CudaGraphStats::replay_gpu_ns)
 
 // The key of one compute(graph): per tensor its op, flags, type, shape, strides, sources, view
 // relation, op parameters (bit patterns) and data pointer as the graph has it (device memory, or

@@ -85,7 +85,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @needs_switch
 def test_switch_and_counters():
     keys = {"captures", "replays", "eager", "capture_failures", "evictions", "live", "early_weight_launches",
-            "rope_attention_launches"}
+            "rope_attention_launches", "timed_replays", "replay_gpu_ns"}
     assert set(stats()) == keys
     with graphs(False):
         assert _core.cuda_graphs_enabled() is False
@@ -235,6 +235,34 @@ def test_same_shape_different_inputs_are_not_stale(model_dir):
         seen.append((tok, got))
     for (t1, a), (t2, b) in zip(seen, seen[1:]):
         assert same_bits(a, b) == (t1 == t2)
+
+
+@gpu
+@needs_switch
+def test_step_times_count_the_replays_gpu_time(model_dir, monkeypatch):
+    """PYSPEC_CUDA_STEP_TIMES=1 (read when a backend is made): replays are timed by events around
+    their graph launch (each counted at the next replay), the same bits as without; a backend made
+    without it times nothing."""
+    tm, model = tiny(model_dir, "llama", "Q4_1")
+    prompt = [(0, p, (7 * p + 3) % model.n_vocab) for p in range(10)]
+    outs, timed = {}, {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("PYSPEC_CUDA_STEP_TIMES", value)
+        ctx = make_context(model, DEVICE)
+        _core.reset_cuda_graph_stats()
+        with graphs(True):
+            run_step(ctx, (prompt, None, []))
+            outs[value] = [run_step(ctx, ([(0, p, 5 + p)], None, []))[0] for p in range(10, 30)]
+        timed[value] = stats()
+    for a, b in zip(outs["1"], outs["0"]):
+        assert same_bits(a, b)
+    if ON_GPU:
+        on, off = timed["1"], timed["0"]
+        assert off["timed_replays"] == 0 and off["replay_gpu_ns"] == 0, off
+        # 20 one-row steps: the first two are the warm-up and the capture, the last replay's time
+        # is counted at the next one
+        assert on["timed_replays"] == on["replays"] - 1 >= 15, on
+        assert 0 < on["replay_gpu_ns"] / on["timed_replays"] < 50e6, on
 
 
 def same_bits_either_way(model_dir, monkeypatch, arch, wt, switch):

@@ -41,12 +41,15 @@ void bind_cuda(py::module_& m) {
             d["live"] = s.live;
             d["early_weight_launches"] = s.early_weight_launches;
             d["rope_attention_launches"] = s.rope_attention_launches;
+            d["timed_replays"] = s.timed_replays;
+            d["replay_gpu_ns"] = s.replay_gpu_ns;
             return d;
         },
         "Counters over every CUDA backend of the process: captures, replays, eager computes, "
         "capture_failures, evictions, live (instantiated graphs held now), early_weight_launches "
         "(MUL_MAT launches that load weights before waiting for the kernel before them), "
-        "rope_attention_launches (decode attention launches that ran the row's RoPE and K/V store too).");
+        "rope_attention_launches (decode attention launches that ran the row's RoPE and K/V store too), "
+        "timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
 }
 
