@@ -8,9 +8,13 @@ drafter, greedy) and the server (no drafter, greedy, `/v1/chat/completions` with
 `stream`), each as ms a generated token, and the server's cost over the engine's. On Linux it
 also prints the CPU time the server's event-loop thread spent a streamed token (from /proc).
 --compare-loop runs a second server on plain asyncio and h11 (PYSPEC_SERVER_LOOP/HTTP) and
-alternates the two servers' streamed replies.
+alternates the two servers' streamed replies. --compare-ahead runs a second server (and the engine
+alone a second time) without decoding ahead (PYSPEC_DECODE_AHEAD=0: each step waits for the host
+to read the step before), which on a GPU (-ngl all) shows what overlapping the host's per-token
+work with the kernels gives.
 
-    python bench/bench_server_decode.py [MODEL.gguf] [--tokens 96] [--rounds 3] [-t 2] [--compare-loop]
+    python bench/bench_server_decode.py [MODEL.gguf] [--tokens 96] [--rounds 3] [-t 2] [-ngl all]
+        [--compare-loop] [--compare-ahead]
 (from the repo root; default model: the embedded SmolLM2)
 """
 from __future__ import annotations
@@ -33,12 +37,13 @@ sys.path.insert(0, str(ROOT))
 PROMPT = "Tell me about the sea."
 
 
-def engine_ms(model, prompt_ids, n_tokens, threads):
+def engine_ms(model, prompt_ids, n_tokens, threads, ahead=True):
     """ms a token of the engine alone, best of 3, the prompt's step not counted."""
     from pyspec import _core
     eng = _core.SpecEngine(model._model, None, n_ctx=4096, n_seq_max=1, n_draft_slots=1, n_batch=512,
                            draft_n_batch=512, n_threads=threads, draft_n_max=2, prefill_chunk=512,
-                           kv_dtype="f16", backend="cpu", ngram_n=0, ngram_m=48)
+                           kv_dtype="f16", backend=model.backend, ngram_n=0, ngram_m=48,
+                           decode_ahead=ahead)
     best = float("inf")
     for r in range(3):
         eng.add_request(r + 1, list(prompt_ids), max_tokens=n_tokens, temperature=0.0, seq=0, draft=False,
@@ -102,14 +107,14 @@ def streamed_loop_ms(proc, url, n_tokens):
     return ms, None if c0 is None or c1 is None else (c1 - c0) / n_tokens * 1e3
 
 
-def start_server(model_path, threads, parallel, env_extra):
+def start_server(model_path, threads, parallel, env_extra, ngl="0"):
     """(process, url, log file) of a pyspec-server without a drafter, once it answers /health."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pyspec.server.main", "--port", str(port), "--spec-type", "none",
-           "-t", str(threads), "-m", model_path] + (["-np", str(parallel)] if parallel else [])
+           "-t", str(threads), "-m", model_path, "-ngl", str(ngl)] + (["-np", str(parallel)] if parallel else [])
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
                             env=dict(os.environ, PYTHONPATH=str(ROOT), **env_extra))
     url = f"http://127.0.0.1:{port}"
@@ -139,21 +144,28 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-np", "--parallel", type=int, default=0, help="server slots (default: the server's)")
+    ap.add_argument("-ngl", "--n-gpu-layers", default="0", help="0: CPU; all: the GPU (llama.cpp's -ngl)")
     ap.add_argument("--compare-loop", action="store_true",
                     help="also a server on plain asyncio and h11, alternating with the default one")
+    ap.add_argument("--compare-ahead", action="store_true",
+                    help="also a server and an engine without decoding ahead (PYSPEC_DECODE_AHEAD=0)")
     args = ap.parse_args(argv)
     import pyspec
-    model = pyspec.Model(args.model, n_threads=args.threads)
+    model = pyspec.Model(args.model, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     from pyspec.tokenizer import Tokenizer
     prompt_ids = Tokenizer.from_gguf(model.path).encode(PROMPT, add_special=True)
     servers = []  # (label, process, url, log)
     try:
         try:
-            servers.append(("auto",) + start_server(model.path, args.threads, args.parallel, {}))
+            ngl = args.n_gpu_layers
+            servers.append(("auto",) + start_server(model.path, args.threads, args.parallel, {}, ngl))
             if args.compare_loop:
                 servers.append(("asyncio+h11",) + start_server(
                     model.path, args.threads, args.parallel,
-                    {"PYSPEC_SERVER_LOOP": "asyncio", "PYSPEC_SERVER_HTTP": "h11"}))
+                    {"PYSPEC_SERVER_LOOP": "asyncio", "PYSPEC_SERVER_HTTP": "h11"}, ngl))
+            if args.compare_ahead:
+                servers.append(("not ahead",) + start_server(
+                    model.path, args.threads, args.parallel, {"PYSPEC_DECODE_AHEAD": "0"}, ngl))
         except RuntimeError as exc:
             print(exc, file=sys.stderr)
             return 1
@@ -161,13 +173,16 @@ def main(argv=None) -> int:
             server_ms(url, 8, False)  # warm-up
         for r in range(args.rounds):
             e = engine_ms(model, prompt_ids, args.tokens, args.threads)
-            line = f"round {r + 1}: engine {e:.2f} ms/token"
+            line = f"round {r + 1}: engine {e:.3f} ms/token"
+            if args.compare_ahead:
+                e0 = engine_ms(model, prompt_ids, args.tokens, args.threads, ahead=False)
+                line += f" (not ahead {e0:.3f}: {e0 / e:.2f}x)"
             for label, proc, url, _ in servers:
                 whole = min(server_ms(url, args.tokens, False) for _ in range(2))
                 runs = [streamed_loop_ms(proc, url, args.tokens) for _ in range(2)]
                 streamed = min(ms for ms, _ in runs)
                 loop = [c for _, c in runs if c is not None]
-                line += (f" | [{label}] whole reply {whole:.2f} ({whole / e:.2f}x), streamed {streamed:.2f}"
+                line += (f" | [{label}] whole reply {whole:.3f} ({whole / e:.2f}x), streamed {streamed:.3f}"
                          f" ({streamed / e:.2f}x)" + (f", event loop {min(loop):.2f} ms CPU a token" if loop else ""))
             print(line, flush=True)
     finally:

@@ -94,6 +94,13 @@ public:
         if (err_host_) cudaFreeHost(err_host_);
         if (staging_) cudaFreeHost(staging_);
         if (read_staging_) cudaFreeHost(read_staging_);
+        for (auto* list : {&in_flight_reads_, &free_read_slots_}) {
+            for (AsyncRead& a : *list) {
+                if (a.done) cudaEventDestroy(a.done);
+                if (a.err) cudaFreeHost(a.err);
+                if (a.staging) cudaFreeHost(a.staging);
+            }
+        }
         for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
         for (cudaEvent_t ev : replay_events_) {
             if (ev) cudaEventDestroy(ev);
@@ -296,7 +303,77 @@ public:
         }
     }
 
+    // read_many's copies and the error word, queued into a pinned slot of their own behind an
+    // event; finish_reads waits for that event only, so the work queued after the reads (the next
+    // step, already launched) keeps running. The input staging is not reset here (later copies
+    // may still read it); stage() starts over after a full synchronisation.
+    ReadTicket read_many_async(const std::vector<ReadRequest>& reads) override {
+        constexpr size_t kAlign = 64;
+        size_t total = 0;
+        for (const ReadRequest& r : reads) {
+            if (r.offset + r.bytes > r.t->nbytes()) throw std::logic_error("read past the end of tensor " + r.t->name);
+            total += (r.bytes + kAlign - 1) / kAlign * kAlign;
+        }
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        AsyncRead slot = take_read_slot(total);
+        slot.reads = reads;
+        slot.host.assign(reads.size(), nullptr);
+        size_t at = 0;
+        for (size_t i = 0; i < reads.size(); ++i) {
+            const ReadRequest& r = reads[i];
+            char* hp = static_cast<char*>(r.t->data) + r.offset;
+            char* d = r.bytes ? device_address(hp, r.bytes) : nullptr;
+            if (d) {
+                check(cudaMemcpyAsync(slot.staging + at, d, r.bytes, cudaMemcpyDeviceToHost, stream_), "read: cudaMemcpyAsync");
+            } else {
+                slot.host[i] = hp;
+            }
+            at += (r.bytes + kAlign - 1) / kAlign * kAlign;
+        }
+        check(cudaMemcpyAsync(slot.err, err_, sizeof(unsigned), cudaMemcpyDeviceToHost, stream_), "reading the error word");
+        check(cudaEventRecord(slot.done, stream_), "read: cudaEventRecord");
+        slot.ticket = ++read_tickets_;
+        in_flight_reads_.push_back(std::move(slot));
+        return in_flight_reads_.back().ticket;
+    }
+
+    void finish_reads(ReadTicket ticket) override {
+        auto it = std::find_if(in_flight_reads_.begin(), in_flight_reads_.end(),
+                               [ticket](const AsyncRead& a) { return a.ticket == ticket; });
+        if (it == in_flight_reads_.end()) throw std::logic_error("cuda backend: finish_reads of an unknown ticket");
+        AsyncRead slot = std::move(*it);
+        in_flight_reads_.erase(it);
+        const cudaError_t e = cudaEventSynchronize(slot.done);
+        const unsigned bits = *slot.err;
+        *slot.err = 0;
+        free_read_slots_.push_back(slot);  // reusable whatever happens below
+        check(e, "read: waiting for the computation");
+        if (bits) {
+            *err_host_ = bits;
+            raise_error_word(bits);
+        }
+        size_t at = 0;
+        for (size_t i = 0; i < slot.reads.size(); ++i) {
+            const ReadRequest& r = slot.reads[i];
+            if (r.bytes) std::memcpy(r.dst, slot.host[i] ? slot.host[i] : slot.staging + at, r.bytes);
+            at += (r.bytes + 63) / 64 * 64;
+        }
+    }
+
+    void copy(const Tensor& dst, const Tensor& src, size_t bytes) override {
+        if (bytes > dst.nbytes() || bytes > src.nbytes()) throw std::logic_error("copy past the end of a tensor");
+        if (bytes == 0) return;
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        char* d = device_address(static_cast<char*>(dst.data), bytes);
+        char* s = device_address(static_cast<char*>(src.data), bytes);
+        if (!d || !s) throw std::logic_error("cuda backend: copy between tensors not on the device");
+        if (d == s) return;
+        if (d < s + bytes && s < d + bytes) throw std::logic_error("cuda backend: copy between overlapping tensors");
+        check(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice, stream_), "copy: cudaMemcpyAsync");
+    }
+
     size_t arena_bytes() const override { return arena_size_; }
+    bool computes_asynchronously() const override { return true; }
     // By default prompt rows take the tensor cores and output rows the CUDA cores (cuda/kernels.h).
     bool prompt_rows_have_own_path() const override { return cuda::matmul_tc_prompt_path(); }
 
@@ -1232,6 +1309,50 @@ private:
     char* staging_ = nullptr;
     size_t staged_ = 0;                                            // bytes of staging_ in use
     char* read_staging_ = nullptr;                                 // pinned: where read_many lands
+    // read_many_async's slots: pinned staging, the error word and an event each (a decode step
+    // launched ahead of the one being waited for holds a second one).
+    struct AsyncRead {
+        uint64_t ticket = 0;
+        cudaEvent_t done = nullptr;
+        char* staging = nullptr;
+        size_t staging_bytes = 0;
+        unsigned* err = nullptr;
+        std::vector<ReadRequest> reads;
+        std::vector<const char*> host;
+    };
+    std::vector<AsyncRead> in_flight_reads_, free_read_slots_;
+    uint64_t read_tickets_ = 0;
+
+    // A free slot whose staging holds `bytes` (made or grown here: nothing reads it now).
+    AsyncRead take_read_slot(size_t bytes) {
+        AsyncRead slot;
+        if (!free_read_slots_.empty()) {
+            slot = std::move(free_read_slots_.back());
+            free_read_slots_.pop_back();
+        }
+        try {
+            if (!slot.done) check(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming), "read: cudaEventCreate");
+            if (!slot.err) {
+                void* e = nullptr;
+                check(cudaMallocHost(&e, sizeof(unsigned)), "read: allocating the pinned error word");
+                slot.err = static_cast<unsigned*>(e);
+                *slot.err = 0;
+            }
+            if (slot.staging_bytes < bytes) {
+                if (slot.staging) cudaFreeHost(slot.staging);
+                slot.staging = nullptr;
+                slot.staging_bytes = 0;
+                void* p = nullptr;
+                check(cudaMallocHost(&p, bytes), "read: allocating pinned staging");
+                slot.staging = static_cast<char*>(p);
+                slot.staging_bytes = bytes;
+            }
+        } catch (...) {
+            free_read_slots_.push_back(slot);
+            throw;
+        }
+        return slot;
+    }
     size_t read_staging_bytes_ = 0;
     char* arena_ = nullptr;
     size_t arena_size_ = 0;

@@ -365,6 +365,37 @@ def test_spec_engine_replay_equals_eager(pairs, sampled):
         assert d["captures"] >= 1 and d["replays"] >= 5, d
 
 
+def _plain_engine_run(pairs, ahead, lengths=(20, 31, 9)):
+    target, _ = known_pair(pairs)
+    model = _core.Model(target)
+    engine = _core.SpecEngine(model, None, n_ctx=512 * 3, n_seq_max=3, n_batch=64, n_threads=2,
+                              prefill_chunk=16, backend=DEVICE, decode_ahead=ahead)
+    prompts = {1: [5], 2: [17, 3, 4], 3: [(7 * i) % 200 + 3 for i in range(250)]}  # 3 crosses 256 cells
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, max_tokens=lengths[rid - 1], verify="greedy")
+    tokens = {rid: [] for rid in prompts}
+    while engine.n_requests:
+        for o in engine.step():
+            tokens[o["request_id"]] += o["tokens"]
+    return tokens, engine.n_decoded_ahead
+
+
+@gpu
+@needs_switch
+def test_decoding_ahead_feeds_the_same_tokens_on_the_device(pairs):
+    """Greedy steps queued before the host read the step before (tokens copied from its ARGMAX on
+    the device, its outputs read behind an event): the tokens of the engine without it, replayed."""
+    want, n0 = _plain_engine_run(pairs, False)
+    before = stats()
+    with graphs(True):
+        got, n_ahead = _plain_engine_run(pairs, True)
+    d = delta(stats(), before)
+    assert got == want and [len(v) for v in got.values()] == [20, 31, 9]
+    assert n0 == 0 and n_ahead >= 8
+    if ON_GPU:
+        assert d["capture_failures"] == 0 and d["replays"] >= 10, d
+
+
 # ---------------------------------------------------------------------------------------------
 # The environment switch, in a subprocess.
 

@@ -49,7 +49,7 @@ void bind_spec_engine(py::module_& m) {
         .def(py::init([](std::shared_ptr<Model> target, std::shared_ptr<DraftModel> drafter, int64_t n_ctx,
                          int64_t n_seq_max, int64_t n_draft_slots, int64_t n_batch, int64_t draft_n_batch,
                          int n_threads, int64_t draft_n_max, int64_t prefill_chunk, const std::string& kv_dtype, const std::string& backend,
-                         int64_t ngram_n, int64_t ngram_m) {
+                         int64_t ngram_n, int64_t ngram_m, std::optional<bool> decode_ahead) {
                  SpecEngineParams p;
                  p.backend = parse_backend(backend);
                  p.kv_dtype = parse_kv_cache_type(kv_dtype);
@@ -63,15 +63,19 @@ void bind_spec_engine(py::module_& m) {
                  p.prefill_chunk = prefill_chunk;
                  p.ngram.n = ngram_n;
                  p.ngram.m = ngram_m;
+                 p.decode_ahead = decode_ahead ? (*decode_ahead ? 1 : 0) : -1;
                  return std::make_unique<SpecEngine>(*target, drafter.get(), p);
              }),
              py::arg("target_model"), py::arg("draft_model"), py::arg("n_ctx"), py::arg("n_seq_max"),
              py::arg("n_draft_slots") = 1, py::arg("n_batch") = 512, py::arg("draft_n_batch") = 512,
              py::arg("n_threads") = 1, py::arg("draft_n_max") = -1, py::arg("prefill_chunk") = 256,
              py::arg("kv_dtype") = "f16", py::arg("backend") = "cpu", py::arg("ngram_n") = 0, py::arg("ngram_m") = 48,
-             py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
+             py::arg("decode_ahead") = py::none(), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
              "ngram_n > 0: llama-server's ngram-simple ahead of the drafter (drafts: the up to ngram_m tokens that "
-             "followed the latest earlier occurrence of a request's last ngram_n tokens); draft_model may be None.")
+             "followed the latest earlier occurrence of a request's last ngram_n tokens); draft_model may be None. "
+             "decode_ahead: plain greedy rows queue their next step before this one's tokens are read (the "
+             "tokens fed on the device), so the host's work between steps overlaps the GPU's; the same tokens. "
+             "None: where the backend computes asynchronously (the GPU); PYSPEC_DECODE_AHEAD=0/1 overrides.")
         .def(
             "add_request",
             [](SpecEngine& e, uint64_t id, const std::vector<int32_t>& prompt, int64_t max_tokens, double temperature,
@@ -205,7 +209,10 @@ void bind_spec_engine(py::module_& m) {
         .def_property_readonly("draft_kv_cache_bytes", [](const SpecEngine& e) { return e.draft_context().kv_bytes(); })
         .def_property_readonly("draft_compute_buffer_bytes",
                                [](const SpecEngine& e) { return e.draft_context().compute_buffer_bytes(); })
-        .def_property_readonly("steps", &SpecEngine::steps);
+        .def_property_readonly("steps", &SpecEngine::steps)
+        .def_property_readonly("n_decoded_ahead", &SpecEngine::n_decoded_ahead,
+                               "steps launched before the host read the step before them (decode_ahead)")
+        .def_property_readonly("has_step_ahead", &SpecEngine::has_step_ahead);
 }
 
 }  // namespace pyspec

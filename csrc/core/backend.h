@@ -47,6 +47,31 @@ public:
         for (const ReadRequest& r : reads) read(*r.t, r.dst, r.bytes, r.offset);
     }
 
+    // read_many without the wait: the reads are queued behind the computation queued so far and
+    // finish_reads(ticket) waits for them (not for what was queued after them) and delivers them;
+    // until then their destinations must stay put. A launched step's outputs can so be waited
+    // for while the next step is already queued. The default reads at once (a synchronous
+    // backend has nothing in flight).
+    using ReadTicket = uint64_t;
+    virtual ReadTicket read_many_async(const std::vector<ReadRequest>& reads) {
+        read_many(reads);
+        return 0;
+    }
+    virtual void finish_reads(ReadTicket) {}
+
+    // Copies `bytes` from the start of src's memory to the start of dst's, ordered behind the
+    // computation queued so far and before what is queued next (a step's ARGMAX ids as the next
+    // step's tokens, without a trip through the host). The default goes through the host.
+    virtual void copy(const Tensor& dst, const Tensor& src, size_t bytes) {
+        std::vector<unsigned char> tmp(bytes);
+        read(src, tmp.data(), bytes);
+        write(dst, tmp.data(), bytes);
+    }
+
+    // Whether compute() only queues the work (a device backend) rather than doing it before it
+    // returns: only then can the host prepare the next step while this one runs.
+    virtual bool computes_asynchronously() const { return false; }
+
     virtual size_t arena_bytes() const = 0;
 
     // Whether MUL_MAT's prompt columns (graph.h) run on a path of their own, so a prompt row's

@@ -88,24 +88,66 @@ void Context::validate(const Batch& b, const std::vector<int>& layer_ids) const 
 }
 
 DecodeOutput Context::decode(const Batch& batch, const std::vector<int>& layer_ids_in) {
-    std::vector<int> layer_ids = layer_ids_in;
-    std::sort(layer_ids.begin(), layer_ids.end());
-    layer_ids.erase(std::unique(layer_ids.begin(), layer_ids.end()), layer_ids.end());
+    std::vector<int> layer_ids = sorted_layers(layer_ids_in);
     validate(batch, layer_ids);
-
-    DecodeOutput out;
-    out.n_vocab = model_.hparams().n_vocab;
-    out.n_embd = model_.hparams().n_embd;
-    for (int l : layer_ids) out.layer_inputs.emplace_back(l, std::vector<float>());
+    DecodeOutput out = empty_output(layer_ids);
     const size_t n_batch = static_cast<size_t>(params_.n_batch);
     for (size_t begin = 0; begin < batch.size(); begin += n_batch) {
-        decode_chunk(batch, begin, std::min(batch.size(), begin + n_batch), layer_ids, out);
+        PendingDecode p;
+        p.out = &out;
+        launch_chunk(batch, begin, std::min(batch.size(), begin + n_batch), layer_ids, p, nullptr);
+        finish(p);
     }
     return out;
 }
 
-void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::vector<int>& layer_ids,
-                           DecodeOutput& out) {
+std::unique_ptr<PendingDecode> Context::launch(const Batch& batch, const std::vector<int>& layer_ids_in,
+                                               const PendingDecode* feed) {
+    std::vector<int> layer_ids = sorted_layers(layer_ids_in);
+    validate(batch, layer_ids);
+    if (batch.size() > static_cast<size_t>(params_.n_batch)) {
+        throw std::invalid_argument("launch: a batch of at most n_batch rows (" + std::to_string(params_.n_batch) + ")");
+    }
+    if (feed) {
+        const bool rows_match = feed->order.size() == batch.size() && feed->out_rows.size() == batch.size() &&
+                                batch.argmax_only && feed->params.argmax && !feed->collected;
+        bool all_output = true;
+        for (size_t i = 0; i < batch.size(); ++i) {
+            all_output = all_output && batch.output[i] && (batch.prompt.empty() || !batch.prompt[i]) && feed->order[i] == i;
+        }
+        if (!rows_match || !all_output) throw std::invalid_argument("launch: the fed batch must match the feeding one row for row");
+    }
+    auto p = std::make_unique<PendingDecode>();
+    p->own = empty_output(layer_ids);
+    p->out = &p->own;
+    if (!launch_chunk(batch, 0, batch.size(), layer_ids, *p, feed)) return nullptr;
+    return p;
+}
+
+DecodeOutput Context::collect(PendingDecode& p) {
+    if (p.collected) throw std::logic_error("collect: this decode was collected already");
+    finish(p);
+    return std::move(p.own);
+}
+
+std::vector<int> Context::sorted_layers(const std::vector<int>& layer_ids) {
+    std::vector<int> out = layer_ids;
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+}
+
+DecodeOutput Context::empty_output(const std::vector<int>& layer_ids) const {
+    DecodeOutput out;
+    out.n_vocab = model_.hparams().n_vocab;
+    out.n_embd = model_.hparams().n_embd;
+    for (int l : layer_ids) out.layer_inputs.emplace_back(l, std::vector<float>());
+    return out;
+}
+
+bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::vector<int>& layer_ids,
+                           PendingDecode& p, const PendingDecode* feed) {
+    DecodeOutput& out = *p.out;
     const int64_t n_rows = static_cast<int64_t>(end - begin);
     // The graph takes the prompt rows first, then the output rows, each kind in batch order:
     // MUL_MAT's prompt columns must be its first columns. The rows with logits are the prompt rows
@@ -113,9 +155,9 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
     // does not depend on its place in the batch (invariant 7), so only the results that come back
     // per row are put back in batch order.
     auto is_prompt = [&b](size_t i) { return b.prompt.empty() ? !b.output[i] : b.prompt[i] != 0; };
-    std::vector<size_t> order;  // graph row -> batch row
+    std::vector<size_t>& order = p.order;  // graph row -> batch row
     order.reserve(static_cast<size_t>(n_rows));
-    std::vector<int32_t> out_rows;  // graph rows with logits
+    std::vector<int32_t>& out_rows = p.out_rows;  // graph rows with logits
     int64_t max_pos = 0;
     for (size_t i = begin; i < end; ++i) {
         if (!is_prompt(i)) continue;
@@ -132,7 +174,6 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
     }
     // Logits rows come back in graph order; batch order differs only when an output row precedes
     // a prompt row with logits.
-    std::vector<size_t> logits_order;  // logits row -> its rank in batch order
     {
         std::vector<size_t> by_batch(out_rows.size());
         for (size_t j = 0; j < out_rows.size(); ++j) by_batch[j] = j;
@@ -142,12 +183,13 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
         bool sorted = true;
         for (size_t j = 0; j < by_batch.size(); ++j) sorted = sorted && by_batch[j] == j;
         if (!sorted) {
-            logits_order.resize(by_batch.size());
-            for (size_t rank = 0; rank < by_batch.size(); ++rank) logits_order[by_batch[rank]] = rank;
+            p.logits_order.resize(by_batch.size());
+            for (size_t rank = 0; rank < by_batch.size(); ++rank) p.logits_order[by_batch[rank]] = rank;
         }
     }
-    const bool reordered = n_prompt > 0 && n_prompt < n_rows;
-    DecoderGraphParams gp;
+    p.begin = begin;
+    p.reordered = n_prompt > 0 && n_prompt < n_rows;
+    DecoderGraphParams& gp = p.params;
     gp.n_rows = n_rows;
     gp.n_outputs = static_cast<int64_t>(out_rows.size());
     gp.n_prompt_rows = backend_->prompt_rows_have_own_path() ? n_prompt : 0;
@@ -155,12 +197,15 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
     gp.span = std::min(kv_->n_ctx_seq(), (max_pos + kSpanPadding) / kSpanPadding * kSpanPadding);
     gp.layer_ids = layer_ids;
     gp.argmax = b.argmax_only;
+    // A fed batch reads the feeding decode's ARGMAX output where that graph left it: only the
+    // same graph (the same build parameters) is certain to have left it there untouched.
+    // (Checking plans builds every graph afresh and poisons the arena: no feed survives that.)
+    if (feed && (planner_.checking() || !(feed->params == gp))) return false;
 
     // Rows see their own sequence's cells up to their position, including the rows of this
     // chunk (their K/V are written before attention runs).
-    std::vector<std::pair<int32_t, int32_t>> newly_occupied;
     for (size_t i = begin; i < end; ++i) {
-        if (!kv_->occupied(b.seq_ids[i], b.positions[i])) newly_occupied.emplace_back(b.seq_ids[i], b.positions[i]);
+        if (!kv_->occupied(b.seq_ids[i], b.positions[i])) p.newly_occupied.emplace_back(b.seq_ids[i], b.positions[i]);
         kv_->occupy(b.seq_ids[i], b.positions[i]);
     }
     try {
@@ -170,23 +215,31 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
         for (int64_t r = 0; r < n_rows; ++r) {
             const size_t i = order[static_cast<size_t>(r)];
             const int32_t s = b.seq_ids[i];
-            const int32_t p = b.positions[i];
+            const int32_t pos = b.positions[i];
             tokens[static_cast<size_t>(r)] = b.tokens[i];
-            positions[static_cast<size_t>(r)] = p;
-            kv_cells[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(s, p));
+            positions[static_cast<size_t>(r)] = pos;
+            kv_cells[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(s, pos));
             kv_base[static_cast<size_t>(r)] = static_cast<int32_t>(kv_->cell(s, 0));
             float* m = mask.data() + r * gp.span;
-            for (int32_t j = 0; j <= p; ++j) {
+            for (int32_t j = 0; j <= pos; ++j) {
                 if (kv_->occupied(s, j)) m[j] = 0.0f;
             }
         }
 
         auto& built = graphs_.get(gp, planner_, [&] { return build_decoder_graph(model_, kv_->view(), gp); });
         DecoderGraph& dg = built.built;
+        p.graph = &dg;
         Graph& g = dg.graph;
         backend_->apply_plan(g, *built.plan);  // every time: another graph may have grown the arena
         const size_t row_bytes = static_cast<size_t>(n_rows) * sizeof(int32_t);
-        backend_->write(g[dg.in.tokens], tokens.data(), row_bytes);
+        if (feed) {
+            // The feeding decode's ids, in its graph's ARGMAX output (the same graph: same
+            // tensor), become this one's tokens: a device copy ordered after that decode.
+            if (feed->graph != &dg) throw std::logic_error("launch: the feeding decode's graph is gone");
+            backend_->copy(g[dg.in.tokens], g[dg.argmax], row_bytes);
+        } else {
+            backend_->write(g[dg.in.tokens], tokens.data(), row_bytes);
+        }
         backend_->write(g[dg.in.positions], positions.data(), row_bytes);
         backend_->write(g[dg.in.kv_cells], kv_cells.data(), row_bytes);
         backend_->write(g[dg.in.kv_base], kv_base.data(), row_bytes);
@@ -194,40 +247,33 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
         if (dg.in.out_rows >= 0) backend_->write(g[dg.in.out_rows], out_rows.data(), out_rows.size() * sizeof(int32_t));
         backend_->compute(g);
 
-        // The step's outputs come back in one read_many (one wait on a device backend).
+        // The step's outputs come back in one read (one wait on a device backend, at collect).
         std::vector<Backend::ReadRequest> reads;
         // The logits (or ARGMAX) rows are read in graph order and put in batch order after it.
-        struct RowPermute {
-            void* base = nullptr;
-            size_t row_bytes = 0;
-        } permute;
         const size_t old_rows = out.output_rows.size();
         if (dg.argmax >= 0) {
             const size_t old = out.argmax.size();
             out.argmax.resize(old + out_rows.size());
             reads.push_back({&g[dg.argmax], out.argmax.data() + old, out_rows.size() * sizeof(int32_t), 0});
-            permute = {out.argmax.data() + old, sizeof(int32_t)};
+            p.permute_base = out.argmax.data() + old;
+            p.permute_row_bytes = sizeof(int32_t);
         } else if (dg.logits >= 0) {
             const size_t old = out.logits.size();
-            const size_t row_bytes = static_cast<size_t>(out.n_vocab) * sizeof(float);
+            const size_t lrow = static_cast<size_t>(out.n_vocab) * sizeof(float);
             out.logits.resize(old + out_rows.size() * static_cast<size_t>(out.n_vocab));
-            reads.push_back({&g[dg.logits], out.logits.data() + old, out_rows.size() * row_bytes, 0});
-            permute = {out.logits.data() + old, row_bytes};
+            reads.push_back({&g[dg.logits], out.logits.data() + old, out_rows.size() * lrow, 0});
+            p.permute_base = out.logits.data() + old;
+            p.permute_row_bytes = lrow;
         }
         if (dg.argmax >= 0 || dg.logits >= 0) {
             out.output_rows.resize(old_rows + out_rows.size());
             for (size_t j = 0; j < out_rows.size(); ++j) {
-                const size_t rank = logits_order.empty() ? j : logits_order[j];
+                const size_t rank = p.logits_order.empty() ? j : p.logits_order[j];
                 out.output_rows[old_rows + rank] = static_cast<int32_t>(order[static_cast<size_t>(out_rows[j])]);
             }
         }
         // Layer inputs: straight into place, or (rows reordered) into a buffer put in place after.
-        struct Reorder {
-            std::vector<float> rows;
-            float* dst;
-        };
-        std::vector<Reorder> reorders;
-        reorders.reserve(dg.layer_inputs.size());  // the read targets must not move
+        p.reorders.reserve(dg.layer_inputs.size());  // the read targets must not move
         const size_t n_embd = static_cast<size_t>(out.n_embd);
         const size_t count = static_cast<size_t>(n_rows) * n_embd;
         for (const auto& li : dg.layer_inputs) {
@@ -236,29 +282,44 @@ void Context::decode_chunk(const Batch& b, size_t begin, size_t end, const std::
             std::vector<float>& dst = it->second;
             const size_t old = dst.size();
             dst.resize(old + count);
-            if (!reordered) {
+            if (!p.reordered) {
                 reads.push_back({&g[li.second], dst.data() + old, count * sizeof(float), 0});
                 continue;
             }
-            reorders.push_back({std::vector<float>(count), dst.data() + old});
-            reads.push_back({&g[li.second], reorders.back().rows.data(), count * sizeof(float), 0});
+            p.reorders.push_back({std::vector<float>(count), dst.data() + old});
+            reads.push_back({&g[li.second], p.reorders.back().rows.data(), count * sizeof(float), 0});
         }
-        backend_->read_many(reads);
-        if (!logits_order.empty() && permute.base) {
-            auto* base = static_cast<unsigned char*>(permute.base);
-            std::vector<unsigned char> rows(base, base + out_rows.size() * permute.row_bytes);
-            for (size_t j = 0; j < out_rows.size(); ++j) {
-                std::memcpy(base + logits_order[j] * permute.row_bytes, rows.data() + j * permute.row_bytes, permute.row_bytes);
-            }
-        }
-        for (const Reorder& ro : reorders) {
-            for (size_t r = 0; r < order.size(); ++r) {
-                std::copy_n(ro.rows.data() + r * n_embd, n_embd, ro.dst + (order[r] - begin) * n_embd);
-            }
-        }
+        p.ticket = backend_->read_many_async(reads);
     } catch (...) {
-        for (const auto& sp : newly_occupied) kv_->remove(sp.first, sp.second, sp.second + 1);
+        for (const auto& sp : p.newly_occupied) kv_->remove(sp.first, sp.second, sp.second + 1);
+        p.collected = true;
         throw;
+    }
+    return true;
+}
+
+void Context::finish(PendingDecode& p) {
+    p.collected = true;
+    try {
+        backend_->finish_reads(p.ticket);
+    } catch (...) {
+        for (const auto& sp : p.newly_occupied) kv_->remove(sp.first, sp.second, sp.second + 1);
+        throw;
+    }
+    if (!p.logits_order.empty() && p.permute_base) {
+        auto* base = static_cast<unsigned char*>(p.permute_base);
+        const size_t n = p.out_rows.size();
+        std::vector<unsigned char> rows(base, base + n * p.permute_row_bytes);
+        for (size_t j = 0; j < n; ++j) {
+            std::memcpy(base + p.logits_order[j] * p.permute_row_bytes, rows.data() + j * p.permute_row_bytes,
+                        p.permute_row_bytes);
+        }
+    }
+    const size_t n_embd = static_cast<size_t>(p.out->n_embd);
+    for (const PendingDecode::Reorder& ro : p.reorders) {
+        for (size_t r = 0; r < p.order.size(); ++r) {
+            std::copy_n(ro.rows.data() + r * n_embd, n_embd, ro.dst + (p.order[r] - p.begin) * n_embd);
+        }
     }
 }
 

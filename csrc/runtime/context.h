@@ -48,6 +48,30 @@ struct DecodeOutput {
     std::vector<std::pair<int, std::vector<float>>> layer_inputs;
 };
 
+// A chunk launched and not collected yet: what collect() needs to put its outputs in place.
+struct PendingDecode {
+    DecodeOutput own;               // Context::launch: the outputs land here
+    DecodeOutput* out = nullptr;    // where they land (own, or decode()'s output)
+    size_t begin = 0;               // the chunk's first batch row
+    std::vector<size_t> order;      // graph row -> batch row
+    std::vector<int32_t> out_rows;  // graph rows with logits
+    std::vector<size_t> logits_order;  // logits row -> its rank in batch order (empty: in order)
+    bool reordered = false;
+    DecoderGraphParams params;      // the graph's build parameters (a feed must match them)
+    const DecoderGraph* graph = nullptr;
+    std::vector<std::pair<int32_t, int32_t>> newly_occupied;  // cells to free if it fails
+    struct Reorder {
+        std::vector<float> rows;
+        float* dst;
+    };
+    std::vector<Reorder> reorders;  // layer inputs read in graph order, put in batch order after
+    void* permute_base = nullptr;   // logits / ids read in graph order, put in batch order after
+    size_t permute_row_bytes = 0;
+    Backend::ReadTicket ticket = 0;
+    bool collected = false;
+};
+
+
 struct ContextParams {
     int64_t n_ctx = 4096;     // cells in all; each sequence holds n_ctx / n_seq_max positions
     int64_t n_seq_max = 1;
@@ -66,6 +90,20 @@ public:
     // it in chunks of n_batch rows.
     DecodeOutput decode(const Batch& batch, const std::vector<int>& layer_ids);
 
+    // decode() in two halves, for a batch of at most n_batch rows: launch() queues the step and
+    // returns without waiting for it (on a device backend the host may prepare the next step
+    // while this one runs); collect() waits for it and returns what decode() would have. The
+    // batch's rows occupy their cells at launch. With `feed` (a decode launched before and not
+    // collected yet, with argmax_only, whose rows were all output rows), the batch must be the
+    // same rows' next step, row for row, every one an output row with argmax_only: each row's
+    // token is then the feeding row's ARGMAX id, copied on the device (batch.tokens are not
+    // read), so the next greedy step goes in before the host knows the token. Returns nullptr,
+    // having changed nothing, where the fed step needs another graph than the feeding one (its
+    // attention span grew): the caller collects the feeding step first and launches plainly.
+    std::unique_ptr<PendingDecode> launch(const Batch& batch, const std::vector<int>& layer_ids,
+                                          const PendingDecode* feed = nullptr);
+    DecodeOutput collect(PendingDecode& pending);
+
     KvCache& kv() { return *kv_; }
     const KvCache& kv() const { return *kv_; }
     const ContextParams& params() const { return params_; }
@@ -74,6 +112,7 @@ public:
     const char* backend_name() const { return backend_->name(); }
     // Backend::prompt_rows_have_own_path: rows without logits then differ in bits from output rows.
     bool prompt_rows_have_own_path() const { return backend_->prompt_rows_have_own_path(); }
+    bool computes_asynchronously() const { return backend_->computes_asynchronously(); }
     const AllocationPlanner& planner() const { return planner_; }
 
     // Per-op time profile (Backend::op_profile); off by default.
@@ -82,8 +121,14 @@ public:
 
 private:
     void validate(const Batch& batch, const std::vector<int>& layer_ids) const;
-    void decode_chunk(const Batch& batch, size_t begin, size_t end, const std::vector<int>& layer_ids,
-                      DecodeOutput& out);
+    static std::vector<int> sorted_layers(const std::vector<int>& layer_ids);
+    DecodeOutput empty_output(const std::vector<int>& layer_ids) const;
+    // Queues one chunk (graph, inputs, the reads of its outputs into *p.out); false where feed
+    // needs another graph (nothing done then).
+    bool launch_chunk(const Batch& batch, size_t begin, size_t end, const std::vector<int>& layer_ids,
+                      PendingDecode& p, const PendingDecode* feed);
+    // Waits for a launched chunk's reads and puts its outputs in batch order.
+    void finish(PendingDecode& p);
 
     const Model& model_;
     ContextParams params_;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -12,6 +13,19 @@ namespace pyspec {
 namespace {
 
 // Adds the wall time of its scope to a PhaseTimes field.
+// Whatever a step's phases do not claim is "other" (SpecEngine::PhaseTimes).
+template <typename Times>
+struct OtherClock {
+    Times& t;
+    const Times& before;
+    std::chrono::steady_clock::time_point t0;
+    ~OtherClock() {
+        const double all = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        t.other_s += all - ((t.target_s - before.target_s) + (t.stage_s - before.stage_s) + (t.draft_s - before.draft_s));
+        ++t.steps;
+    }
+};
+
 class PhaseClock {
 public:
     explicit PhaseClock(double& into) : into_(into), t0_(std::chrono::steady_clock::now()) {}
@@ -68,6 +82,11 @@ SpecEngine::SpecEngine(const Model& target, const DraftModel* drafter, const Spe
     if (params_.ngram.n < 0) throw std::invalid_argument("the n-gram lookup length must be >= 0 (0: off)");
     if (params_.ngram.n > 0 && params_.ngram.m < 1) throw std::invalid_argument("n-gram drafts need m >= 1");
     ctx_ = std::make_unique<Context>(target_, target_params(params_));
+    // PYSPEC_DECODE_AHEAD=0/1 decides in every front end (A/B runs, a way out).
+    if (const char* v = std::getenv("PYSPEC_DECODE_AHEAD"); v && (std::string(v) == "0" || std::string(v) == "1")) {
+        params_.decode_ahead = v[0] == '1';
+    }
+    if (params_.decode_ahead < 0) params_.decode_ahead = ctx_->computes_asynchronously() ? 1 : 0;
     seq_used_.assign(static_cast<size_t>(params_.n_seq_max), 0);
     cached_.assign(static_cast<size_t>(params_.n_seq_max), {});
     n_embd_ = target_.hparams().n_embd;
@@ -478,6 +497,7 @@ void SpecEngine::emit(Request& r, const VerifyResult& vr, const DecodeOutput& ou
 }
 
 std::vector<StepOutput> SpecEngine::step() {
+    if (ahead_) return step_ahead();
     // Who runs (see the header): drafting requests up to one per drafter slot, holders first, then
     // least recently scheduled; the requests that do not draft always run.
     std::vector<Request*> cands, run;
@@ -505,16 +525,7 @@ std::vector<StepOutput> SpecEngine::step() {
     // Whatever the phases below do not claim is "other" (see PhaseTimes).
     const PhaseTimes before = phase_times_;
     const auto t_step = std::chrono::steady_clock::now();
-    struct OtherClock {
-        PhaseTimes& t;
-        const PhaseTimes& before;
-        std::chrono::steady_clock::time_point t0;
-        ~OtherClock() {
-            const double all = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            t.other_s += all - ((t.target_s - before.target_s) + (t.stage_s - before.stage_s) + (t.draft_s - before.draft_s));
-            ++t.steps;
-        }
-    } other_clock{phase_times_, before, t_step};
+    OtherClock<PhaseTimes> other_clock{phase_times_, before, t_step};
     std::unordered_map<uint64_t, SlotGrant> grant_of;
     if (!granted_ids.empty()) {
         for (const SlotGrant& g : registry_->schedule(step_, granted_ids)) {
@@ -593,7 +604,21 @@ std::vector<StepOutput> SpecEngine::step() {
     DecodeOutput out;
     {
         PhaseClock clock(phase_times_.target_s);
-        out = ctx_->decode(batch, layers_);
+        const bool ahead = params_.decode_ahead && batch.argmax_only && granted_ids.empty() &&
+                           batch.size() == run.size() && batch.size() <= static_cast<size_t>(params_.n_batch) &&
+                           std::all_of(run.begin(), run.end(), [this](const Request* r) { return may_decode_ahead(*r); });
+        if (ahead) {
+            std::unique_ptr<PendingDecode> now = ctx_->launch(batch, layers_);
+            try {
+                launch_ahead(run, *now);
+            } catch (...) {
+                ctx_->collect(*now);  // nothing left in flight; the launch's error is the one raised
+                throw;
+            }
+            out = ctx_->collect(*now);
+        } else {
+            out = ctx_->decode(batch, layers_);
+        }
     }
     std::vector<int64_t> logits_row(batch.size(), -1);
     for (size_t i = 0; i < out.output_rows.size(); ++i) logits_row[static_cast<size_t>(out.output_rows[i])] = static_cast<int64_t>(i);
@@ -647,7 +672,8 @@ std::vector<StepOutput> SpecEngine::step() {
             }
             // Keep id_last and the accepted drafts in the target; the rest never happened. The
             // drafter keeps no block rows, so only committed rows ever reach it.
-            ctx_->kv().remove(r->seq, r->pos0 + tau + 1, -1);
+            // (A row decoded ahead holds the cell after id_last: it is the next step's.)
+            if (gamma > 0 || !in_ahead(r->id)) ctx_->kv().remove(r->seq, r->pos0 + tau + 1, -1);
             if (r->drafting) commit_rows(*r, out, sp.row0, r->pos0, static_cast<size_t>(tau) + 1);
             r->drafts.clear();
             r->q.clear();
@@ -666,11 +692,18 @@ std::vector<StepOutput> SpecEngine::step() {
         result.push_back(std::move(so));
     }
     draft(next_blocks);
+    finish_step(result);
+    return result;
+}
+
+void SpecEngine::finish_step(std::vector<StepOutput>& result) {
     for (StepOutput& so : result) {
         const Request& r = requests_.at(so.request_id);
         if (!so.finished) so.n_drafted = static_cast<int64_t>(r.drafts.size());
         so.stats = r.stats;
     }
+    // A finished request's row in a step decoded ahead goes with its cells (release): the step
+    // that collects it drops the row.
     for (const StepOutput& so : result) {
         if (so.finished) {
             auto it = requests_.find(so.request_id);
@@ -678,6 +711,102 @@ std::vector<StepOutput> SpecEngine::step() {
             requests_.erase(it);
         }
     }
+}
+
+SpecEngine::~SpecEngine() {
+    if (!ahead_) return;
+    try {
+        ctx_->collect(*ahead_->pending);  // nothing may stay in flight past the context
+    } catch (...) {
+    }
+}
+
+bool SpecEngine::in_ahead(uint64_t id) const {
+    return ahead_ && std::find(ahead_->ids.begin(), ahead_->ids.end(), id) != ahead_->ids.end();
+}
+
+bool SpecEngine::may_decode_ahead(const Request& r) const {
+    // A plain greedy row whose next step is certain to follow (no drafts, no lookup, nothing the
+    // host must do to the logits, a next cell, and not its last token by max_tokens); a stop id
+    // may still end it, and then the step ahead's row is dropped.
+    const RequestParams& q = r.params;
+    return r.generating && !r.paused && !r.drafting && !r.needs_draft && r.drafts.empty() && q.temperature <= 0.0 &&
+           !q.processing.active() && q.n_probs == 0 && (params_.ngram.n <= 0 || !q.draft) &&
+           r.pos0 + 1 < ctx_->n_ctx_seq() && !(q.max_tokens > 0 && r.n_out + 1 >= q.max_tokens);
+}
+
+bool SpecEngine::launch_ahead(const std::vector<Request*>& run, PendingDecode& now) {
+    // The row after each one in flight: the token there is the one `now` computes.
+    Batch next;
+    std::vector<uint64_t> ids;
+    for (const Request* r : run) {
+        next.tokens.push_back(0);  // fed on the device
+        next.positions.push_back(static_cast<int32_t>(r->pos0 + 1));
+        next.seq_ids.push_back(r->seq);
+        next.output.push_back(1);
+        next.prompt.push_back(0);
+        ids.push_back(r->id);
+    }
+    next.argmax_only = true;
+    std::unique_ptr<PendingDecode> p = ctx_->launch(next, layers_, &now);
+    if (!p) return false;  // another graph (the attention span grew): this step goes plainly
+    ahead_ = Ahead{std::move(p), std::move(ids)};
+    ++n_decoded_ahead_;
+    return true;
+}
+
+std::vector<StepOutput> SpecEngine::step_ahead() {
+    Ahead a = std::move(*ahead_);
+    ahead_.reset();
+    // The launched rows' requests as they are now: one that finished in the step before or was
+    // cancelled is gone with its cells, and its row is dropped; a paused one frees its row's cell
+    // (its next step decodes that token again).
+    std::vector<Request*> run;
+    std::vector<size_t> rows;
+    for (size_t i = 0; i < a.ids.size(); ++i) {
+        auto it = requests_.find(a.ids[i]);
+        if (it == requests_.end()) continue;
+        Request& r = it->second;
+        if (r.paused) {
+            ctx_->kv().remove(r.seq, r.pos0, r.pos0 + 1);
+            continue;
+        }
+        run.push_back(&r);
+        rows.push_back(i);
+    }
+    ++step_;
+    const PhaseTimes before = phase_times_;
+    OtherClock<PhaseTimes> other_clock{phase_times_, before, std::chrono::steady_clock::now()};
+    DecodeOutput out;
+    {
+        PhaseClock clock(phase_times_.target_s);
+        // The step after, queued again while every runnable request is in this one and may go on.
+        size_t runnable = 0;
+        for (const auto& kv : requests_) runnable += kv.second.paused ? 0 : 1;
+        const bool chain = params_.decode_ahead && rows.size() == a.ids.size() && runnable == run.size() &&
+                           std::all_of(run.begin(), run.end(), [this](const Request* r) { return may_decode_ahead(*r); });
+        try {
+            if (chain) launch_ahead(run, *a.pending);
+        } catch (...) {
+            ctx_->collect(*a.pending);
+            throw;
+        }
+        out = ctx_->collect(*a.pending);
+    }
+    std::vector<StepOutput> result;
+    std::vector<float> processed;
+    for (size_t j = 0; j < run.size(); ++j) {
+        Request* r = run[j];
+        StepOutput so;
+        so.request_id = r->id;
+        // Row rows[j] is this request's only row: its greedy id, as a round without drafts.
+        const VerifyResult vr = verify_rows(*r, out, static_cast<int64_t>(rows[j]), true, processed);
+        ++r->stats.n_rounds;
+        if (!in_ahead(r->id)) ctx_->kv().remove(r->seq, r->pos0 + 1, -1);
+        emit(*r, vr, out, static_cast<int64_t>(rows[j]), so);
+        result.push_back(std::move(so));
+    }
+    finish_step(result);
     return result;
 }
 

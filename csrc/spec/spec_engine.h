@@ -78,6 +78,15 @@ struct SpecEngineParams {
     // a round whose lookup finds a match verifies those tokens and runs no drafter pass. The
     // drafter (if any) still takes in every committed row, so it drafts whenever no match is found.
     NgramParams ngram;
+    // Greedy plain rows (no drafts, the greedy id taken in the graph) queue their next step
+    // before the host has read this one's tokens: the next step's tokens are this step's ARGMAX
+    // ids, copied on the device (Context::launch with a feed), so on a GPU the host's work
+    // between steps (reading, emitting, the caller's handling of the outputs) overlaps the
+    // kernels instead of leaving the GPU idle. The same tokens either way. -1: where the
+    // backend computes asynchronously (the GPU; on the CPU a step computed ahead only delays its
+    // predecessor's tokens), 0: never, 1: always (tests run it on the CPU so);
+    // PYSPEC_DECODE_AHEAD=0/1 overrides it.
+    int decode_ahead = -1;
 };
 
 struct RequestParams {
@@ -150,6 +159,9 @@ public:
     // drafter may be null: every request then decodes plainly (one verify row, no drafts), which
     // is how a server without a drafter runs its slots through the same step.
     SpecEngine(const Model& target, const DraftModel* drafter, const SpecEngineParams& params);
+    ~SpecEngine();
+    SpecEngine(const SpecEngine&) = delete;
+    SpecEngine& operator=(const SpecEngine&) = delete;
 
     // Throws std::invalid_argument on a duplicate id, an empty or too long prompt, a bad token,
     // bad sampling parameters, or when every target sequence is taken.
@@ -181,6 +193,9 @@ public:
     void clear_cache(int32_t seq);
     int64_t draft_n_max() const { return draft_n_max_; }
     int64_t steps() const { return step_; }
+    // Steps launched ahead (SpecEngineParams::decode_ahead) so far, and whether one is in flight.
+    int64_t n_decoded_ahead() const { return n_decoded_ahead_; }
+    bool has_step_ahead() const { return ahead_.has_value(); }
 
     bool has_drafter() const { return drafter_ != nullptr; }
     const Context& target_context() const { return *ctx_; }
@@ -265,6 +280,15 @@ private:
     // Drafts the next block of every (request, drafter slot) pair in one drafter pass.
     void draft(const std::vector<std::pair<Request*, int32_t>>& todo);
     void release(Request& r);
+    // Decoding ahead (SpecEngineParams::decode_ahead): whether r's next step may be queued before
+    // this one's token is read, queueing it for `run` (one row each, in the order of `now`'s
+    // rows), the step that collects it, and whether r has a row in it.
+    bool may_decode_ahead(const Request& r) const;
+    bool launch_ahead(const std::vector<Request*>& run, PendingDecode& now);
+    std::vector<StepOutput> step_ahead();
+    bool in_ahead(uint64_t id) const;
+    // A step's last part: the outputs' stats, and the finished requests released.
+    void finish_step(std::vector<StepOutput>& result);
     // Ends drafting for r after a drafter failure: one log line, the flag in its stats, its slot
     // cleared and given back; r goes on decoding without drafts.
     void stop_drafting(Request& r, const std::string& why);
@@ -287,6 +311,12 @@ private:
     int64_t offset_ = 0;
     int64_t step_ = 0;
     PhaseTimes phase_times_;
+    struct Ahead {
+        std::unique_ptr<PendingDecode> pending;  // launched, not collected
+        std::vector<uint64_t> ids;               // its rows' requests, in row order
+    };
+    std::optional<Ahead> ahead_;
+    int64_t n_decoded_ahead_ = 0;
 };
 
 }  // namespace pyspec

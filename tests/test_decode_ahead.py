@@ -1,0 +1,181 @@
+"""Decoding ahead (SpecEngineParams::decode_ahead, csrc/spec/spec_engine.cpp): plain greedy rows
+queue their next step before the host reads this step's tokens, the next tokens copied from this
+step's ARGMAX on the device (Context::launch with a feed). It must change nothing a caller sees:
+
+- The same tokens, stop reasons and stats as the engine without it, and as an independent
+  reference (a one-sequence Context loop taking numpy's argmax of the logits), for concurrent
+  requests that end by length and by stop ids in the middle of the stream; and it does run
+  (n_decoded_ahead > 0), so these tests fail if it silently stops applying.
+- Whatever the caller does between steps while a step is in flight: cancelling a request, pausing
+  and resuming one, adding one: the outputs equal those of the engine without it under the same
+  calls, and no cell is left behind (every target sequence empty after the requests end).
+- The kept prompt cache (keep_cache) holds exactly the committed rows, as without it.
+- Across the attention span's 256-cell steps (another graph: the fed launch is refused and that
+  step goes plainly).
+- Requests that draft, sample or post-process logits never decode ahead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyspec
+from pyspec import _core
+
+from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
+
+PROMPTS = [[3, 17, 29, 3, 3], [100, 101, 102], [7], list(range(40, 70))]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return Pairs(tmp_path_factory.mktemp("ahead"))
+
+
+@pytest.fixture(scope="module")
+def loaded(pairs):
+    model = _core.Model(pairs.target)
+    return model, _core.DraftModel(pairs.drafters["dflash"], model)
+
+
+def engine(loaded, ahead, drafter=False, n_seq=4, n_ctx_seq=256):
+    model, dm = loaded
+    return _core.SpecEngine(model, dm if drafter else None, n_ctx=n_ctx_seq * n_seq, n_seq_max=n_seq,
+                            n_draft_slots=n_seq, n_batch=64, draft_n_batch=128, n_threads=2,
+                            draft_n_max=3, prefill_chunk=16, decode_ahead=ahead)
+
+
+def run(e, reqs, hook=None):
+    """reqs: id -> (prompt, add_request kwargs). hook(e, step_index) runs between steps."""
+    out = {rid: {"tokens": [], "reason": None, "stats": None} for rid in reqs}
+    for rid, (prompt, kw) in reqs.items():
+        e.add_request(rid, prompt, **kw)
+    i = 0
+    while e.n_requests:
+        for o in e.step():
+            r = out.setdefault(o["request_id"], {"tokens": [], "reason": None, "stats": None})
+            r["tokens"] += o["tokens"]
+            if o["finished"]:
+                r["reason"] = o["stop_reason"]
+            r["stats"] = o["stats"]
+        i += 1
+        if hook:
+            hook(e, i, out)
+    return out
+
+
+def reference(model_path, prompt, n, stop_ids=()):
+    """Greedy decoding of one sequence by a Context loop and numpy's argmax (the first maximum)."""
+    ctx = pyspec.Context(pyspec.Model(model_path, n_threads=2), n_ctx=512, n_seq_max=1)
+    logits = ctx.decode(prompt).logits[-1]
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(logits))
+        if tok in stop_ids:
+            return out, "stop"
+        out.append(tok)
+        logits = ctx.decode([tok]).logits[-1]
+    return out, "length"
+
+
+def assert_same(got, want):
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert got[rid]["tokens"] == want[rid]["tokens"], rid
+        assert got[rid]["reason"] == want[rid]["reason"], rid
+        for k in ("n_rounds", "draft_n", "draft_n_accepted"):
+            assert got[rid]["stats"][k] == want[rid]["stats"][k], (rid, k)
+
+
+def assert_cells_free(e, n_seq=4):
+    for s in range(n_seq):
+        assert e.target_pos_max(s) == -1, s
+
+
+def test_same_tokens_as_without_and_as_a_reference_loop(pairs, loaded):
+    lengths = [12, 20, 7, 16]
+    refs = [reference(pairs.target, p, n) for p, n in zip(PROMPTS, lengths)]
+    # A stop id from the middle of request 1's output, so it ends early with the others running.
+    stop = refs[1][0][9]
+    refs[1] = reference(pairs.target, PROMPTS[1], lengths[1], stop_ids=(stop,))
+    reqs = {i: (p, dict(max_tokens=n, verify="greedy", stop_ids=[stop] if i == 1 else []))
+            for i, (p, n) in enumerate(zip(PROMPTS, lengths))}
+    e = engine(loaded, True)
+    got = run(e, reqs)
+    want = run(engine(loaded, False), reqs)
+    assert_same(got, want)
+    for i, (toks, reason) in enumerate(refs):
+        assert got[i]["tokens"] == toks and got[i]["reason"] == reason, i
+    assert got[1]["reason"] == "stop" and len(got[1]["tokens"]) < lengths[1]
+    assert e.n_decoded_ahead > 0 and not e.has_step_ahead
+    assert_cells_free(e)
+
+
+def _caller(e, i, out):
+    """A server's handling between steps while a step may be in flight."""
+    if i == 3:
+        e.cancel(2)                  # a client goes away
+        e.pause(0)
+    if i == 5:
+        e.resume(0)
+        e.add_request(9, [11, 12, 13], max_tokens=9, verify="greedy")  # a new request joins
+    if i == 6:
+        e.pause(3)
+    if i == 8:
+        e.resume(3)
+
+
+def test_cancel_pause_and_new_requests_between_steps(loaded):
+    reqs = {i: (p, dict(max_tokens=18, verify="greedy")) for i, p in enumerate(PROMPTS)}
+    e = engine(loaded, True)
+    got = run(e, reqs, hook=_caller)
+    want = run(engine(loaded, False), reqs, hook=_caller)
+    assert got[2]["reason"] is None      # cancelled
+    assert_same(got, want)
+    assert e.n_decoded_ahead > 0
+    assert_cells_free(e)
+
+
+def test_kept_prompt_cache_holds_the_committed_rows(loaded):
+    reqs = {i: (p, dict(max_tokens=10 + 3 * i, verify="greedy", keep_cache=True)) for i, p in enumerate(PROMPTS)}
+    caches = []
+    for ahead in (True, False):
+        e = engine(loaded, ahead)
+        run(e, reqs)
+        caches.append([(e.cached_tokens(s), e.target_pos_max(s)) for s in range(4)])
+        for toks, pos_max in caches[-1]:
+            assert pos_max == len(toks) - 1
+    assert caches[0] == caches[1]
+
+
+def test_across_the_attention_spans_steps(pairs, loaded):
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 200, size=240)]
+    e = engine(loaded, True, n_seq=1, n_ctx_seq=1024)
+    got = run(e, {0: (prompt, dict(max_tokens=40, verify="greedy"))})
+    assert got[0]["tokens"] == reference(pairs.target, prompt, 40)[0]
+    # Positions 240..279 cross 256: one step there cannot be fed (another graph), the rest are.
+    assert 30 <= e.n_decoded_ahead < 39
+
+
+@pytest.mark.parametrize("kind", ["drafter", "sampled", "penalty", "probs"])
+def test_only_plain_greedy_rows_decode_ahead(loaded, kind):
+    kw = dict(max_tokens=10, verify="greedy")
+    if kind == "sampled":
+        kw = dict(max_tokens=10, temperature=0.7, seed=3, verify="rejection")
+    elif kind == "penalty":
+        kw["repeat_penalty"] = 1.2
+    elif kind == "probs":
+        kw["n_probs"] = 2
+    e = engine(loaded, True, drafter=kind == "drafter")
+    got = run(e, {0: (PROMPTS[0], kw)})
+    assert len(got[0]["tokens"]) == 10
+    assert e.n_decoded_ahead == 0
+
+
+def test_off_by_default_where_compute_is_synchronous(loaded):
+    """On the CPU a step computed ahead only delays its predecessor's tokens: off unless asked."""
+    model, _ = loaded
+    e = _core.SpecEngine(model, None, n_ctx=256, n_seq_max=1, n_threads=2)
+    run(e, {0: (PROMPTS[0], dict(max_tokens=8, verify="greedy"))})
+    assert e.n_decoded_ahead == 0
