@@ -61,6 +61,39 @@ def engine_ms(model, prompt_ids, n_tokens, threads, ahead=True):
     return best
 
 
+def scheduler_ms(model, tokenizer, prompt_ids, n_tokens, threads, ahead, stream=True):
+    """ms a streamed token through the server's engine thread (pyspec.server.scheduler) without the
+    HTTP layer: its per-token detokenising, stop strings and hand-over to an asyncio reader, for
+    machines without the server's web dependencies. Best of 3, by the reply's own timings."""
+    import asyncio
+    from pyspec.server.scheduler import Scheduler, SchedulerConfig
+    from pyspec.server.types import Final, GenerationRequest
+    prev = os.environ.get("PYSPEC_DECODE_AHEAD")
+    os.environ["PYSPEC_DECODE_AHEAD"] = "1" if ahead else "0"  # read when the engine is made
+    try:
+        sched = Scheduler(model._model, tokenizer, None,
+                          SchedulerConfig(n_slots=1, n_ctx_slot=4096, n_threads=threads, backend=model.backend))
+    finally:
+        if prev is None:
+            os.environ.pop("PYSPEC_DECODE_AHEAD")
+        else:
+            os.environ["PYSPEC_DECODE_AHEAD"] = prev
+    sched.start()
+
+    async def one():
+        # Not ignore_eos: that biases the end-of-generation ids (llama.cpp's way), and a request
+        # whose logits the host processes reads them and never takes the graph's greedy id.
+        h = sched.submit(GenerationRequest(prompt_ids=list(prompt_ids), n_predict=n_tokens, temperature=0.0,
+                                           cache_prompt=False), stream=stream)
+        async for item in h:
+            if isinstance(item, Final):
+                return item.predicted_ms / max(1, item.n_predicted)
+    try:
+        return min(asyncio.run(one()) for _ in range(3))
+    finally:
+        sched.stop()
+
+
 def server_ms(url, n_tokens, stream):
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": n_tokens, "temperature": 0,
             "ignore_eos": True, "stream": stream, "cache_prompt": False}
@@ -149,11 +182,26 @@ def main(argv=None) -> int:
                     help="also a server on plain asyncio and h11, alternating with the default one")
     ap.add_argument("--compare-ahead", action="store_true",
                     help="also a server and an engine without decoding ahead (PYSPEC_DECODE_AHEAD=0)")
+    ap.add_argument("--scheduler-only", action="store_true",
+                    help="the server's engine thread without HTTP (no web dependencies needed), with "
+                         "and without decoding ahead, against the engine alone")
     args = ap.parse_args(argv)
     import pyspec
     model = pyspec.Model(args.model, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     from pyspec.tokenizer import Tokenizer
-    prompt_ids = Tokenizer.from_gguf(model.path).encode(PROMPT, add_special=True)
+    tokenizer = Tokenizer.from_gguf(model.path)
+    prompt_ids = tokenizer.encode(PROMPT, add_special=True)
+    if args.scheduler_only:
+        for r in range(args.rounds):
+            line = f"round {r + 1}:"
+            for ahead in (True, False):
+                e = engine_ms(model, prompt_ids, args.tokens, args.threads, ahead=ahead)
+                sch = scheduler_ms(model, tokenizer, prompt_ids, args.tokens, args.threads, ahead)
+                whole = scheduler_ms(model, tokenizer, prompt_ids, args.tokens, args.threads, ahead, stream=False)
+                line += (f" | {'ahead' if ahead else 'not ahead'}: engine {e:.3f} ms/token, server's engine "
+                         f"thread {sch:.3f} streamed ({sch / e:.2f}x), {whole:.3f} whole ({whole / e:.2f}x)")
+            print(line, flush=True)
+        return 0
     servers = []  # (label, process, url, log)
     try:
         try:
