@@ -12,7 +12,9 @@ step's ARGMAX on the device (Context::launch with a feed). It must change nothin
 - The kept prompt cache (keep_cache) holds exactly the committed rows, as without it.
 - Across the attention span's 256-cell steps (another graph: the fed launch is refused and that
   step goes plainly).
-- Requests that draft, sample or post-process logits never decode ahead.
+- Requests that draft, sample or post-process logits never decode ahead, and on the CPU (where a
+  step computed ahead only delays its predecessor's tokens) nothing does unless asked; the tests
+  ask (decode_ahead=True).
 """
 
 from __future__ import annotations
