@@ -141,7 +141,7 @@ def bench_tg_engine(model, ids, n_gen, repeats):
 
     def one_run() -> float:
         engine.add_request(0, prompt, max_tokens=n_gen + 1, temperature=0.0, verify="greedy",
-                           draft=False)
+                           draft=False, **ENGINE_REQUEST_OPTIONS)
         n_first = 0
         while not n_first:  # the prompt's pass gives the first token (not timed)
             n_first = sum(len(o["tokens"]) for o in engine.step())
@@ -208,6 +208,10 @@ def bench_par_context(model, ids, n_par, n_prompt, n_steps, repeats):
     return n_par * n_steps / best_of(run, repeats, prep=prep)[0]
 
 
+# Extra add_request options of the engine paths (--ignore-eos: the server's -inf bias on the end ids).
+ENGINE_REQUEST_OPTIONS: dict = {}
+
+
 def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):
     from pyspec import _core
     n_ctx_seq = n_prompt + n_steps + 16
@@ -222,7 +226,7 @@ def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):
         for s in range(n_par):
             prompt = [int(ids[(s * 7 + j) % len(ids)]) for j in range(n_prompt)]
             engine.add_request(s, prompt, max_tokens=n_steps + 64, temperature=0.0,
-                               verify="greedy", draft=False)
+                               verify="greedy", draft=False, **ENGINE_REQUEST_OPTIONS)
         started = set()        # requests that emitted their first token (prefill done)
         t_gen, n_gen, n_timed = 0.0, 0, 0
         while engine.n_requests and n_timed < n_steps:
@@ -367,6 +371,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-times", action="store_true",
                     help="tg128: also time each replayed step's graph on the GPU (events; "
                          "PYSPEC_CUDA_STEP_TIMES=1) and print the host's share of a token's wall time")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="engine paths: requests ban the end-of-generation ids with -inf biases, as "
+                         "pyspec-server does for ignore_eos (what serving benchmarks send)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
@@ -406,6 +413,12 @@ def main(argv=None) -> int:
     results = {}
     for label, path in todo:
         model = pyspec.Model(path, n_threads=args.threads, n_gpu_layers=ngl)
+        ENGINE_REQUEST_OPTIONS.clear()
+        if args.ignore_eos:
+            from pyspec.tokenizer import Tokenizer
+            eog = sorted(Tokenizer.from_gguf(path).eog_ids)
+            ENGINE_REQUEST_OPTIONS["logit_bias"] = [(int(t), float("-inf")) for t in eog]
+            print(f"# engine requests ban {len(eog)} end ids (--ignore-eos)", flush=True)
         ids = [int(x) for x in rng.integers(256, model.n_vocab - 3, size=args.n_prompt)]
         name = Path(path).name
         print(f"# {name}: {model!r}", flush=True)

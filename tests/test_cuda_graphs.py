@@ -396,6 +396,31 @@ def test_decoding_ahead_feeds_the_same_tokens_on_the_device(pairs):
         assert d["capture_failures"] == 0 and d["replays"] >= 10, d
 
 
+def _banned_run(pairs, backend):
+    target, _ = known_pair(pairs)
+    engine = _core.SpecEngine(_core.Model(target), None, n_ctx=256 * 2, n_seq_max=2, n_batch=64, n_threads=2,
+                              prefill_chunk=16, backend=backend)
+    bans = [(t, float("-inf")) for t in (3, 5, 17, 40, 41)]
+    engine.add_request(1, [5, 6, 7], max_tokens=24, verify="greedy", logit_bias=bans)
+    engine.add_request(2, [9, 8], max_tokens=24, verify="greedy")
+    tokens = {1: [], 2: []}
+    while engine.n_requests:
+        for o in engine.step():
+            tokens[o["request_id"]] += o["tokens"]
+    return tokens
+
+
+@gpu
+def test_banned_ids_take_the_graphs_best_ids_on_the_device(pairs):
+    """-inf biases alone (ignore_eos) keep the greedy ids in the graph (TOP_K of bans + 1 per
+    row): the tokens of the CPU, where the same path is checked against a numpy loop
+    (test_engine_requests.py), with graphs replayed."""
+    with graphs(True):
+        got = _banned_run(pairs, DEVICE)
+    assert got == _banned_run(pairs, "cpu")
+    assert not {3, 5, 17, 40, 41} & set(got[1]) and len(got[1]) == 24
+
+
 # ---------------------------------------------------------------------------------------------
 # The environment switch, in a subprocess.
 

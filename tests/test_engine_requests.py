@@ -129,6 +129,33 @@ def test_bias_and_penalties_equal_numpy_loop(pairs, loaded, drafter, opts):
         assert sum(got[i]["stats"]["draft_n"] for i in got) > 0
 
 
+
+@pytest.mark.parametrize("drafter", [False, True])
+@pytest.mark.parametrize("n_extra", [1, 20])
+def test_banned_ids_take_the_graphs_best_ids(pairs, loaded, drafter, n_extra):
+    """-inf biases alone (what llama.cpp's ignore_eos does to the end ids) keep the greedy path's
+    ids from the graph: its best bans + 1 ids per row (TOP_K), the first one allowed taken; the
+    same tokens as the numpy loop with the bans, beside a request without any. Past 15 bans the
+    request reads its logits instead (no TOP_K), with the same result."""
+    plain = [reference(pairs.target, p, 20)[0] for p in PROMPTS]
+    # Each prompt's first two plain tokens banned: every request must go elsewhere at once.
+    bans = sorted({t for toks in plain for t in toks[:2]})
+    bans += [t for t in range(200, 260) if t not in bans][:n_extra]
+    bias = [(t, float("-inf")) for t in bans]
+    e = engine(loaded, drafter=drafter, n_seq=5, n_slots=5)
+    e.set_profiling(True)
+    reqs = {i: (p, 20, dict(logit_bias=bias, verify="greedy")) for i, p in enumerate(PROMPTS)}
+    reqs[99] = (PROMPTS[0], 20, dict(verify="greedy"))
+    got = run(e, reqs)
+    want = [reference(pairs.target, p, 20, bias)[0] for p in PROMPTS]
+    for i in range(len(PROMPTS)):
+        assert got[i]["tokens"] == want[i], i
+        assert not set(bans) & set(got[i]["tokens"])
+    assert got[99]["tokens"] == plain[0]
+    assert want != plain
+    top_k = {name: calls for name, _, calls in e.op_profile()["target"]}.get("TOP_K", 0)
+    assert (top_k > 0) == (len(bans) < 16), (len(bans), top_k)
+
 def test_n_probs_equal_log_softmax_of_raw_logits(pairs, loaded):
     e = engine(loaded, drafter=True)
     got = run(e, {0: (PROMPTS[0], 10, dict(n_probs=5)), 1: (PROMPTS[3], 10, {})})

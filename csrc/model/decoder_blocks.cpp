@@ -80,7 +80,7 @@ void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGra
     dg.logits = g.mul_mat(add_weight(g, model.output), x, p.n_prompt_outputs);
     g.set_name(dg.logits, "logits");
     if (p.argmax) {
-        dg.argmax = g.argmax(dg.logits);
+        dg.argmax = p.argmax_k > 1 ? g.top_k(dg.logits, static_cast<int>(p.argmax_k)) : g.argmax(dg.logits);
         g.set_name(dg.argmax, "argmax");
         g.set_output(dg.argmax);
     } else {

@@ -32,11 +32,15 @@ struct DecoderGraphParams {
     // Output rows return their greedy token (ARGMAX: the first maximum) instead of logits, so a
     // greedy step copies n_outputs ids from the backend rather than n_outputs x n_vocab floats.
     bool argmax = false;
+    // With argmax, > 1: each output row's argmax_k best ids (TOP_K: value descending, ties by the
+    // smaller id) instead of one, so a caller that bans a few ids (-inf biases, llama.cpp's
+    // ignore_eos) takes the first id it allows without the logits crossing to the host.
+    int64_t argmax_k = 1;
 
     bool operator==(const DecoderGraphParams& o) const {
         return n_rows == o.n_rows && n_outputs == o.n_outputs && n_prompt_rows == o.n_prompt_rows &&
                n_prompt_outputs == o.n_prompt_outputs &&
-               span == o.span && layer_ids == o.layer_ids && argmax == o.argmax;
+               span == o.span && layer_ids == o.layer_ids && argmax == o.argmax && argmax_k == o.argmax_k;
     }
 };
 
@@ -55,7 +59,7 @@ struct DecoderGraph {
     Graph graph;
     DecoderGraphInputs in;
     int logits = -1;                               // F32 [n_vocab, n_outputs] (an output unless argmax)
-    int argmax = -1;                               // I32 [n_outputs] with DecoderGraphParams::argmax
+    int argmax = -1;                               // I32 [argmax_k, n_outputs] with DecoderGraphParams::argmax
     std::vector<std::pair<int, int>> layer_inputs; // (layer id, F32 [n_embd, n_rows] tensor)
 };
 

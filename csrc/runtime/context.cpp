@@ -110,7 +110,8 @@ std::unique_ptr<PendingDecode> Context::launch(const Batch& batch, const std::ve
     }
     if (feed) {
         const bool rows_match = feed->order.size() == batch.size() && feed->out_rows.size() == batch.size() &&
-                                batch.argmax_only && feed->params.argmax && !feed->collected;
+                                batch.argmax_only && batch.argmax_k <= 1 && feed->params.argmax &&
+                                feed->params.argmax_k == 1 && !feed->collected;
         bool all_output = true;
         for (size_t i = 0; i < batch.size(); ++i) {
             all_output = all_output && batch.output[i] && (batch.prompt.empty() || !batch.prompt[i]) && feed->order[i] == i;
@@ -197,6 +198,8 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
     gp.span = std::min(kv_->n_ctx_seq(), (max_pos + kSpanPadding) / kSpanPadding * kSpanPadding);
     gp.layer_ids = layer_ids;
     gp.argmax = b.argmax_only;
+    gp.argmax_k = b.argmax_only ? std::max<int64_t>(1, b.argmax_k) : 1;
+    out.argmax_k = gp.argmax_k;
     // A fed batch reads the feeding decode's ARGMAX output where that graph left it: only the
     // same graph (the same build parameters) is certain to have left it there untouched.
     // (Checking plans builds every graph afresh and poisons the arena: no feed survives that.)
@@ -252,11 +255,12 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
         // The logits (or ARGMAX) rows are read in graph order and put in batch order after it.
         const size_t old_rows = out.output_rows.size();
         if (dg.argmax >= 0) {
+            const size_t k = static_cast<size_t>(gp.argmax_k);
             const size_t old = out.argmax.size();
-            out.argmax.resize(old + out_rows.size());
-            reads.push_back({&g[dg.argmax], out.argmax.data() + old, out_rows.size() * sizeof(int32_t), 0});
+            out.argmax.resize(old + out_rows.size() * k);
+            reads.push_back({&g[dg.argmax], out.argmax.data() + old, out_rows.size() * k * sizeof(int32_t), 0});
             p.permute_base = out.argmax.data() + old;
-            p.permute_row_bytes = sizeof(int32_t);
+            p.permute_row_bytes = k * sizeof(int32_t);
         } else if (dg.logits >= 0) {
             const size_t old = out.logits.size();
             const size_t lrow = static_cast<size_t>(out.n_vocab) * sizeof(float);

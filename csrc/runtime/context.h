@@ -35,6 +35,9 @@ struct Batch {
     // Output rows get their greedy token (DecodeOutput::argmax, the first maximum of the row, as
     // argmax_first) in place of their logits: what greedy decoding and verification need.
     bool argmax_only = false;
+    // With argmax_only, > 1: each output row's argmax_k best ids (TOP_K's order), for a caller
+    // that bans a few ids (DecoderGraphParams::argmax_k).
+    int64_t argmax_k = 1;
     size_t size() const { return tokens.size(); }
 };
 
@@ -43,7 +46,8 @@ struct DecodeOutput {
     int64_t n_embd = 0;
     std::vector<int32_t> output_rows;  // batch rows with logits, in batch order (within each n_batch chunk)
     std::vector<float> logits;         // [output_rows.size(), n_vocab]; empty with argmax_only
-    std::vector<int32_t> argmax;       // [output_rows.size()] with Batch::argmax_only
+    std::vector<int32_t> argmax;       // [output_rows.size(), argmax_k] with Batch::argmax_only
+    int64_t argmax_k = 1;
     // (layer id, [n_rows, n_embd]) for every requested layer input, rows in batch order
     std::vector<std::pair<int, std::vector<float>>> layer_inputs;
 };

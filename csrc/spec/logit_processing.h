@@ -5,6 +5,8 @@
 // law the request would sample from without a drafter (design invariant 6).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -25,6 +27,18 @@ struct LogitProcessing {
         return repeat_last_n != 0 && (repeat_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f);
     }
     bool active() const { return !logit_bias.empty() || penalties_on(); }
+    // The ids a -inf bias bans, when bans are all the processing does (no finite bias, no
+    // penalties; empty otherwise, and when nothing is banned): greedy decoding then takes the
+    // best id outside them, which needs only the graph's best bans + 1 ids (Batch::argmax_k).
+    std::vector<int32_t> bans_only() const {
+        std::vector<int32_t> out;
+        if (penalties_on()) return {};
+        for (const auto& [id, v] : logit_bias) {
+            if (!(std::isinf(v) && v < 0)) return {};
+            if (std::find(out.begin(), out.end(), id) == out.end()) out.push_back(id);
+        }
+        return out;
+    }
 };
 
 // Throws std::invalid_argument for a bias token outside [0, n_vocab), a NaN or +inf bias, or a

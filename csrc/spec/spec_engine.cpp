@@ -13,6 +13,10 @@ namespace pyspec {
 namespace {
 
 // Adds the wall time of its scope to a PhaseTimes field.
+// The most ids a greedy step asks the graph for per row (Batch::argmax_k): requests that ban
+// more ids than this less one read their logits instead.
+constexpr int kMaxGreedyIds = 16;
+
 // Whatever a step's phases do not claim is "other" (SpecEngine::PhaseTimes).
 template <typename Times>
 struct OtherClock {
@@ -448,7 +452,21 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
                                      std::vector<float>& processed) const {
     // Row j is what the request would sample from after committing drafts[0..j).
     const int gamma = static_cast<int>(r.drafts.size());
-    if (argmax_only) return verify_greedy_ids(out.argmax.data() + first, n_vocab_, r.drafts.data(), gamma);
+    if (argmax_only && out.argmax_k == 1) return verify_greedy_ids(out.argmax.data() + first, n_vocab_, r.drafts.data(), gamma);
+    if (argmax_only) {
+        // Each row's best argmax_k ids (value descending, ties by the smaller id): its greedy id is
+        // the first the request does not ban.
+        const std::vector<int32_t> bans = r.params.processing.bans_only();
+        const size_t k = static_cast<size_t>(out.argmax_k);
+        std::vector<int32_t> ids(static_cast<size_t>(gamma) + 1);
+        for (size_t j = 0; j < ids.size(); ++j) {
+            const int32_t* best = out.argmax.data() + (static_cast<size_t>(first) + j) * k;
+            size_t i = 0;
+            while (i + 1 < k && std::find(bans.begin(), bans.end(), best[i]) != bans.end()) ++i;
+            ids[j] = best[i];
+        }
+        return verify_greedy_ids(ids.data(), n_vocab_, r.drafts.data(), gamma);
+    }
     const float* logits = out.logits.data() + first * n_vocab_;
     const float* rows = logits;
     const LogitProcessing& lp = r.params.processing;
@@ -595,12 +613,22 @@ std::vector<StepOutput> SpecEngine::step() {
     // n ids cross from the backend instead of n x n_vocab floats (on a GPU with a large
     // vocabulary, the copy is a large part of a step). Same tokens: ARGMAX is argmax_first's first
     // maximum; only a row holding NaN, which argmax_first refuses, is not reported here.
-    batch.argmax_only = std::all_of(run.begin(), run.end(), [&span_of](const Request* r) {
+    // A request whose processing only bans ids (-inf biases: llama.cpp's ignore_eos) takes the
+    // first id it allows among the graph's best bans + 1 (Batch::argmax_k, TOP_K's order, which
+    // is argmax_first's among the ids left): the same token as its processed logits would give.
+    int64_t argmax_k = 1;
+    batch.argmax_only = std::all_of(run.begin(), run.end(), [&span_of, &argmax_k](const Request* r) {
         const bool wants_logits =
             r->generating || r->n_prefilled + static_cast<int64_t>(span_of.at(r->id).n) == static_cast<int64_t>(r->prompt.size());
-        return !wants_logits ||
-               (r->params.temperature <= 0.0 && !r->params.processing.active() && r->params.n_probs == 0);
+        if (!wants_logits) return true;
+        if (r->params.temperature > 0.0 || r->params.n_probs != 0) return false;
+        if (!r->params.processing.active()) return true;
+        const size_t n_bans = r->params.processing.bans_only().size();
+        if (n_bans == 0 || n_bans >= static_cast<size_t>(kMaxGreedyIds)) return false;
+        argmax_k = std::max<int64_t>(argmax_k, static_cast<int64_t>(n_bans) + 1);
+        return true;
     });
+    batch.argmax_k = batch.argmax_only ? argmax_k : 1;
     DecodeOutput out;
     {
         PhaseClock clock(phase_times_.target_s);
