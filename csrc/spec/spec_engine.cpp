@@ -8,39 +8,15 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "spec/phase_clock.h"
+
 namespace pyspec {
 
 namespace {
 
-// Adds the wall time of its scope to a PhaseTimes field.
 // The most ids a greedy step asks the graph for per row (Batch::argmax_k): requests that ban
 // more ids than this less one read their logits instead.
 constexpr int kMaxGreedyIds = 16;
-
-// Whatever a step's phases do not claim is "other" (SpecEngine::PhaseTimes).
-template <typename Times>
-struct OtherClock {
-    Times& t;
-    const Times& before;
-    std::chrono::steady_clock::time_point t0;
-    ~OtherClock() {
-        const double all = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        t.other_s += all - ((t.target_s - before.target_s) + (t.stage_s - before.stage_s) + (t.draft_s - before.draft_s));
-        ++t.steps;
-    }
-};
-
-class PhaseClock {
-public:
-    explicit PhaseClock(double& into) : into_(into), t0_(std::chrono::steady_clock::now()) {}
-    ~PhaseClock() { into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
-    PhaseClock(const PhaseClock&) = delete;
-    PhaseClock& operator=(const PhaseClock&) = delete;
-
-private:
-    double& into_;
-    std::chrono::steady_clock::time_point t0_;
-};
 
 ContextParams target_params(const SpecEngineParams& p) {
     ContextParams c;
@@ -747,95 +723,6 @@ SpecEngine::~SpecEngine() {
         ctx_->collect(*ahead_->pending);  // nothing may stay in flight past the context
     } catch (...) {
     }
-}
-
-bool SpecEngine::in_ahead(uint64_t id) const {
-    return ahead_ && std::find(ahead_->ids.begin(), ahead_->ids.end(), id) != ahead_->ids.end();
-}
-
-bool SpecEngine::may_decode_ahead(const Request& r) const {
-    // A plain greedy row whose next step is certain to follow (no drafts, no lookup, nothing the
-    // host must do to the logits, a next cell, and not its last token by max_tokens); a stop id
-    // may still end it, and then the step ahead's row is dropped.
-    const RequestParams& q = r.params;
-    return r.generating && !r.paused && !r.drafting && !r.needs_draft && r.drafts.empty() && q.temperature <= 0.0 &&
-           !q.processing.active() && q.n_probs == 0 && (params_.ngram.n <= 0 || !q.draft) &&
-           r.pos0 + 1 < ctx_->n_ctx_seq() && !(q.max_tokens > 0 && r.n_out + 1 >= q.max_tokens);
-}
-
-bool SpecEngine::launch_ahead(const std::vector<Request*>& run, PendingDecode& now) {
-    // The row after each one in flight: the token there is the one `now` computes.
-    Batch next;
-    std::vector<uint64_t> ids;
-    for (const Request* r : run) {
-        next.tokens.push_back(0);  // fed on the device
-        next.positions.push_back(static_cast<int32_t>(r->pos0 + 1));
-        next.seq_ids.push_back(r->seq);
-        next.output.push_back(1);
-        next.prompt.push_back(0);
-        ids.push_back(r->id);
-    }
-    next.argmax_only = true;
-    std::unique_ptr<PendingDecode> p = ctx_->launch(next, layers_, &now);
-    if (!p) return false;  // another graph (the attention span grew): this step goes plainly
-    ahead_ = Ahead{std::move(p), std::move(ids)};
-    ++n_decoded_ahead_;
-    return true;
-}
-
-std::vector<StepOutput> SpecEngine::step_ahead() {
-    Ahead a = std::move(*ahead_);
-    ahead_.reset();
-    // The launched rows' requests as they are now: one that finished in the step before or was
-    // cancelled is gone with its cells, and its row is dropped; a paused one frees its row's cell
-    // (its next step decodes that token again).
-    std::vector<Request*> run;
-    std::vector<size_t> rows;
-    for (size_t i = 0; i < a.ids.size(); ++i) {
-        auto it = requests_.find(a.ids[i]);
-        if (it == requests_.end()) continue;
-        Request& r = it->second;
-        if (r.paused) {
-            ctx_->kv().remove(r.seq, r.pos0, r.pos0 + 1);
-            continue;
-        }
-        run.push_back(&r);
-        rows.push_back(i);
-    }
-    ++step_;
-    const PhaseTimes before = phase_times_;
-    OtherClock<PhaseTimes> other_clock{phase_times_, before, std::chrono::steady_clock::now()};
-    DecodeOutput out;
-    {
-        PhaseClock clock(phase_times_.target_s);
-        // The step after, queued again while every runnable request is in this one and may go on.
-        size_t runnable = 0;
-        for (const auto& kv : requests_) runnable += kv.second.paused ? 0 : 1;
-        const bool chain = params_.decode_ahead && rows.size() == a.ids.size() && runnable == run.size() &&
-                           std::all_of(run.begin(), run.end(), [this](const Request* r) { return may_decode_ahead(*r); });
-        try {
-            if (chain) launch_ahead(run, *a.pending);
-        } catch (...) {
-            ctx_->collect(*a.pending);
-            throw;
-        }
-        out = ctx_->collect(*a.pending);
-    }
-    std::vector<StepOutput> result;
-    std::vector<float> processed;
-    for (size_t j = 0; j < run.size(); ++j) {
-        Request* r = run[j];
-        StepOutput so;
-        so.request_id = r->id;
-        // Row rows[j] is this request's only row: its greedy id, as a round without drafts.
-        const VerifyResult vr = verify_rows(*r, out, static_cast<int64_t>(rows[j]), true, processed);
-        ++r->stats.n_rounds;
-        if (!in_ahead(r->id)) ctx_->kv().remove(r->seq, r->pos0 + 1, -1);
-        emit(*r, vr, out, static_cast<int64_t>(rows[j]), so);
-        result.push_back(std::move(so));
-    }
-    finish_step(result);
-    return result;
 }
 
 }  // namespace pyspec
