@@ -12,6 +12,8 @@ step's ARGMAX on the device (Context::launch with a feed). It must change nothin
 - The kept prompt cache (keep_cache) holds exactly the committed rows, as without it.
 - Across the attention span's 256-cell steps (another graph: the fed launch is refused and that
   step goes plainly).
+- pyspec-server without a drafter (the GPU's default) gives the same replies with it forced on
+  and off: concurrent requests, a stop string, a client leaving mid-stream, a kept cache reused.
 - Requests that draft, sample or post-process logits never decode ahead, and on the CPU (where a
   step computed ahead only delays its predecessor's tokens) nothing does unless asked; the tests
   ask (decode_ahead=True).
@@ -181,3 +183,44 @@ def test_off_by_default_where_compute_is_synchronous(loaded):
     e = _core.SpecEngine(model, None, n_ctx=256, n_seq_max=1, n_threads=2)
     run(e, {0: (PROMPTS[0], dict(max_tokens=8, verify="greedy"))})
     assert e.n_decoded_ahead == 0
+
+
+def _server_session(target, ahead):
+    """Requests against a drafterless pyspec-server (the GPU's default), decoding ahead forced
+    on or off: concurrent greedy requests, one cut by a stop string, a stream its client drops,
+    then a request on a slot's kept cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import ServerProcess
+    srv = ServerProcess(["-m", target, "-np", "3", "-c", str(3 * 512), "-t", "2", "--temp", "0"],
+                        env={"PYSPEC_DECODE_AHEAD": "1" if ahead else "0"})
+    try:
+        def complete(prompt, **kw):
+            r = srv.post("/completion", dict({"prompt": prompt, "n_predict": 24, "temperature": 0}, **kw))
+            assert r.status_code == 200, r.text
+            j = r.json()
+            return j["content"], j["tokens_predicted"], j["stop_type"]
+        prompts = [[7, 9, 11], [12, 10, 11], [17, 11, 11]]
+        alone = [complete(p) for p in prompts]
+        stop = alone[1][0][len(alone[1][0]) // 2:][:3]
+        with ThreadPoolExecutor(3) as pool:
+            futs = [pool.submit(complete, prompts[0]), pool.submit(complete, prompts[1], stop=[stop]),
+                    pool.submit(complete, prompts[2], n_predict=40, ignore_eos=True)]
+            together = [f.result() for f in futs]
+        with srv.post("/completion", {"prompt": prompts[0], "n_predict": 400, "stream": True,
+                                      "temperature": 0}, stream=True) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 4:
+                    break   # the client goes away mid-stream
+        after = complete(prompts[0] + [3, 4], cache_prompt=True)
+        return alone, together, after
+    finally:
+        srv.stop()
+
+
+def test_the_server_gives_the_same_replies(pairs):
+    got = _server_session(pairs.target, True)
+    want = _server_session(pairs.target, False)
+    assert got == want
+    alone, together, _ = got
+    assert together[0] == alone[0] and together[1][2] == "word"
