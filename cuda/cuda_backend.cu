@@ -261,12 +261,7 @@ public:
 
     // Every copy into pinned memory, the error word with them, one wait, then out to dst.
     void read_many(const std::vector<ReadRequest>& reads) override {
-        constexpr size_t kAlign = 64;
-        size_t total = 0;
-        for (const ReadRequest& r : reads) {
-            if (r.offset + r.bytes > r.t->nbytes()) throw std::logic_error("read past the end of tensor " + r.t->name);
-            total += (r.bytes + kAlign - 1) / kAlign * kAlign;
-        }
+        const size_t total = staging_bytes_for(reads);
         check(cudaSetDevice(device_), "cudaSetDevice");
         if (total > read_staging_bytes_) {
             check(cudaStreamSynchronize(stream_), "read: waiting before the staging grows");
@@ -276,31 +271,14 @@ public:
             check(cudaMallocHost(&read_staging_, total), "read: allocating pinned staging");
             read_staging_bytes_ = total;
         }
-        std::vector<const char*> host(reads.size(), nullptr);  // host externals never uploaded
-        size_t at = 0;
-        for (size_t i = 0; i < reads.size(); ++i) {
-            const ReadRequest& r = reads[i];
-            char* p = static_cast<char*>(r.t->data) + r.offset;
-            char* d = r.bytes ? device_address(p, r.bytes) : nullptr;
-            if (d) {
-                check(cudaMemcpyAsync(read_staging_ + at, d, r.bytes, cudaMemcpyDeviceToHost, stream_),
-                      "read: cudaMemcpyAsync");
-            } else {
-                host[i] = p;
-            }
-            at += (r.bytes + kAlign - 1) / kAlign * kAlign;
-        }
+        std::vector<const char*> host;
+        queue_reads(reads, read_staging_, host);
         check(cudaMemcpyAsync(err_host_, err_, sizeof(unsigned), cudaMemcpyDeviceToHost, stream_),
               "reading the error word");
         check(cudaStreamSynchronize(stream_), "read: synchronising with the computation");
         staged_ = 0;  // every staged write has run
         raise_error_word(*err_host_);
-        at = 0;
-        for (size_t i = 0; i < reads.size(); ++i) {
-            const ReadRequest& r = reads[i];
-            if (r.bytes) std::memcpy(r.dst, host[i] ? host[i] : read_staging_ + at, r.bytes);
-            at += (r.bytes + kAlign - 1) / kAlign * kAlign;
-        }
+        deliver_reads(reads, read_staging_, host);
     }
 
     // read_many's copies and the error word, queued into a pinned slot of their own behind an
@@ -308,33 +286,57 @@ public:
     // step, already launched) keeps running. The input staging is not reset here (later copies
     // may still read it); stage() starts over after a full synchronisation.
     ReadTicket read_many_async(const std::vector<ReadRequest>& reads) override {
-        constexpr size_t kAlign = 64;
-        size_t total = 0;
-        for (const ReadRequest& r : reads) {
-            if (r.offset + r.bytes > r.t->nbytes()) throw std::logic_error("read past the end of tensor " + r.t->name);
-            total += (r.bytes + kAlign - 1) / kAlign * kAlign;
-        }
+        const size_t total = staging_bytes_for(reads);
         check(cudaSetDevice(device_), "cudaSetDevice");
         AsyncRead slot = take_read_slot(total);
         slot.reads = reads;
-        slot.host.assign(reads.size(), nullptr);
-        size_t at = 0;
-        for (size_t i = 0; i < reads.size(); ++i) {
-            const ReadRequest& r = reads[i];
-            char* hp = static_cast<char*>(r.t->data) + r.offset;
-            char* d = r.bytes ? device_address(hp, r.bytes) : nullptr;
-            if (d) {
-                check(cudaMemcpyAsync(slot.staging + at, d, r.bytes, cudaMemcpyDeviceToHost, stream_), "read: cudaMemcpyAsync");
-            } else {
-                slot.host[i] = hp;
-            }
-            at += (r.bytes + kAlign - 1) / kAlign * kAlign;
-        }
+        queue_reads(reads, slot.staging, slot.host);
         check(cudaMemcpyAsync(slot.err, err_, sizeof(unsigned), cudaMemcpyDeviceToHost, stream_), "reading the error word");
         check(cudaEventRecord(slot.done, stream_), "read: cudaEventRecord");
         slot.ticket = ++read_tickets_;
         in_flight_reads_.push_back(std::move(slot));
         return in_flight_reads_.back().ticket;
+    }
+
+    // The pinned staging the reads take, each at a 64-byte boundary (bounds checked here).
+    static constexpr size_t kReadAlign = 64;
+    static size_t staged_size(size_t bytes) { return (bytes + kReadAlign - 1) / kReadAlign * kReadAlign; }
+    static size_t staging_bytes_for(const std::vector<ReadRequest>& reads) {
+        size_t total = 0;
+        for (const ReadRequest& r : reads) {
+            if (r.offset + r.bytes > r.t->nbytes()) throw std::logic_error("read past the end of tensor " + r.t->name);
+            total += staged_size(r.bytes);
+        }
+        return total;
+    }
+
+    // Queues each read's copy into staging; a host external never uploaded stays where it is
+    // (host[i], read in place at delivery).
+    void queue_reads(const std::vector<ReadRequest>& reads, char* staging, std::vector<const char*>& host) {
+        host.assign(reads.size(), nullptr);
+        size_t at = 0;
+        for (size_t i = 0; i < reads.size(); ++i) {
+            const ReadRequest& r = reads[i];
+            char* p = static_cast<char*>(r.t->data) + r.offset;
+            char* d = r.bytes ? device_address(p, r.bytes) : nullptr;
+            if (d) {
+                check(cudaMemcpyAsync(staging + at, d, r.bytes, cudaMemcpyDeviceToHost, stream_), "read: cudaMemcpyAsync");
+            } else {
+                host[i] = p;
+            }
+            at += staged_size(r.bytes);
+        }
+    }
+
+    // Out of staging (or the host external) to each read's destination, once its copies are done.
+    static void deliver_reads(const std::vector<ReadRequest>& reads, const char* staging,
+                              const std::vector<const char*>& host) {
+        size_t at = 0;
+        for (size_t i = 0; i < reads.size(); ++i) {
+            const ReadRequest& r = reads[i];
+            if (r.bytes) std::memcpy(r.dst, host[i] ? host[i] : staging + at, r.bytes);
+            at += staged_size(r.bytes);
+        }
     }
 
     void finish_reads(ReadTicket ticket) override {
@@ -352,12 +354,7 @@ public:
             *err_host_ = bits;
             raise_error_word(bits);
         }
-        size_t at = 0;
-        for (size_t i = 0; i < slot.reads.size(); ++i) {
-            const ReadRequest& r = slot.reads[i];
-            if (r.bytes) std::memcpy(r.dst, slot.host[i] ? slot.host[i] : slot.staging + at, r.bytes);
-            at += (r.bytes + 63) / 64 * 64;
-        }
+        deliver_reads(slot.reads, slot.staging, slot.host);
     }
 
     void copy(const Tensor& dst, const Tensor& src, size_t bytes) override {
