@@ -140,8 +140,7 @@ def bench_tg_engine(model, ids, n_gen, repeats):
     prompt = [int(x) for x in ids[:8]]
 
     def one_run() -> float:
-        engine.add_request(0, prompt, max_tokens=n_gen + 1, temperature=0.0, verify="greedy",
-                           draft=False, **ENGINE_REQUEST_OPTIONS)
+        engine.add_request(0, prompt, max_tokens=n_gen + 1, draft=False, **ENGINE_REQUEST_OPTIONS)
         n_first = 0
         while not n_first:  # the prompt's pass gives the first token (not timed)
             n_first = sum(len(o["tokens"]) for o in engine.step())
@@ -208,8 +207,11 @@ def bench_par_context(model, ids, n_par, n_prompt, n_steps, repeats):
     return n_par * n_steps / best_of(run, repeats, prep=prep)[0]
 
 
-# Extra add_request options of the engine paths (--ignore-eos: the server's -inf bias on the end ids).
-ENGINE_REQUEST_OPTIONS: dict = {}
+# add_request options of the engine paths: greedy, or (--sample) llama-server's default chain;
+# --ignore-eos adds the server's -inf bias on the end ids.
+GREEDY = dict(temperature=0.0, verify="greedy")
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, verify="rejection")
+ENGINE_REQUEST_OPTIONS: dict = dict(GREEDY)
 
 
 def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):
@@ -225,8 +227,8 @@ def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):
         # requests are cancelled once n_steps steps with all of them generating were timed.
         for s in range(n_par):
             prompt = [int(ids[(s * 7 + j) % len(ids)]) for j in range(n_prompt)]
-            engine.add_request(s, prompt, max_tokens=n_steps + 64, temperature=0.0,
-                               verify="greedy", draft=False, **ENGINE_REQUEST_OPTIONS)
+            engine.add_request(s, prompt, max_tokens=n_steps + 64, draft=False, seed=s,
+                               **ENGINE_REQUEST_OPTIONS)
         started = set()        # requests that emitted their first token (prefill done)
         t_gen, n_gen, n_timed = 0.0, 0, 0
         while engine.n_requests and n_timed < n_steps:
@@ -374,6 +376,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ignore-eos", action="store_true",
                     help="engine paths: requests ban the end-of-generation ids with -inf biases, as "
                          "pyspec-server does for ignore_eos (what serving benchmarks send)")
+    ap.add_argument("--sample", action="store_true",
+                    help="engine paths sample with llama-server's defaults (T 0.8, top-k 40, top-p 0.95, "
+                         "min-p 0.05) instead of decoding greedily")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
@@ -414,6 +419,7 @@ def main(argv=None) -> int:
     for label, path in todo:
         model = pyspec.Model(path, n_threads=args.threads, n_gpu_layers=ngl)
         ENGINE_REQUEST_OPTIONS.clear()
+        ENGINE_REQUEST_OPTIONS.update(SAMPLED if args.sample else GREEDY)
         if args.ignore_eos:
             from pyspec.tokenizer import Tokenizer
             eog = sorted(Tokenizer.from_gguf(path).eog_ids)

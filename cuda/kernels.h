@@ -48,6 +48,8 @@ void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* 
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s);
 void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s);
 void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s);
+// GATHER: dst[j, r] = a[ids[j, r], r]; an id outside the row (TOP_K's -1) gives -inf.
+void launch_gather(const TDesc& dst, const TDesc& a, const TDesc& ids, cudaStream_t s);
 void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
 // GUMBEL (cuda/ops_noise.cu): keys I32 [5, rows], elems I32 [n]; the host's bits.
 void launch_gumbel(const TDesc& dst, const int32_t* keys, const int32_t* elems, uint32_t stream, cudaStream_t s);

@@ -754,6 +754,54 @@ def test_top_k_descending_ties_keep_lower_index(n, k):
         assert np.all(vals[:, :-1] >= vals[:, 1:])
 
 
+def top_k_gather_run(x, k, ids=None, backend="cpu"):
+    """TOP_K of x's rows, then GATHER of x at those ids (or at `ids`, an I32 input [rows, k])."""
+    rows, n = x.shape
+    g = core.Graph()
+    tx = g.input("F32", [n, rows], "x")
+    if ids is None:
+        tids = node(g, "TOP_K", "I32", [k, rows], [tx], [k])
+        feeds = {tx: x}
+    else:
+        tids = g.input("I32", [k, rows], "ids")
+        feeds = {tx: x, tids: np.ascontiguousarray(ids, np.int32)}
+    vals = node(g, "GATHER", "F32", [k, rows], [tx, tids])
+    got_ids, got_vals = run(g, feeds, [tids, vals], backend=backend)
+    return got_ids.reshape(rows, k), got_vals.reshape(rows, k)
+
+
+def signed_zero_rows(rng, rows, n):
+    """Rows of +0 and -0 (equal, so ties by index) with a few larger values."""
+    x = np.where(rng.random((rows, n)) < 0.5, np.float32(0.0), np.float32(-0.0)).astype(np.float32)
+    x[:, rng.integers(0, n, 5)] = 1.0
+    return x
+
+
+def quarter_rows(rng, rows, n):
+    """Normal values rounded to quarters: ties among the best few, which the filter ranks."""
+    return (np.round(rng.standard_normal((rows, n)) * 4) / 4).astype(np.float32)
+
+
+@pytest.mark.parametrize("n,k", [(40, 40), (4096, 40), (49152, 40), (49152, 64), (151936, 64)])
+def test_top_k_of_long_rows_and_gather_its_values(n, k):
+    """TOP_K past the insertion sort's k (a vocabulary narrowed to its possible best first) keeps
+    the (value desc, index asc) order, -0 equal to +0; GATHER returns the logits at those ids."""
+    rng = np.random.default_rng(n + k)
+    for x in (tie_heavy_rows(rng, 3, n), rng.standard_normal((3, n)).astype(np.float32),
+              signed_zero_rows(rng, 2, n), quarter_rows(rng, 3, n)):
+        ids, vals = top_k_gather_run(x, k)
+        assert np.array_equal(ids, top_k_ref(x, k))
+        assert np.array_equal(vals, np.take_along_axis(x, ids.astype(np.int64), axis=1))
+
+
+def test_gather_minus_one_is_minus_inf_and_refuses_other_ids():
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    _, vals = top_k_gather_run(x, 3, ids=[[5, -1, 0], [-1, 2, 2]])
+    assert vals.tolist() == [[5.0, NEG_INF, 0.0], [NEG_INF, 8.0, 8.0]]
+    with pytest.raises(Exception, match="out of range"):
+        top_k_gather_run(x, 3, ids=[[6, 0, 0], [0, 0, 0]])
+
+
 def gumbel_case(rng, rows, n):
     """Keys I32 [rows, 5] (seeds over all 64 bits, every third row off) and elements I32 [n]
     (ids anywhere in a 152k vocabulary, in no order, some in one counter block)."""

@@ -421,6 +421,38 @@ def test_banned_ids_take_the_graphs_best_ids_on_the_device(pairs):
     assert not {3, 5, 17, 40, 41} & set(got[1]) and len(got[1]) == 24
 
 
+def _candidates_run(pairs, n_probs):
+    target, drafter = known_pair(pairs)
+    model = _core.Model(target)
+    engine = _core.SpecEngine(model, _core.DraftModel(drafter, model), n_ctx=256 * 3, n_seq_max=3, n_draft_slots=3,
+                              n_batch=64, draft_n_batch=128, n_threads=2, draft_n_max=5, prefill_chunk=16,
+                              backend=DEVICE)
+    opts = {1: dict(top_k=40), 2: dict(top_k=5, top_p=0.9, min_p=0.05), 3: dict(top_k=40, verify="block")}
+    prompts = {1: [5], 2: [17, 3, 4], 3: list(range(100, 130))}
+    for rid, prompt in prompts.items():
+        kw = dict(dict(verify="rejection"), **opts[rid])
+        engine.add_request(rid, prompt, max_tokens=24, temperature=0.8, seed=100 + rid, n_probs=n_probs,
+                           logit_bias=[(7, float("-inf"))], **kw)
+    tokens = {rid: [] for rid in prompts}
+    while engine.n_requests:
+        for o in engine.step():
+            tokens[o["request_id"]].append((list(o["tokens"]), list(o["verified"])))
+    return tokens, engine.n_candidate_steps
+
+
+@gpu
+def test_sampled_rows_draw_from_the_graphs_candidates_on_the_device(pairs):
+    """Sampled requests with top-k take their best ids and logits from the graph (TOP_K + GATHER
+    on the device): the tokens and verified blocks of the same requests reading whole logit rows
+    (n_probs forces that), replayed."""
+    with graphs(True):
+        got, n_fast = _candidates_run(pairs, 0)
+        want, n_slow = _candidates_run(pairs, 1)
+    assert got == want
+    assert n_fast > 5 and n_slow == 0
+    assert all(7 not in toks for steps in got.values() for toks, _ in steps)
+
+
 # ---------------------------------------------------------------------------------------------
 # The environment switch, in a subprocess.
 

@@ -549,6 +549,22 @@ def test_top_k_descending_ties_keep_lower_index(n, k, rows):
 
 
 @gpu
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("n,k", [(300, 40), (49152, 40), (151936, 64), (151936, 100)])
+def test_top_k_then_gather_equal_the_cpu(n, k, rows):
+    """The filtered TOP_K (chunk maxima, then the entries at or above the k-th of them ranked)
+    and its fallbacks give the CPU's ids, -0 equal to +0; GATHER gives the logits at them."""
+    rng = np.random.default_rng(n + k + rows)
+    for x in (cpu.tie_heavy_rows(rng, rows, n), rng.standard_normal((rows, n)).astype(np.float32),
+              cpu.signed_zero_rows(rng, rows, n), cpu.quarter_rows(rng, rows, n)):
+        ids, vals = cpu.top_k_gather_run(x, k, backend=DEVICE)
+        assert np.array_equal(ids, cpu.top_k_ref(x, k))
+        assert np.array_equal(vals, np.take_along_axis(x, ids.astype(np.int64), axis=1))
+    _, vals = cpu.top_k_gather_run(x[:1, :6], 3, ids=[[5, -1, 0]], backend=DEVICE)
+    assert vals.tolist() == [[x[0, 5], cpu.NEG_INF, x[0, 0]]]
+
+
+@gpu
 @pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (6, 300), (4, 8192), (2, 151936)])
 def test_gumbel_equals_the_cpus_bits(rows, n):
     """GUMBEL on the device: the host's noise (spec.gumbel) bit for bit, zeros for rows that are

@@ -156,6 +156,54 @@ def test_banned_ids_take_the_graphs_best_ids(pairs, loaded, drafter, n_extra):
     top_k = {name: calls for name, _, calls in e.op_profile()["target"]}.get("TOP_K", 0)
     assert (top_k > 0) == (len(bans) < 16), (len(bans), top_k)
 
+SAMPLED = [dict(top_k=40), dict(top_k=5, top_p=0.9, min_p=0.05), dict(top_k=40, min_p=0.1),
+           dict(top_k=1), dict(top_k=20, top_p=0.6)]
+
+
+@pytest.fixture(scope="module")
+def spread(pairs):
+    """The pair cut to 128 tokens with a flatter head: sampled drafts get accepted."""
+    target, drafters = pairs.small_vocab(n_vocab=128, head_scale=0.3)
+    model = _core.Model(target)
+    return model, _core.DraftModel(drafters["dflash"], model)
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+@pytest.mark.parametrize("verify", ["rejection", "block"])
+def test_sampled_requests_draw_from_the_graphs_candidates(spread, drafter, verify):
+    """A sampled request with top-k and no processing but bans draws from its best top_k + bans
+    ids and their logits (TOP_K + GATHER in the graph, candidate_law on the host): the same
+    tokens and draft statistics as the same requests reading whole logit rows (n_probs forces
+    that path and adds only log-probabilities), beside a greedy request with bans. A request
+    without top-k puts its steps on the logits path."""
+    loaded = spread
+    bias = [(t, float("-inf")) for t in (5, 17, 101)]
+
+    def requests(n_probs):
+        reqs = {i: (p, 24, dict(SAMPLED[i % len(SAMPLED)], temperature=0.9, seed=7 + i, verify=verify,
+                                n_probs=n_probs, logit_bias=bias if i % 2 else []))
+                for i, p in enumerate(PROMPTS)}
+        reqs[9] = (PROMPTS[1], 24, dict(verify="greedy", logit_bias=bias))
+        return reqs
+
+    fast = engine(loaded, drafter=drafter, n_seq=5, n_slots=5)
+    got = run(fast, requests(0))
+    assert fast.n_candidate_steps > 0
+    slow = engine(loaded, drafter=drafter, n_seq=5, n_slots=5)
+    want = run(slow, requests(1))
+    assert slow.n_candidate_steps == 0
+    for rid in want:
+        assert got[rid]["tokens"] == want[rid]["tokens"], rid
+        assert got[rid]["stats"] == want[rid]["stats"], rid
+        assert not {5, 17, 101} & set(got[rid]["tokens"]) or rid % 2 == 0
+    if drafter:
+        assert sum(got[r]["stats"]["draft_n_accepted"] for r in got) > 0
+    no_top_k = engine(loaded, drafter=False)  # both prompts in one step, one token a step each
+    run(no_top_k, {0: (PROMPTS[0], 8, dict(temperature=0.9, top_k=0, verify=verify)),
+                   1: (PROMPTS[1], 8, dict(temperature=0.9, top_k=40, verify=verify))})
+    assert no_top_k.n_candidate_steps == 0
+
+
 def test_n_probs_equal_log_softmax_of_raw_logits(pairs, loaded):
     e = engine(loaded, drafter=True)
     got = run(e, {0: (PROMPTS[0], 10, dict(n_probs=5)), 1: (PROMPTS[3], 10, {})})

@@ -216,6 +216,38 @@ void bind_spec(py::module_& parent) {
         py::arg("p_rows"), py::arg("q_rows"), py::arg("drafts"), py::arg("seed"), py::arg("offset"),
         "Block verification (Sun et al.): (accepted, tokens, events).");
     m.def(
+        "candidate_law",
+        [](const IntArray& ids, const FloatArray& logits, double temperature, int64_t top_k, double top_p,
+           double min_p) {
+            if (ids.ndim() != 1 || logits.ndim() != 1 || ids.size() != logits.size())
+                throw std::invalid_argument("ids and logits must be 1-D arrays of one length");
+            const SparseLaw law = candidate_law(ids.data(), logits.data(), static_cast<int64_t>(ids.size()), temperature,
+                                                top_k, top_p, min_p);
+            return py::make_tuple(py::array_t<int32_t>(law.ids.size(), law.ids.data()),
+                                  py::array_t<float>(law.probs.size(), law.probs.data()));
+        },
+        py::arg("ids"), py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p") = 1.0,
+        py::arg("min_p") = 0.0,
+        "The law of a row from its best candidates (ids in TOP_K's order, their logits): (ids ascending int32, "
+        "probabilities float32), processed_law's values at those ids.");
+    m.def(
+        "verify_candidates",
+        [](const std::string& method, const std::vector<std::pair<std::vector<int32_t>, std::vector<float>>>& laws,
+           int64_t n_vocab, const FloatArray& q_rows, const IntArray& drafts, uint64_t seed, uint32_t offset) {
+            std::vector<SparseLaw> p(laws.size());
+            for (size_t i = 0; i < laws.size(); ++i) p[i] = SparseLaw{laws[i].first, laws[i].second};
+            const ProbRows q = rows_of(q_rows, "q_rows", n_vocab);
+            int gamma = 0;
+            const int32_t* d = drafts_of(drafts, gamma);
+            if (method != "rejection" && method != "block") throw std::invalid_argument("method must be rejection or block");
+            const VerifyMethod m = method == "block" ? VerifyMethod::Block : VerifyMethod::Rejection;
+            return result_tuple(verify(m, p, n_vocab, q, d, gamma, seed, offset));
+        },
+        py::arg("method"), py::arg("laws"), py::arg("n_vocab"), py::arg("q_rows"), py::arg("drafts"), py::arg("seed"),
+        py::arg("offset"),
+        "Rejection or block verification with target rows given as candidate laws [(ids ascending, probs)]: "
+        "(accepted, tokens, events), as verify_rejection / verify_block over the full rows.");
+    m.def(
         "block_thresholds",
         [](const FloatArray& p_rows, const FloatArray& q_rows, const IntArray& drafts) {
             const ProbRows p = rows_of(p_rows, "p_rows", 0);

@@ -25,6 +25,7 @@ const char* op_name(Op op) {
         case Op::TOP_K: return "TOP_K";
         case Op::SUM: return "SUM";
         case Op::GUMBEL: return "GUMBEL";
+        case Op::GATHER: return "GATHER";
         default: return "?";
     }
 }
@@ -234,6 +235,16 @@ int Graph::top_k(int a, int k) {
     int id = add_node(Op::TOP_K, DType::I32, {k, (*this)[a].ne[1], 1, 1}, {a});
     (*this)[id].iparams[0] = k;
     return id;
+}
+
+int Graph::gather(int a, int ids) {
+    const Tensor& x = (*this)[a];
+    const Tensor& i = (*this)[ids];
+    if (x.dtype != DType::F32 || i.dtype != DType::I32 || i.ne[1] != x.ne[1] || i.ne[2] != 1 || i.ne[3] != 1 ||
+        x.ne[2] != 1 || x.ne[3] != 1) {
+        throw std::invalid_argument("gather: needs F32 rows [n, rows] and I32 ids [k, rows] of as many rows");
+    }
+    return add_node(Op::GATHER, DType::F32, {i.ne[0], x.ne[1], 1, 1}, {a, ids});
 }
 
 int Graph::sum(int a) { return add_node(Op::SUM, DType::F32, {1, 1, 1, 1}, {a}); }

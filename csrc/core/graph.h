@@ -56,6 +56,9 @@ enum class Op : uint8_t {
                 // src0 I32 [5, rows]: each row's key {seed low word, seed high word, offset,
                 // position, on} (on = 0: the row is zeros); src1 I32 [n]: the element of each
                 // column (element e is word e % 4 of counter block e / 4). iparams {stream}
+    GATHER,     // F32 [k, n_rows]: dst[j, r] = src0[src1[j, r], r], each row's entries at its own
+                // ids (numpy's take_along_axis over ne0); src0 F32, src1 I32 [k, n_rows] (TOP_K's
+                // output); an id of -1 (TOP_K past a row's end) gives -inf
     COUNT
 };
 
@@ -129,6 +132,7 @@ public:
     int set_rows(int dst, int rows, int ids);
     int argmax(int a);
     int top_k(int a, int k);
+    int gather(int a, int ids);  // GATHER: a's entries at ids, row by row
     int sum(int a);
     int gumbel(int keys, int elements, int stream);
 

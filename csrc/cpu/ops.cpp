@@ -11,6 +11,7 @@
 #include "core/thread_pool.h"
 #include "cpu/attention.h"
 #include "cpu/quants.h"
+#include "cpu/top_k.h"
 #include "cpu/vec_math.h"
 #include "runtime/philox.h"
 
@@ -260,7 +261,7 @@ void top_k_insertion(const float* ar, int64_t n, int64_t k, int32_t* out) {
 }
 
 // Indices of the k largest values, descending; equal values keep the lower index first.
-void op_top_k(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
+void op_top_k(const Graph& g, int id, int ith, int nth) {
     const Tensor& dst = g[id];
     const Tensor& a = g[dst.src[0]];
     const int64_t n = a.ne[0];
@@ -275,16 +276,45 @@ void op_top_k(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         }
         return;
     }
-    s.idx.resize(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
         const float* ar = frow(a, r);
-        std::iota(s.idx.begin(), s.idx.end(), 0);
-        std::partial_sort(s.idx.begin(), s.idx.begin() + k, s.idx.end(), [ar](int32_t x, int32_t y) {
+        // Only entries that can be among the k best are sorted (a few hundred of a vocabulary);
+        // all of them where the filter cannot narrow the row (or NaN defeats it).
+        std::vector<int32_t> idx = top_k_superset(ar, n, k);
+        if (static_cast<int64_t>(idx.size()) < k) {
+            idx.resize(static_cast<size_t>(n));
+            std::iota(idx.begin(), idx.end(), 0);
+        }
+        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [ar](int32_t x, int32_t y) {
             return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
         });
         int32_t* out = reinterpret_cast<int32_t*>(row_ptr(dst, r));
-        std::copy(s.idx.begin(), s.idx.begin() + k, out);
+        std::copy(idx.begin(), idx.begin() + k, out);
         std::fill(out + k, out + dst.ne[0], -1);  // k > n: no candidate
+    }
+}
+
+// Each row's entries at its own ids (TOP_K's candidates with their logits); -1 gives -inf.
+void op_gather(const Graph& g, int id, int ith, int nth) {
+    const Tensor& dst = g[id];
+    const Tensor& a = g[dst.src[0]];
+    const Tensor& ids = g[dst.src[1]];
+    const int64_t n = a.ne[0], k = dst.ne[0];
+    int64_t r0, r1;
+    split_range(dst.nrows(), ith, nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* ar = frow(a, r);
+        const int32_t* ir = reinterpret_cast<const int32_t*>(row_ptr(ids, r));
+        float* out = frow(dst, r);
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t t = ir[j];
+            if (t == -1) {
+                out[j] = -std::numeric_limits<float>::infinity();
+                continue;
+            }
+            if (t < 0 || t >= n) unsupported(g, id, "id " + std::to_string(t) + " out of range");
+            out[j] = ar[t];
+        }
     }
 }
 
@@ -347,9 +377,10 @@ void run_cpu_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         case Op::ATTENTION: return attention_op(g, id, ith, nth, s);
         case Op::SET_ROWS: return op_set_rows(g, id, ith, nth, s);
         case Op::ARGMAX: return op_argmax(g, id, ith, nth);
-        case Op::TOP_K: return op_top_k(g, id, ith, nth, s);
+        case Op::TOP_K: return op_top_k(g, id, ith, nth);
         case Op::SUM: return op_sum(g, id, ith);
         case Op::GUMBEL: return op_gumbel(g, id, ith, nth);
+        case Op::GATHER: return op_gather(g, id, ith, nth);
         default: unsupported(g, id, "not implemented on the CPU");
     }
 }

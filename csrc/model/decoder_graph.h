@@ -36,11 +36,15 @@ struct DecoderGraphParams {
     // smaller id) instead of one, so a caller that bans a few ids (-inf biases, llama.cpp's
     // ignore_eos) takes the first id it allows without the logits crossing to the host.
     int64_t argmax_k = 1;
+    // With argmax, the logits at those ids too (GATHER), so a sampled row's law over its top-k
+    // candidates (all llama.cpp's default chain needs) is computed without the row crossing.
+    bool argmax_values = false;
 
     bool operator==(const DecoderGraphParams& o) const {
         return n_rows == o.n_rows && n_outputs == o.n_outputs && n_prompt_rows == o.n_prompt_rows &&
                n_prompt_outputs == o.n_prompt_outputs &&
-               span == o.span && layer_ids == o.layer_ids && argmax == o.argmax && argmax_k == o.argmax_k;
+               span == o.span && layer_ids == o.layer_ids && argmax == o.argmax && argmax_k == o.argmax_k &&
+               argmax_values == o.argmax_values;
     }
 };
 
@@ -60,6 +64,7 @@ struct DecoderGraph {
     DecoderGraphInputs in;
     int logits = -1;                               // F32 [n_vocab, n_outputs] (an output unless argmax)
     int argmax = -1;                               // I32 [argmax_k, n_outputs] with DecoderGraphParams::argmax
+    int argmax_values = -1;                        // F32 [argmax_k, n_outputs]: the logits at those ids
     std::vector<std::pair<int, int>> layer_inputs; // (layer id, F32 [n_embd, n_rows] tensor)
 };
 

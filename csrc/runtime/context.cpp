@@ -199,6 +199,7 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
     gp.layer_ids = layer_ids;
     gp.argmax = b.argmax_only;
     gp.argmax_k = b.argmax_only ? std::max<int64_t>(1, b.argmax_k) : 1;
+    gp.argmax_values = b.argmax_only && b.argmax_values;
     out.argmax_k = gp.argmax_k;
     // A fed batch reads the feeding decode's ARGMAX output where that graph left it: only the
     // same graph (the same build parameters) is certain to have left it there untouched.
@@ -259,15 +260,20 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
             const size_t old = out.argmax.size();
             out.argmax.resize(old + out_rows.size() * k);
             reads.push_back({&g[dg.argmax], out.argmax.data() + old, out_rows.size() * k * sizeof(int32_t), 0});
-            p.permute_base = out.argmax.data() + old;
-            p.permute_row_bytes = k * sizeof(int32_t);
+            p.permutes.push_back({out.argmax.data() + old, k * sizeof(int32_t)});
+            if (dg.argmax_values >= 0) {
+                const size_t old_v = out.argmax_values.size();
+                out.argmax_values.resize(old_v + out_rows.size() * k);
+                reads.push_back({&g[dg.argmax_values], out.argmax_values.data() + old_v,
+                                 out_rows.size() * k * sizeof(float), 0});
+                p.permutes.push_back({out.argmax_values.data() + old_v, k * sizeof(float)});
+            }
         } else if (dg.logits >= 0) {
             const size_t old = out.logits.size();
             const size_t lrow = static_cast<size_t>(out.n_vocab) * sizeof(float);
             out.logits.resize(old + out_rows.size() * static_cast<size_t>(out.n_vocab));
             reads.push_back({&g[dg.logits], out.logits.data() + old, out_rows.size() * lrow, 0});
-            p.permute_base = out.logits.data() + old;
-            p.permute_row_bytes = lrow;
+            p.permutes.push_back({out.logits.data() + old, lrow});
         }
         if (dg.argmax >= 0 || dg.logits >= 0) {
             out.output_rows.resize(old_rows + out_rows.size());
@@ -310,13 +316,13 @@ void Context::finish(PendingDecode& p) {
         for (const auto& sp : p.newly_occupied) kv_->remove(sp.first, sp.second, sp.second + 1);
         throw;
     }
-    if (!p.logits_order.empty() && p.permute_base) {
-        auto* base = static_cast<unsigned char*>(p.permute_base);
+    for (const PendingDecode::Permute& pm : p.permutes) {
+        if (p.logits_order.empty()) break;
+        auto* base = static_cast<unsigned char*>(pm.base);
         const size_t n = p.out_rows.size();
-        std::vector<unsigned char> rows(base, base + n * p.permute_row_bytes);
+        std::vector<unsigned char> rows(base, base + n * pm.row_bytes);
         for (size_t j = 0; j < n; ++j) {
-            std::memcpy(base + p.logits_order[j] * p.permute_row_bytes, rows.data() + j * p.permute_row_bytes,
-                        p.permute_row_bytes);
+            std::memcpy(base + p.logits_order[j] * pm.row_bytes, rows.data() + j * pm.row_bytes, pm.row_bytes);
         }
     }
     const size_t n_embd = static_cast<size_t>(p.out->n_embd);

@@ -38,6 +38,9 @@ struct Batch {
     // With argmax_only, > 1: each output row's argmax_k best ids (TOP_K's order), for a caller
     // that bans a few ids (DecoderGraphParams::argmax_k).
     int64_t argmax_k = 1;
+    // With argmax_only: the logits at those ids too (DecodeOutput::argmax_values), for callers
+    // that sample from each row's top-k candidates.
+    bool argmax_values = false;
     size_t size() const { return tokens.size(); }
 };
 
@@ -48,6 +51,7 @@ struct DecodeOutput {
     std::vector<float> logits;         // [output_rows.size(), n_vocab]; empty with argmax_only
     std::vector<int32_t> argmax;       // [output_rows.size(), argmax_k] with Batch::argmax_only
     int64_t argmax_k = 1;
+    std::vector<float> argmax_values;  // [output_rows.size(), argmax_k] with Batch::argmax_values
     // (layer id, [n_rows, n_embd]) for every requested layer input, rows in batch order
     std::vector<std::pair<int, std::vector<float>>> layer_inputs;
 };
@@ -69,8 +73,11 @@ struct PendingDecode {
         float* dst;
     };
     std::vector<Reorder> reorders;  // layer inputs read in graph order, put in batch order after
-    void* permute_base = nullptr;   // logits / ids read in graph order, put in batch order after
-    size_t permute_row_bytes = 0;
+    struct Permute {
+        void* base;
+        size_t row_bytes;
+    };
+    std::vector<Permute> permutes;  // logits / ids / values read in graph order, put in batch order after
     Backend::ReadTicket ticket = 0;
     bool collected = false;
 };

@@ -17,6 +17,9 @@ namespace {
 // The most ids a greedy step asks the graph for per row (Batch::argmax_k): requests that ban
 // more ids than this less one read their logits instead.
 constexpr int kMaxGreedyIds = 16;
+// The most candidates a sampled row asks the graph for (its top_k plus its bans): past this (the
+// largest k the CUDA TOP_K filters), or without top-k, it reads its logits instead.
+constexpr int64_t kMaxCandidates = 64;
 
 ContextParams target_params(const SpecEngineParams& p) {
     ContextParams c;
@@ -428,17 +431,40 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
                                      std::vector<float>& processed) const {
     // Row j is what the request would sample from after committing drafts[0..j).
     const int gamma = static_cast<int>(r.drafts.size());
-    if (argmax_only && out.argmax_k == 1) return verify_greedy_ids(out.argmax.data() + first, n_vocab_, r.drafts.data(), gamma);
+    if (argmax_only && out.argmax_k == 1 && r.params.temperature <= 0.0) return verify_greedy_ids(out.argmax.data() + first, n_vocab_, r.drafts.data(), gamma);
     if (argmax_only) {
-        // Each row's best argmax_k ids (value descending, ties by the smaller id): its greedy id is
-        // the first the request does not ban.
+        // Each row's best argmax_k ids (value descending, ties by the smaller id), less the ones
+        // the request bans: its greedy id is the first; a sampled row's law is over its top_k.
         const std::vector<int32_t> bans = r.params.processing.bans_only();
         const size_t k = static_cast<size_t>(out.argmax_k);
+        const auto banned = [&bans](int32_t t) { return std::find(bans.begin(), bans.end(), t) != bans.end(); };
+        if (r.params.temperature > 0.0) {
+            std::vector<SparseLaw> laws(static_cast<size_t>(gamma) + 1);
+            std::vector<int32_t> ids;
+            std::vector<float> values;
+            for (size_t j = 0; j < laws.size(); ++j) {
+                const size_t row = (static_cast<size_t>(first) + j) * k;
+                ids.clear();
+                values.clear();
+                for (size_t i = 0; i < k; ++i) {
+                    const int32_t t = out.argmax[row + i];
+                    const float v = out.argmax_values[row + i];
+                    if (std::isnan(v)) throw std::runtime_error("the target's logits hold NaN");
+                    if (t < 0 || banned(t)) continue;
+                    ids.push_back(t);
+                    values.push_back(v);
+                }
+                laws[j] = candidate_law(ids.data(), values.data(), static_cast<int64_t>(ids.size()), r.params.temperature,
+                                        r.params.top_k, r.params.top_p, r.params.min_p);
+            }
+            return verify(r.params.method, laws, n_vocab_, ProbRows{r.q.data(), gamma, n_vocab_}, r.drafts.data(), gamma,
+                          r.params.seed, static_cast<uint32_t>(r.pos0));
+        }
         std::vector<int32_t> ids(static_cast<size_t>(gamma) + 1);
         for (size_t j = 0; j < ids.size(); ++j) {
             const int32_t* best = out.argmax.data() + (static_cast<size_t>(first) + j) * k;
             size_t i = 0;
-            while (i + 1 < k && std::find(bans.begin(), bans.end(), best[i]) != bans.end()) ++i;
+            while (i + 1 < k && banned(best[i])) ++i;
             ids[j] = best[i];
         }
         return verify_greedy_ids(ids.data(), n_vocab_, r.drafts.data(), gamma);
@@ -592,19 +618,36 @@ std::vector<StepOutput> SpecEngine::step() {
     // A request whose processing only bans ids (-inf biases: llama.cpp's ignore_eos) takes the
     // first id it allows among the graph's best bans + 1 (Batch::argmax_k, TOP_K's order, which
     // is argmax_first's among the ids left): the same token as its processed logits would give.
+    // A sampled request with top-k (llama.cpp's default chain starts with top-k 40) and no other
+    // processing than bans draws from a law that depends only on its best top_k + bans ids and
+    // their logits (candidate_law), so the graph returns those (TOP_K + GATHER) instead of the row.
     int64_t argmax_k = 1;
-    batch.argmax_only = std::all_of(run.begin(), run.end(), [&span_of, &argmax_k](const Request* r) {
+    bool sampled = false;
+    const int64_t n_vocab = n_vocab_;
+    batch.argmax_only = std::all_of(run.begin(), run.end(), [&](const Request* r) {
         const bool wants_logits =
             r->generating || r->n_prefilled + static_cast<int64_t>(span_of.at(r->id).n) == static_cast<int64_t>(r->prompt.size());
         if (!wants_logits) return true;
-        if (r->params.temperature > 0.0 || r->params.n_probs != 0) return false;
-        if (!r->params.processing.active()) return true;
-        const size_t n_bans = r->params.processing.bans_only().size();
-        if (n_bans == 0 || n_bans >= static_cast<size_t>(kMaxGreedyIds)) return false;
+        if (r->params.n_probs != 0) return false;
+        size_t n_bans = 0;
+        if (r->params.processing.active()) {
+            n_bans = r->params.processing.bans_only().size();
+            if (n_bans == 0) return false;
+        }
+        if (r->params.temperature > 0.0) {
+            const int64_t k = r->params.top_k + static_cast<int64_t>(n_bans);
+            if (r->params.top_k < 1 || k > std::min(kMaxCandidates, n_vocab)) return false;
+            argmax_k = std::max(argmax_k, k);
+            sampled = true;
+            return true;
+        }
+        if (n_bans >= static_cast<size_t>(kMaxGreedyIds)) return false;
         argmax_k = std::max<int64_t>(argmax_k, static_cast<int64_t>(n_bans) + 1);
         return true;
     });
     batch.argmax_k = batch.argmax_only ? argmax_k : 1;
+    batch.argmax_values = batch.argmax_only && sampled;
+    if (batch.argmax_values) ++n_candidate_steps_;
     DecodeOutput out;
     {
         PhaseClock clock(phase_times_.target_s);

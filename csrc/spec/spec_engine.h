@@ -196,6 +196,9 @@ public:
     // Steps launched ahead (SpecEngineParams::decode_ahead) so far, and whether one is in flight.
     int64_t n_decoded_ahead() const { return n_decoded_ahead_; }
     bool has_step_ahead() const { return ahead_.has_value(); }
+    // Steps whose sampled rows drew from the graph's top-k candidates (candidate_law) instead of
+    // whole logit rows.
+    int64_t n_candidate_steps() const { return n_candidate_steps_; }
 
     bool has_drafter() const { return drafter_ != nullptr; }
     const Context& target_context() const { return *ctx_; }
@@ -317,6 +320,7 @@ private:
     };
     std::optional<Ahead> ahead_;
     int64_t n_decoded_ahead_ = 0;
+    int64_t n_candidate_steps_ = 0;
 };
 
 }  // namespace pyspec

@@ -8,6 +8,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cpu/top_k.h"
 #include "cpu/vec_math.h"
 
 namespace pyspec {
@@ -15,19 +16,19 @@ namespace pyspec {
 namespace {
 
 // Checks the shapes and the drafts; returns how many drafts come before the padding (-1).
-int checked_draft_count(const ProbRows& p, const ProbRows* q, const int32_t* drafts, int gamma) {
+int checked_draft_count(int64_t p_rows, int64_t n_vocab, const ProbRows* q, const int32_t* drafts, int gamma) {
     if (gamma < 0) throw std::invalid_argument("the number of drafts must be >= 0");
-    if (p.n_vocab < 1) throw std::invalid_argument("target rows need at least one token");
-    if (p.n_rows != gamma + 1)
+    if (n_vocab < 1) throw std::invalid_argument("target rows need at least one token");
+    if (p_rows != gamma + 1)
         throw std::invalid_argument("expected " + std::to_string(gamma + 1) + " target rows for " +
-                                    std::to_string(gamma) + " drafts, got " + std::to_string(p.n_rows));
+                                    std::to_string(gamma) + " drafts, got " + std::to_string(p_rows));
     if (q) {
         if (q->n_rows != gamma)
             throw std::invalid_argument("expected " + std::to_string(gamma) + " proposal rows for " +
                                         std::to_string(gamma) + " drafts, got " + std::to_string(q->n_rows));
-        if (q->n_vocab != p.n_vocab)
+        if (q->n_vocab != n_vocab)
             throw std::invalid_argument("proposal rows have " + std::to_string(q->n_vocab) + " tokens, target rows " +
-                                        std::to_string(p.n_vocab));
+                                        std::to_string(n_vocab));
     }
     int n_valid = gamma;
     for (int i = 0; i < gamma; ++i) {
@@ -36,9 +37,9 @@ int checked_draft_count(const ProbRows& p, const ProbRows* q, const int32_t* dra
             if (n_valid == gamma) n_valid = i;
             continue;
         }
-        if (x < 0 || x >= p.n_vocab)
+        if (x < 0 || x >= n_vocab)
             throw std::invalid_argument("draft " + std::to_string(i) + " is token " + std::to_string(x) +
-                                        ", outside [0, " + std::to_string(p.n_vocab) + ")");
+                                        ", outside [0, " + std::to_string(n_vocab) + ")");
         if (n_valid != gamma)
             throw std::invalid_argument("draft " + std::to_string(i) + " follows padding (-1); pad only at the end");
     }
@@ -60,11 +61,6 @@ void check_prob_row(const float* row, int64_t n, const char* what, int64_t index
         throw std::invalid_argument(std::string(what) + " row " + std::to_string(index) + " has no probability mass");
 }
 
-// The rows a stochastic verifier reads: p_1..p_{n+1} and q_1..q_n for n verified drafts.
-void check_prob_rows(const ProbRows& p, const ProbRows& q, int n_valid) {
-    for (int i = 0; i <= n_valid; ++i) check_prob_row(p.row(i), p.n_vocab, "target", i, true);
-    for (int i = 0; i < n_valid; ++i) check_prob_row(q.row(i), q.n_vocab, "proposal", i, false);
-}
 
 // A draw from the unnormalised weights w(t) = max(0, scale * p(t) - q(t)) (w = p when q is null)
 // by the exponential race argmax w(t) / E(t), E(t) = -log u(t): it samples w / sum(w) exactly and
@@ -129,31 +125,112 @@ NoiseKey slot_key(uint64_t seed, uint32_t offset, int slot, NoiseStream stream) 
     return NoiseKey{seed, offset, static_cast<uint32_t>(slot), stream};
 }
 
+// The same race as sample_weights over a sparse row: its candidates in ascending id order, every
+// other token having p = 0 and so no positive weight (q >= 0). Each visited token's value is the
+// same double as the full row's race computes, so the winner, ties included, is the same token.
+int32_t sample_weights_sparse(const SparseLaw& p, const float* q, double scale, const NoiseKey& key) {
+    int32_t best = -1;
+    double best_val = 0.0;
+    for (size_t c = 0; c < p.ids.size(); ++c) {
+        const int32_t t = p.ids[c];
+        const double w = q ? scale * p.probs[c] - q[t] : static_cast<double>(p.probs[c]);
+        if (!(w > 0.0)) continue;
+        const float u = u01_open(noise_block(key, static_cast<uint32_t>(t >> 2))[t & 3]);
+        const double val = w / -std::log(static_cast<double>(u));
+        if (best < 0 || val > best_val || (val == best_val && t < best)) {
+            best = t;
+            best_val = val;
+        }
+    }
+    return best;
+}
+
+// The target rows a stochastic verifier reads, full rows (ProbRows) or candidate lists
+// (SparseLaw): one verification written once over either. prob(i, t) is p_i(t) as the float it
+// is stored as; residual(i, s, q) is Σ_t max(0, s p_i(t) - q(t)) in ascending t.
+struct DenseTarget {
+    const ProbRows& p;
+    int64_t n_rows() const { return p.n_rows; }
+    int64_t n_vocab() const { return p.n_vocab; }
+    float prob(int i, int32_t t) const { return p.row(i)[t]; }
+    void check(int i) const { check_prob_row(p.row(i), p.n_vocab, "target", i, true); }
+    int32_t draw(int i, const float* q, double scale, const NoiseKey& key) const {
+        return sample_weights(p.row(i), q, scale, p.n_vocab, key);
+    }
+    double residual(int i, double s, const float* q) const {
+        const float* pi = p.row(i);
+        double z = 0.0;
+        for (int64_t t = 0; t < p.n_vocab; ++t) z += std::max(0.0, s * pi[t] - q[t]);
+        return z;
+    }
+};
+
+// Tokens outside a row's candidates add max(0, -q(t)) = +0 to a residual, which leaves the sum's
+// bits alone, so summing over the candidates in ascending order gives the full row's sum.
+struct SparseTarget {
+    const std::vector<SparseLaw>& p;
+    int64_t vocab;
+    int64_t n_rows() const { return static_cast<int64_t>(p.size()); }
+    int64_t n_vocab() const { return vocab; }
+    float prob(int i, int32_t t) const {
+        const SparseLaw& r = p[static_cast<size_t>(i)];
+        const auto it = std::lower_bound(r.ids.begin(), r.ids.end(), t);
+        return it != r.ids.end() && *it == t ? r.probs[static_cast<size_t>(it - r.ids.begin())] : 0.0f;
+    }
+    void check(int i) const {
+        const SparseLaw& r = p[static_cast<size_t>(i)];
+        const std::string row = "target row " + std::to_string(i);
+        if (r.ids.size() != r.probs.size()) throw std::invalid_argument(row + " has as many ids as probabilities");
+        bool mass = false;
+        for (size_t c = 0; c < r.ids.size(); ++c) {
+            if (r.ids[c] < 0 || r.ids[c] >= vocab || (c > 0 && r.ids[c] <= r.ids[c - 1]))
+                throw std::invalid_argument(row + ": candidate ids must ascend within [0, " + std::to_string(vocab) + ")");
+            if (!(r.probs[c] >= 0.0f) || !std::isfinite(r.probs[c]))
+                throw std::invalid_argument(row + " has entry " + std::to_string(r.probs[c]) + " at token " +
+                                            std::to_string(r.ids[c]) + "; probabilities must be finite and >= 0");
+            mass |= r.probs[c] > 0.0f;
+        }
+        if (!mass) throw std::invalid_argument(row + " has no probability mass");
+    }
+    int32_t draw(int i, const float* q, double scale, const NoiseKey& key) const {
+        return sample_weights_sparse(p[static_cast<size_t>(i)], q, scale, key);
+    }
+    double residual(int i, double s, const float* q) const {
+        const SparseLaw& r = p[static_cast<size_t>(i)];
+        double z = 0.0;
+        for (size_t c = 0; c < r.ids.size(); ++c) z += std::max(0.0, s * r.probs[c] - q[r.ids[c]]);
+        return z;
+    }
+};
+
+// The rows a stochastic verifier reads: p_1..p_{n+1} and q_1..q_n for n verified drafts.
+template <typename Target>
+void check_prob_rows(const Target& p, const ProbRows& q, int n_valid) {
+    for (int i = 0; i <= n_valid; ++i) p.check(i);
+    for (int i = 0; i < n_valid; ++i) check_prob_row(q.row(i), q.n_vocab, "proposal", i, false);
+}
+
 // The bonus after all n drafts were accepted: a draw from p_{n+1}.
-int32_t draw_bonus(const ProbRows& p, int n, uint64_t seed, uint32_t offset) {
-    return sample_weights(p.row(n), nullptr, 1.0, p.n_vocab, slot_key(seed, offset, n, NoiseStream::Target));
+template <typename Target>
+int32_t draw_bonus(const Target& p, int n, uint64_t seed, uint32_t offset) {
+    return p.draw(n, nullptr, 1.0, slot_key(seed, offset, n, NoiseStream::Target));
 }
 
 // The correction at slot `slot` from max(0, scale * p - q); an empty residual (unreachable in exact
 // arithmetic) falls back to p and is counted.
-int32_t draw_correction(const ProbRows& p, const ProbRows& q, int slot, double scale, uint64_t seed, uint32_t offset,
+template <typename Target>
+int32_t draw_correction(const Target& p, const ProbRows& q, int slot, double scale, uint64_t seed, uint32_t offset,
                         VerifyEvents& events) {
     const NoiseKey key = slot_key(seed, offset, slot, NoiseStream::Correction);
-    const int32_t y = sample_weights(p.row(slot), q.row(slot), scale, p.n_vocab, key);
+    const int32_t y = p.draw(slot, q.row(slot), scale, key);
     if (y >= 0) return y;
     ++events.empty_residual;
-    return sample_weights(p.row(slot), nullptr, 1.0, p.n_vocab, key);
-}
-
-float scaled_logit(float logit, float temperature) { return logit / temperature; }
-
-void check_temperature(float temperature) {
-    if (!std::isfinite(temperature) || temperature < 0.0f)
-        throw std::invalid_argument("temperature must be finite and >= 0, got " + std::to_string(temperature));
+    return p.draw(slot, nullptr, 1.0, key);
 }
 
 // π_1..π_n and h_1..h_n of block verification for n verified drafts.
-BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int n, VerifyEvents& events) {
+template <typename Target>
+BlockThresholds thresholds(const Target& p, const ProbRows& q, const int32_t* drafts, int n, VerifyEvents& events) {
     BlockThresholds th;
     th.pi.resize(n);
     th.h.resize(n);
@@ -161,7 +238,7 @@ BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* 
     // with p > 0 counts as an unbounded ratio, the limit of the rule.
     double pi = 1.0;
     for (int i = 0; i < n; ++i) {
-        const double px = p.row(i)[drafts[i]];
+        const double px = p.prob(i, drafts[i]);
         const double qx = q.row(i)[drafts[i]];
         if (qx == 0.0) ++events.zero_q;
         if (pi > 0.0) pi = px == 0.0 ? 0.0 : (qx == 0.0 ? 1.0 : std::min(1.0, pi * px / qx));
@@ -172,10 +249,7 @@ BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* 
     // With 0-based j = i - 1 below, π_i is th.pi[j] and those rows are row j + 1. h_n = π_n. A 0/0
     // gives h = 0, so the scan never stops where the residual is empty.
     for (int j = 0; j + 1 < n; ++j) {
-        const float* pn = p.row(j + 1);
-        const float* qn = q.row(j + 1);
-        double z = 0.0;
-        for (int64_t t = 0; t < p.n_vocab; ++t) z += std::max(0.0, th.pi[j] * pn[t] - qn[t]);
+        const double z = p.residual(j + 1, th.pi[j], q.row(j + 1));
         const double denom = z + (1.0 - th.pi[j]);
         th.h[j] = denom > 0.0 ? std::min(1.0, z / denom) : 0.0;
     }
@@ -183,37 +257,11 @@ BlockThresholds thresholds(const ProbRows& p, const ProbRows& q, const int32_t* 
     return th;
 }
 
-// Ids that contain the k best of z (any order), in ascending order: the entries >= the k-th
-// largest of the maxima of 256-entry chunks, which k distinct entries reach, so everything below
-// it is outside the k best (only chunks whose maximum reaches it are scanned). A 49k-entry row
-// keeps a few hundred, and sorting those instead of the whole row is what makes a sampled
-// token's law cheap (llama-server's default top-k 40). All ids when k >= n or the row has fewer
-// than k chunks.
-template <typename T>
-std::vector<int32_t> top_k_superset(const T* z, int64_t n, int64_t k) {
-    constexpr int64_t kChunk = 256;
-    const int64_t n_chunks = (n + kChunk - 1) / kChunk;
-    std::vector<int32_t> ids;
-    if (k < n && k >= 1 && n_chunks >= k) {
-        std::vector<T> cmax(static_cast<size_t>(n_chunks));
-        for (int64_t c = 0; c < n_chunks; ++c) {
-            cmax[static_cast<size_t>(c)] = vec::max_of(z + c * kChunk, std::min(n, (c + 1) * kChunk) - c * kChunk);
-        }
-        std::vector<T> ranked = cmax;
-        std::nth_element(ranked.begin(), ranked.begin() + (k - 1), ranked.end(), std::greater<T>());
-        const T floor = ranked[static_cast<size_t>(k - 1)];
-        for (int64_t c = 0; c < n_chunks; ++c) {
-            if (!(cmax[static_cast<size_t>(c)] >= floor)) continue;
-            const int64_t end = std::min(n, (c + 1) * kChunk);
-            for (int64_t v = c * kChunk; v < end; ++v) {
-                if (z[v] >= floor) ids.push_back(static_cast<int32_t>(v));
-            }
-        }
-        return ids;
-    }
-    ids.resize(static_cast<size_t>(n));
-    for (int64_t v = 0; v < n; ++v) ids[static_cast<size_t>(v)] = static_cast<int32_t>(v);
-    return ids;
+float scaled_logit(float logit, float temperature) { return logit / temperature; }
+
+void check_temperature(float temperature) {
+    if (!std::isfinite(temperature) || temperature < 0.0f)
+        throw std::invalid_argument("temperature must be finite and >= 0, got " + std::to_string(temperature));
 }
 
 // processed_candidates over logits of type T (double, or float read as its exact double value:
@@ -327,6 +375,28 @@ void processed_law(const float* logits, int64_t n, double temperature, int64_t t
     for (size_t i = 0; i < ids.size(); ++i) out[ids[i]] = static_cast<float>(probs[i]);
 }
 
+SparseLaw candidate_law(const int32_t* ids, const float* logits, int64_t m, double temperature, int64_t top_k,
+                        double top_p, double min_p) {
+    if (top_k < 1 || top_k > m)
+        throw std::invalid_argument("a law from " + std::to_string(m) + " candidates needs top_k in [1, " +
+                                    std::to_string(m) + "], got " + std::to_string(top_k));
+    // The candidates are the row's m best in (logit desc, id asc) order, so index order among
+    // equal logits is id order: processed_candidates over them sorts, keeps and weighs them as
+    // over the whole row, whose other entries top-k drops before top-p and min-p look.
+    std::vector<int32_t> local;
+    std::vector<double> probs;
+    candidates_of(logits, m, temperature, top_k, top_p, min_p, &local, &probs);
+    std::vector<size_t> by_id(local.size());
+    for (size_t i = 0; i < by_id.size(); ++i) by_id[i] = i;
+    std::sort(by_id.begin(), by_id.end(), [&](size_t a, size_t b) { return ids[local[a]] < ids[local[b]]; });
+    SparseLaw law;
+    for (size_t i : by_id) {
+        law.ids.push_back(ids[local[i]]);
+        law.probs.push_back(static_cast<float>(probs[i]));  // processed_law's float
+    }
+    return law;
+}
+
 // The first index of the row's maximum (ties: the smaller index, -0 and +0 equal), as one scan
 // comparing x[t] > x[best] would give. Two passes: the maximum, then its first index; the first
 // is vectorised (a greedy verify takes the argmax of every row over the whole vocabulary, which
@@ -362,12 +432,12 @@ VerifyResult accept_greedy(int n, const int32_t* drafts, TargetToken target) {
 }  // namespace
 
 VerifyResult verify_greedy(const ProbRows& p, const int32_t* drafts, int gamma) {
-    const int n = checked_draft_count(p, nullptr, drafts, gamma);
+    const int n = checked_draft_count(p.n_rows, p.n_vocab, nullptr, drafts, gamma);
     return accept_greedy(n, drafts, [&p](int i) { return argmax_first(p.row(i), p.n_vocab); });
 }
 
 VerifyResult verify_greedy_ids(const int32_t* argmax, int64_t n_vocab, const int32_t* drafts, int gamma) {
-    const int n = checked_draft_count(ProbRows{nullptr, gamma + 1, n_vocab}, nullptr, drafts, gamma);
+    const int n = checked_draft_count(gamma + 1, n_vocab, nullptr, drafts, gamma);
     for (int i = 0; i <= n; ++i) {
         if (argmax[i] < 0 || argmax[i] >= n_vocab)
             throw std::invalid_argument("target token " + std::to_string(argmax[i]) + " outside the vocabulary");
@@ -375,14 +445,18 @@ VerifyResult verify_greedy_ids(const int32_t* argmax, int64_t n_vocab, const int
     return accept_greedy(n, drafts, [argmax](int i) { return argmax[i]; });
 }
 
-VerifyResult verify_rejection(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
-                              uint32_t offset) {
-    const int n = checked_draft_count(p, &q, drafts, gamma);
+namespace {
+
+// Token-level rejection and block verification over either kind of target rows.
+template <typename Target>
+VerifyResult rejection(const Target& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
+                       uint32_t offset) {
+    const int n = checked_draft_count(p.n_rows(), p.n_vocab(), &q, drafts, gamma);
     check_prob_rows(p, q, n);
     VerifyResult r;
     for (int i = 0; i < n; ++i) {
         const int32_t x = drafts[i];
-        const float px = p.row(i)[x];
+        const float px = p.prob(i, x);
         const float qx = q.row(i)[x];
         if (qx == 0.0f) ++r.events.zero_q;
         // u < p/q without a division: u and q carry 24-bit mantissas, so u * q is exact in double.
@@ -400,16 +474,10 @@ VerifyResult verify_rejection(const ProbRows& p, const ProbRows& q, const int32_
     return r;
 }
 
-BlockThresholds block_thresholds(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma) {
-    const int n = checked_draft_count(p, &q, drafts, gamma);
-    check_prob_rows(p, q, n);
-    VerifyEvents events;
-    return thresholds(p, q, drafts, n, events);
-}
-
-VerifyResult verify_block(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
-                          uint32_t offset) {
-    const int n = checked_draft_count(p, &q, drafts, gamma);
+template <typename Target>
+VerifyResult block(const Target& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
+                   uint32_t offset) {
+    const int n = checked_draft_count(p.n_rows(), p.n_vocab(), &q, drafts, gamma);
     check_prob_rows(p, q, n);
     VerifyResult r;
     const BlockThresholds th = thresholds(p, q, drafts, n, r.events);
@@ -435,17 +503,50 @@ VerifyResult verify_block(const ProbRows& p, const ProbRows& q, const int32_t* d
     return r;
 }
 
-VerifyResult verify(VerifyMethod method, const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma,
-                    uint64_t seed, uint32_t offset) {
+template <typename Target>
+VerifyResult verify_sampled(VerifyMethod method, const Target& p, const ProbRows& q, const int32_t* drafts, int gamma,
+                            uint64_t seed, uint32_t offset) {
     switch (method) {
-        case VerifyMethod::Greedy:
-            return verify_greedy(p, drafts, gamma);
         case VerifyMethod::Rejection:
-            return verify_rejection(p, q, drafts, gamma, seed, offset);
+            return rejection(p, q, drafts, gamma, seed, offset);
         case VerifyMethod::Block:
-            return verify_block(p, q, drafts, gamma, seed, offset);
+            return block(p, q, drafts, gamma, seed, offset);
+        case VerifyMethod::Greedy:
+            break;
     }
     throw std::invalid_argument("unknown verification method");
+}
+
+}  // namespace
+
+VerifyResult verify_rejection(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
+                              uint32_t offset) {
+    return rejection(DenseTarget{p}, q, drafts, gamma, seed, offset);
+}
+
+BlockThresholds block_thresholds(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma) {
+    const int n = checked_draft_count(p.n_rows, p.n_vocab, &q, drafts, gamma);
+    const DenseTarget target{p};
+    check_prob_rows(target, q, n);
+    VerifyEvents events;
+    return thresholds(target, q, drafts, n, events);
+}
+
+VerifyResult verify_block(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
+                          uint32_t offset) {
+    return block(DenseTarget{p}, q, drafts, gamma, seed, offset);
+}
+
+VerifyResult verify(VerifyMethod method, const std::vector<SparseLaw>& p, int64_t n_vocab, const ProbRows& q,
+                    const int32_t* drafts, int gamma, uint64_t seed, uint32_t offset) {
+    if (method == VerifyMethod::Greedy) throw std::invalid_argument("candidate laws are verified by rejection or block");
+    return verify_sampled(method, SparseTarget{p, n_vocab}, q, drafts, gamma, seed, offset);
+}
+
+VerifyResult verify(VerifyMethod method, const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma,
+                    uint64_t seed, uint32_t offset) {
+    if (method == VerifyMethod::Greedy) return verify_greedy(p, drafts, gamma);
+    return verify_sampled(method, DenseTarget{p}, q, drafts, gamma, seed, offset);
 }
 
 int32_t gumbel_max(const float* logits, int64_t n, float temperature, const NoiseKey& key) {

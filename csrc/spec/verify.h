@@ -61,6 +61,20 @@ void processed_candidates(const double* logits, int64_t n, double temperature, i
 void processed_law(const float* logits, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
                    float* out);
 
+// A row's processed law over its candidates only: ids ascending, with the probabilities
+// processed_law gives them; every other token has probability 0.
+struct SparseLaw {
+    std::vector<int32_t> ids;
+    std::vector<float> probs;
+};
+
+// The law of a row from its m best candidates alone: ids in (logit desc, id asc) order (TOP_K's)
+// with their logits. Whenever top_k is in [1, m] it equals processed_law of the whole row at
+// those ids (top-k keeps only candidates; min-p and top-p look only at what top-k kept), and the
+// processing costs m entries instead of the vocabulary. Throws std::invalid_argument otherwise.
+SparseLaw candidate_law(const int32_t* ids, const float* logits, int64_t m, double temperature, int64_t top_k,
+                        double top_p, double min_p);
+
 // Drafts may end in padding (-1) for a ragged γ: the round then verifies only the drafts before
 // the first -1, and p still carries γ + 1 rows, q γ rows. Token ids must lie in [0, n_vocab).
 // Bad shapes, ids or rows (negative or non-finite probabilities, an all-zero p row) throw
@@ -88,6 +102,12 @@ VerifyResult verify_block(const ProbRows& p, const ProbRows& q, const int32_t* d
 // One switch for the three rules; q is ignored by Greedy.
 VerifyResult verify(VerifyMethod method, const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma,
                     uint64_t seed, uint32_t offset);
+// Rejection or block verification with candidate laws as the target rows (gamma + 1 of them):
+// the same tokens and events as over the full rows processed_law gives (the same values in the
+// same order: the tokens outside the candidates have p = 0, add nothing to a sum and never win a
+// draw).
+VerifyResult verify(VerifyMethod method, const std::vector<SparseLaw>& p, int64_t n_vocab, const ProbRows& q,
+                    const int32_t* drafts, int gamma, uint64_t seed, uint32_t offset);
 
 // The quantities block verification decides with, one per verified draft: pi[i-1] = π_i and
 // h[i-1] = h_i. Exposed so tests can hold them against exact fractions.
