@@ -126,3 +126,37 @@ def test_candidate_laws_are_checked():
             spec.verify_candidates("rejection", [law], 10, q, drafts, 1, 0)
     with pytest.raises(ValueError, match="rejection or block"):
         spec.verify_candidates("greedy", [([1], [1.0])], 10, q, drafts, 1, 0)
+
+
+@pytest.mark.parametrize("method", ["rejection", "block"])
+def test_draft_vocabulary_q_rows_verify_as_their_full_rows(method):
+    """q rows of a drafter's reduced vocabulary (entries at its ascending d2t only, as DSpark
+    drafters hand them to the engine) verify to the same tokens and events as the same rows
+    spread over the whole vocabulary, with the target's candidates partly outside d2t."""
+    rng = np.random.default_rng(12)
+    n, w = 3000, 400
+    n_accepted = 0
+    for round_ in range(200):
+        ids = np.sort(rng.choice(n, w, replace=False)).astype(np.int32)
+        gamma = int(rng.integers(1, 5))
+        base = rng.standard_normal(n).astype(np.float32) * 2
+        base[ids] += 2.0  # the target favours the draft vocabulary, not only it
+        logits = [base + rng.standard_normal(n).astype(np.float32) * 0.3 for _ in range(gamma + 1)]
+        top_k, top_p, min_p = FILTERS[round_ % len(FILTERS)]
+        laws = []
+        for z in logits:
+            cand = best_ids(z, top_k)
+            laws.append(tuple(spec.candidate_law(cand, z[cand], 0.8, top_k, top_p, min_p)))
+        q_sub = np.stack([softmax(z[ids] / 0.8 + rng.standard_normal(w).astype(np.float32) * 0.2)
+                          for z in logits[:gamma]])
+        q_full = np.zeros((gamma, n), np.float32)
+        q_full[:, ids] = q_sub
+        drafts = np.array([int(ids[rng.choice(w, p=r / r.sum(dtype=np.float64))]) for r in q_sub], np.int32)
+        seed, offset = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**31))
+        want = spec.verify_candidates(method, laws, n, q_full, drafts, seed, offset)
+        got = spec.verify_candidates(method, laws, n, q_sub, drafts, seed, offset, q_ids=ids)
+        assert got[0] == want[0] and np.array_equal(got[1], want[1]) and got[2] == want[2], round_
+        n_accepted += got[0]
+    assert n_accepted > 50
+    with pytest.raises(ValueError, match="ascend"):
+        spec.verify_candidates(method, laws, n, q_sub, drafts, 1, 0, q_ids=ids[::-1].copy())

@@ -108,6 +108,8 @@ def test_candidate_count_is_checked(root):
 def reduced_vocabulary_drafters(root, name, tm, seed, draft_vocab, perm_seed):
     """A DSpark drafter over a reduced vocabulary (ascending d2t, as the converter writes it) and
     the same drafter with its draft ids permuted (d2t, the head's and W2's rows alike)."""
+    from pathlib import Path
+
     import gguf
     _, path = make_drafter(root, name, tm, kind="speculators", seed=seed, draft_vocab=draft_vocab)
     t = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(path)).tensors}
@@ -173,3 +175,47 @@ def test_reduced_vocabulary_sampled_draws_use_the_target_ids_noise(root):
                 g = _core.spec.gumbel(seed, 1000 + o, 16 + 1 + k, tm.n_vocab)
                 assert out["tokens"][i] == int(np.argmax(z + g)), (str(p), o, k)
                 assert out["tokens"][i] in set(dm.d2t)
+
+
+@pytest.mark.parametrize("verify", ["rejection", "block"])
+def test_reduced_vocabulary_sampled_engine_equals_the_python_loop(root, verify):
+    """A DSpark drafter over a reduced vocabulary hands the engine its q rows over the draft ids
+    alone (ascending d2t) or spread over the target vocabulary (permuted d2t); the engine's
+    sampled requests (top-k: the target's law from the graph's candidates) give the tokens and
+    draft statistics of LLM.generate's Python loop, which verifies full rows, for either drafter."""
+    import pyspec
+    from pyspec.sampling import SamplingParams
+    from pyspec.speculative import SpecStats
+
+    from pathlib import Path
+
+    import gguf
+
+    tm, target_path, _ = target(root, "qwen3")
+    path, permuted = reduced_vocabulary_drafters(root, "engine-d2t", tm, seed=75, draft_vocab=300, perm_seed=5)
+
+    def flattened(p, heads=("output.weight", "markov_w2.weight"), scale=0.02):
+        """The model with its heads scaled down: flat laws, so drafts get accepted."""
+        t = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(p)).tensors}
+        heads = [h for h in heads if h in t]
+        return rewrite(p, root / f"flat-{Path(p).name}", drop_tensors=tuple(heads),
+                       add_tensors={h: (t[h] * scale).astype(t[h].dtype) for h in heads})
+
+    target_path = flattened(target_path, ("output.weight", "token_embd.weight"), 0.1)
+
+    prompts = [[3, 17, 29, 3, 3], [100, 101, 102], list(range(40, 70))]
+    T, seed, n = 1.0, 21, 24
+    for drafter in (flattened(path), flattened(permuted)):
+        llm = pyspec.LLM(str(target_path), n_ctx=256, n_threads=2, draft_model=str(drafter), draft_n_max=3,
+                         verify=verify)
+        accepted = 0
+        for opts in (dict(top_k=64), dict(top_k=40, top_p=0.9, min_p=0.02)):
+            res = llm.generate_many(prompts, max_tokens=n, temperature=T, seed=seed, ignore_eos=True, **opts)
+            for i, (p, r) in enumerate(zip(prompts, res)):
+                st = SpecStats()
+                want = list(llm.speculative.tokens(p, SamplingParams(temperature=T, **opts), n, stats=st,
+                                                   seed=seed + i))
+                assert r.tokens == want, (str(drafter), opts, i)
+                assert (r.draft_n, r.draft_n_accepted) == (st.draft_n, st.draft_n_accepted), (str(drafter), opts, i)
+            accepted += sum(r.draft_n_accepted for r in res)
+        assert accepted > 5, accepted

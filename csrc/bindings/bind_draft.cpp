@@ -56,7 +56,7 @@ py::dict to_dict(const DraftOutput& out) {
     std::memcpy(tokens.mutable_data(), out.tokens.data(), out.tokens.size() * sizeof(int32_t));
     d["tokens"] = tokens;
     if (!out.base_logits.empty()) d["base_logits"] = matrix(out.base_logits);
-    if (!out.q.empty()) d["q"] = matrix(out.q);
+    if (!out.q.empty()) d["q"] = matrix(out.full_q());
     // The sampling chains' outputs: [n_block, n_candidates] each.
     const std::vector<py::ssize_t> kshape{static_cast<py::ssize_t>(out.n_block), static_cast<py::ssize_t>(out.n_candidates)};
     py::array_t<int32_t> cand(kshape);

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -233,10 +234,24 @@ void bind_spec(py::module_& parent) {
     m.def(
         "verify_candidates",
         [](const std::string& method, const std::vector<std::pair<std::vector<int32_t>, std::vector<float>>>& laws,
-           int64_t n_vocab, const FloatArray& q_rows, const IntArray& drafts, uint64_t seed, uint32_t offset) {
+           int64_t n_vocab, const FloatArray& q_rows, const IntArray& drafts, uint64_t seed, uint32_t offset,
+           const std::optional<IntArray>& q_ids) {
             std::vector<SparseLaw> p(laws.size());
             for (size_t i = 0; i < laws.size(); ++i) p[i] = SparseLaw{laws[i].first, laws[i].second};
-            const ProbRows q = rows_of(q_rows, "q_rows", n_vocab);
+            const ProbRows rows = rows_of(q_rows, "q_rows", q_ids ? static_cast<int64_t>(q_ids->size()) : n_vocab);
+            ProposalRows q{rows.data, rows.n_rows, n_vocab, rows.n_vocab, nullptr};
+            if (q_ids) {
+                if (q_ids->ndim() != 1 || static_cast<int64_t>(q_ids->size()) != rows.n_vocab)
+                    throw std::invalid_argument("q_ids must give one target id per q_rows column");
+                const int32_t* ids = q_ids->data();
+                for (int64_t d = 0; d < rows.n_vocab; ++d) {
+                    if (ids[d] < 0 || ids[d] >= n_vocab || (d > 0 && ids[d] <= ids[d - 1]))
+                        throw std::invalid_argument("q_ids must ascend within the vocabulary");
+                }
+                q.ids = ids;
+            } else if (rows.n_rows > 0 && rows.n_vocab != n_vocab) {
+                throw std::invalid_argument("full q rows need n_vocab columns");
+            }
             int gamma = 0;
             const int32_t* d = drafts_of(drafts, gamma);
             if (method != "rejection" && method != "block") throw std::invalid_argument("method must be rejection or block");
@@ -244,8 +259,9 @@ void bind_spec(py::module_& parent) {
             return result_tuple(verify(m, p, n_vocab, q, d, gamma, seed, offset));
         },
         py::arg("method"), py::arg("laws"), py::arg("n_vocab"), py::arg("q_rows"), py::arg("drafts"), py::arg("seed"),
-        py::arg("offset"),
-        "Rejection or block verification with target rows given as candidate laws [(ids ascending, probs)]: "
+        py::arg("offset"), py::arg("q_ids") = py::none(),
+        "Rejection or block verification with target rows given as candidate laws [(ids ascending, probs)] and q "
+        "as full rows or (q_ids: ascending target ids of q_rows' columns) draft-vocabulary rows: "
         "(accepted, tokens, events), as verify_rejection / verify_block over the full rows.");
     m.def(
         "block_thresholds",

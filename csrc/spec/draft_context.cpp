@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cpu/vec_math.h"
 #include "runtime/philox.h"
 #include "spec/verify.h"
 
@@ -16,27 +17,21 @@ namespace {
 
 // q = softmax(z) in double over the draft vocabulary, scattered to target ids through d2t
 // (zeros elsewhere). z is the exact float vector the Gumbel noise perturbed.
-void softmax_scatter(const float* z, size_t vd, const std::vector<int32_t>& d2t, float* out) {
-    double m = -std::numeric_limits<double>::infinity();
+// softmax(z) over a draft-vocabulary row into out[0..vd): the exponentials vectorised in float
+// (vec::exp_shift_sum), each divided by their sum. A slot drafts every round, so its 8,192
+// double exponentials were most of a sampled DSpark pass's host time.
+void draft_softmax(const float* z, size_t vd, float* out) {
+    float m = -std::numeric_limits<float>::infinity();
     for (size_t d = 0; d < vd; ++d) {
         if (!std::isfinite(z[d])) {
             throw std::invalid_argument("draft: logits / temperature is not finite at draft token " + std::to_string(d) +
                                         " (temperature too small?)");
         }
-        m = std::max(m, static_cast<double>(z[d]));
+        m = std::max(m, z[d]);
     }
-    // Each exponential once (kept for the division): the same values as computing it twice.
-    thread_local std::vector<double> e;
-    e.resize(vd);
-    double sum = 0.0;
-    for (size_t d = 0; d < vd; ++d) {
-        e[d] = std::exp(static_cast<double>(z[d]) - m);
-        sum += e[d];
-    }
-    for (size_t d = 0; d < vd; ++d) {
-        const size_t t = d2t.empty() ? d : static_cast<size_t>(d2t[d]);
-        out[t] = static_cast<float>(e[d] / sum);
-    }
+    std::copy(z, z + vd, out);
+    const float sum = vec::exp_shift_sum(out, static_cast<int64_t>(vd), m);
+    for (size_t d = 0; d < vd; ++d) out[d] /= sum;
 }
 
 // Rows of draft-vocabulary logits [n_rows, vd] as target-vocabulary rows [n_rows, v]: each
@@ -433,7 +428,12 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
                 scatter_draft_rows(bd, nout, vd, model_.d2t, v, out.base_logits);
             }
         }
-        if (out.temperature > 0.0f) out.q.assign(nout * v, 0.0f);
+        if (out.temperature > 0.0f) {
+            // Draft-vocabulary rows where d2t is ascending (verification looks them up); else
+            // spread over the target vocabulary (vd == v without d2t).
+            out.q_ids = !model_.d2t.empty() && model_.d2t_ascending ? &model_.d2t : nullptr;
+            out.q.assign(nout * static_cast<size_t>(out.q_width()), 0.0f);
+        }
         if (hp.has_confidence_head) out.confidence.assign(nout, std::numeric_limits<float>::quiet_NaN());
     }
     if (!hp.is_dspark) return outs;
@@ -449,7 +449,15 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
                 out.tokens[i] = model_.d2t.empty() ? d : model_.d2t[static_cast<size_t>(d)];
             }
             if (out.temperature > 0.0f) {
-                softmax_scatter(markov_z.data() + (kk * nb + b) * vd, vd, model_.d2t, out.q.data() + i * v);
+                const float* z = markov_z.data() + (kk * nb + b) * vd;
+                const size_t w = static_cast<size_t>(out.q_width());
+                if (out.q_ids || model_.d2t.empty()) {
+                    draft_softmax(z, vd, out.q.data() + i * w);
+                } else {
+                    std::vector<float> law(vd);
+                    draft_softmax(z, vd, law.data());
+                    for (size_t d = 0; d < vd; ++d) out.q[i * w + static_cast<size_t>(model_.d2t[d])] = law[d];
+                }
             }
             if (hp.has_confidence_head) {
                 const double z = static_cast<double>(conf_h[b * nout + i]) + conf_e[kk * nb + b] + model_.conf_bias;
@@ -458,6 +466,13 @@ std::vector<DraftOutput> DraftContext::draft_many(const std::vector<DraftRequest
         }
     }
     return outs;
+}
+
+std::vector<float> DraftOutput::full_q() const {
+    const int64_t w = q_width();
+    return ProposalRows{q.data(), w ? static_cast<int64_t>(q.size()) / w : 0, n_vocab, w,
+                        q_ids ? q_ids->data() : nullptr}
+        .spread();
 }
 
 void DraftContext::remove(int32_t seq, int64_t p0, int64_t p1) {

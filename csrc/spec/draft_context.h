@@ -58,12 +58,18 @@ struct DraftOutput {
                                      // draft slots hold the Gumbel-max draws (DSpark: the
                                      // ancestral chain; logits then follow the drawn chain)
     float temperature = 0.0f;
-    // T > 0: [n_block, n_vocab] q rows. Row of draft slot i is exactly the law tokens[i] was drawn
+    // T > 0: [n_block, q_width()] q rows. Row of draft slot i is the law tokens[i] was drawn
     // from: softmax(z) of the very float vector z the noise perturbed (DSpark: the graph's
-    // (base + bias(d_prev)) * (1/T); DFlash: logits / T), normalised in double; zeros outside the
-    // draft vocabulary (d2t). Rows of non-draft slots (bonus-anchor slot 0) are zero. Empty at
+    // (base + bias(d_prev)) * (1/T), its exponentials vectorised in float; DFlash: logits / T,
+    // normalised in double). Full rows over the target vocabulary (zeros outside the draft
+    // vocabulary), or with q_ids (DSpark with an ascending d2t) each row's entries at those
+    // target ids only: a reduced draft vocabulary's rows are not spread over the whole
+    // vocabulary on the host. Rows of non-draft slots (bonus-anchor slot 0) are zero. Empty at
     // T = 0 (the proposal is the one-hot argmax).
     std::vector<float> q;
+    const std::vector<int32_t>* q_ids = nullptr;
+    int64_t q_width() const { return q_ids ? static_cast<int64_t>(q_ids->size()) : n_vocab; }
+    std::vector<float> full_q() const;  // q as full rows [n_block, n_vocab]
     // The sampling chains' outputs for this sequence, per block slot (design.md invariant 1):
     int64_t n_candidates = 0;
     std::vector<int32_t> candidates;        // [n_block, n_candidates] top-k ids, descending

@@ -236,6 +236,7 @@ void SpecEngine::stop_drafting(Request& r, const std::string& why) {
     if (slot >= 0) dctx_->clear(slot);
     r.drafts.clear();
     r.q.clear();
+    r.q_ids = nullptr;
     r.pending_pos.clear();
     r.pending_rows.clear();
     r.parked.reset();
@@ -335,6 +336,7 @@ bool SpecEngine::propose_ngram(Request& r) {
     r.drafts = std::move(found);
     r.ngram_drafts = true;
     r.q.clear();
+    r.q_ids = nullptr;
     if (r.params.temperature > 0.0) {
         // A looked-up draft is deterministic: its proposal is the point mass on it, and rejection
         // (or block) verification with that q stays exactly the target's law (verification.md §2.2).
@@ -422,9 +424,16 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
                                              r.params.draft_p_min_mode, r.params.draft_n_min);
         r.drafts.assign(o.tokens.begin() + offset_, o.tokens.begin() + offset_ + n_draft);
         if (r.params.temperature > 0.0) {
-            r.q.assign(o.q.begin() + offset_ * o.n_vocab, o.q.begin() + (offset_ + n_draft) * o.n_vocab);
+            const int64_t w = o.q_width();
+            r.q.assign(o.q.begin() + offset_ * w, o.q.begin() + (offset_ + n_draft) * w);
+            r.q_ids = o.q_ids;
         }
     }
+}
+
+ProposalRows SpecEngine::proposals(const Request& r) const {
+    const int64_t w = r.q_ids ? static_cast<int64_t>(r.q_ids->size()) : n_vocab_;
+    return ProposalRows{r.q.data(), static_cast<int64_t>(r.drafts.size()), n_vocab_, w, r.q_ids ? r.q_ids->data() : nullptr};
 }
 
 VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
@@ -457,8 +466,8 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
                 laws[j] = candidate_law(ids.data(), values.data(), static_cast<int64_t>(ids.size()), r.params.temperature,
                                         r.params.top_k, r.params.top_p, r.params.min_p);
             }
-            return verify(r.params.method, laws, n_vocab_, ProbRows{r.q.data(), gamma, n_vocab_}, r.drafts.data(), gamma,
-                          r.params.seed, static_cast<uint32_t>(r.pos0));
+            return verify(r.params.method, laws, n_vocab_, proposals(r), r.drafts.data(), gamma, r.params.seed,
+                          static_cast<uint32_t>(r.pos0));
         }
         std::vector<int32_t> ids(static_cast<size_t>(gamma) + 1);
         for (size_t j = 0; j < ids.size(); ++j) {
@@ -481,7 +490,10 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
     }
     if (r.params.temperature <= 0.0) return verify_greedy(ProbRows{rows, gamma + 1, n_vocab_}, r.drafts.data(), gamma);
     const std::vector<float> p = target_law(rows, gamma + 1, n_vocab_, r.params);
-    return verify(r.params.method, ProbRows{p.data(), gamma + 1, n_vocab_}, ProbRows{r.q.data(), gamma, n_vocab_},
+    // Full target rows meet full proposal rows: a drafter's draft-vocabulary rows spread out.
+    const std::vector<float> q = proposals(r).spread();
+    return verify(r.params.method, ProbRows{p.data(), gamma + 1, n_vocab_},
+                  ProbRows{q.data(), gamma, n_vocab_},
                   r.drafts.data(), gamma, r.params.seed, static_cast<uint32_t>(r.pos0));
 }
 

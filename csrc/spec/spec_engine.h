@@ -249,7 +249,8 @@ private:
         int64_t n_out = 0;
         std::vector<int32_t> drafts;  // the block to verify next
         bool ngram_drafts = false;    // ... found by the n-gram lookup (not drafted by the drafter)
-        std::vector<float> q;         // [drafts, n_vocab] proposals (T > 0)
+        std::vector<float> q;         // [drafts, q width] proposals (T > 0): full rows, or entries at q_ids
+        const std::vector<int32_t>* q_ids = nullptr;  // DraftOutput::q_ids of the drafter's rows
         // Committed feature rows not yet staged into the drafter slot (positions and rows).
         std::deque<int32_t> pending_pos;
         std::deque<std::vector<float>> pending_rows;
@@ -264,6 +265,8 @@ private:
     void commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n);
     // Verifies r's drafts (none after its prompt pass) against the target's rows for [id_last,
     // drafts...], which start at logits (or ARGMAX) row `first`.
+    // r's proposal rows (T > 0) for verification.
+    ProposalRows proposals(const Request& r) const;
     VerifyResult verify_rows(const Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
                              std::vector<float>& processed) const;
     // Emits what a verification of the rows from logits row `first` gave: history, stop ids,

@@ -13,10 +13,26 @@
 
 namespace pyspec {
 
+float ProposalRows::at(int64_t i, int32_t t) const {
+    const float* r = row(i);
+    if (!ids) return r[t];
+    const int32_t* it = std::lower_bound(ids, ids + width, t);
+    return it != ids + width && *it == t ? r[it - ids] : 0.0f;
+}
+
+std::vector<float> ProposalRows::spread() const {
+    if (!ids) return std::vector<float>(data, data + n_rows * width);
+    std::vector<float> full(static_cast<size_t>(n_rows * n_vocab), 0.0f);
+    for (int64_t i = 0; i < n_rows; ++i) {
+        for (int64_t d = 0; d < width; ++d) full[static_cast<size_t>(i * n_vocab + ids[d])] = row(i)[d];
+    }
+    return full;
+}
+
 namespace {
 
 // Checks the shapes and the drafts; returns how many drafts come before the padding (-1).
-int checked_draft_count(int64_t p_rows, int64_t n_vocab, const ProbRows* q, const int32_t* drafts, int gamma) {
+int checked_draft_count(int64_t p_rows, int64_t n_vocab, const ProposalRows* q, const int32_t* drafts, int gamma) {
     if (gamma < 0) throw std::invalid_argument("the number of drafts must be >= 0");
     if (n_vocab < 1) throw std::invalid_argument("target rows need at least one token");
     if (p_rows != gamma + 1)
@@ -128,12 +144,12 @@ NoiseKey slot_key(uint64_t seed, uint32_t offset, int slot, NoiseStream stream) 
 // The same race as sample_weights over a sparse row: its candidates in ascending id order, every
 // other token having p = 0 and so no positive weight (q >= 0). Each visited token's value is the
 // same double as the full row's race computes, so the winner, ties included, is the same token.
-int32_t sample_weights_sparse(const SparseLaw& p, const float* q, double scale, const NoiseKey& key) {
+int32_t sample_weights_sparse(const SparseLaw& p, const ProposalRows* q, int64_t qi, double scale, const NoiseKey& key) {
     int32_t best = -1;
     double best_val = 0.0;
     for (size_t c = 0; c < p.ids.size(); ++c) {
         const int32_t t = p.ids[c];
-        const double w = q ? scale * p.probs[c] - q[t] : static_cast<double>(p.probs[c]);
+        const double w = q ? scale * p.probs[c] - q->at(qi, t) : static_cast<double>(p.probs[c]);
         if (!(w > 0.0)) continue;
         const float u = u01_open(noise_block(key, static_cast<uint32_t>(t >> 2))[t & 3]);
         const double val = w / -std::log(static_cast<double>(u));
@@ -154,13 +170,19 @@ struct DenseTarget {
     int64_t n_vocab() const { return p.n_vocab; }
     float prob(int i, int32_t t) const { return p.row(i)[t]; }
     void check(int i) const { check_prob_row(p.row(i), p.n_vocab, "target", i, true); }
-    int32_t draw(int i, const float* q, double scale, const NoiseKey& key) const {
-        return sample_weights(p.row(i), q, scale, p.n_vocab, key);
+    // Full rows meet full proposal rows only (the engine spreads a drafter's rows out first).
+    static const float* full_row(const ProposalRows& q, int i) {
+        if (q.ids) throw std::logic_error("full target rows need full proposal rows");
+        return q.row(i);
     }
-    double residual(int i, double s, const float* q) const {
+    int32_t draw(int i, const ProposalRows* q, double scale, const NoiseKey& key) const {
+        return sample_weights(p.row(i), q ? full_row(*q, i) : nullptr, scale, p.n_vocab, key);
+    }
+    double residual(int i, double s, const ProposalRows& q) const {
         const float* pi = p.row(i);
+        const float* qi = full_row(q, i);
         double z = 0.0;
-        for (int64_t t = 0; t < p.n_vocab; ++t) z += std::max(0.0, s * pi[t] - q[t]);
+        for (int64_t t = 0; t < p.n_vocab; ++t) z += std::max(0.0, s * pi[t] - qi[t]);
         return z;
     }
 };
@@ -192,22 +214,22 @@ struct SparseTarget {
         }
         if (!mass) throw std::invalid_argument(row + " has no probability mass");
     }
-    int32_t draw(int i, const float* q, double scale, const NoiseKey& key) const {
-        return sample_weights_sparse(p[static_cast<size_t>(i)], q, scale, key);
+    int32_t draw(int i, const ProposalRows* q, double scale, const NoiseKey& key) const {
+        return sample_weights_sparse(p[static_cast<size_t>(i)], q, i, scale, key);
     }
-    double residual(int i, double s, const float* q) const {
+    double residual(int i, double s, const ProposalRows& q) const {
         const SparseLaw& r = p[static_cast<size_t>(i)];
         double z = 0.0;
-        for (size_t c = 0; c < r.ids.size(); ++c) z += std::max(0.0, s * r.probs[c] - q[r.ids[c]]);
+        for (size_t c = 0; c < r.ids.size(); ++c) z += std::max(0.0, s * r.probs[c] - q.at(i, r.ids[c]));
         return z;
     }
 };
 
 // The rows a stochastic verifier reads: p_1..p_{n+1} and q_1..q_n for n verified drafts.
 template <typename Target>
-void check_prob_rows(const Target& p, const ProbRows& q, int n_valid) {
+void check_prob_rows(const Target& p, const ProposalRows& q, int n_valid) {
     for (int i = 0; i <= n_valid; ++i) p.check(i);
-    for (int i = 0; i < n_valid; ++i) check_prob_row(q.row(i), q.n_vocab, "proposal", i, false);
+    for (int i = 0; i < n_valid; ++i) check_prob_row(q.row(i), q.width, "proposal", i, false);
 }
 
 // The bonus after all n drafts were accepted: a draw from p_{n+1}.
@@ -219,10 +241,10 @@ int32_t draw_bonus(const Target& p, int n, uint64_t seed, uint32_t offset) {
 // The correction at slot `slot` from max(0, scale * p - q); an empty residual (unreachable in exact
 // arithmetic) falls back to p and is counted.
 template <typename Target>
-int32_t draw_correction(const Target& p, const ProbRows& q, int slot, double scale, uint64_t seed, uint32_t offset,
+int32_t draw_correction(const Target& p, const ProposalRows& q, int slot, double scale, uint64_t seed, uint32_t offset,
                         VerifyEvents& events) {
     const NoiseKey key = slot_key(seed, offset, slot, NoiseStream::Correction);
-    const int32_t y = p.draw(slot, q.row(slot), scale, key);
+    const int32_t y = p.draw(slot, &q, scale, key);
     if (y >= 0) return y;
     ++events.empty_residual;
     return p.draw(slot, nullptr, 1.0, key);
@@ -230,7 +252,7 @@ int32_t draw_correction(const Target& p, const ProbRows& q, int slot, double sca
 
 // π_1..π_n and h_1..h_n of block verification for n verified drafts.
 template <typename Target>
-BlockThresholds thresholds(const Target& p, const ProbRows& q, const int32_t* drafts, int n, VerifyEvents& events) {
+BlockThresholds thresholds(const Target& p, const ProposalRows& q, const int32_t* drafts, int n, VerifyEvents& events) {
     BlockThresholds th;
     th.pi.resize(n);
     th.h.resize(n);
@@ -239,7 +261,7 @@ BlockThresholds thresholds(const Target& p, const ProbRows& q, const int32_t* dr
     double pi = 1.0;
     for (int i = 0; i < n; ++i) {
         const double px = p.prob(i, drafts[i]);
-        const double qx = q.row(i)[drafts[i]];
+        const double qx = q.at(i, drafts[i]);
         if (qx == 0.0) ++events.zero_q;
         if (pi > 0.0) pi = px == 0.0 ? 0.0 : (qx == 0.0 ? 1.0 : std::min(1.0, pi * px / qx));
         th.pi[i] = pi;
@@ -249,7 +271,7 @@ BlockThresholds thresholds(const Target& p, const ProbRows& q, const int32_t* dr
     // With 0-based j = i - 1 below, π_i is th.pi[j] and those rows are row j + 1. h_n = π_n. A 0/0
     // gives h = 0, so the scan never stops where the residual is empty.
     for (int j = 0; j + 1 < n; ++j) {
-        const double z = p.residual(j + 1, th.pi[j], q.row(j + 1));
+        const double z = p.residual(j + 1, th.pi[j], q);
         const double denom = z + (1.0 - th.pi[j]);
         th.h[j] = denom > 0.0 ? std::min(1.0, z / denom) : 0.0;
     }
@@ -449,7 +471,7 @@ namespace {
 
 // Token-level rejection and block verification over either kind of target rows.
 template <typename Target>
-VerifyResult rejection(const Target& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
+VerifyResult rejection(const Target& p, const ProposalRows& q, const int32_t* drafts, int gamma, uint64_t seed,
                        uint32_t offset) {
     const int n = checked_draft_count(p.n_rows(), p.n_vocab(), &q, drafts, gamma);
     check_prob_rows(p, q, n);
@@ -457,7 +479,7 @@ VerifyResult rejection(const Target& p, const ProbRows& q, const int32_t* drafts
     for (int i = 0; i < n; ++i) {
         const int32_t x = drafts[i];
         const float px = p.prob(i, x);
-        const float qx = q.row(i)[x];
+        const float qx = q.at(i, x);
         if (qx == 0.0f) ++r.events.zero_q;
         // u < p/q without a division: u and q carry 24-bit mantissas, so u * q is exact in double.
         // q = 0 accepts iff p > 0, the limit of the rule; u < 1 makes a ratio >= 1 always accept.
@@ -475,7 +497,7 @@ VerifyResult rejection(const Target& p, const ProbRows& q, const int32_t* drafts
 }
 
 template <typename Target>
-VerifyResult block(const Target& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
+VerifyResult block(const Target& p, const ProposalRows& q, const int32_t* drafts, int gamma, uint64_t seed,
                    uint32_t offset) {
     const int n = checked_draft_count(p.n_rows(), p.n_vocab(), &q, drafts, gamma);
     check_prob_rows(p, q, n);
@@ -504,7 +526,7 @@ VerifyResult block(const Target& p, const ProbRows& q, const int32_t* drafts, in
 }
 
 template <typename Target>
-VerifyResult verify_sampled(VerifyMethod method, const Target& p, const ProbRows& q, const int32_t* drafts, int gamma,
+VerifyResult verify_sampled(VerifyMethod method, const Target& p, const ProposalRows& q, const int32_t* drafts, int gamma,
                             uint64_t seed, uint32_t offset) {
     switch (method) {
         case VerifyMethod::Rejection:
@@ -521,23 +543,24 @@ VerifyResult verify_sampled(VerifyMethod method, const Target& p, const ProbRows
 
 VerifyResult verify_rejection(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
                               uint32_t offset) {
-    return rejection(DenseTarget{p}, q, drafts, gamma, seed, offset);
+    return rejection(DenseTarget{p}, ProposalRows::full(q), drafts, gamma, seed, offset);
 }
 
 BlockThresholds block_thresholds(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma) {
-    const int n = checked_draft_count(p.n_rows, p.n_vocab, &q, drafts, gamma);
+    const ProposalRows qr = ProposalRows::full(q);
+    const int n = checked_draft_count(p.n_rows, p.n_vocab, &qr, drafts, gamma);
     const DenseTarget target{p};
-    check_prob_rows(target, q, n);
+    check_prob_rows(target, qr, n);
     VerifyEvents events;
-    return thresholds(target, q, drafts, n, events);
+    return thresholds(target, qr, drafts, n, events);
 }
 
 VerifyResult verify_block(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma, uint64_t seed,
                           uint32_t offset) {
-    return block(DenseTarget{p}, q, drafts, gamma, seed, offset);
+    return block(DenseTarget{p}, ProposalRows::full(q), drafts, gamma, seed, offset);
 }
 
-VerifyResult verify(VerifyMethod method, const std::vector<SparseLaw>& p, int64_t n_vocab, const ProbRows& q,
+VerifyResult verify(VerifyMethod method, const std::vector<SparseLaw>& p, int64_t n_vocab, const ProposalRows& q,
                     const int32_t* drafts, int gamma, uint64_t seed, uint32_t offset) {
     if (method == VerifyMethod::Greedy) throw std::invalid_argument("candidate laws are verified by rejection or block");
     return verify_sampled(method, SparseTarget{p, n_vocab}, q, drafts, gamma, seed, offset);
@@ -546,7 +569,7 @@ VerifyResult verify(VerifyMethod method, const std::vector<SparseLaw>& p, int64_
 VerifyResult verify(VerifyMethod method, const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma,
                     uint64_t seed, uint32_t offset) {
     if (method == VerifyMethod::Greedy) return verify_greedy(p, drafts, gamma);
-    return verify_sampled(method, DenseTarget{p}, q, drafts, gamma, seed, offset);
+    return verify_sampled(method, DenseTarget{p}, ProposalRows::full(q), drafts, gamma, seed, offset);
 }
 
 int32_t gumbel_max(const float* logits, int64_t n, float temperature, const NoiseKey& key) {

@@ -29,6 +29,21 @@ struct ProbRows {
     const float* row(int64_t i) const { return data + i * n_vocab; }
 };
 
+// Proposal rows q: full rows over the target vocabulary, or (a drafter with a reduced draft
+// vocabulary) each row's entries at `ids`, ascending target ids shared by every row (the
+// drafter's d2t), every other token having q = 0. Not owned.
+struct ProposalRows {
+    const float* data = nullptr;
+    int64_t n_rows = 0;
+    int64_t n_vocab = 0;           // the target vocabulary
+    int64_t width = 0;             // entries a row: n_vocab without ids, else the length of ids
+    const int32_t* ids = nullptr;  // null: entry t is token t
+    const float* row(int64_t i) const { return data + i * width; }
+    float at(int64_t i, int32_t t) const;  // q_i(t)
+    std::vector<float> spread() const;     // the rows as full rows [n_rows, n_vocab]
+    static ProposalRows full(const ProbRows& q) { return ProposalRows{q.data, q.n_rows, q.n_vocab, q.n_vocab, nullptr}; }
+};
+
 // Events that cannot happen with consistent inputs; counted rather than hidden (§1.4, §2.4).
 struct VerifyEvents {
     int64_t zero_q = 0;          // a draft whose proposal probability is 0 (stale or misprocessed q)
@@ -106,7 +121,8 @@ VerifyResult verify(VerifyMethod method, const ProbRows& p, const ProbRows& q, c
 // the same tokens and events as over the full rows processed_law gives (the same values in the
 // same order: the tokens outside the candidates have p = 0, add nothing to a sum and never win a
 // draw).
-VerifyResult verify(VerifyMethod method, const std::vector<SparseLaw>& p, int64_t n_vocab, const ProbRows& q,
+// q may hold its rows' entries at ids (ProposalRows): the same tokens and events again.
+VerifyResult verify(VerifyMethod method, const std::vector<SparseLaw>& p, int64_t n_vocab, const ProposalRows& q,
                     const int32_t* drafts, int gamma, uint64_t seed, uint32_t offset);
 
 // The quantities block verification decides with, one per verified draft: pi[i-1] = π_i and
