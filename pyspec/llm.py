@@ -24,6 +24,9 @@ from .speculative import Drafter, SpeculativeGenerator, SpecStats
 from .tokenizer import Tokenizer
 
 _D = SamplingParams()
+# The most best ids a sampled step asks the graph for (the engine's limit too: the CUDA TOP_K
+# filters up to 64); a larger top_k, or none, reads the whole row of logits.
+_BEST_IDS_MAX = 64
 
 
 @dataclass
@@ -305,18 +308,29 @@ class LLM:
                 return
             # Greedy: each step's token is the argmax taken in the graph (Context.decode's
             # argmax; the first maximum, as Sampler's), so no row of logits crosses from the
-            # backend and none is widened on the host.
+            # backend and none is widened on the host. Sampled with top-k (llama.cpp's chain
+            # starts with top-k 40): only the row's best top_k ids and logits cross, which give
+            # the same law and the same draw (Sampler.sample_best).
             greedy = sampler.params.greedy
+            top_k = sampler.params.top_k
+            best = 0 if greedy or not 1 <= top_k <= min(_BEST_IDS_MAX, self.model.n_vocab) else top_k
 
             def step(r):
-                return int(r.tokens[-1]) if greedy else r.logits[-1]
+                if greedy:
+                    return int(r.tokens[-1])
+                return (r.candidates[-1], r.candidate_logits[-1]) if best else r.logits[-1]
+
+            def draw(out):
+                if greedy:
+                    return out
+                return sampler.sample_best(*out) if best else sampler.sample(out)
             ctx.kv_clear()
             t = time.perf_counter()
-            out = step(ctx.decode(np.asarray(ids, dtype=np.int32), prompt=True, argmax=greedy))
+            out = step(ctx.decode(np.asarray(ids, dtype=np.int32), prompt=True, argmax=greedy, candidates=best))
             stats.prompt_seconds = time.perf_counter() - t
             while True:
                 t = time.perf_counter()
-                tok = out if greedy else sampler.sample(out)
+                tok = draw(out)
                 stats.sample_seconds += time.perf_counter() - t
                 if not ignore_eos and self.tokenizer.is_eog(tok):
                     stats.stop_reason = "eog"
@@ -330,7 +344,7 @@ class LLM:
                     stats.stop_reason = "context"
                     return
                 t = time.perf_counter()
-                out = step(ctx.decode([tok], argmax=greedy))
+                out = step(ctx.decode([tok], argmax=greedy, candidates=best))
                 stats.decode_seconds += time.perf_counter() - t
                 stats.n_decoded += 1
                 stats.n_decode_tokens += 1

@@ -182,6 +182,8 @@ class DecodeResult:
     output_rows: np.ndarray             # int32 batch rows that produced logits, in batch order
     layer_inputs: Dict[int, np.ndarray] = field(default_factory=dict)  # id -> [n_rows, n_embd]
     tokens: Optional[np.ndarray] = None  # int32 [n_outputs]: the greedy ids, with argmax=True
+    candidates: Optional[np.ndarray] = None        # int32 [n_outputs, k]: the k best ids, with candidates=k
+    candidate_logits: Optional[np.ndarray] = None  # float32 [n_outputs, k]: their logits
 
 
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
@@ -231,7 +233,8 @@ class Context:
         return self._ctx.kv_cache_bytes
 
     def decode(self, tokens, positions=None, seq_ids=None, output=None,
-               layer_inputs: Iterable[int] = (), prompt=None, argmax: bool = False) -> DecodeResult:
+               layer_inputs: Iterable[int] = (), prompt=None, argmax: bool = False,
+               candidates: int = 0) -> DecodeResult:
         """Decodes a batch of rows (tokens at positions of sequences) into the KV cache.
 
         output: the rows that want logits (default: the last one). prompt: the prompt rows (True:
@@ -281,7 +284,10 @@ class Context:
                 raise ValueError(f"prompt has {kinds.shape[0]} entries, expected {n}")
             kinds = kinds.astype(np.uint8)
         layers = [int(x) for x in layer_inputs]
-        first, rows, inputs = self._ctx.decode(tok, pos, seq, out, layers, kinds, bool(argmax))
+        first, rows, inputs = self._ctx.decode(tok, pos, seq, out, layers, kinds, bool(argmax), int(candidates))
+        if candidates:
+            return DecodeResult(logits=None, output_rows=rows, layer_inputs=dict(inputs), candidates=first[0],
+                                candidate_logits=first[1])
         if argmax:
             return DecodeResult(logits=None, output_rows=rows, layer_inputs=dict(inputs), tokens=first)
         return DecodeResult(logits=first, output_rows=rows, layer_inputs=dict(inputs))

@@ -111,7 +111,22 @@ class Sampler:
             if z.shape[0] == 0:
                 raise ValueError("cannot sample from empty logits")
             return int(np.argmax(z))
-        ids, probs = self.candidates(z)
+        return self._draw(*self.candidates(z))
+
+    def sample_best(self, ids: np.ndarray, logits: np.ndarray) -> int:
+        """sample() of a row given only its best len(ids) ids (logit descending, ties by the
+        smaller id: Context.decode(candidates=k)) and their logits, for a chain with 1 <= top_k <=
+        len(ids): top-k keeps only such ids, and top-p and min-p look only at what it kept, so the
+        law, and the draw, are the whole row's."""
+        p = self.params
+        if not 1 <= p.top_k <= len(ids) or p.greedy:
+            raise ValueError(f"sampling from {len(ids)} best ids needs temperature > 0 and top_k in [1, {len(ids)}]")
+        local, probs = _core.spec.processed_candidates(np.asarray(logits, dtype=np.float64).reshape(-1),
+                                                       float(p.temperature), int(p.top_k), float(p.top_p),
+                                                       float(p.min_p))
+        return self._draw(np.asarray(ids, dtype=np.int64)[local], probs)
+
+    def _draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
         cdf = np.cumsum(probs)
         i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
         return int(ids[min(i, ids.shape[0] - 1)])

@@ -240,6 +240,35 @@ def test_argmax_gives_each_output_rows_first_maximum(model_dir, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_candidates_give_each_output_rows_best_ids_and_logits(model_dir, arch):
+    """decode(candidates=k): each output row's k best ids (logit descending, ties by the smaller
+    id) and their logits, taken in the graph (TOP_K, GATHER), equal the same rows' logits sorted by
+    numpy, in batch order (rows reordered in the graph, both arrays put back), over split batches
+    too; more candidates than the vocabulary is refused."""
+    tm, model = tiny(model_dir, arch, "Q8_0")
+    rows = interleaved_rows(np.random.default_rng(13), model.n_vocab, [6, 8, 5])
+    tok, pos, seq = [r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]
+    want = np.zeros(len(rows), bool)
+    want[[1, 3, 4, 9, 17, 18]] = True
+    prompt = ~want
+    prompt[[4, 9, 17, 18]] = True  # prompt rows with logits go first in the graph: 1 and 3 move
+    full = decode_rows(make_ctx(model, n_seq_max=3), rows, ())
+    for k in (5, 40):
+        for n_batch in (512, 4):
+            ctx = make_ctx(model, n_seq_max=3, n_batch=n_batch)
+            r = ctx.decode(tok, positions=pos, seq_ids=seq, output=want, prompt=prompt, candidates=k)
+            np.testing.assert_array_equal(r.output_rows, [1, 3, 4, 9, 17, 18])
+            assert r.logits is None and r.candidates.shape == (6, k) and r.candidate_logits.shape == (6, k)
+            for j, i in enumerate(r.output_rows):
+                row = full[(seq[i], pos[i])][0]
+                best = np.lexsort((np.arange(row.size), -row.astype(np.float64)))[:k]
+                np.testing.assert_array_equal(r.candidates[j], best)
+                np.testing.assert_array_equal(r.candidate_logits[j], row[best])
+    with pytest.raises(ValueError, match="candidates"):
+        make_ctx(model).decode([1, 2], candidates=model.n_vocab + 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_split_batch_with_unordered_positions(model_dir, arch):
     # A sequence's rows out of position order: unsplit, every row sees all of its sequence's
     # rows at lower positions. Split into n_batch chunks, the engine must give the same logits

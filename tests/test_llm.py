@@ -89,6 +89,40 @@ def test_chat_reproduces_the_reference_and_stops_at_im_end(llm):
     assert "".join(streamed) == reply
 
 
+@pytest.mark.parametrize("opts", [dict(), dict(top_k=5, top_p=0.9, min_p=0.05), dict(top_k=1)])
+def test_sampled_steps_read_only_the_best_ids(llm, opts, monkeypatch):
+    """With top-k (the defaults: llama.cpp's 40) each sampled step asks the graph for the row's
+    best top_k ids and logits only (Context.decode(candidates=k)); the text is a loop's over whole
+    logit rows with Sampler.sample and the same seed. Without top-k the rows are read whole."""
+    from pyspec.sampling import Sampler, SamplingParams
+
+    prompt = RAW_CASES[1]["prompt"]
+    asked = []
+    decode = pyspec.Context.decode
+
+    def spy(self, *a, **kw):
+        asked.append(kw.get("candidates", 0))
+        return decode(self, *a, **kw)
+
+    monkeypatch.setattr(pyspec.Context, "decode", spy)
+    got = llm.generate(prompt, max_tokens=24, temperature=0.9, seed=5, ignore_eos=True, **opts)
+    want_k = opts.get("top_k", 40)
+    assert asked and set(asked) == {want_k}
+    monkeypatch.undo()
+    sampler = Sampler(SamplingParams(temperature=0.9, seed=5, **opts))
+    ctx = pyspec.Context(llm.model, n_ctx=256, n_batch=64)
+    logits = ctx.decode(llm.prompt_ids(prompt), prompt=True).logits[-1]
+    toks = []
+    for _ in range(24):
+        toks.append(sampler.sample(logits))
+        logits = ctx.decode([toks[-1]]).logits[-1]
+    assert got == llm.detokenize(toks, skip_special=True, continuation=True)
+    monkeypatch.setattr(pyspec.Context, "decode", spy)
+    asked.clear()
+    llm.generate(prompt, max_tokens=4, temperature=0.9, seed=5, top_k=0)
+    assert set(asked) == {0}
+
+
 def test_sampling_with_a_seed_reproduces(llm):
     prompt = RAW_CASES[2]["prompt"]
     a = llm.generate(prompt, max_tokens=10, temperature=1.0, seed=11)

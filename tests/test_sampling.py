@@ -137,6 +137,31 @@ def test_candidate_sets_match_the_numpy_reference(n_vocab):
         np.testing.assert_allclose(probs, softmax(z), rtol=1e-10)
 
 
+def test_sampling_from_the_best_ids_draws_what_the_whole_row_draws():
+    """Sampler.sample_best (a row's best k ids in TOP_K's order and their logits, 1 <= top_k <= k)
+    makes the same draws as sample() over the whole row, seed for seed, ties and -0 included."""
+    rng = np.random.default_rng(21)
+    for case in range(200):
+        n_vocab = int(rng.choice([50, 300, 4000]))
+        logits = (rng.normal(size=n_vocab) * 3).astype(np.float32)
+        if case % 4 == 0:
+            logits = (np.round(logits * 2) / 2).astype(np.float32)  # ties among the best
+        if case % 7 == 0:
+            logits[rng.integers(n_vocab, size=8)] = np.float32(-0.0)
+        top_k = int(rng.choice([1, 5, 40]))
+        k = min(n_vocab, top_k + int(rng.integers(0, 10)))
+        idx = np.arange(n_vocab)
+        best = np.lexsort((idx, -logits.astype(np.float64)))[:k]
+        params = SamplingParams(temperature=float(rng.choice([0.5, 0.9, 1.4])), top_k=top_k,
+                                top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])),
+                                seed=case)
+        whole, part = Sampler(params), Sampler(params)
+        for _ in range(5):
+            assert part.sample_best(best, logits[best]) == whole.sample(logits), case
+    with pytest.raises(ValueError, match="top_k"):
+        Sampler(SamplingParams(temperature=0.8, top_k=0)).sample_best(best, logits[best])
+
+
 def test_draws_follow_the_renormalised_distribution():
     rng = np.random.default_rng(7)
     logits = rng.normal(size=200) * 2.0

@@ -30,15 +30,23 @@ py::array_t<T> array_owning(std::vector<T>&& v, std::vector<py::ssize_t> shape) 
 }
 
 // (logits [n_out, n_vocab], output rows, {layer id: inputs}); with argmax_only the first is the
-// output rows' greedy ids [n_out] (the graph's ARGMAX) instead of their logits.
+// output rows' greedy ids [n_out] (the graph's ARGMAX) instead of their logits; with candidates =
+// k > 0 it is (each row's k best ids [n_out, k] in TOP_K's order, their logits [n_out, k] by
+// GATHER): all a sampler with top-k needs.
 py::tuple decode(Context& ctx, const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& tokens,
                  const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& positions,
                  const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& seq_ids,
                  const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& output,
                  const std::vector<int>& layer_ids,
-                 const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& prompt, bool argmax_only) {
+                 const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& prompt, bool argmax_only,
+                 int64_t candidates) {
+    const int64_t n_vocab = ctx.model().hparams().n_vocab;
+    if (candidates < 0 || candidates > n_vocab)
+        throw std::invalid_argument("candidates must be in [0, n_vocab = " + std::to_string(n_vocab) + "]");
     Batch b;
-    b.argmax_only = argmax_only;
+    b.argmax_only = argmax_only || candidates > 0;
+    b.argmax_k = std::max<int64_t>(1, candidates);
+    b.argmax_values = candidates > 0;
     b.tokens = to_vector(tokens);
     b.positions = to_vector(positions);
     b.seq_ids = to_vector(seq_ids);
@@ -52,7 +60,10 @@ py::tuple decode(Context& ctx, const py::array_t<int32_t, py::array::c_style | p
     const auto n_out = static_cast<py::ssize_t>(out.output_rows.size());
     // Moved, not copied: a SmolLM2 row of logits is 192 KiB a token.
     py::object first;
-    if (argmax_only) {
+    if (candidates > 0) {
+        const std::vector<py::ssize_t> shape{n_out, static_cast<py::ssize_t>(candidates)};
+        first = py::make_tuple(array_owning(std::move(out.argmax), shape), array_owning(std::move(out.argmax_values), shape));
+    } else if (argmax_only) {
         first = array_owning(std::move(out.argmax), {n_out});
     } else {
         out.logits.resize(static_cast<size_t>(n_out) * static_cast<size_t>(out.n_vocab));  // no outputs: empty
@@ -100,7 +111,8 @@ void bind_runtime(py::module_& m) {
              py::arg("check_plans"), py::arg("n_threads"), py::arg("kv_dtype") = "f16", py::arg("backend") = "cpu", py::keep_alive<1, 2>(),
              "backend: \"cpu\", \"cuda\" or \"cuda:N\" (a RuntimeError with the reason when CUDA cannot be used)")
         .def("decode", &decode, py::arg("tokens"), py::arg("positions"), py::arg("seq_ids"), py::arg("output"),
-             py::arg("layer_ids"), py::arg("prompt") = py::array_t<uint8_t>(0), py::arg("argmax_only") = false)
+             py::arg("layer_ids"), py::arg("prompt") = py::array_t<uint8_t>(0), py::arg("argmax_only") = false,
+             py::arg("candidates") = 0)
         .def("kv_remove", [](Context& c, int32_t seq, int64_t p0, int64_t p1) { c.kv().remove(seq, p0, p1); })
         .def("kv_clear", [](Context& c, int32_t seq) { c.kv().clear(seq); })
         .def("seq_pos_max", [](Context& c, int32_t seq) {

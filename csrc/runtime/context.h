@@ -96,6 +96,7 @@ struct ContextParams {
 class Context {
 public:
     Context(const Model& model, const ContextParams& params);
+    const Model& model() const { return model_; }
 
     // Validates the whole batch first (clear std::invalid_argument, cache untouched), then runs
     // it in chunks of n_batch rows.
