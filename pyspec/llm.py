@@ -15,6 +15,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
+from . import _core
 from .chat import ChatTemplate
 from .many import ManyResult, generate_many
 from .model import Context, Model
@@ -24,9 +25,9 @@ from .speculative import Drafter, SpeculativeGenerator, SpecStats
 from .tokenizer import Tokenizer
 
 _D = SamplingParams()
-# The most best ids a sampled step asks the graph for (the engine's limit too: the CUDA TOP_K
-# filters up to 64); a larger top_k, or none, reads the whole row of logits.
-_BEST_IDS_MAX = 64
+# The most best ids a sampled step asks the graph for (the engine's limit, csrc/spec/verify.h); a
+# larger top_k, or none, reads the whole row of logits.
+_BEST_IDS_MAX = _core.spec.MAX_SAMPLED_CANDIDATES
 
 
 @dataclass

@@ -92,6 +92,7 @@ void bind_spec(py::module_& parent) {
     m.attr("STREAM_DRAFT") = static_cast<int>(NoiseStream::Draft);
     m.attr("STREAM_ACCEPT") = static_cast<int>(NoiseStream::Accept);
     m.attr("STREAM_CORRECTION") = static_cast<int>(NoiseStream::Correction);
+    m.attr("MAX_SAMPLED_CANDIDATES") = kMaxSampledCandidates;
 
     m.def(
         "prune_length",

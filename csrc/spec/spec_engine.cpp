@@ -17,9 +17,6 @@ namespace {
 // The most ids a greedy step asks the graph for per row (Batch::argmax_k): requests that ban
 // more ids than this less one read their logits instead.
 constexpr int kMaxGreedyIds = 16;
-// The most candidates a sampled row asks the graph for (its top_k plus its bans): past this (the
-// largest k the CUDA TOP_K filters), or without top-k, it reads its logits instead.
-constexpr int64_t kMaxCandidates = 64;
 
 ContextParams target_params(const SpecEngineParams& p) {
     ContextParams c;
@@ -648,7 +645,7 @@ std::vector<StepOutput> SpecEngine::step() {
         }
         if (r->params.temperature > 0.0) {
             const int64_t k = r->params.top_k + static_cast<int64_t>(n_bans);
-            if (r->params.top_k < 1 || k > std::min(kMaxCandidates, n_vocab)) return false;
+            if (r->params.top_k < 1 || k > std::min(kMaxSampledCandidates, n_vocab)) return false;
             argmax_k = std::max(argmax_k, k);
             sampled = true;
             return true;

@@ -76,6 +76,11 @@ void processed_candidates(const double* logits, int64_t n, double temperature, i
 void processed_law(const float* logits, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
                    float* out);
 
+// The most candidates (top_k plus banned ids) a sampled row asks the graph for in place of its
+// logits; beyond it, or without top-k, the row is read whole. 64: llama.cpp's default top-k 40
+// with room, and the largest k the CUDA TOP_K narrows by its filter (cuda/ops_basic.cu).
+constexpr int64_t kMaxSampledCandidates = 64;
+
 // A row's processed law over its candidates only: ids ascending, with the probabilities
 // processed_law gives them; every other token has probability 0.
 struct SparseLaw {
