@@ -1,5 +1,4 @@
-// Lossless verification of drafted tokens (design invariant 6) and the Gumbel-max draw the drafter
-// samples with (invariant 5). The math follows docs/reference/verification.md: greedy matching
+// Lossless verification of drafted tokens (design invariant 6). The math follows docs/reference/verification.md: greedy matching
 // (§1.2), token-level rejection sampling (§1.1) and block verification (Sun et al., §2).
 //
 // Inputs of one round: drafts x_1..x_γ, the processed target rows p_1..p_{γ+1} (p_i is the row
@@ -18,6 +17,8 @@
 #include <vector>
 
 #include "runtime/philox.h"
+#include "spec/gumbel_draw.h"
+#include "spec/target_law.h"
 
 namespace pyspec {
 
@@ -57,43 +58,6 @@ struct VerifyResult {
 };
 
 enum class VerifyMethod { Greedy, Rejection, Block };
-
-// The law the target samples a row from (pyspec/sampling.py, llama.cpp's chain and order):
-// top-k -> top-p -> min-p -> temperature over the candidates sorted by (logit desc, id asc).
-// top_k <= 0, top_p >= 1 and min_p <= 0 turn a stage off, and a stage that is off does not run, so
-// with every filter off the law is softmax(logits / T) over the whole vocabulary (invariant 5).
-// top-p keeps the shortest sorted prefix whose mass (softmax at temperature 1 over what top-k
-// kept) reaches top_p; min-p keeps the candidates with logit >= best + log(min_p) (at least one).
-// The kept logits are divided by T and softmaxed in double. T <= 0: the
-// first-index argmax with probability 1. Outputs: the kept ids (sorted by logit when a filter ran,
-// else id order) and their probabilities. Throws std::invalid_argument for n < 1, NaN logits or
-// top_p / min_p outside [0, 1].
-void processed_candidates(const double* logits, int64_t n, double temperature, int64_t top_k, double top_p,
-                          double min_p, std::vector<int32_t>* ids, std::vector<double>* probs);
-
-// processed_candidates of a float row (widened exactly to double) as a full row of n floats
-// (zeros outside the kept candidates): the p row verification uses.
-void processed_law(const float* logits, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
-                   float* out);
-
-// The most candidates (top_k plus banned ids) a sampled row asks the graph for in place of its
-// logits; beyond it, or without top-k, the row is read whole. 64: llama.cpp's default top-k 40
-// with room, and the largest k the CUDA TOP_K narrows by its filter (cuda/ops_basic.cu).
-constexpr int64_t kMaxSampledCandidates = 64;
-
-// A row's processed law over its candidates only: ids ascending, with the probabilities
-// processed_law gives them; every other token has probability 0.
-struct SparseLaw {
-    std::vector<int32_t> ids;
-    std::vector<float> probs;
-};
-
-// The law of a row from its m best candidates alone: ids in (logit desc, id asc) order (TOP_K's)
-// with their logits. Whenever top_k is in [1, m] it equals processed_law of the whole row at
-// those ids (top-k keeps only candidates; min-p and top-p look only at what top-k kept), and the
-// processing costs m entries instead of the vocabulary. Throws std::invalid_argument otherwise.
-SparseLaw candidate_law(const int32_t* ids, const float* logits, int64_t m, double temperature, int64_t top_k,
-                        double top_p, double min_p);
 
 // Drafts may end in padding (-1) for a ragged γ: the round then verifies only the drafts before
 // the first -1, and p still carries γ + 1 rows, q γ rows. Token ids must lie in [0, n_vocab).
@@ -137,17 +101,5 @@ struct BlockThresholds {
     std::vector<double> h;
 };
 BlockThresholds block_thresholds(const ProbRows& p, const ProbRows& q, const int32_t* drafts, int gamma);
-
-// The first index of the largest value; NaN throws.
-int32_t argmax_first(const float* x, int64_t n);
-
-// One draw from softmax(logits / T) by Gumbel-max: argmax(logits / T + g) with g the Gumbel noise
-// of `key` (element = token id). T = 0 is the first-index argmax and uses no noise. Logits may be
-// -inf (masked), not NaN or +inf.
-int32_t gumbel_max(const float* logits, int64_t n, float temperature, const NoiseKey& key);
-
-// The exact law gumbel_max draws from: softmax(logits / T) with the same float division, or the
-// one-hot argmax at T = 0. out has n entries. Store this as q for the drafted token.
-void proposal_distribution(const float* logits, int64_t n, float temperature, float* out);
 
 }  // namespace pyspec

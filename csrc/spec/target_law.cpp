@@ -1,0 +1,166 @@
+#include "spec/target_law.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "cpu/top_k.h"
+#include "cpu/vec_math.h"
+
+namespace pyspec {
+
+namespace {
+
+// processed_candidates over logits of type T (double, or float read as its exact double value:
+// every comparison and every difference below is the same on either, so the engine's float rows
+// need no widened copy).
+template <typename T>
+void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                   std::vector<int32_t>* ids, std::vector<double>* probs) {
+    if (n < 1) throw std::invalid_argument("cannot sample from empty logits");
+    if (!(top_p >= 0.0 && top_p <= 1.0)) throw std::invalid_argument("top_p must be in [0, 1]");
+    if (!(min_p >= 0.0 && min_p <= 1.0)) throw std::invalid_argument("min_p must be in [0, 1]");
+    ids->clear();
+    probs->clear();
+    // The first index of the maximum, as a scan keeping z[v] > z[best] finds it, in two passes
+    // (the maximum, then where it first occurs) that carry no dependency from one entry to the
+    // next: the scan's chain through z[best] cost ~150 us on a 49k-entry row.
+    bool nan = false;
+    T top;
+    int64_t best = 0;
+    if constexpr (std::is_same_v<T, float>) {  // the engine's rows: vectorised passes
+        top = vec::max_skipping_nan(z, n, &nan);
+        if (nan) throw std::invalid_argument("NaN logit");
+        best = vec::first_index_of(z, n, top);
+    } else {
+        for (int64_t v = 0; v < n; ++v) nan |= z[v] != z[v];
+        if (nan) throw std::invalid_argument("NaN logit");
+        top = vec::max_of(z, n);
+        while (z[best] != top) ++best;
+    }
+    if (temperature <= 0.0) {
+        ids->push_back(static_cast<int32_t>(best));
+        probs->push_back(1.0);
+        return;
+    }
+    const bool use_k = top_k > 0, use_p = top_p < 1.0, use_min = min_p > 0.0;
+    if (!use_k && !use_p && !use_min) {
+        ids->resize(static_cast<size_t>(n));
+        for (int64_t v = 0; v < n; ++v) (*ids)[static_cast<size_t>(v)] = static_cast<int32_t>(v);
+    } else {
+        auto before = [z](int32_t a, int32_t b) { return z[a] != z[b] ? z[a] > z[b] : a < b; };
+        const int64_t n_k = use_k ? std::min(top_k, n) : n;  // what top-k keeps
+        std::vector<int32_t> order = top_k_superset(z, n, use_k ? n_k : n);
+        const double zmax = z[best];
+        // Only what can survive is sorted: top-k's k best; min-p's survivors are a prefix of the
+        // sorted order (logit >= the best + log(min_p)) whose length needs no sort.
+        int64_t limit = n_k;
+        if (use_min) {
+            const double floor = zmax + std::log(min_p);
+            int64_t count = 0;
+            for (int64_t v = 0; v < n; ++v) count += z[v] >= floor;
+            limit = std::min(limit, std::max<int64_t>(count, 1));
+        }
+        int64_t kept = limit;
+        if (use_p) {
+            // top-p renormalises top-k's survivors at temperature 1. The best few are sorted first:
+            // when they already reach top_p, sorting the rest is unnecessary (same prefix).
+            double total = 0.0;
+            if (use_k) {
+                std::partial_sort(order.begin(), order.begin() + n_k, order.end(), before);
+                for (int64_t i = 0; i < n_k; ++i) total += std::exp(z[order[static_cast<size_t>(i)]] - zmax);
+            } else {
+                for (int64_t v = 0; v < n; ++v) total += std::exp(z[v] - zmax);
+            }
+            int64_t sorted = use_k ? n_k : std::min<int64_t>(limit, 256);
+            if (!use_k) std::partial_sort(order.begin(), order.begin() + sorted, order.end(), before);
+            double cum = 0.0;
+            for (int64_t i = 0; i < limit; ++i) {
+                if (i == sorted) {
+                    std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
+                    sorted = limit;
+                }
+                cum += std::exp(z[order[static_cast<size_t>(i)]] - zmax) / total;
+                if (cum >= top_p) {
+                    kept = i + 1;
+                    break;
+                }
+            }
+            // Not reached within min-p's survivors: min-p keeps them all (kept = limit); the
+            // whole sorted prefix up to limit is in place either way.
+            if (kept == limit && sorted < limit) std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
+        } else {
+            std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
+        }
+        ids->assign(order.begin(), order.begin() + kept);
+    }
+    // Temperature and the softmax of what is left, in double.
+    double mx = -INFINITY;
+    probs->resize(ids->size());
+    for (size_t i = 0; i < ids->size(); ++i) {
+        (*probs)[i] = z[(*ids)[i]] / temperature;
+        mx = std::max(mx, (*probs)[i]);
+    }
+    double sum = 0.0;
+    for (double& x : *probs) sum += (x = std::exp(x - mx));
+    for (double& x : *probs) x /= sum;
+}
+
+}  // namespace
+
+void processed_candidates(const double* z, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                          std::vector<int32_t>* ids, std::vector<double>* probs) {
+    candidates_of(z, n, temperature, top_k, top_p, min_p, ids, probs);
+}
+
+void processed_law(const float* logits, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                   float* out) {
+    std::vector<int32_t> ids;
+    std::vector<double> probs;
+    candidates_of(logits, n, temperature, top_k, top_p, min_p, &ids, &probs);
+    std::fill(out, out + n, 0.0f);
+    for (size_t i = 0; i < ids.size(); ++i) out[ids[i]] = static_cast<float>(probs[i]);
+}
+
+SparseLaw candidate_law(const int32_t* ids, const float* logits, int64_t m, double temperature, int64_t top_k,
+                        double top_p, double min_p) {
+    if (top_k < 1 || top_k > m)
+        throw std::invalid_argument("a law from " + std::to_string(m) + " candidates needs top_k in [1, " +
+                                    std::to_string(m) + "], got " + std::to_string(top_k));
+    // The candidates are the row's m best in (logit desc, id asc) order, so index order among
+    // equal logits is id order: processed_candidates over them sorts, keeps and weighs them as
+    // over the whole row, whose other entries top-k drops before top-p and min-p look.
+    std::vector<int32_t> local;
+    std::vector<double> probs;
+    candidates_of(logits, m, temperature, top_k, top_p, min_p, &local, &probs);
+    std::vector<size_t> by_id(local.size());
+    for (size_t i = 0; i < by_id.size(); ++i) by_id[i] = i;
+    std::sort(by_id.begin(), by_id.end(), [&](size_t a, size_t b) { return ids[local[a]] < ids[local[b]]; });
+    SparseLaw law;
+    for (size_t i : by_id) {
+        law.ids.push_back(ids[local[i]]);
+        law.probs.push_back(static_cast<float>(probs[i]));  // processed_law's float
+    }
+    return law;
+}
+
+// The first index of the row's maximum (ties: the smaller index, -0 and +0 equal), as one scan
+// comparing x[t] > x[best] would give. Two passes: the maximum, then its first index; the first
+// is vectorised (a greedy verify takes the argmax of every row over the whole vocabulary, which
+// as a scalar loop cost about 40 us per 49k-entry row).
+int32_t argmax_first(const float* x, int64_t n) {
+    if (n < 1) throw std::invalid_argument("argmax of an empty row");
+    bool nan = false;
+    const float m = vec::max_skipping_nan(x, n, &nan);
+    if (nan) {
+        for (int64_t i = 0; i < n; ++i) {
+            if (std::isnan(x[i])) throw std::invalid_argument("row has NaN at token " + std::to_string(i));
+        }
+    }
+    return static_cast<int32_t>(vec::first_index_of(x, n, m));  // found: no NaN, so m is an entry
+}
+
+}  // namespace pyspec
