@@ -212,6 +212,7 @@ def bench_par_context(model, ids, n_par, n_prompt, n_steps, repeats):
 GREEDY = dict(temperature=0.0, verify="greedy")
 SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, verify="rejection")
 ENGINE_REQUEST_OPTIONS: dict = dict(GREEDY)
+PENALISE_FIRST = False  # --penalise-one
 
 
 def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):
@@ -227,8 +228,10 @@ def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):
         # requests are cancelled once n_steps steps with all of them generating were timed.
         for s in range(n_par):
             prompt = [int(ids[(s * 7 + j) % len(ids)]) for j in range(n_prompt)]
-            engine.add_request(s, prompt, max_tokens=n_steps + 64, draft=False, seed=s,
-                               **ENGINE_REQUEST_OPTIONS)
+            opts = dict(ENGINE_REQUEST_OPTIONS)
+            if s == 0 and PENALISE_FIRST:
+                opts["repeat_penalty"] = 1.1  # reads its logits: a serving mix, one client's setting
+            engine.add_request(s, prompt, max_tokens=n_steps + 64, draft=False, seed=s, **opts)
         started = set()        # requests that emitted their first token (prefill done)
         t_gen, n_gen, n_timed = 0.0, 0, 0
         while engine.n_requests and n_timed < n_steps:
@@ -379,6 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", action="store_true",
                     help="engine paths sample with llama-server's defaults (T 0.8, top-k 40, top-p 0.95, "
                          "min-p 0.05) instead of decoding greedily")
+    ap.add_argument("--penalise-one", action="store_true",
+                    help="par64's first request sets repeat_penalty 1.1, so its rows are read whole")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
@@ -420,6 +425,8 @@ def main(argv=None) -> int:
         model = pyspec.Model(path, n_threads=args.threads, n_gpu_layers=ngl)
         ENGINE_REQUEST_OPTIONS.clear()
         ENGINE_REQUEST_OPTIONS.update(SAMPLED if args.sample else GREEDY)
+        global PENALISE_FIRST
+        PENALISE_FIRST = args.penalise_one
         if args.ignore_eos:
             from pyspec.tokenizer import Tokenizer
             eog = sorted(Tokenizer.from_gguf(path).eog_ids)

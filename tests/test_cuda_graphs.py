@@ -326,12 +326,28 @@ def known_pair(pairs):
     return _known[id(pairs)]
 
 
-def _engine_run(pairs, backend, sampled):
+def _known_engine(pairs, n_seq, draft_n_max, backend=DEVICE):
+    """A SpecEngine over the known-acceptance pair with n_seq sequences and drafter slots."""
     target, drafter = known_pair(pairs)
     model = _core.Model(target)
-    dm = _core.DraftModel(drafter, model)
-    engine = _core.SpecEngine(model, dm, n_ctx=256 * 3, n_seq_max=3, n_draft_slots=3, n_batch=64,
-                              draft_n_batch=128, n_threads=2, draft_n_max=5, prefill_chunk=16, backend=backend)
+    return _core.SpecEngine(model, _core.DraftModel(drafter, model), n_ctx=256 * n_seq, n_seq_max=n_seq,
+                            n_draft_slots=n_seq, n_batch=64, draft_n_batch=128, n_threads=2, draft_n_max=draft_n_max,
+                            prefill_chunk=16, backend=backend)
+
+
+def _tokens_of(engine, requests):
+    """Adds {request id: (prompt, add_request options)} and steps until all finish: their tokens."""
+    for rid, (prompt, kw) in requests.items():
+        engine.add_request(rid, prompt, **kw)
+    tokens = {rid: [] for rid in requests}
+    while engine.n_requests:
+        for o in engine.step():
+            tokens[o["request_id"]] += o["tokens"]
+    return tokens
+
+
+def _engine_run(pairs, backend, sampled):
+    engine = _known_engine(pairs, 3, 5, backend)
     prompts = {1: [5], 2: [17, 3, 4], 3: list(range(100, 130))}
     for rid, prompt in prompts.items():
         if sampled:
@@ -371,12 +387,8 @@ def _plain_engine_run(pairs, ahead, lengths=(20, 31, 9)):
     engine = _core.SpecEngine(model, None, n_ctx=512 * 3, n_seq_max=3, n_batch=64, n_threads=2,
                               prefill_chunk=16, backend=DEVICE, decode_ahead=ahead)
     prompts = {1: [5], 2: [17, 3, 4], 3: [(7 * i) % 200 + 3 for i in range(250)]}  # 3 crosses 256 cells
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, max_tokens=lengths[rid - 1], verify="greedy")
-    tokens = {rid: [] for rid in prompts}
-    while engine.n_requests:
-        for o in engine.step():
-            tokens[o["request_id"]] += o["tokens"]
+    tokens = _tokens_of(engine, {rid: (p, dict(max_tokens=lengths[rid - 1], verify="greedy"))
+                                 for rid, p in prompts.items()})
     return tokens, engine.n_decoded_ahead
 
 
@@ -401,13 +413,8 @@ def _banned_run(pairs, backend):
     engine = _core.SpecEngine(_core.Model(target), None, n_ctx=256 * 2, n_seq_max=2, n_batch=64, n_threads=2,
                               prefill_chunk=16, backend=backend)
     bans = [(t, float("-inf")) for t in (3, 5, 17, 40, 41)]
-    engine.add_request(1, [5, 6, 7], max_tokens=24, verify="greedy", logit_bias=bans)
-    engine.add_request(2, [9, 8], max_tokens=24, verify="greedy")
-    tokens = {1: [], 2: []}
-    while engine.n_requests:
-        for o in engine.step():
-            tokens[o["request_id"]] += o["tokens"]
-    return tokens
+    return _tokens_of(engine, {1: ([5, 6, 7], dict(max_tokens=24, verify="greedy", logit_bias=bans)),
+                               2: ([9, 8], dict(max_tokens=24, verify="greedy"))})
 
 
 @gpu
@@ -422,11 +429,7 @@ def test_banned_ids_take_the_graphs_best_ids_on_the_device(pairs):
 
 
 def _candidates_run(pairs, n_probs):
-    target, drafter = known_pair(pairs)
-    model = _core.Model(target)
-    engine = _core.SpecEngine(model, _core.DraftModel(drafter, model), n_ctx=256 * 3, n_seq_max=3, n_draft_slots=3,
-                              n_batch=64, draft_n_batch=128, n_threads=2, draft_n_max=5, prefill_chunk=16,
-                              backend=DEVICE)
+    engine = _known_engine(pairs, 3, 5)
     opts = {1: dict(top_k=40), 2: dict(top_k=5, top_p=0.9, min_p=0.05), 3: dict(top_k=40, verify="block")}
     prompts = {1: [5], 2: [17, 3, 4], 3: list(range(100, 130))}
     for rid, prompt in prompts.items():
@@ -451,6 +454,27 @@ def test_sampled_rows_draw_from_the_graphs_candidates_on_the_device(pairs):
     assert got == want
     assert n_fast > 5 and n_slow == 0
     assert all(7 not in toks for steps in got.values() for toks, _ in steps)
+
+
+def _mixed_run(pairs, rids):
+    engine = _known_engine(pairs, 4, 3)
+    opts = {1: dict(verify="greedy"), 2: dict(temperature=0.8, top_k=40, seed=2, verify="rejection"),
+            3: dict(verify="greedy", repeat_penalty=1.2), 4: dict(temperature=0.8, top_k=0, seed=4, verify="block")}
+    prompts = {1: [5], 2: [17, 3, 4], 3: list(range(100, 130)), 4: [9, 9, 2]}
+    tokens = _tokens_of(engine, {rid: (prompts[rid], dict(opts[rid], max_tokens=20)) for rid in rids})
+    return tokens, engine.n_logit_rows
+
+
+@gpu
+def test_mixed_steps_read_only_their_logit_rows_on_the_device(pairs):
+    """Requests reading their logits (penalties, no top-k) beside greedy and top-k ones: only
+    their rows are read whole (at their offsets in the device's logits), and each request gets
+    what it gets alone, replayed."""
+    with graphs(True):
+        got, n_rows = _mixed_run(pairs, [1, 2, 3, 4])
+        alone = {rid: _mixed_run(pairs, [rid]) for rid in (1, 2, 3, 4)}
+    assert got == {rid: alone[rid][0][rid] for rid in alone}
+    assert n_rows == alone[3][1] + alone[4][1] and alone[1][1] == alone[2][1] == 0 < alone[3][1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,17 +191,49 @@ def test_sampled_requests_draw_from_the_graphs_candidates(spread, drafter, verif
     assert fast.n_candidate_steps > 0
     slow = engine(loaded, drafter=drafter, n_seq=5, n_slots=5)
     want = run(slow, requests(1))
-    assert slow.n_candidate_steps == 0
+    assert slow.n_candidate_steps == 0 and slow.n_logit_rows > 0
     for rid in want:
         assert got[rid]["tokens"] == want[rid]["tokens"], rid
         assert got[rid]["stats"] == want[rid]["stats"], rid
         assert not {5, 17, 101} & set(got[rid]["tokens"]) or rid % 2 == 0
     if drafter:
         assert sum(got[r]["stats"]["draft_n_accepted"] for r in got) > 0
+    # A request without top-k reads its own rows whole; its neighbour keeps the candidates.
     no_top_k = engine(loaded, drafter=False)  # both prompts in one step, one token a step each
     run(no_top_k, {0: (PROMPTS[0], 8, dict(temperature=0.9, top_k=0, verify=verify)),
                    1: (PROMPTS[1], 8, dict(temperature=0.9, top_k=40, verify=verify))})
-    assert no_top_k.n_candidate_steps == 0
+    assert no_top_k.n_candidate_steps == 8 and no_top_k.n_logit_rows == 8
+
+
+MIXED = {
+    0: dict(verify="greedy"),
+    1: dict(verify="greedy", logit_bias=[(5, float("-inf"))]),
+    2: dict(temperature=0.9, top_k=40, seed=3, verify="rejection"),
+    3: dict(verify="greedy", repeat_penalty=1.3),                              # reads its rows
+    4: dict(temperature=0.9, top_k=20, seed=4, verify="block", n_probs=2),     # reads its rows
+    5: dict(temperature=0.9, top_k=0, seed=5, verify="rejection"),             # reads its rows
+}
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+def test_mixed_steps_read_only_the_rows_that_need_their_logits(spread, drafter):
+    """Requests that read their logits (penalties, n_probs, no top-k) beside ones that take the
+    graph's ids or candidates: only their own rows cross whole (Batch::logits_rows), and every
+    request gets the tokens, probabilities and stats it gets alone (design invariant 7)."""
+    prompts = {0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[2], 3: PROMPTS[3], 4: PROMPTS[0], 5: PROMPTS[1]}
+    together = engine(spread, drafter=drafter, n_seq=6, n_slots=6)
+    got = run(together, {rid: (prompts[rid], 16, MIXED[rid]) for rid in MIXED})
+    rows_read = 0
+    for rid in MIXED:
+        alone = engine(spread, drafter=drafter, n_seq=1, n_slots=1)
+        want = run(alone, {rid: (prompts[rid], 16, MIXED[rid])})[rid]
+        assert got[rid]["tokens"] == want["tokens"], rid
+        assert got[rid]["probs"] == want["probs"], rid
+        assert got[rid]["stats"] == want["stats"], rid
+        assert (alone.n_logit_rows > 0) == (rid >= 3), rid
+        rows_read += alone.n_logit_rows
+    assert together.n_logit_rows == rows_read  # nobody else's rows
+    assert together.n_candidate_steps > 0
 
 
 def test_n_probs_equal_log_softmax_of_raw_logits(pairs, loaded):

@@ -214,7 +214,9 @@ void bind_spec_engine(py::module_& m) {
                                "steps launched before the host read the step before them (decode_ahead)")
         .def_property_readonly("has_step_ahead", &SpecEngine::has_step_ahead)
         .def_property_readonly("n_candidate_steps", &SpecEngine::n_candidate_steps,
-                               "steps whose sampled rows drew from the graph's top-k candidates, not whole logit rows");
+                               "steps whose sampled rows drew from the graph's top-k candidates, not whole logit rows")
+        .def_property_readonly("n_logit_rows", &SpecEngine::n_logit_rows,
+                               "output rows whose whole logits crossed from the backend so far");
 }
 
 }  // namespace pyspec

@@ -83,6 +83,7 @@ void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGra
         dg.argmax = p.argmax_k > 1 ? g.top_k(dg.logits, static_cast<int>(p.argmax_k)) : g.argmax(dg.logits);
         g.set_name(dg.argmax, "argmax");
         g.set_output(dg.argmax);
+        if (p.argmax_logits) g.set_output(dg.logits);
         if (p.argmax_values) {
             dg.argmax_values = g.gather(dg.logits, dg.argmax);
             g.set_name(dg.argmax_values, "argmax_values");

@@ -39,12 +39,14 @@ struct DecoderGraphParams {
     // With argmax, the logits at those ids too (GATHER), so a sampled row's law over its top-k
     // candidates (all llama.cpp's default chain needs) is computed without the row crossing.
     bool argmax_values = false;
+    // With argmax, the logits stay an output too: some rows read them (Batch::logits_rows).
+    bool argmax_logits = false;
 
     bool operator==(const DecoderGraphParams& o) const {
         return n_rows == o.n_rows && n_outputs == o.n_outputs && n_prompt_rows == o.n_prompt_rows &&
                n_prompt_outputs == o.n_prompt_outputs &&
                span == o.span && layer_ids == o.layer_ids && argmax == o.argmax && argmax_k == o.argmax_k &&
-               argmax_values == o.argmax_values;
+               argmax_values == o.argmax_values && argmax_logits == o.argmax_logits;
     }
 };
 

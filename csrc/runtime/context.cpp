@@ -41,9 +41,10 @@ void Context::validate(const Batch& b, const std::vector<int>& layer_ids) const 
     const size_t n = b.size();
     if (n == 0) throw std::invalid_argument("empty batch");
     if (b.positions.size() != n || b.seq_ids.size() != n || b.output.size() != n ||
-        (!b.prompt.empty() && b.prompt.size() != n)) {
+        (!b.prompt.empty() && b.prompt.size() != n) || (!b.logits_rows.empty() && b.logits_rows.size() != n)) {
         throw std::invalid_argument("batch arrays must all have one entry per token");
     }
+    if (!b.logits_rows.empty() && !b.argmax_only) throw std::invalid_argument("logits_rows needs argmax_only");
     std::set<std::pair<int32_t, int32_t>> seen;
     for (size_t i = 0; i < n; ++i) {
         const std::string row = "batch row " + std::to_string(i) + ": ";
@@ -200,6 +201,9 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
     gp.argmax = b.argmax_only;
     gp.argmax_k = b.argmax_only ? std::max<int64_t>(1, b.argmax_k) : 1;
     gp.argmax_values = b.argmax_only && b.argmax_values;
+    gp.argmax_logits = b.argmax_only && std::any_of(b.logits_rows.begin() + static_cast<std::ptrdiff_t>(begin),
+                                                    b.logits_rows.begin() + static_cast<std::ptrdiff_t>(b.logits_rows.empty() ? begin : end),
+                                                    [](uint8_t f) { return f != 0; });
     out.argmax_k = gp.argmax_k;
     // A fed batch reads the feeding decode's ARGMAX output where that graph left it: only the
     // same graph (the same build parameters) is certain to have left it there untouched.
@@ -267,6 +271,26 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
                 reads.push_back({&g[dg.argmax_values], out.argmax_values.data() + old_v,
                                  out_rows.size() * k * sizeof(float), 0});
                 p.permutes.push_back({out.argmax_values.data() + old_v, k * sizeof(float)});
+            }
+            // Rows whose logits are read too, each straight into its slot in batch order.
+            const size_t lrow = static_cast<size_t>(out.n_vocab) * sizeof(float);
+            if (!b.logits_rows.empty()) out.logits_slot.resize(old_rows + out_rows.size(), -1);
+            if (gp.argmax_logits) {
+                std::vector<size_t> wanted;  // graph logits rows, by batch rank
+                for (size_t j = 0; j < out_rows.size(); ++j) {
+                    const size_t batch_row = order[static_cast<size_t>(out_rows[j])];
+                    if (b.logits_rows[batch_row]) wanted.push_back(j);
+                }
+                const auto rank = [&p](size_t j) { return p.logits_order.empty() ? j : p.logits_order[j]; };
+                std::sort(wanted.begin(), wanted.end(), [&](size_t x, size_t y) { return rank(x) < rank(y); });
+                const size_t first_slot = out.logits.size() / static_cast<size_t>(out.n_vocab);
+                out.logits.resize(out.logits.size() + wanted.size() * static_cast<size_t>(out.n_vocab));
+                for (size_t s = 0; s < wanted.size(); ++s) {
+                    const size_t j = wanted[s];
+                    out.logits_slot[old_rows + rank(j)] = static_cast<int32_t>(first_slot + s);
+                    reads.push_back({&g[dg.logits], out.logits.data() + (first_slot + s) * static_cast<size_t>(out.n_vocab),
+                                     lrow, j * lrow});
+                }
             }
         } else if (dg.logits >= 0) {
             const size_t old = out.logits.size();

@@ -41,6 +41,10 @@ struct Batch {
     // With argmax_only: the logits at those ids too (DecodeOutput::argmax_values), for callers
     // that sample from each row's top-k candidates.
     bool argmax_values = false;
+    // With argmax_only: empty, or one entry per row, nonzero marking an output row whose logits
+    // are read too (DecodeOutput::logits at logits_slot): a request that processes its logits
+    // on the host, beside rows that need only the graph's ids, crosses alone.
+    std::vector<uint8_t> logits_rows;
     size_t size() const { return tokens.size(); }
 };
 
@@ -48,10 +52,20 @@ struct DecodeOutput {
     int64_t n_vocab = 0;
     int64_t n_embd = 0;
     std::vector<int32_t> output_rows;  // batch rows with logits, in batch order (within each n_batch chunk)
-    std::vector<float> logits;         // [output_rows.size(), n_vocab]; empty with argmax_only
+    std::vector<float> logits;         // [output_rows.size(), n_vocab]; with argmax_only empty, or
+                                       // the rows of Batch::logits_rows (logits_slot)
     std::vector<int32_t> argmax;       // [output_rows.size(), argmax_k] with Batch::argmax_only
     int64_t argmax_k = 1;
     std::vector<float> argmax_values;  // [output_rows.size(), argmax_k] with Batch::argmax_values
+    // With Batch::logits_rows: output row j's logits are row logits_slot[j] of `logits` (-1: not
+    // read), those rows in batch order; empty otherwise (logits row j is output row j).
+    std::vector<int32_t> logits_slot;
+    const float* logits_of(size_t j) const {
+        if (logits.empty()) return nullptr;
+        if (logits_slot.empty()) return logits.data() + j * static_cast<size_t>(n_vocab);
+        const int32_t s = logits_slot[j];
+        return s < 0 ? nullptr : logits.data() + static_cast<size_t>(s) * static_cast<size_t>(n_vocab);
+    }
     // (layer id, [n_rows, n_embd]) for every requested layer input, rows in batch order
     std::vector<std::pair<int, std::vector<float>>> layer_inputs;
 };

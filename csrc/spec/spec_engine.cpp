@@ -428,6 +428,25 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
     }
 }
 
+bool SpecEngine::reads_logits(const Request& r) const {
+    if (r.params.n_probs != 0) return true;
+    size_t n_bans = 0;
+    if (r.params.processing.active()) {
+        n_bans = r.params.processing.bans_only().size();
+        if (n_bans == 0) return true;  // finite biases or penalties
+    }
+    if (r.params.temperature > 0.0) {
+        const int64_t k = r.params.top_k + static_cast<int64_t>(n_bans);
+        return r.params.top_k < 1 || k > std::min(kMaxSampledCandidates, n_vocab_);
+    }
+    return n_bans >= static_cast<size_t>(kMaxGreedyIds);
+}
+
+int64_t SpecEngine::ids_needed(const Request& r) const {
+    const int64_t n_bans = static_cast<int64_t>(r.params.processing.bans_only().size());
+    return r.params.temperature > 0.0 ? r.params.top_k + n_bans : n_bans + 1;
+}
+
 ProposalRows SpecEngine::proposals(const Request& r) const {
     const int64_t w = r.q_ids ? static_cast<int64_t>(r.q_ids->size()) : n_vocab_;
     return ProposalRows{r.q.data(), static_cast<int64_t>(r.drafts.size()), n_vocab_, w, r.q_ids ? r.q_ids->data() : nullptr};
@@ -437,8 +456,9 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
                                      std::vector<float>& processed) const {
     // Row j is what the request would sample from after committing drafts[0..j).
     const int gamma = static_cast<int>(r.drafts.size());
-    if (argmax_only && out.argmax_k == 1 && r.params.temperature <= 0.0) return verify_greedy_ids(out.argmax.data() + first, n_vocab_, r.drafts.data(), gamma);
-    if (argmax_only) {
+    const bool from_ids = argmax_only && !reads_logits(r);
+    if (from_ids && out.argmax_k == 1 && r.params.temperature <= 0.0) return verify_greedy_ids(out.argmax.data() + first, n_vocab_, r.drafts.data(), gamma);
+    if (from_ids) {
         // Each row's best argmax_k ids (value descending, ties by the smaller id), less the ones
         // the request bans: its greedy id is the first; a sampled row's law is over its top_k.
         const std::vector<int32_t> bans = r.params.processing.bans_only();
@@ -475,7 +495,8 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
         }
         return verify_greedy_ids(ids.data(), n_vocab_, r.drafts.data(), gamma);
     }
-    const float* logits = out.logits.data() + first * n_vocab_;
+    const float* logits = out.logits_of(static_cast<size_t>(first));
+    if (!logits) throw std::logic_error("verify_rows: the request's logits were not read");
     const float* rows = logits;
     const LogitProcessing& lp = r.params.processing;
     if (lp.active()) {
@@ -496,7 +517,7 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
 
 void SpecEngine::emit(Request& r, const VerifyResult& vr, const DecodeOutput& out, int64_t first, StepOutput& so) {
     // (an argmax-only step has no logits, and then no request asks for log-probabilities)
-    const float* logits = out.logits.empty() ? nullptr : out.logits.data() + first * n_vocab_;
+    const float* logits = out.logits_of(static_cast<size_t>(first));
     for (size_t k = 0; k < vr.tokens.size(); ++k) {
         const int32_t tok = vr.tokens[k];
         r.history.push_back(tok);
@@ -619,48 +640,44 @@ std::vector<StepOutput> SpecEngine::step() {
         }
         span_of.emplace(r->id, sp);
     }
-    // A step whose rows all verify greedily, with nothing that reads the logits themselves (logit
-    // processing, token probabilities), takes each row's greedy token from the graph's ARGMAX:
-    // n ids cross from the backend instead of n x n_vocab floats (on a GPU with a large
-    // vocabulary, the copy is a large part of a step). Same tokens: ARGMAX is argmax_first's first
-    // maximum; only a row holding NaN, which argmax_first refuses, is not reported here.
-    // A request whose processing only bans ids (-inf biases: llama.cpp's ignore_eos) takes the
-    // first id it allows among the graph's best bans + 1 (Batch::argmax_k, TOP_K's order, which
-    // is argmax_first's among the ids left): the same token as its processed logits would give.
-    // A sampled request with top-k (llama.cpp's default chain starts with top-k 40) and no other
-    // processing than bans draws from a law that depends only on its best top_k + bans ids and
-    // their logits (candidate_law), so the graph returns those (TOP_K + GATHER) instead of the row.
+    // Rows that verify greedily, with nothing that reads the logits themselves (logit processing,
+    // token probabilities), take their greedy token from the graph's ARGMAX: n ids cross from the
+    // backend instead of n x n_vocab floats (on a GPU with a large vocabulary, the copy is a large
+    // part of a step). Same tokens: ARGMAX is argmax_first's first maximum; only a row holding
+    // NaN, which argmax_first refuses, is not reported here. Requests that ban ids or sample with
+    // top-k take the graph's best ids (and logits) instead (ids_needed). A request that reads its
+    // logits (reads_logits) has only its own rows read whole (Batch::logits_rows), so one such
+    // request does not put its neighbours' rows on the host.
     int64_t argmax_k = 1;
-    bool sampled = false;
-    const int64_t n_vocab = n_vocab_;
-    batch.argmax_only = std::all_of(run.begin(), run.end(), [&](const Request* r) {
+    bool sampled = false, any_ids = false;
+    std::vector<const Request*> reading;  // requests whose rows are read whole this step
+    for (const Request* r : run) {
         const bool wants_logits =
             r->generating || r->n_prefilled + static_cast<int64_t>(span_of.at(r->id).n) == static_cast<int64_t>(r->prompt.size());
-        if (!wants_logits) return true;
-        if (r->params.n_probs != 0) return false;
-        size_t n_bans = 0;
-        if (r->params.processing.active()) {
-            n_bans = r->params.processing.bans_only().size();
-            if (n_bans == 0) return false;
+        if (!wants_logits) continue;
+        if (reads_logits(*r)) {
+            reading.push_back(r);
+            continue;
         }
-        if (r->params.temperature > 0.0) {
-            const int64_t k = r->params.top_k + static_cast<int64_t>(n_bans);
-            if (r->params.top_k < 1 || k > std::min(kMaxSampledCandidates, n_vocab)) return false;
-            argmax_k = std::max(argmax_k, k);
-            sampled = true;
-            return true;
-        }
-        if (n_bans >= static_cast<size_t>(kMaxGreedyIds)) return false;
-        argmax_k = std::max<int64_t>(argmax_k, static_cast<int64_t>(n_bans) + 1);
-        return true;
-    });
+        any_ids = true;
+        argmax_k = std::max(argmax_k, ids_needed(*r));
+        sampled = sampled || r->params.temperature > 0.0;
+    }
+    batch.argmax_only = any_ids || reading.empty();
     batch.argmax_k = batch.argmax_only ? argmax_k : 1;
     batch.argmax_values = batch.argmax_only && sampled;
     if (batch.argmax_values) ++n_candidate_steps_;
+    if (batch.argmax_only && !reading.empty()) {
+        batch.logits_rows.assign(batch.size(), 0);
+        for (const Request* r : reading) {
+            const Span& sp = span_of.at(r->id);
+            std::fill_n(batch.logits_rows.begin() + static_cast<std::ptrdiff_t>(sp.row0), sp.n, 1);
+        }
+    }
     DecodeOutput out;
     {
         PhaseClock clock(phase_times_.target_s);
-        const bool ahead = params_.decode_ahead && batch.argmax_only && granted_ids.empty() &&
+        const bool ahead = params_.decode_ahead && batch.argmax_only && batch.logits_rows.empty() && granted_ids.empty() &&
                            batch.size() == run.size() && batch.size() <= static_cast<size_t>(params_.n_batch) &&
                            std::all_of(run.begin(), run.end(), [this](const Request* r) { return may_decode_ahead(*r); });
         if (ahead) {
@@ -676,6 +693,7 @@ std::vector<StepOutput> SpecEngine::step() {
             out = ctx_->decode(batch, layers_);
         }
     }
+    n_logit_rows_ += static_cast<int64_t>(out.logits.size() / static_cast<size_t>(n_vocab_));
     std::vector<int64_t> logits_row(batch.size(), -1);
     for (size_t i = 0; i < out.output_rows.size(); ++i) logits_row[static_cast<size_t>(out.output_rows[i])] = static_cast<int64_t>(i);
 

@@ -199,6 +199,8 @@ public:
     // Steps whose sampled rows drew from the graph's top-k candidates (candidate_law) instead of
     // whole logit rows.
     int64_t n_candidate_steps() const { return n_candidate_steps_; }
+    // Output rows whose whole logits crossed from the backend so far.
+    int64_t n_logit_rows() const { return n_logit_rows_; }
 
     bool has_drafter() const { return drafter_ != nullptr; }
     const Context& target_context() const { return *ctx_; }
@@ -265,6 +267,11 @@ private:
     void commit_rows(Request& r, const DecodeOutput& out, size_t row0, int64_t pos, size_t n);
     // Verifies r's drafts (none after its prompt pass) against the target's rows for [id_last,
     // drafts...], which start at logits (or ARGMAX) row `first`.
+    // Whether r's rows are read whole (token probabilities, processing beyond bans, sampling
+    // without top-k or past kMaxSampledCandidates), and otherwise how many of each row's best ids
+    // (TOP_K) it needs: one greedy, bans + 1 with bans, top_k + bans sampled.
+    bool reads_logits(const Request& r) const;
+    int64_t ids_needed(const Request& r) const;
     // r's proposal rows (T > 0) for verification.
     ProposalRows proposals(const Request& r) const;
     VerifyResult verify_rows(const Request& r, const DecodeOutput& out, int64_t first, bool argmax_only,
@@ -324,6 +331,7 @@ private:
     std::optional<Ahead> ahead_;
     int64_t n_decoded_ahead_ = 0;
     int64_t n_candidate_steps_ = 0;
+    int64_t n_logit_rows_ = 0;
 };
 
 }  // namespace pyspec
