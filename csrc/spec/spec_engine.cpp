@@ -516,7 +516,8 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
 }
 
 void SpecEngine::emit(Request& r, const VerifyResult& vr, const DecodeOutput& out, int64_t first, StepOutput& so) {
-    // (an argmax-only step has no logits, and then no request asks for log-probabilities)
+    // (rows that were not read whole have no logits; reads_logits has every n_probs request's
+    // rows read)
     const float* logits = out.logits_of(static_cast<size_t>(first));
     for (size_t k = 0; k < vr.tokens.size(); ++k) {
         const int32_t tok = vr.tokens[k];
