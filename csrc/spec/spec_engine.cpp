@@ -665,6 +665,9 @@ std::vector<StepOutput> SpecEngine::step() {
         sampled = sampled || r->params.temperature > 0.0;
     }
     batch.argmax_only = any_ids || reading.empty();
+    // k in steps of 8: a few graph variants for any mix of top_k and bans (the built-graph cache
+    // is small), and more ids than a row needs change nothing it takes from them.
+    if (argmax_k > 1) argmax_k = std::min(n_vocab_, (argmax_k + 7) / 8 * 8);
     batch.argmax_k = batch.argmax_only ? argmax_k : 1;
     batch.argmax_values = batch.argmax_only && sampled;
     if (batch.argmax_values) ++n_candidate_steps_;
