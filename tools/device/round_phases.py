@@ -54,7 +54,7 @@ def main() -> int:
         e = _core.SpecEngine(model, dm, n_ctx=2048, n_seq_max=1, n_draft_slots=1, n_batch=512, draft_n_batch=512,
                              n_threads=args.threads, draft_n_max=args.n_max, prefill_chunk=512, backend=args.backend)
         e.set_profiling(args.profile)
-        rounds_of(e, kw, args.n)  # warm-up: plans built, graphs captured
+        n_warm = rounds_of(e, kw, args.n)  # warm-up: plans built, graphs captured
         ph0 = e.phase_times()
         n = rounds_of(e, kw, args.n)
         ph = e.phase_times()
@@ -64,8 +64,8 @@ def main() -> int:
         if args.profile:
             for part, ops in e.op_profile().items():
                 top = sorted(ops, key=lambda o: -o[1])[:8]
-                # The warm-up ran the same rounds (same prompts and seeds): its half is taken off.
-                print(f"  {part}: " + ", ".join(f"{name} {t / n * 1e3 / 2:.3f}" for name, t, _ in top))
+                # The profile covers the warm-up's rounds too.
+                print(f"  {part}: " + ", ".join(f"{name} {t / (n + n_warm) * 1e3:.3f}" for name, t, _ in top))
     return 0
 
 
