@@ -521,7 +521,7 @@ __device__ void top_k_rounds(const float* ar, int64_t n, int64_t k, int32_t* out
 constexpr int kTopKThreads = 1024;
 constexpr int kTopKChunks = 1024;      // at most this many chunk maxima (one per thread)
 constexpr int kTopKCollected = 2048;   // entries collected at most
-constexpr int64_t kTopKFiltered = 64;  // the largest k the filter serves (spec/verify.h's kMaxSampledCandidates)
+constexpr int64_t kTopKFiltered = 64;  // the largest k the filter serves (spec/target_law.h's kMaxSampledCandidates)
 
 // The block's smallest v; all threads get it.
 __device__ float block_min(float v, float* sv) {

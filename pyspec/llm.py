@@ -25,8 +25,8 @@ from .speculative import Drafter, SpeculativeGenerator, SpecStats
 from .tokenizer import Tokenizer
 
 _D = SamplingParams()
-# The most best ids a sampled step asks the graph for (the engine's limit, csrc/spec/verify.h); a
-# larger top_k, or none, reads the whole row of logits.
+# The most best ids a sampled step asks the graph for (the engine's limit,
+# csrc/spec/target_law.h); a larger top_k, or none, reads the whole row of logits.
 _BEST_IDS_MAX = _core.spec.MAX_SAMPLED_CANDIDATES
 
 

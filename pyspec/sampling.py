@@ -19,7 +19,7 @@ A stage that is off does not run at all, so temperature-only sampling draws from
 softmax(logits / T) over the whole vocabulary (design invariant 5). Ties between equal logits are
 ordered by token id, so the kept sets never depend on the sort's whims.
 
-The candidate law is computed in C++ (csrc/spec/verify.h processed_candidates), the one function
+The candidate law is computed in C++ (csrc/spec/target_law.h processed_candidates), the one function
 the multi-request SpecEngine also builds its verification rows from, so the rule exists once.
 """
 
@@ -94,7 +94,7 @@ class Sampler:
 
         Filtered candidates come sorted by logit (highest first, ties by id); with no filter the
         whole vocabulary is returned in id order. The rule is written once, in C++
-        (csrc/spec/verify.h processed_candidates), which the multi-request SpecEngine verifies
+        (csrc/spec/target_law.h processed_candidates), which the multi-request SpecEngine verifies
         against too; logits are widened to float64 first.
         """
         z = np.asarray(logits, dtype=np.float64).reshape(-1)

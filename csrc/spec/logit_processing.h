@@ -1,6 +1,6 @@
 // What llama.cpp's sampler chain does to a row of logits before its filters run (the server's
 // default chain: logit_bias first, then penalties, then top-k/top-p/min-p/temperature, which are
-// verify.h's processed_candidates). SpecEngine applies it per verify row with the history that row
+// target_law.h's processed_candidates). SpecEngine applies it per verify row with the history that row
 // would have seen -- the committed tokens plus the drafts before it -- so verification keeps the
 // law the request would sample from without a drafter (design invariant 6).
 #pragma once

@@ -40,7 +40,7 @@ DraftContextParams draft_params(const SpecEngineParams& p) {
     return d;
 }
 
-// The processed law of each row (verify.h processed_law): what the request would sample from
+// The processed law of each row (target_law.h processed_law): what the request would sample from
 // without a drafter, so verification keeps it (design invariant 6).
 std::vector<float> target_law(const float* logits, int64_t n_rows, int64_t n_vocab, const RequestParams& r) {
     std::vector<float> p(static_cast<size_t>(n_rows * n_vocab));

@@ -91,7 +91,7 @@ struct SpecEngineParams {
 
 struct RequestParams {
     int64_t max_tokens = -1;     // < 0: until a stop id or a full context
-    // The target law (verify.h processed_candidates, pyspec/sampling.py's chain): temperature
+    // The target law (target_law.h processed_candidates, pyspec/sampling.py's chain): temperature
     // after top-k -> top-p -> min-p; a filter that is off (top_k <= 0, top_p >= 1, min_p <= 0)
     // does not run, so with all three off it is softmax(logits / T) (design invariant 5).
     double temperature = 0.0;
