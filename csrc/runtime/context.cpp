@@ -201,9 +201,9 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
     gp.argmax = b.argmax_only;
     gp.argmax_k = b.argmax_only ? std::max<int64_t>(1, b.argmax_k) : 1;
     gp.argmax_values = b.argmax_only && b.argmax_values;
-    gp.argmax_logits = b.argmax_only && std::any_of(b.logits_rows.begin() + static_cast<std::ptrdiff_t>(begin),
-                                                    b.logits_rows.begin() + static_cast<std::ptrdiff_t>(b.logits_rows.empty() ? begin : end),
-                                                    [](uint8_t f) { return f != 0; });
+    gp.argmax_logits = b.argmax_only && !b.logits_rows.empty() &&
+                       std::any_of(b.logits_rows.begin() + static_cast<std::ptrdiff_t>(begin),
+                                   b.logits_rows.begin() + static_cast<std::ptrdiff_t>(end), [](uint8_t f) { return f != 0; });
     out.argmax_k = gp.argmax_k;
     // A fed batch reads the feeding decode's ARGMAX output where that graph left it: only the
     // same graph (the same build parameters) is certain to have left it there untouched.

@@ -508,10 +508,11 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
     }
     if (r.params.temperature <= 0.0) return verify_greedy(ProbRows{rows, gamma + 1, n_vocab_}, r.drafts.data(), gamma);
     const std::vector<float> p = target_law(rows, gamma + 1, n_vocab_, r.params);
-    // Full target rows meet full proposal rows: a drafter's draft-vocabulary rows spread out.
-    const std::vector<float> q = proposals(r).spread();
+    // Full target rows meet full proposal rows: a drafter's draft-vocabulary rows spread out
+    // (full ones are used where they are).
+    const std::vector<float> spread = r.q_ids ? proposals(r).spread() : std::vector<float>();
     return verify(r.params.method, ProbRows{p.data(), gamma + 1, n_vocab_},
-                  ProbRows{q.data(), gamma, n_vocab_},
+                  ProbRows{r.q_ids ? spread.data() : r.q.data(), gamma, n_vocab_},
                   r.drafts.data(), gamma, r.params.seed, static_cast<uint32_t>(r.pos0));
 }
 
