@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import test_cpu_ops as cpu  # the CPU tests' helpers, references and op cases
+import test_sample_op as sample_op  # SAMPLE's cases and numpy reference
 from cuda_op_helpers import ALL_W, BATCHES, CACHE_TYPES, NEG_INF, assert_close_bound, dev_and_cpu, run_on
 from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu
 from pyspec import _core as core
@@ -562,6 +563,29 @@ def test_top_k_then_gather_equal_the_cpu(n, k, rows):
         assert np.array_equal(vals, np.take_along_axis(x, ids.astype(np.int64), axis=1))
     _, vals = cpu.top_k_gather_run(x[:1, :6], 3, ids=[[5, -1, 0]], backend=DEVICE)
     assert vals.tolist() == [[x[0, 5], cpu.NEG_INF, x[0, 0]]]
+
+
+@gpu
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
+def test_sample_draws_the_cpus_tokens(seed):
+    """SAMPLE on the device (the GPU's double exp and log): the tokens of the CPU's op, which is
+    the host's own draw, and of the numpy reference, on 256 rows of each chain; no row undefined."""
+    ids, vals, words, params = sample_op.random_case(seed, rows=256)
+    got = sample_op.run_sample(ids, vals, words, backend=DEVICE)
+    assert got.tolist() == sample_op.run_sample(ids, vals, words).tolist()
+    want = [sample_op.reference_draw(ids[r], vals[r], *p) for r, p in enumerate(params)]
+    assert got.tolist() == want
+
+
+@gpu
+def test_sample_gives_minus_one_for_undefined_draws_on_the_device():
+    ids, vals, words, _ = sample_op.random_case(7, rows=4, k=8)
+    words[0] = sample_op.sampler_words(0.8, 1.0, 0.0, 9, 1, 0)  # top_k past the candidates
+    vals = vals.copy()
+    vals[1, 3] = np.nan
+    got = sample_op.run_sample(ids, vals, words, backend=DEVICE)
+    assert got[0] == -1 and got[1] == -1
+    assert got.tolist()[2:] == sample_op.run_sample(ids, vals, words).tolist()[2:]
 
 
 @gpu

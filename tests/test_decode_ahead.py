@@ -14,9 +14,14 @@ step's ARGMAX on the device (Context::launch with a feed). It must change nothin
   step goes plainly).
 - pyspec-server without a drafter (the GPU's default) gives the same replies with it forced on
   and off: concurrent requests, a stop string, a client leaving mid-stream, a kept cache reused.
-- Requests that draft, sample or post-process logits never decode ahead, and on the CPU (where a
-  step computed ahead only delays its predecessor's tokens) nothing does unless asked; the tests
-  ask (decode_ahead=True).
+- Sampled rows on the graph's top-k candidates decode ahead too, fed the token the graph draws
+  (SAMPLE): the same tokens and stats as without, greedy and sampled requests mixed, both
+  verification rules, with the caller pausing, cancelling and adding requests between steps; and
+  where the host's draw overrules the graph's (forced here by PYSPEC_SAMPLED_AHEAD=2, whose graph
+  predicts the greedy token) the row ahead is dropped and decoded again, still the same tokens.
+- Requests that draft, sample without top-k or post-process logits never decode ahead, and on the
+  CPU (where a step computed ahead only delays its predecessor's tokens) nothing does unless
+  asked; the tests ask (decode_ahead=True).
 """
 
 from __future__ import annotations
@@ -175,6 +180,44 @@ def test_only_plain_greedy_rows_decode_ahead(loaded, kind):
     got = run(e, {0: (PROMPTS[0], kw)})
     assert len(got[0]["tokens"]) == 10
     assert e.n_decoded_ahead == 0
+
+
+def sampled_requests():
+    """Greedy and sampled requests (llama-server's chain and others, both rules) together."""
+    chains = [dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=11, verify="rejection"),
+              dict(verify="greedy"),
+              dict(temperature=1.2, top_k=8, seed=12, verify="block"),
+              dict(temperature=0.6, top_k=64, top_p=0.9, seed=13, verify="rejection")]
+    return {i: (p, dict(max_tokens=14 + 2 * i, **chains[i])) for i, p in enumerate(PROMPTS)}
+
+
+@pytest.mark.parametrize("hook", [None, _caller])
+def test_sampled_rows_decode_ahead_on_the_graphs_draws(loaded, hook):
+    reqs = sampled_requests()
+    e = engine(loaded, True)
+    got = run(e, reqs, hook=hook)
+    assert_same(got, run(engine(loaded, False), reqs, hook=hook))
+    assert e.n_decoded_ahead > 0
+    assert e.n_ahead_overruled == 0  # the CPU's SAMPLE is the host's own draw
+    assert_cells_free(e)
+    alone = engine(loaded, True)  # a sampled request alone decodes ahead
+    run(alone, {0: reqs[0]})
+    assert alone.n_decoded_ahead > 0
+
+
+def test_overruled_draws_are_decoded_again(loaded, monkeypatch):
+    reqs = sampled_requests()
+    want = run(engine(loaded, False), reqs)
+    monkeypatch.setenv("PYSPEC_SAMPLED_AHEAD", "2")  # the graph predicts the greedy token
+    e = engine(loaded, True)
+    got = run(e, reqs, hook=_caller)
+    assert_same(got, run(engine(loaded, False), reqs, hook=_caller))
+    assert e.n_decoded_ahead > 0 and e.n_ahead_overruled > 0
+    assert_cells_free(e)
+    monkeypatch.setenv("PYSPEC_SAMPLED_AHEAD", "0")  # off: sampled rows keep every step plain
+    e = engine(loaded, True)
+    assert_same(run(e, reqs), want)
+    assert e.n_ahead_overruled == 0
 
 
 def test_off_by_default_where_compute_is_synchronous(loaded):

@@ -212,6 +212,9 @@ void bind_spec_engine(py::module_& m) {
         .def_property_readonly("steps", &SpecEngine::steps)
         .def_property_readonly("n_decoded_ahead", &SpecEngine::n_decoded_ahead,
                                "steps launched before the host read the step before them (decode_ahead)")
+        .def_property_readonly("n_ahead_overruled", &SpecEngine::n_ahead_overruled,
+                               "rows decoded ahead on a token the graph drew that the host's own draw overruled "
+                               "(dropped and decoded again; sampled decode-ahead)")
         .def_property_readonly("has_step_ahead", &SpecEngine::has_step_ahead)
         .def_property_readonly("n_candidate_steps", &SpecEngine::n_candidate_steps,
                                "steps whose sampled rows drew from the graph's top-k candidates, not whole logit rows")

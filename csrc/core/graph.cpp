@@ -26,6 +26,7 @@ const char* op_name(Op op) {
         case Op::SUM: return "SUM";
         case Op::GUMBEL: return "GUMBEL";
         case Op::GATHER: return "GATHER";
+        case Op::SAMPLE: return "SAMPLE";
         default: return "?";
     }
 }
@@ -262,6 +263,20 @@ int Graph::gumbel(int keys, int elements, int stream) {
     const int id = add_node(Op::GUMBEL, DType::F32, {e.ne[0], k.nrows(), 1, 1}, {keys, elements});
     (*this)[id].iparams[0] = stream;
     return id;
+}
+
+int Graph::sample(int ids, int logits, int samplers) {
+    const Tensor& i = (*this)[ids];
+    const Tensor& v = (*this)[logits];
+    const Tensor& p = (*this)[samplers];
+    const bool rows = i.ne[2] == 1 && i.ne[3] == 1 && v.ne[0] == i.ne[0] && v.ne[1] == i.ne[1] && v.ne[2] == 1 &&
+                      v.ne[3] == 1 && p.ne[0] == kSamplerWords && p.ne[1] == i.ne[1] && p.ne[2] == 1 && p.ne[3] == 1;
+    if (i.dtype != DType::I32 || v.dtype != DType::F32 || p.dtype != DType::I32 || !rows || !i.is_contiguous() ||
+        !v.is_contiguous() || !p.is_contiguous()) {
+        throw std::invalid_argument("sample: needs contiguous I32 ids [k, rows], F32 logits [k, rows] and I32 samplers [" +
+                                    std::to_string(kSamplerWords) + ", rows]");
+    }
+    return add_node(Op::SAMPLE, DType::I32, {1, i.ne[1], 1, 1}, {ids, logits, samplers});
 }
 
 int matmuls_sharing_activations(const Graph& g, int id, int* out, int max_parts) {

@@ -59,10 +59,27 @@ enum class Op : uint8_t {
     GATHER,     // F32 [k, n_rows]: dst[j, r] = src0[src1[j, r], r], each row's entries at its own
                 // ids (numpy's take_along_axis over ne0); src0 F32, src1 I32 [k, n_rows] (TOP_K's
                 // output); an id of -1 (TOP_K past a row's end) gives -inf
+    SAMPLE,     // I32 [1, n_rows]: each row's token as a plain sampled step draws it from the row's
+                // candidates (spec/target_law.h draw_from_candidates: the target law over them,
+                // then verification's bonus draw, key {seed, offset, slot 0, NoiseStream::Target}).
+                // src0 I32 [k, n_rows] ids in TOP_K's order, src1 F32 [k, n_rows] their logits
+                // (GATHER's), src2 I32 [kSamplerWords, n_rows] each row's sampler (SamplerWords).
+                // A row with temperature <= 0 gets its first id; one whose draw is undefined
+                // (top_k outside [1, k], a NaN logit) gets -1. A backend may compute the law's
+                // exponentials and logs with its own libm: the result is a prediction that the
+                // host's own draw confirms (the engine's sampled decode-ahead).
     COUNT
 };
 
 const char* op_name(Op op);
+
+// SAMPLE's per-row sampler: the doubles as their IEEE words (the law's thresholds are the
+// request's doubles, not floats), then top_k, the seed's two words and the step offset (the
+// row's position: the committed length before the token it draws).
+constexpr int kSamplerWords = 10;
+struct SamplerWords {
+    static constexpr int kTemperature = 0, kTopP = 2, kMinP = 4, kTopK = 6, kSeedLo = 7, kSeedHi = 8, kOffset = 9;
+};
 
 enum TensorFlags : uint8_t {
     kInput = 1,     // filled by the caller before compute; memory from the plan, live from start
@@ -135,6 +152,7 @@ public:
     int gather(int a, int ids);  // GATHER: a's entries at ids, row by row
     int sum(int a);
     int gumbel(int keys, int elements, int stream);
+    int sample(int ids, int logits, int samplers);  // SAMPLE: each row's drawn token
 
     // Generic node creation (used by the ops above and by tests of the planner).
     int add_node(Op op, DType dtype, Shape ne, std::initializer_list<int> srcs,

@@ -14,6 +14,7 @@
 #include "cpu/top_k.h"
 #include "cpu/vec_math.h"
 #include "runtime/philox.h"
+#include "spec/verify.h"
 
 namespace pyspec {
 namespace {
@@ -354,6 +355,53 @@ void op_gumbel(const Graph& g, int id, int ith, int nth) {
     }
 }
 
+// SAMPLE: rows split among the threads, each drawn by the host's own routine
+// (draw_from_candidates), so this is exactly the token the engine's verification draws.
+void op_sample(const Graph& g, int id, int ith, int nth) {
+    const Tensor& dst = g[id];
+    const Tensor& ids = g[dst.src[0]];
+    const Tensor& logits = g[dst.src[1]];
+    const Tensor& samplers = g[dst.src[2]];
+    const int64_t k = ids.ne[0];
+    int64_t r0, r1;
+    split_range(dst.ne[1], ith, nth, r0, r1);
+    std::vector<int32_t> cand;
+    std::vector<float> vals;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int32_t* ir = ids.as<int32_t>() + r * k;
+        const float* vr = logits.as<float>() + r * k;
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(samplers.as<int32_t>() + r * kSamplerWords);
+        const auto f64 = [w](int at) {
+            const uint64_t bits = static_cast<uint64_t>(w[at]) | (static_cast<uint64_t>(w[at + 1]) << 32);
+            double d;
+            std::memcpy(&d, &bits, sizeof d);
+            return d;
+        };
+        cand.clear();
+        vals.clear();
+        for (int64_t i = 0; i < k; ++i) {
+            if (ir[i] < 0) continue;  // TOP_K past the row's end
+            cand.push_back(ir[i]);
+            vals.push_back(vr[i]);
+        }
+        int32_t token = -1;
+        const bool nan = std::any_of(vals.begin(), vals.end(), [](float v) { return v != v; });
+        if (!cand.empty() && !nan) {
+            try {
+                token = draw_from_candidates(cand.data(), vals.data(), static_cast<int64_t>(cand.size()),
+                                             f64(SamplerWords::kTemperature), static_cast<int32_t>(w[SamplerWords::kTopK]),
+                                             f64(SamplerWords::kTopP), f64(SamplerWords::kMinP),
+                                             static_cast<uint64_t>(w[SamplerWords::kSeedLo]) |
+                                                 (static_cast<uint64_t>(w[SamplerWords::kSeedHi]) << 32),
+                                             w[SamplerWords::kOffset]);
+            } catch (const std::invalid_argument&) {
+                token = -1;  // an undefined draw (top_k outside the candidates): no prediction
+            }
+        }
+        dst.as<int32_t>()[r] = token;
+    }
+}
+
 }  // namespace
 
 void run_cpu_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
@@ -381,6 +429,7 @@ void run_cpu_op(const Graph& g, int id, int ith, int nth, KernelScratch& s) {
         case Op::SUM: return op_sum(g, id, ith);
         case Op::GUMBEL: return op_gumbel(g, id, ith, nth);
         case Op::GATHER: return op_gather(g, id, ith, nth);
+        case Op::SAMPLE: return op_sample(g, id, ith, nth);
         default: unsupported(g, id, "not implemented on the CPU");
     }
 }

@@ -88,6 +88,12 @@ void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGra
             dg.argmax_values = g.gather(dg.logits, dg.argmax);
             g.set_name(dg.argmax_values, "argmax_values");
             g.set_output(dg.argmax_values);
+            if (p.sample) {
+                dg.in.samplers = g.input(DType::I32, {kSamplerWords, p.n_outputs, 1, 1}, "inp_samplers");
+                dg.sampled = g.sample(dg.argmax, dg.argmax_values, dg.in.samplers);
+                g.set_name(dg.sampled, "sampled");
+                g.set_output(dg.sampled);
+            }
         }
     } else {
         g.set_output(dg.logits);

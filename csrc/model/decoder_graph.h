@@ -41,12 +41,15 @@ struct DecoderGraphParams {
     bool argmax_values = false;
     // With argmax, the logits stay an output too: some rows read them (Batch::logits_rows).
     bool argmax_logits = false;
+    // With argmax_values, each output row's token drawn from those candidates as the host draws
+    // it (SAMPLE, with the rows' samplers an input): the token a step decoded ahead is fed.
+    bool sample = false;
 
     bool operator==(const DecoderGraphParams& o) const {
         return n_rows == o.n_rows && n_outputs == o.n_outputs && n_prompt_rows == o.n_prompt_rows &&
                n_prompt_outputs == o.n_prompt_outputs &&
                span == o.span && layer_ids == o.layer_ids && argmax == o.argmax && argmax_k == o.argmax_k &&
-               argmax_values == o.argmax_values && argmax_logits == o.argmax_logits;
+               argmax_values == o.argmax_values && argmax_logits == o.argmax_logits && sample == o.sample;
     }
 };
 
@@ -58,6 +61,7 @@ struct DecoderGraphInputs {
     int mask = -1;       // [span, n_rows] 0 or -inf
     int kv_base = -1;    // [n_rows] first cache cell of each row's span
     int out_rows = -1;   // [n_outputs] rows that want logits (absent when all rows do), prompt rows first
+    int samplers = -1;   // [kSamplerWords, n_outputs] with DecoderGraphParams::sample (SAMPLE's)
     int64_t n_prompt_rows = 0;  // not a tensor: DecoderGraphParams::n_prompt_rows, for the MUL_MATs and ATTENTION
 };
 
@@ -67,6 +71,7 @@ struct DecoderGraph {
     int logits = -1;                               // F32 [n_vocab, n_outputs] (an output unless argmax)
     int argmax = -1;                               // I32 [argmax_k, n_outputs] with DecoderGraphParams::argmax
     int argmax_values = -1;                        // F32 [argmax_k, n_outputs]: the logits at those ids
+    int sampled = -1;                              // I32 [1, n_outputs] with DecoderGraphParams::sample
     std::vector<std::pair<int, int>> layer_inputs; // (layer id, F32 [n_embd, n_rows] tensor)
 };
 

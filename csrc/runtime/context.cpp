@@ -110,9 +110,10 @@ std::unique_ptr<PendingDecode> Context::launch(const Batch& batch, const std::ve
         throw std::invalid_argument("launch: a batch of at most n_batch rows (" + std::to_string(params_.n_batch) + ")");
     }
     if (feed) {
+        // The feeding decode gives one token a row: its ARGMAX, or its SAMPLE draws.
+        const bool one_token = feed->params.argmax && (feed->params.argmax_k == 1 || feed->params.sample);
         const bool rows_match = feed->order.size() == batch.size() && feed->out_rows.size() == batch.size() &&
-                                batch.argmax_only && batch.argmax_k <= 1 && feed->params.argmax &&
-                                feed->params.argmax_k == 1 && !feed->collected;
+                                batch.argmax_only && one_token && !feed->collected;
         bool all_output = true;
         for (size_t i = 0; i < batch.size(); ++i) {
             all_output = all_output && batch.output[i] && (batch.prompt.empty() || !batch.prompt[i]) && feed->order[i] == i;
@@ -146,6 +147,27 @@ DecodeOutput Context::empty_output(const std::vector<int>& layer_ids) const {
     for (int l : layer_ids) out.layer_inputs.emplace_back(l, std::vector<float>());
     return out;
 }
+
+namespace {
+
+// SAMPLE's words of one row (core/graph.h SamplerWords): the doubles' IEEE bits, low word first.
+void sampler_words(const RowSampler& rs, uint32_t offset, uint32_t* w) {
+    const auto put = [w](int at, double d) {
+        uint64_t bits;
+        std::memcpy(&bits, &d, sizeof bits);
+        w[at] = static_cast<uint32_t>(bits);
+        w[at + 1] = static_cast<uint32_t>(bits >> 32);
+    };
+    put(SamplerWords::kTemperature, rs.temperature);
+    put(SamplerWords::kTopP, rs.top_p);
+    put(SamplerWords::kMinP, rs.min_p);
+    w[SamplerWords::kTopK] = static_cast<uint32_t>(rs.top_k);
+    w[SamplerWords::kSeedLo] = static_cast<uint32_t>(rs.seed);
+    w[SamplerWords::kSeedHi] = static_cast<uint32_t>(rs.seed >> 32);
+    w[SamplerWords::kOffset] = offset;
+}
+
+}  // namespace
 
 bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::vector<int>& layer_ids,
                            PendingDecode& p, const PendingDecode* feed) {
@@ -201,6 +223,8 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
     gp.argmax = b.argmax_only;
     gp.argmax_k = b.argmax_only ? std::max<int64_t>(1, b.argmax_k) : 1;
     gp.argmax_values = b.argmax_only && b.argmax_values;
+    gp.sample = gp.argmax_values && b.sample;
+    if (gp.sample && b.samplers.size() != b.size()) throw std::invalid_argument("launch: a sampled batch needs a sampler a row");
     gp.argmax_logits = b.argmax_only && !b.logits_rows.empty() &&
                        std::any_of(b.logits_rows.begin() + static_cast<std::ptrdiff_t>(begin),
                                    b.logits_rows.begin() + static_cast<std::ptrdiff_t>(end), [](uint8_t f) { return f != 0; });
@@ -244,7 +268,7 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
             // The feeding decode's ids, in its graph's ARGMAX output (the same graph: same
             // tensor), become this one's tokens: a device copy ordered after that decode.
             if (feed->graph != &dg) throw std::logic_error("launch: the feeding decode's graph is gone");
-            backend_->copy(g[dg.in.tokens], g[dg.argmax], row_bytes);
+            backend_->copy(g[dg.in.tokens], g[gp.sample ? dg.sampled : dg.argmax], row_bytes);
         } else {
             backend_->write(g[dg.in.tokens], tokens.data(), row_bytes);
         }
@@ -253,6 +277,14 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
         backend_->write(g[dg.in.kv_base], kv_base.data(), row_bytes);
         backend_->write(g[dg.in.mask], mask.data(), mask.size() * sizeof(float));
         if (dg.in.out_rows >= 0) backend_->write(g[dg.in.out_rows], out_rows.data(), out_rows.size() * sizeof(int32_t));
+        if (dg.in.samplers >= 0) {
+            std::vector<uint32_t> words(out_rows.size() * kSamplerWords, 0);
+            for (size_t j = 0; j < out_rows.size(); ++j) {
+                const size_t i = order[static_cast<size_t>(out_rows[j])];
+                sampler_words(b.samplers[i], static_cast<uint32_t>(b.positions[i]), words.data() + j * kSamplerWords);
+            }
+            backend_->write(g[dg.in.samplers], words.data(), words.size() * sizeof(uint32_t));
+        }
         backend_->compute(g);
 
         // The step's outputs come back in one read (one wait on a device backend, at collect).
@@ -271,6 +303,12 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
                 reads.push_back({&g[dg.argmax_values], out.argmax_values.data() + old_v,
                                  out_rows.size() * k * sizeof(float), 0});
                 p.permutes.push_back({out.argmax_values.data() + old_v, k * sizeof(float)});
+            }
+            if (dg.sampled >= 0) {
+                const size_t old_s = out.sampled.size();
+                out.sampled.resize(old_s + out_rows.size());
+                reads.push_back({&g[dg.sampled], out.sampled.data() + old_s, out_rows.size() * sizeof(int32_t), 0});
+                p.permutes.push_back({out.sampled.data() + old_s, sizeof(int32_t)});
             }
             // Rows whose logits are read too, each straight into its slot in batch order.
             const size_t lrow = static_cast<size_t>(out.n_vocab) * sizeof(float);

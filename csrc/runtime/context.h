@@ -22,6 +22,16 @@
 
 namespace pyspec {
 
+// A row's sampling chain for SAMPLE (llama.cpp's top-k -> top-p -> min-p -> temperature, the
+// target law of spec/target_law.h) and the seed its draws are keyed by.
+struct RowSampler {
+    double temperature = 0.0;  // <= 0: the greedy token
+    double top_p = 1.0;
+    double min_p = 0.0;
+    int32_t top_k = 0;
+    uint64_t seed = 0;
+};
+
 struct Batch {
     std::vector<int32_t> tokens;
     std::vector<int32_t> positions;
@@ -45,6 +55,11 @@ struct Batch {
     // are read too (DecodeOutput::logits at logits_slot): a request that processes its logits
     // on the host, beside rows that need only the graph's ids, crosses alone.
     std::vector<uint8_t> logits_rows;
+    // With argmax_values: each output row's token drawn in the graph as the host would draw it
+    // from the candidates (DecodeOutput::sampled; SAMPLE), by samplers[row] with the row's
+    // position as the step offset, so a step launched after this one can be fed it.
+    bool sample = false;
+    std::vector<RowSampler> samplers;  // one per row with sample (a greedy row: temperature 0)
     size_t size() const { return tokens.size(); }
 };
 
@@ -57,6 +72,7 @@ struct DecodeOutput {
     std::vector<int32_t> argmax;       // [output_rows.size(), argmax_k] with Batch::argmax_only
     int64_t argmax_k = 1;
     std::vector<float> argmax_values;  // [output_rows.size(), argmax_k] with Batch::argmax_values
+    std::vector<int32_t> sampled;      // [output_rows.size()] with Batch::sample (-1: no draw)
     // With Batch::logits_rows: output row j's logits are row logits_slot[j] of `logits` (-1: not
     // read), those rows in batch order; empty otherwise (logits row j is output row j).
     std::vector<int32_t> logits_slot;

@@ -67,6 +67,9 @@ SpecEngine::SpecEngine(const Model& target, const DraftModel* drafter, const Spe
         params_.decode_ahead = v[0] == '1';
     }
     if (params_.decode_ahead < 0) params_.decode_ahead = ctx_->computes_asynchronously() ? 1 : 0;
+    if (const char* v = std::getenv("PYSPEC_SAMPLED_AHEAD"); v && std::string(v).size() == 1 && v[0] >= '0' && v[0] <= '2') {
+        params_.sampled_ahead = v[0] - '0';
+    }
     seq_used_.assign(static_cast<size_t>(params_.n_seq_max), 0);
     cached_.assign(static_cast<size_t>(params_.n_seq_max), {});
     n_embd_ = target_.hparams().n_embd;
@@ -686,6 +689,11 @@ std::vector<StepOutput> SpecEngine::step() {
                            batch.size() == run.size() && batch.size() <= static_cast<size_t>(params_.n_batch) &&
                            std::all_of(run.begin(), run.end(), [this](const Request* r) { return may_decode_ahead(*r); });
         if (ahead) {
+            // Sampled rows: the graph draws their tokens, which the step ahead is fed.
+            batch.sample = batch.argmax_values;
+            if (batch.sample) {
+                for (const Request* r : run) batch.samplers.push_back(row_sampler(*r));
+            }
             std::unique_ptr<PendingDecode> now = ctx_->launch(batch, layers_);
             try {
                 launch_ahead(run, *now);
@@ -753,6 +761,7 @@ std::vector<StepOutput> SpecEngine::step() {
             // drafter keeps no block rows, so only committed rows ever reach it.
             // (A row decoded ahead holds the cell after id_last: it is the next step's.)
             if (gamma > 0 || !in_ahead(r->id)) ctx_->kv().remove(r->seq, r->pos0 + tau + 1, -1);
+            if (in_ahead(r->id)) check_fed_token(*r, out, static_cast<size_t>(logits_row[sp.row0]), vr);
             if (r->drafting) commit_rows(*r, out, sp.row0, r->pos0, static_cast<size_t>(tau) + 1);
             r->drafts.clear();
             r->q.clear();

@@ -87,6 +87,14 @@ struct SpecEngineParams {
     // predecessor's tokens), 0: never, 1: always (tests run it on the CPU so);
     // PYSPEC_DECODE_AHEAD=0/1 overrides it.
     int decode_ahead = -1;
+    // Sampled plain rows decode ahead too (with decode_ahead; rows on the graph's top-k
+    // candidates, nothing else processing their logits): the step draws each row's token in the
+    // graph (SAMPLE) and feeds it to the next step; the host's own draw confirms it, and a row
+    // whose draws differ (the GPU's libm on a knife edge) has its step ahead dropped and decodes
+    // again. The same tokens either way. 1: on, 0: off, 2: the graph predicts the greedy token
+    // instead (nearly every row then decodes again: tests of that path); PYSPEC_SAMPLED_AHEAD
+    // (0/1/2) overrides it.
+    int sampled_ahead = 1;
 };
 
 struct RequestParams {
@@ -196,6 +204,8 @@ public:
     // Steps launched ahead (SpecEngineParams::decode_ahead) so far, and whether one is in flight.
     int64_t n_decoded_ahead() const { return n_decoded_ahead_; }
     bool has_step_ahead() const { return ahead_.has_value(); }
+    // Rows decoded ahead on a sampled token the host's draw then overruled (dropped, decoded again).
+    int64_t n_ahead_overruled() const { return n_ahead_overruled_; }
     // Steps whose sampled rows drew from the graph's top-k candidates (candidate_law) instead of
     // whole logit rows.
     int64_t n_candidate_steps() const { return n_candidate_steps_; }
@@ -241,6 +251,9 @@ private:
         int64_t n_prefilled = 0;  // prompt rows decoded so far
         bool generating = false;  // prefill done (its last row gave the first token): draft / verify rounds
         bool paused = false;
+        // Its row in the step decoded ahead was fed another token than the one drawn (sampled
+        // decode-ahead): that row is dropped and the token decoded again.
+        bool ahead_stale = false;
         bool needs_draft = false; // generating without a drafted block yet (a prompt prefilled
                                   // while no drafter slot was free)
         bool drafting = false;    // drafts (a drafter is loaded, the request wants it, not stopped)
@@ -300,6 +313,11 @@ private:
     bool launch_ahead(const std::vector<Request*>& run, PendingDecode& now);
     std::vector<StepOutput> step_ahead();
     bool in_ahead(uint64_t id) const;
+    // r's sampler for the graph's SAMPLE (a greedy row: temperature 0).
+    RowSampler row_sampler(const Request& r) const;
+    // After r's step was verified: whether the step decoded ahead was fed the token r emitted
+    // (the graph's draw, out.sampled[row]); else r's row there is marked stale.
+    void check_fed_token(Request& r, const DecodeOutput& out, size_t row, const VerifyResult& vr);
     // A step's last part: the outputs' stats, and the finished requests released.
     void finish_step(std::vector<StepOutput>& result);
     // Ends drafting for r after a drafter failure: one log line, the flag in its stats, its slot
@@ -330,6 +348,7 @@ private:
     };
     std::optional<Ahead> ahead_;
     int64_t n_decoded_ahead_ = 0;
+    int64_t n_ahead_overruled_ = 0;
     int64_t n_candidate_steps_ = 0;
     int64_t n_logit_rows_ = 0;
 };

@@ -17,8 +17,12 @@ bool SpecEngine::may_decode_ahead(const Request& r) const {
     // A plain greedy row whose next step is certain to follow (no drafts, no lookup, nothing the
     // host must do to the logits, a next cell, and not its last token by max_tokens); a stop id
     // may still end it, and then the step ahead's row is dropped.
+    // A sampled row may too where the graph draws its token (sampled_ahead: no processing, its
+    // law from the graph's top-k candidates).
     const RequestParams& q = r.params;
-    return r.generating && !r.paused && !r.drafting && !r.needs_draft && r.drafts.empty() && q.temperature <= 0.0 &&
+    const bool drawn_in_graph = params_.sampled_ahead > 0 && q.temperature > 0.0 && !reads_logits(r);
+    return r.generating && !r.paused && !r.drafting && !r.needs_draft && r.drafts.empty() &&
+           (q.temperature <= 0.0 || drawn_in_graph) &&
            !q.processing.active() && q.n_probs == 0 && (params_.ngram.n <= 0 || !q.draft) &&
            r.pos0 + 1 < ctx_->n_ctx_seq() && !(q.max_tokens > 0 && r.n_out + 1 >= q.max_tokens);
 }
@@ -35,12 +39,40 @@ bool SpecEngine::launch_ahead(const std::vector<Request*>& run, PendingDecode& n
         next.prompt.push_back(0);
         ids.push_back(r->id);
     }
+    // The same kind of step as `now` (the same graph: a feed reads now's outputs where that graph
+    // left them): its candidates and draws where `now` has them.
     next.argmax_only = true;
+    next.argmax_k = now.params.argmax_k;
+    next.argmax_values = now.params.argmax_values;
+    next.sample = now.params.sample;
+    if (next.sample) {
+        for (const Request* r : run) next.samplers.push_back(row_sampler(*r));
+    }
     std::unique_ptr<PendingDecode> p = ctx_->launch(next, layers_, &now);
     if (!p) return false;  // another graph (the attention span grew): this step goes plainly
     ahead_ = Ahead{std::move(p), std::move(ids)};
     ++n_decoded_ahead_;
     return true;
+}
+
+RowSampler SpecEngine::row_sampler(const Request& r) const {
+    const RequestParams& q = r.params;
+    RowSampler rs;
+    if (q.temperature <= 0.0 || params_.sampled_ahead == 2) return rs;  // 2: predicts the greedy token
+    rs.temperature = q.temperature;
+    rs.top_p = q.top_p;
+    rs.min_p = q.min_p;
+    rs.top_k = static_cast<int32_t>(q.top_k);
+    rs.seed = q.seed;
+    return rs;
+}
+
+void SpecEngine::check_fed_token(Request& r, const DecodeOutput& out, size_t row, const VerifyResult& vr) {
+    // Greedy rows are fed their ARGMAX (or SAMPLE's first id), which is their token by definition.
+    if (out.sampled.empty() || r.params.temperature <= 0.0) return;
+    if (out.sampled[row] == vr.tokens.back()) return;
+    r.ahead_stale = true;
+    ++n_ahead_overruled_;
 }
 
 std::vector<StepOutput> SpecEngine::step_ahead() {
@@ -55,8 +87,9 @@ std::vector<StepOutput> SpecEngine::step_ahead() {
         auto it = requests_.find(a.ids[i]);
         if (it == requests_.end()) continue;
         Request& r = it->second;
-        if (r.paused) {
+        if (r.paused || r.ahead_stale) {
             ctx_->kv().remove(r.seq, r.pos0, r.pos0 + 1);
+            r.ahead_stale = false;
             continue;
         }
         run.push_back(&r);
@@ -91,6 +124,7 @@ std::vector<StepOutput> SpecEngine::step_ahead() {
         const VerifyResult vr = verify_rows(*r, out, static_cast<int64_t>(rows[j]), true, processed);
         ++r->stats.n_rounds;
         if (!in_ahead(r->id)) ctx_->kv().remove(r->seq, r->pos0 + 1, -1);
+        if (in_ahead(r->id)) check_fed_token(*r, out, rows[j], vr);
         emit(*r, vr, out, static_cast<int64_t>(rows[j]), so);
         result.push_back(std::move(so));
     }

@@ -398,6 +398,18 @@ VerifyResult verify_block(const ProbRows& p, const ProbRows& q, const int32_t* d
     return block(DenseTarget{p}, ProposalRows::full(q), drafts, gamma, seed, offset);
 }
 
+int32_t draw_from_candidates(const int32_t* ids, const float* logits, int64_t m, double temperature, int64_t top_k,
+                             double top_p, double min_p, uint64_t seed, uint32_t offset) {
+    if (m < 1) throw std::invalid_argument("a draw from no candidates");
+    if (temperature <= 0.0) return ids[0];
+    const std::vector<SparseLaw> law{candidate_law(ids, logits, m, temperature, top_k, top_p, min_p)};
+    // The vocabulary bound only checks ids: the candidates' own.
+    const int64_t vocab = static_cast<int64_t>(*std::max_element(law[0].ids.begin(), law[0].ids.end())) + 1;
+    const SparseTarget target{law, vocab};
+    target.check(0);
+    return draw_bonus(target, 0, seed, offset);
+}
+
 VerifyResult verify(VerifyMethod method, const std::vector<SparseLaw>& p, int64_t n_vocab, const ProposalRows& q,
                     const int32_t* drafts, int gamma, uint64_t seed, uint32_t offset) {
     if (method == VerifyMethod::Greedy) throw std::invalid_argument("candidate laws are verified by rejection or block");

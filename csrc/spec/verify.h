@@ -64,6 +64,13 @@ enum class VerifyMethod { Greedy, Rejection, Block };
 // Bad shapes, ids or rows (negative or non-finite probabilities, an all-zero p row) throw
 // std::invalid_argument.
 
+// The token a plain sampled step (a round without drafts) draws from a row's m best candidates
+// (ids in TOP_K's order, with their logits): candidate_law, then the bonus draw every sampled
+// round ends with (slot 0 of {seed, offset}, NoiseStream::Target); T <= 0: ids[0]. What the
+// engine's verification of such a step gives, and what the SAMPLE op computes in a graph.
+int32_t draw_from_candidates(const int32_t* ids, const float* logits, int64_t m, double temperature, int64_t top_k,
+                             double top_p, double min_p, uint64_t seed, uint32_t offset);
+
 // T = 0: accept while x_i is the first-index argmax of p_i; emit the argmax of the first row that
 // disagrees, or of p_{γ+1}. Rows may hold probabilities or logits (only the argmax matters); no
 // noise is used. q is not needed.

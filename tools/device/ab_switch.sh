@@ -7,6 +7,8 @@
 # says), bench_drafter.py's wall-clock split and speed-up on chat prompts.
 #
 #   VAR=PYSPEC_CUDA_PREFETCH bash tools/device/ab_switch.sh
+#   VAR=PYSPEC_SAMPLED_AHEAD ONLY=tg128,par64 BENCH_ARGS="--sample --par-all" MODELS="smollm2 qwen3" \
+#     bash tools/device/ab_switch.sh     # sampled requests (llama-server's chain)
 #   VAR=PYSPEC_CUDA_COLUMN_SPLIT VALUES="1 0" ROUNDS=2 MODELS="smollm2 qwen3" \
 #     SPEC_BENCH=/tmp/smol.gguf DRAFTER=build/drafter/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf \
 #     bash tools/device/ab_switch.sh
@@ -37,8 +39,9 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   for v in ${VALUES:-1 0}; do
     echo "== $var=$v (round $r)"
     for p in "${paths[@]}"; do
-      env "$var=$v" timeout 120 python3 bench/bench_cuda.py "$p" --only tg128 --repeats "${REPEATS:-2}" 2>&1 |
-        tee -a "$out/ab-bench.log" | grep "tg128 "
+      # shellcheck disable=SC2086
+      env "$var=$v" timeout 240 python3 bench/bench_cuda.py "$p" --only "${ONLY:-tg128}" --repeats "${REPEATS:-2}" \
+        ${BENCH_ARGS:-} 2>&1 | tee -a "$out/ab-bench.log" | grep -E "tg128 |par64 "
     done
     if [ -n "${SPEC_BENCH:-}" ]; then
       env "$var=$v" timeout 240 python3 bench/bench_drafter.py --model "$SPEC_BENCH" -ngl all \

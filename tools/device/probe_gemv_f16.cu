@@ -28,7 +28,13 @@
 // Measured (H200, 36 layers, us a step of the 144 launches): read 1,830-1,870, base 2,723-2,795,
 // nox 2,246-2,334, batch16 2,504-2,516, stream8 2,454-2,472, s16r2e 2,354-2,382, g6e 2,439,
 // bulkA 2,619, p16r2e 2,446; one read of all 7.27 GB in one launch 1,594-1,651 (4.4-4.6 TB/s).
-// usage: probe [layers, default 36] [comma-separated variants, default all]
+// Twenty-sixth session (same machine kind): s16r2e 2,424; with each warp's rows asked into L2 by
+// the copy engine before the PDL wait (cp.async.bulk.prefetch) F 2,737 (whole rows), G 2,483
+// (first 4 KiB), the next kernel triggered before the wait T 2,379 (its down alone 685 against
+// 552), FT 2,838; with a 6 us attention stand-in before each o (DRAM idle there) prefetching only
+// o's rows (oF / oFT) 2,622 / 2,593 against 2,655, and with a 3 us one no gain: nothing kept.
+// usage: probe [layers, default 36] [comma-separated variants, default all] [attention us, default 0]
+// With an attention time, a stand-in kernel (k_att) runs that long before each layer's o.
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_gemv_f16.cu -o probe
 #include <cuda_fp16.h>
 
@@ -312,13 +318,22 @@ __device__ __forceinline__ void stage_x(const Job& j, float* dst) {
 // then each warp runs the production loop (unroll 4) over R rows at once, x from shared memory
 // (a load serves R rows) and the weights past L1 (no_allocate, so they do not evict anything);
 // kEarly loads a lane's first 4 units of each row before the PDL wait and the staging.
-template <int W, int R, bool kEarly, bool kPlanes = false>
+template <int W, int R, bool kEarly, bool kPlanes = false, int kPf = 0, bool kTrigFirst = false>
 __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
     const int lane = threadIdx.x & 31;
     int64_t row;
     const uint4* wr[R];
     const bool live = warp_rows<R>(j, W, row, wr);
     const int units = j.k / 8;
+    if constexpr (kTrigFirst) pdl_go();
+    if (kPf && live && lane < R) {  // lane r asks the copy engine for row r into L2
+        const uint32_t row_bytes = static_cast<uint32_t>(j.k) * 2;
+        const uint32_t bytes = kPf == 1 ? row_bytes : (row_bytes < 4096u ? row_bytes : 4096u);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r == lane) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wr[r]), "r"(bytes) : "memory");
+        }
+    }
     uint4 pre[R][4];
     if (kEarly && live) {
 #pragma unroll
@@ -330,7 +345,7 @@ __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
         }
     }
     pdl_wait();
-    pdl_go();
+    if constexpr (!kTrigFirst) pdl_go();
     {
         stage_x<W>(j, hs);
         if constexpr (kPlanes) {  // x[8u + t] -> plane t / 4 at 4u + t % 4, after hs[0, k)
@@ -553,6 +568,19 @@ static void launch_pdl(K kernel, unsigned grid, size_t smem, cudaStream_t s, A..
     launch_pdl_block(kernel, grid, kThreads, smem, s, args...);
 }
 
+// Whether name is one of the comma-separated list's entries (exactly, not as a prefix).
+static bool listed(const char* list, const char* name) {
+    const size_t n = strlen(name);
+    for (const char* p = list; *p;) {
+        const char* e = strchr(p, ',');
+        const size_t len = e ? static_cast<size_t>(e - p) : strlen(p);
+        if (len == n && strncmp(p, name, n) == 0) return true;
+        if (!e) break;
+        p = e + 1;
+    }
+    return false;
+}
+
 struct Layer {
     Job qkv, o, gu, down;
 };
@@ -584,15 +612,15 @@ static void run_stream(const Job& j, cudaStream_t s) {
     launch_pdl(k_stream<R, N>, static_cast<unsigned>((warps + kWarps - 1) / kWarps), j.k * sizeof(float), s, j,
                static_cast<int>(rpw));
 }
-template <int W, int R, bool E, bool P = false>
+template <int W, int R, bool E, bool P = false, int F = 0, bool T = false>
 static void run_smem(const Job& j, cudaStream_t s) {
     static bool once = false;
     if (!once) {
         once = true;
-        CK(cudaFuncSetAttribute(k_smem<W, R, E, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * 9728 * 4));
+        CK(cudaFuncSetAttribute(k_smem<W, R, E, P, F, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * 9728 * 4));
     }
     const int64_t n = j.rows / R;
-    launch_pdl_block(k_smem<W, R, E, P>, static_cast<unsigned>((n + W - 1) / W), W * 32,
+    launch_pdl_block(k_smem<W, R, E, P, F, T>, static_cast<unsigned>((n + W - 1) / W), W * 32,
                      (P ? 2 : 1) * j.k * sizeof(float), s, j);
 }
 template <int W, int S, int CH>
@@ -624,7 +652,23 @@ struct Variant {
     const char* name;
     void (*r1)(const Job&, cudaStream_t);
     void (*r2)(const Job&, cudaStream_t);
+    void (*ro)(const Job&, cudaStream_t) = nullptr;  // the o launch, when not r1's
 };
+
+// A stand-in for a decode step's attention between q/k/v and o: a few blocks holding an attention
+// block's shared memory, busy for ns nanoseconds after the PDL wait (which lets o's blocks in), so
+// DRAM idles as it does under the real attention.
+__global__ void k_att(int64_t ns) {
+    pdl_wait();
+    pdl_go();
+    int64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+constexpr int kAttBlocks = 64;
+constexpr size_t kAttSmem = 135 * 1024;
 
 __global__ void k_fill(__half* p, int64_t n, uint32_t seed) {
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -638,6 +682,7 @@ __global__ void k_fill(__half* p, int64_t n, uint32_t seed) {
 
 int main(int argc, char** argv) {
     const int n_layer = argc > 1 ? atoi(argv[1]) : 36;
+    const int64_t att_ns = argc > 3 ? static_cast<int64_t>(atof(argv[3]) * 1000) : 0;  // the stand-in's time
     const int hidden = 2560, q = 4096, kv = 1024, ffn = 9728;
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -693,6 +738,18 @@ int main(int argc, char** argv) {
         {"s16r1e", run_smem<16, 1, true>, run_smem<16, 2, true>},
         {"s16r2e", run_smem<16, 2, true>, run_smem<16, 2, true>},
         {"s32r1e", run_smem<32, 1, true>, run_smem<32, 2, true>},
+        {"oF", run_smem<16, 2, true>, run_smem<16, 2, true>, run_smem<16, 2, true, false, 1>},
+        {"oFT", run_smem<16, 2, true>, run_smem<16, 2, true>, run_smem<16, 2, true, false, 1, true>},
+        // F: each warp's rows prefetched into L2 by the copy engine before the PDL wait (whole
+        // rows, or their first 4 KiB: G); T: the next kernel triggered before the wait.
+        {"s16r2F", run_smem<16, 2, true, false, 1>, run_smem<16, 2, true, false, 1>},
+        {"s16r2G", run_smem<16, 2, true, false, 2>, run_smem<16, 2, true, false, 2>},
+        {"s16r2T", run_smem<16, 2, true, false, 0, true>, run_smem<16, 2, true, false, 0, true>},
+        {"s16r2FT", run_smem<16, 2, true, false, 1, true>, run_smem<16, 2, true, false, 1, true>},
+        {"s8r2F", run_smem<8, 2, true, false, 1>, run_smem<8, 2, true, false, 1>},
+        {"s8r1F", run_smem<8, 1, true, false, 1>, run_smem<8, 2, true, false, 1>},
+        {"s4r1F", run_smem<4, 1, true, false, 1>, run_smem<4, 2, true, false, 1>},
+        {"s4r1FT", run_smem<4, 1, true, false, 1, true>, run_smem<4, 2, true, false, 1, true>},
         {"g4", run_grouped<1, 4, false>, run_grouped<2, 4, false>},
         {"g4e", run_grouped<1, 4, true>, run_grouped<2, 4, true>},
         {"g8", run_grouped<1, 8, false>, run_grouped<2, 8, false>},
@@ -724,8 +781,21 @@ int main(int argc, char** argv) {
     out_of(run_base<1>, layers[0].o, ref_o);
     out_of(run_base<1>, layers[0].down, ref_d);
     const char* only = argc > 2 ? argv[2] : nullptr;  // a comma-separated list of variants
+    if (att_ns) {  // the stand-ins alone, to subtract
+        CK(cudaFuncSetAttribute(k_att, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttSmem));
+        cudaGraph_t g;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        for (int l = 0; l < n_layer; ++l) launch_pdl_block(k_att, kAttBlocks, 256, kAttSmem, s, att_ns);
+        CK(cudaStreamEndCapture(s, &g));
+        cudaGraphExec_t exec;
+        CK(cudaGraphInstantiate(&exec, g, 0));
+        time_graph(exec, s, 2);
+        printf("attention stand-ins alone (%d x %.1f us): %.1f us\n", n_layer, att_ns / 1e3, time_graph(exec, s, 8) * 1e3);
+        CK(cudaGraphExecDestroy(exec));
+        CK(cudaGraphDestroy(g));
+    }
     for (const Variant& v : variants) {
-        if (only && !strstr(only, v.name)) continue;
+        if (only && !listed(only, v.name)) continue;
         printf("%-8s", v.name);
         if (strcmp(v.name, "read") && strcmp(v.name, "nofma") && strcmp(v.name, "nox")) {
             out_of(v.r1, layers[0].o, got);
@@ -741,7 +811,8 @@ int main(int argc, char** argv) {
             for (const Layer& L : layers) {
                 const bool read = v.r1 == run_read;
                 if (kind == 0 || kind == 1) { v.r1(L.qkv, s); kb += double(L.qkv.rows) * L.qkv.k * 2; }
-                if (kind == 0 || kind == 2) { v.r1(L.o, s); kb += double(L.o.rows) * L.o.k * 2; }
+                if (att_ns && (kind == 0 || kind == 2)) launch_pdl_block(k_att, kAttBlocks, 256, kAttSmem, s, att_ns);
+                if (kind == 0 || kind == 2) { (v.ro ? v.ro : v.r1)(L.o, s); kb += double(L.o.rows) * L.o.k * 2; }
                 if (kind == 0 || kind == 3) { (read ? v.r1 : v.r2)(L.gu, s); kb += double(L.gu.rows) * L.gu.k * 2; }
                 if (kind == 0 || kind == 4) { v.r1(L.down, s); kb += double(L.down.rows) * L.down.k * 2; }
             }
