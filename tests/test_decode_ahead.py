@@ -231,7 +231,7 @@ def test_off_by_default_where_compute_is_synchronous(loaded):
 def _server_session(target, ahead):
     """Requests against a drafterless pyspec-server (the GPU's default), decoding ahead forced
     on or off: concurrent greedy requests, one cut by a stop string, a stream its client drops,
-    then a request on a slot's kept cache."""
+    a request on a slot's kept cache, then seeded sampled requests alone and beside a greedy one."""
     from concurrent.futures import ThreadPoolExecutor
 
     from server_process import ServerProcess
@@ -256,7 +256,14 @@ def _server_session(target, ahead):
                 if i > 4:
                     break   # the client goes away mid-stream
         after = complete(prompts[0] + [3, 4], cache_prompt=True)
-        return alone, together, after
+        # Sampled with llama-server's default chain (top-k 40, top-p, min-p, T 0.8), seeded: alone,
+        # then together beside a greedy request.
+        sampled = [complete(p, temperature=0.8, seed=100 + i) for i, p in enumerate(prompts)]
+        with ThreadPoolExecutor(3) as pool:
+            futs = [pool.submit(complete, prompts[0], temperature=0.8, seed=100),
+                    pool.submit(complete, prompts[1]), pool.submit(complete, prompts[2], temperature=0.8, seed=102)]
+            sampled_together = [f.result() for f in futs]
+        return alone, together, after, sampled, sampled_together
     finally:
         srv.stop()
 
@@ -265,5 +272,7 @@ def test_the_server_gives_the_same_replies(pairs):
     got = _server_session(pairs.target, True)
     want = _server_session(pairs.target, False)
     assert got == want
-    alone, together, _ = got
+    alone, together, _, sampled, sampled_together = got
     assert together[0] == alone[0] and together[1][2] == "word"
+    assert sampled_together[0] == sampled[0] and sampled_together[2] == sampled[2]
+    assert sampled_together[1] == alone[1] and sampled[0] != alone[0]
