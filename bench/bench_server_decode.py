@@ -7,6 +7,8 @@ This prints, alternating in one run, the engine alone (a Python loop over `SpecE
 drafter, greedy) and the server (no drafter, greedy, `/v1/chat/completions` with and without
 `stream`), each as ms a generated token, and the server's cost over the engine's. On Linux it
 also prints the CPU time the server's event-loop thread spent a streamed token (from /proc).
+--sampled samples every request with llama-server's default chain (top-k 40, top-p 0.95, min-p 0.05,
+T 0.8; a fixed seed) instead of greedily: what a client that sends no sampling fields gets.
 --compare-loop runs a second server on plain asyncio and h11 (PYSPEC_SERVER_LOOP/HTTP) and
 alternates the two servers' streamed replies. --compare-ahead runs a second server (and the engine
 alone a second time) without decoding ahead (PYSPEC_DECODE_AHEAD=0: each step waits for the host
@@ -14,7 +16,7 @@ to read the step before), which on a GPU (-ngl all) shows what overlapping the h
 work with the kernels gives.
 
     python bench/bench_server_decode.py [MODEL.gguf] [--tokens 96] [--rounds 3] [-t 2] [-ngl all]
-        [--compare-loop] [--compare-ahead]
+        [--compare-loop] [--compare-ahead] [--sampled]
 (from the repo root; default model: the embedded SmolLM2)
 """
 from __future__ import annotations
@@ -35,6 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PROMPT = "Tell me about the sea."
+GREEDY = {"temperature": 0.0}
+# llama-server's default chain, seeded so every run and path draws alike (--sampled).
+SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 1234}
+SAMPLING = dict(GREEDY)  # what every path asks for (main sets it)
 
 
 def engine_ms(model, prompt_ids, n_tokens, threads, ahead=True):
@@ -46,8 +52,8 @@ def engine_ms(model, prompt_ids, n_tokens, threads, ahead=True):
                            decode_ahead=ahead)
     best = float("inf")
     for r in range(3):
-        eng.add_request(r + 1, list(prompt_ids), max_tokens=n_tokens, temperature=0.0, seq=0, draft=False,
-                        keep_cache=False, reuse_cache=False, stop_ids=[])
+        eng.add_request(r + 1, list(prompt_ids), max_tokens=n_tokens, seq=0, draft=False,
+                        keep_cache=False, reuse_cache=False, stop_ids=[], **SAMPLING)
         n, t0 = 0, None
         while True:
             outs = eng.step()
@@ -83,8 +89,8 @@ def scheduler_ms(model, tokenizer, prompt_ids, n_tokens, threads, ahead, stream=
     async def one():
         # Not ignore_eos: that biases the end-of-generation ids (llama.cpp's way), and a request
         # whose logits the host processes reads them and never takes the graph's greedy id.
-        h = sched.submit(GenerationRequest(prompt_ids=list(prompt_ids), n_predict=n_tokens, temperature=0.0,
-                                           cache_prompt=False), stream=stream)
+        h = sched.submit(GenerationRequest(prompt_ids=list(prompt_ids), n_predict=n_tokens, cache_prompt=False,
+                                           **SAMPLING), stream=stream)
         async for item in h:
             if isinstance(item, Final):
                 return item.predicted_ms / max(1, item.n_predicted)
@@ -95,8 +101,8 @@ def scheduler_ms(model, tokenizer, prompt_ids, n_tokens, threads, ahead, stream=
 
 
 def server_ms(url, n_tokens, stream):
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": n_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream, "cache_prompt": False}
+    body = dict({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": n_tokens,
+                 "ignore_eos": True, "stream": stream, "cache_prompt": False}, **SAMPLING)
     if stream:
         body["stream_options"] = {"include_usage": True}
     r = requests.post(url + "/v1/chat/completions", json=body, timeout=300, stream=stream)
@@ -185,7 +191,11 @@ def main(argv=None) -> int:
     ap.add_argument("--scheduler-only", action="store_true",
                     help="the server's engine thread without HTTP (no web dependencies needed), with "
                          "and without decoding ahead, against the engine alone")
+    ap.add_argument("--sampled", action="store_true",
+                    help="sample with llama-server's default chain (seeded) instead of greedily")
     args = ap.parse_args(argv)
+    SAMPLING.clear()
+    SAMPLING.update(SAMPLED if args.sampled else GREEDY)
     import pyspec
     model = pyspec.Model(args.model, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     from pyspec.tokenizer import Tokenizer
