@@ -153,7 +153,9 @@ def bench_tg_engine(model, ids, n_gen, repeats):
         return n / t
 
     one_run()
-    return max(one_run() for _ in range(repeats))
+    best = max(one_run() for _ in range(repeats))
+    note_ahead(engine)
+    return best
 
 
 def bench_tg_depth(model, n_vocab, depth, n_gen, repeats):
@@ -207,6 +209,17 @@ def bench_par_context(model, ids, n_par, n_prompt, n_steps, repeats):
     return n_par * n_steps / best_of(run, repeats, prep=prep)[0]
 
 
+# What the last engine bench's engine did ahead (decoding ahead: steps queued before the host read
+# the one before; overruled: sampled rows whose graph draw the host's own draw overruled), printed
+# beside its figure.
+ENGINE_NOTE: dict = {}
+
+
+def note_ahead(engine) -> None:
+    ENGINE_NOTE["text"] = (f"{engine.n_decoded_ahead} steps decoded ahead, "
+                           f"{engine.n_ahead_overruled} rows overruled")
+
+
 # add_request options of the engine paths: greedy, or (--sample) llama-server's default chain;
 # --ignore-eos adds the server's -inf bias on the end ids.
 GREEDY = dict(temperature=0.0, verify="greedy")
@@ -258,7 +271,9 @@ def bench_par_engine(model, ids, n_par, n_prompt, n_steps, repeats):
         return n_gen / t_gen
 
     one_run()
-    return max(one_run() for _ in range(repeats))
+    best = max(one_run() for _ in range(repeats))
+    note_ahead(engine)
+    return best
 
 
 def profile_steps(model, ids, n_gen: int, n_prompt: int, top: int = 12) -> dict:
@@ -325,7 +340,8 @@ def run_paths(test, choice, fns, call):
         except Exception as e:
             print(f"  {test} {mode}: FAILED {type(e).__name__}: {e}", flush=True)
             continue
-        print(f"  {test} {mode}: {per[mode]:.1f} t/s ({time.perf_counter() - t0:.1f}s)", flush=True)
+        note = f"; {ENGINE_NOTE.pop('text')}" if mode == "engine" and "text" in ENGINE_NOTE else ""
+        print(f"  {test} {mode}: {per[mode]:.1f} t/s ({time.perf_counter() - t0:.1f}s{note})", flush=True)
     return per
 
 
