@@ -24,6 +24,9 @@
 //   gN[e]      the base shape with each group of N units loaded by volatile loads first
 //   bulkX      each warp streams its rows through a ring of shared-memory stages filled by
 //              cp.async.bulk (the copy engine), x in shared memory
+//   balW[xB]   balanced grids (not yet run on the GPU): B blocks of W warps a SM, each block an
+//              equal contiguous share of the rows, warps round-robin over it (o and down leave 52
+//              of 132 SMs idle in s16r2e, gate/up runs 1.15 waves)
 // Every variant but read/nofma/nox checks its o and down outputs against base bit for bit.
 // Measured (H200, 36 layers, us a step of the 144 launches): read 1,830-1,870, base 2,723-2,795,
 // nox 2,246-2,334, batch16 2,504-2,516, stream8 2,454-2,472, s16r2e 2,354-2,382, g6e 2,439,
@@ -385,6 +388,61 @@ __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
     store_rows<R>(j, row, acc);
 }
 
+// bal: a balanced grid instead of one warp per row group. gridDim.x blocks (a whole number a
+// SM, chosen at launch), block b taking the contiguous items [b n / G, (b + 1) n / G) of the job's
+// n = rows / R items (an item: R rows, as warp_rows pairs them), warp w its items start + w,
+// start + w + W, ...; so every SM streams the same bytes (o and down have 80 row groups of 16
+// warps for 132 SMs in s16r2e, gate/up 1.15 waves). The first item's first 4 units are loaded
+// before the PDL wait; x is staged in shared memory once a block. Same order as base.
+template <int W, int R>
+__global__ void __launch_bounds__(W * 32) k_bal(Job j) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t n = j.rows / R, half = j.rows / R;
+    const int64_t start = n * blockIdx.x / gridDim.x, end = n * (blockIdx.x + 1) / gridDim.x;
+    const int units = j.k / 8;
+    auto rows_of = [&](int64_t item, const uint4* (&wr)[R]) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (item + r * half) * j.k);
+    };
+    int64_t item = start + warp;
+    uint4 pre[R][4];
+    const uint4* wr[R];
+    if (item < end) {
+        rows_of(item, wr);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (lane + 32 * i < units) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) pre[r][i] = ldw<1>(wr[r] + lane + 32 * i);
+            }
+        }
+    }
+    pdl_wait();
+    pdl_go();
+    stage_x<W>(j, hs);
+    for (bool first = true; item < end; item += W, first = false) {
+        if (!first) rows_of(item, wr);
+        float acc[R] = {};
+        int u = lane;
+        if (first) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (u < units) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r] = unit_fma(pre[r][i], hs + u * 8, acc[r]);
+                }
+                u += 32;
+            }
+        }
+#pragma unroll 4
+        for (; u < units; u += 32) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = unit_fma(ldw<1>(wr[r] + u), hs + u * 8, acc[r]);
+        }
+        store_rows<R>(j, item, acc);
+    }
+}
+
 // bulk: each warp streams a contiguous range of rows through its own ring of S shared-memory
 // stages of CH bytes, filled by its lane 0 with cp.async.bulk (the copy engine; no registers
 // hold loads in flight) and signalled by one mbarrier per stage. A chunk starts at a multiple of
@@ -623,6 +681,15 @@ static void run_smem(const Job& j, cudaStream_t s) {
     launch_pdl_block(k_smem<W, R, E, P, F, T>, static_cast<unsigned>((n + W - 1) / W), W * 32,
                      (P ? 2 : 1) * j.k * sizeof(float), s, j);
 }
+template <int W, int R, int BPS>
+static void run_bal(const Job& j, cudaStream_t s) {
+    static int sms = 0;
+    if (!sms) {
+        CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        CK(cudaFuncSetAttribute(k_bal<W, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, 9728 * 4));
+    }
+    launch_pdl_block(k_bal<W, R>, static_cast<unsigned>(sms * BPS), W * 32, j.k * sizeof(float), s, j);
+}
 template <int W, int S, int CH>
 static void run_bulk(const Job& j, cudaStream_t s) {
     static int per_sm = -1, sms = 0;
@@ -738,6 +805,13 @@ int main(int argc, char** argv) {
         {"s16r1e", run_smem<16, 1, true>, run_smem<16, 2, true>},
         {"s16r2e", run_smem<16, 2, true>, run_smem<16, 2, true>},
         {"s32r1e", run_smem<32, 1, true>, run_smem<32, 2, true>},
+        // balanced grids: W warps a block, BPS blocks a SM, each block an equal share of the items
+        {"bal20", run_bal<20, 1, 1>, run_bal<20, 2, 1>},
+        {"bal32", run_bal<32, 1, 1>, run_bal<32, 2, 1>},
+        {"bal16x2", run_bal<16, 1, 2>, run_bal<16, 2, 2>},
+        {"bal10x3", run_bal<10, 1, 3>, run_bal<10, 2, 3>},
+        {"bal8x4", run_bal<8, 1, 4>, run_bal<8, 2, 4>},
+        {"bal8x2r2", run_bal<8, 2, 2>, run_bal<8, 2, 2>},
         {"oF", run_smem<16, 2, true>, run_smem<16, 2, true>, run_smem<16, 2, true, false, 1>},
         {"oFT", run_smem<16, 2, true>, run_smem<16, 2, true>, run_smem<16, 2, true, false, 1, true>},
         // F: each warp's rows prefetched into L2 by the copy engine before the PDL wait (whole
