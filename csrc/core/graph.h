@@ -60,7 +60,7 @@ enum class Op : uint8_t {
                 // ids (numpy's take_along_axis over ne0); src0 F32, src1 I32 [k, n_rows] (TOP_K's
                 // output); an id of -1 (TOP_K past a row's end) gives -inf
     SAMPLE,     // I32 [1, n_rows]: each row's token as a plain sampled step draws it from the row's
-                // candidates (spec/target_law.h draw_from_candidates: the target law over them,
+                // candidates (spec/verify.h draw_from_candidates: the target law over them,
                 // then verification's bonus draw, key {seed, offset, slot 0, NoiseStream::Target}).
                 // src0 I32 [k, n_rows] ids in TOP_K's order, src1 F32 [k, n_rows] their logits
                 // (GATHER's), src2 I32 [kSamplerWords, n_rows] each row's sampler (SamplerWords).
