@@ -1283,7 +1283,8 @@ private:
             case Op::TOP_K: cuda::launch_top_k(desc(g, id), desc(g, src(0)), stream_); return;
             case Op::GATHER: cuda::launch_gather(desc(g, id), desc(g, src(0)), desc(g, src(1)), stream_); return;
             case Op::SAMPLE:
-                cuda::launch_sample(desc(g, id), desc(g, src(0)), desc(g, src(1)), desc(g, src(2)), stream_);
+                cuda::launch_sample(desc(g, id), desc(g, src(0)), desc(g, src(1)), desc(g, src(2)), desc(g, src(3)),
+                                    stream_);
                 return;
             case Op::SUM: cuda::launch_sum(desc(g, id), desc(g, src(0)), stream_); return;
             case Op::GUMBEL:

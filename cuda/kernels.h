@@ -54,8 +54,9 @@ void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
 // GUMBEL (cuda/ops_noise.cu): keys I32 [5, rows], elems I32 [n]; the host's bits.
 void launch_gumbel(const TDesc& dst, const int32_t* keys, const int32_t* elems, uint32_t stream, cudaStream_t s);
 // SAMPLE (cuda/ops_sample.cu): each row's drawn token from its candidates (ids I32 [k, rows],
-// logits F32 [k, rows], samplers I32 [kSamplerWords, rows]).
-void launch_sample(const TDesc& dst, const TDesc& ids, const TDesc& logits, const TDesc& samplers, cudaStream_t s);
+// logits F32 [k, rows], samplers I32 [kSamplerWords, rows], bans I32 [kSampleBans, rows]).
+void launch_sample(const TDesc& dst, const TDesc& ids, const TDesc& logits, const TDesc& samplers, const TDesc& bans,
+                   cudaStream_t s);
 
 // Device scratch of the kernels that split one reduction over several blocks (the narrow
 // tensor-core MUL_MAT's K segments, the wide one's split K, the decode attention's pages), owned

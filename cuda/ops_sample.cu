@@ -1,7 +1,8 @@
 // SAMPLE: each row's token as a plain sampled step draws it from the row's candidates
 // (csrc/core/graph.h; the host's routine is draw_from_candidates in csrc/spec/verify.cpp, which
 // the CPU backend runs as is). One warp a row. Every operation is the host's, in the host's order
-// where the order matters: the candidates arrive sorted (TOP_K's order, ties by the smaller id),
+// where the order matters: the candidates arrive sorted (TOP_K's order, ties by the smaller id)
+// and the row's banned ids are dropped from them first,
 // so top-k keeps a prefix; min-p counts the candidates at or above the best + log(min_p); top-p
 // sums exp(z - best) in order and keeps the shortest prefix whose cumulative share reaches top_p;
 // the kept logits are divided by T and softmaxed in double, each probability rounded to float;
@@ -27,31 +28,49 @@ __device__ __forceinline__ double word_double(const uint32_t* w, int at) {
     return __hiloint2double(static_cast<int>(w[at + 1]), static_cast<int>(w[at]));
 }
 
-__global__ void __launch_bounds__(kRowsPerBlock * 32) k_sample(TDesc dst, TDesc ids, TDesc logits, TDesc samplers) {
+__global__ void __launch_bounds__(kRowsPerBlock * 32)
+    k_sample(TDesc dst, TDesc ids, TDesc logits, TDesc samplers, TDesc bans) {
     __shared__ double s_e[kRowsPerBlock][kMaxCandidates];
+    __shared__ int32_t s_id[kRowsPerBlock][kMaxCandidates];
+    __shared__ float s_z[kRowsPerBlock][kMaxCandidates];
     pdl_enter();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp;
     if (r >= dst.ne[1]) return;
     const int k = static_cast<int>(ids.ne[0]);
-    const int32_t* id = reinterpret_cast<const int32_t*>(ids.row(r));
-    const float* z = reinterpret_cast<const float*>(logits.row(r));
+    const int32_t* row_ids = reinterpret_cast<const int32_t*>(ids.row(r));
+    const float* row_z = reinterpret_cast<const float*>(logits.row(r));
+    const int32_t* ban = reinterpret_cast<const int32_t*>(bans.row(r));
     const uint32_t* w = reinterpret_cast<const uint32_t*>(samplers.row(r));
     int32_t* out = reinterpret_cast<int32_t*>(dst.row(r));
     double* e = s_e[warp];
+    int32_t* id = s_id[warp];
+    float* z = s_z[warp];
     const double temperature = word_double(w, SamplerWords::kTemperature);
     const double top_p = word_double(w, SamplerWords::kTopP);
     const double min_p = word_double(w, SamplerWords::kMinP);
     const int top_k = static_cast<int>(w[SamplerWords::kTopK]);
-    // The candidates: a prefix of valid ids (TOP_K pads a row shorter than k with -1).
+    // The candidates, in order, less TOP_K's -1 padding and the row's bans, compacted into
+    // shared memory (id[0..m), z[0..m)).
     int m = 0;
     bool nan = false;
     for (int i0 = 0; i0 < k; i0 += 32) {
         const int i = i0 + lane;
-        const bool valid = i < k && id[i] >= 0;
-        m += __popc(__ballot_sync(0xffffffffu, valid));
-        nan = nan || __any_sync(0xffffffffu, valid && z[i] != z[i]);
+        const int32_t t = i < k ? row_ids[i] : -1;
+        bool valid = t >= 0;
+#pragma unroll
+        for (int b = 0; b < kSampleBans; ++b) valid = valid && ban[b] != t;
+        const float zi = valid ? row_z[i] : 0.0f;
+        const unsigned mask = __ballot_sync(0xffffffffu, valid);
+        const int pos = m + __popc(mask & ((1u << lane) - 1u));
+        if (valid && pos < kMaxCandidates) {
+            id[pos] = t;
+            z[pos] = zi;
+        }
+        m += __popc(mask);
+        nan = nan || __any_sync(0xffffffffu, valid && zi != zi);
     }
+    __syncwarp();
     const bool params_ok = top_k >= 1 && top_k <= m && top_p >= 0.0 && top_p <= 1.0 && min_p >= 0.0 && min_p <= 1.0;
     if (m == 0 || m > kMaxCandidates || nan || (temperature > 0.0 && !params_ok)) {
         if (lane == 0) out[0] = -1;
@@ -131,8 +150,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) k_sample(TDesc dst, TDesc 
 
 }  // namespace
 
-void launch_sample(const TDesc& dst, const TDesc& ids, const TDesc& logits, const TDesc& samplers, cudaStream_t s) {
-    launch(k_sample, grid_for(dst.ne[1], kRowsPerBlock), kRowsPerBlock * 32, 0, s, dst, ids, logits, samplers);
+void launch_sample(const TDesc& dst, const TDesc& ids, const TDesc& logits, const TDesc& samplers, const TDesc& bans,
+                   cudaStream_t s) {
+    launch(k_sample, grid_for(dst.ne[1], kRowsPerBlock), kRowsPerBlock * 32, 0, s, dst, ids, logits, samplers, bans);
 }
 
 }  // namespace cuda

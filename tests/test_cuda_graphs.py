@@ -413,7 +413,8 @@ def _sampled_engine_run(pairs, ahead):
     engine = _core.SpecEngine(_core.Model(target), None, n_ctx=512 * 3, n_seq_max=3, n_batch=64, n_threads=2,
                               prefill_chunk=16, backend=DEVICE, decode_ahead=ahead)
     chains = {1: dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=21, verify="rejection"),
-              2: dict(verify="greedy"), 3: dict(temperature=1.1, top_k=64, seed=22, verify="block")}
+              2: dict(verify="greedy", logit_bias=[(t, float("-inf")) for t in (3, 5, 17)]),
+              3: dict(temperature=1.1, top_k=48, seed=22, verify="block", logit_bias=[(40, float("-inf"))])}
     prompts = {1: [5], 2: [17, 3, 4], 3: [(7 * i) % 200 + 3 for i in range(250)]}
     tokens = _tokens_of(engine, {rid: (p, dict(max_tokens=24, **chains[rid])) for rid, p in prompts.items()})
     return tokens, engine.n_decoded_ahead, engine.n_ahead_overruled
@@ -422,8 +423,9 @@ def _sampled_engine_run(pairs, ahead):
 @gpu
 @needs_switch
 def test_sampled_rows_decode_ahead_on_the_devices_draws(pairs):
-    """Sampled steps queued on the token SAMPLE drew on the device: the engine's tokens without
-    decoding ahead (a draw the host overrules is decoded again, and is rare), replayed."""
+    """Sampled steps, and greedy ones that ban ids, queued on the token SAMPLE drew on the device:
+    the engine's tokens without decoding ahead (a draw the host overrules is decoded again, and is
+    rare), replayed."""
     want, n0, _ = _sampled_engine_run(pairs, False)
     before = stats()
     with graphs(True):

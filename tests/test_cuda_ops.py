@@ -570,22 +570,24 @@ def test_top_k_then_gather_equal_the_cpu(n, k, rows):
 def test_sample_draws_the_cpus_tokens(seed):
     """SAMPLE on the device (the GPU's double exp and log): the tokens of the CPU's op, which is
     the host's own draw, and of the numpy reference, on 256 rows of each chain; no row undefined."""
-    ids, vals, words, params = sample_op.random_case(seed, rows=256)
-    got = sample_op.run_sample(ids, vals, words, backend=DEVICE)
-    assert got.tolist() == sample_op.run_sample(ids, vals, words).tolist()
+    ids, vals, words, params, bans = sample_op.random_case(seed, rows=256)
+    got = sample_op.run_sample(ids, vals, words, bans, backend=DEVICE)
+    assert got.tolist() == sample_op.run_sample(ids, vals, words, bans).tolist()
     want = [sample_op.reference_draw(ids[r], vals[r], *p) for r, p in enumerate(params)]
     assert got.tolist() == want
 
 
 @gpu
 def test_sample_gives_minus_one_for_undefined_draws_on_the_device():
-    ids, vals, words, _ = sample_op.random_case(7, rows=4, k=8)
+    ids, vals, words, _, bans = sample_op.random_case(7, rows=4, k=8)
     words[0] = sample_op.sampler_words(0.8, 1.0, 0.0, 9, 1, 0)  # top_k past the candidates
+    words[3] = sample_op.sampler_words(0.8, 1.0, 0.0, 6, 1, 0)  # 6 of the 8 left by 3 bans
+    bans[3] = ids[3, :3].tolist()
     vals = vals.copy()
     vals[1, 3] = np.nan
-    got = sample_op.run_sample(ids, vals, words, backend=DEVICE)
-    assert got[0] == -1 and got[1] == -1
-    assert got.tolist()[2:] == sample_op.run_sample(ids, vals, words).tolist()[2:]
+    got = sample_op.run_sample(ids, vals, words, bans, backend=DEVICE)
+    assert got[0] == -1 and got[1] == -1 and got[3] == -1
+    assert got[2] == sample_op.run_sample(ids, vals, words, bans)[2]
 
 
 @gpu

@@ -182,31 +182,46 @@ def test_only_plain_greedy_rows_decode_ahead(loaded, kind):
     assert e.n_decoded_ahead == 0
 
 
-def sampled_requests():
-    """Greedy and sampled requests (llama-server's chain and others, both rules) together."""
+def greedy_favourites(loaded):
+    """The first three distinct tokens PROMPTS[1] decodes greedily: ids worth banning."""
+    toks = run(engine(loaded, False), {0: (PROMPTS[1], dict(max_tokens=14, verify="greedy"))})[0]["tokens"]
+    return list(dict.fromkeys(toks))[:3]
+
+
+def sampled_requests(favourites=None):
+    """Greedy and sampled requests (llama-server's chain and others, both rules) together; with
+    favourites, two of them ban those ids (-inf biases, as ignore_eos bans the end ids)."""
     chains = [dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=11, verify="rejection"),
               dict(verify="greedy"),
               dict(temperature=1.2, top_k=8, seed=12, verify="block"),
               dict(temperature=0.6, top_k=64, top_p=0.9, seed=13, verify="rejection")]
+    if favourites:
+        chains[1]["logit_bias"] = [(t, float("-inf")) for t in favourites]
+        chains[2]["logit_bias"] = [(t, float("-inf")) for t in favourites[:2]]
     return {i: (p, dict(max_tokens=14 + 2 * i, **chains[i])) for i, p in enumerate(PROMPTS)}
 
 
+@pytest.mark.parametrize("with_bans", [False, True])
 @pytest.mark.parametrize("hook", [None, _caller])
-def test_sampled_rows_decode_ahead_on_the_graphs_draws(loaded, hook):
-    reqs = sampled_requests()
+def test_sampled_rows_decode_ahead_on_the_graphs_draws(loaded, hook, with_bans):
+    """Also requests that ban a few ids (ignore_eos): SAMPLE leaves them out as the host does."""
+    reqs = sampled_requests(greedy_favourites(loaded) if with_bans else None)
     e = engine(loaded, True)
     got = run(e, reqs, hook=hook)
     assert_same(got, run(engine(loaded, False), reqs, hook=hook))
     assert e.n_decoded_ahead > 0
     assert e.n_ahead_overruled == 0  # the CPU's SAMPLE is the host's own draw
     assert_cells_free(e)
-    alone = engine(loaded, True)  # a sampled request alone decodes ahead
-    run(alone, {0: reqs[0]})
-    assert alone.n_decoded_ahead > 0
+    for rid in (0, 1):  # a sampled request alone decodes ahead, and a greedy one with bans
+        alone = engine(loaded, True)
+        run(alone, {rid: reqs[rid]})
+        assert alone.n_decoded_ahead > 0, rid
+    if with_bans:  # the bans matter: the greedy request decodes other tokens than without them
+        assert got[1]["tokens"] != run(engine(loaded, False), {1: sampled_requests()[1]})[1]["tokens"]
 
 
 def test_overruled_draws_are_decoded_again(loaded, monkeypatch):
-    reqs = sampled_requests()
+    reqs = sampled_requests(greedy_favourites(loaded))
     want = run(engine(loaded, False), reqs)
     monkeypatch.setenv("PYSPEC_SAMPLED_AHEAD", "2")  # the graph predicts the greedy token
     e = engine(loaded, True)

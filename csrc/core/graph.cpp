@@ -265,18 +265,21 @@ int Graph::gumbel(int keys, int elements, int stream) {
     return id;
 }
 
-int Graph::sample(int ids, int logits, int samplers) {
+int Graph::sample(int ids, int logits, int samplers, int bans) {
     const Tensor& i = (*this)[ids];
     const Tensor& v = (*this)[logits];
     const Tensor& p = (*this)[samplers];
-    const bool rows = i.ne[2] == 1 && i.ne[3] == 1 && v.ne[0] == i.ne[0] && v.ne[1] == i.ne[1] && v.ne[2] == 1 &&
-                      v.ne[3] == 1 && p.ne[0] == kSamplerWords && p.ne[1] == i.ne[1] && p.ne[2] == 1 && p.ne[3] == 1;
-    if (i.dtype != DType::I32 || v.dtype != DType::F32 || p.dtype != DType::I32 || !rows || !i.is_contiguous() ||
-        !v.is_contiguous() || !p.is_contiguous()) {
-        throw std::invalid_argument("sample: needs contiguous I32 ids [k, rows], F32 logits [k, rows] and I32 samplers [" +
-                                    std::to_string(kSamplerWords) + ", rows]");
+    const Tensor& b = (*this)[bans];
+    const auto rows_of = [&i](const Tensor& t, int64_t width) {
+        return t.ne[0] == width && t.ne[1] == i.ne[1] && t.ne[2] == 1 && t.ne[3] == 1 && t.is_contiguous();
+    };
+    if (i.dtype != DType::I32 || v.dtype != DType::F32 || p.dtype != DType::I32 || b.dtype != DType::I32 ||
+        !rows_of(i, i.ne[0]) || !rows_of(v, i.ne[0]) || !rows_of(p, kSamplerWords) || !rows_of(b, kSampleBans)) {
+        throw std::invalid_argument("sample: needs contiguous I32 ids [k, rows], F32 logits [k, rows], I32 samplers [" +
+                                    std::to_string(kSamplerWords) + ", rows] and I32 bans [" +
+                                    std::to_string(kSampleBans) + ", rows]");
     }
-    return add_node(Op::SAMPLE, DType::I32, {1, i.ne[1], 1, 1}, {ids, logits, samplers});
+    return add_node(Op::SAMPLE, DType::I32, {1, i.ne[1], 1, 1}, {ids, logits, samplers, bans});
 }
 
 int matmuls_sharing_activations(const Graph& g, int id, int* out, int max_parts) {

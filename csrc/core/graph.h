@@ -63,9 +63,11 @@ enum class Op : uint8_t {
                 // candidates (spec/verify.h draw_from_candidates: the target law over them,
                 // then verification's bonus draw, key {seed, offset, slot 0, NoiseStream::Target}).
                 // src0 I32 [k, n_rows] ids in TOP_K's order, src1 F32 [k, n_rows] their logits
-                // (GATHER's), src2 I32 [kSamplerWords, n_rows] each row's sampler (SamplerWords).
-                // A row with temperature <= 0 gets its first id; one whose draw is undefined
-                // (top_k outside [1, k], a NaN logit) gets -1. A backend may compute the law's
+                // (GATHER's), src2 I32 [kSamplerWords, n_rows] each row's sampler (SamplerWords),
+                // src3 I32 [kSampleBans, n_rows] ids each row bans (-inf biases; -1 pads): they
+                // are left out of its candidates, as the engine's verification leaves them out.
+                // A row with temperature <= 0 gets its first id not banned; one whose draw is
+                // undefined (top_k outside [1, its candidates], a NaN logit) gets -1. A backend may compute the law's
                 // exponentials and logs with its own libm: the result is a prediction that the
                 // host's own draw confirms (the engine's sampled decode-ahead).
     COUNT
@@ -77,6 +79,7 @@ const char* op_name(Op op);
 // request's doubles, not floats), then top_k, the seed's two words and the step offset (the
 // row's position: the committed length before the token it draws).
 constexpr int kSamplerWords = 10;
+constexpr int kSampleBans = 8;  // banned ids a row may give SAMPLE (ignore_eos bans 1-3)
 struct SamplerWords {
     static constexpr int kTemperature = 0, kTopP = 2, kMinP = 4, kTopK = 6, kSeedLo = 7, kSeedHi = 8, kOffset = 9;
 };
@@ -152,7 +155,7 @@ public:
     int gather(int a, int ids);  // GATHER: a's entries at ids, row by row
     int sum(int a);
     int gumbel(int keys, int elements, int stream);
-    int sample(int ids, int logits, int samplers);  // SAMPLE: each row's drawn token
+    int sample(int ids, int logits, int samplers, int bans);  // SAMPLE: each row's drawn token
 
     // Generic node creation (used by the ops above and by tests of the planner).
     int add_node(Op op, DType dtype, Shape ne, std::initializer_list<int> srcs,

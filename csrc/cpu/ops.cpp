@@ -356,12 +356,14 @@ void op_gumbel(const Graph& g, int id, int ith, int nth) {
 }
 
 // SAMPLE: rows split among the threads, each drawn by the host's own routine
-// (draw_from_candidates), so this is exactly the token the engine's verification draws.
+// (draw_from_candidates) over its candidates less its bans, so this is exactly the token the
+// engine's verification draws.
 void op_sample(const Graph& g, int id, int ith, int nth) {
     const Tensor& dst = g[id];
     const Tensor& ids = g[dst.src[0]];
     const Tensor& logits = g[dst.src[1]];
     const Tensor& samplers = g[dst.src[2]];
+    const Tensor& bans = g[dst.src[3]];
     const int64_t k = ids.ne[0];
     int64_t r0, r1;
     split_range(dst.ne[1], ith, nth, r0, r1);
@@ -377,10 +379,12 @@ void op_sample(const Graph& g, int id, int ith, int nth) {
             std::memcpy(&d, &bits, sizeof d);
             return d;
         };
+        const int32_t* br = bans.as<int32_t>() + r * kSampleBans;
+        const auto banned = [br](int32_t t) { return std::find(br, br + kSampleBans, t) != br + kSampleBans; };
         cand.clear();
         vals.clear();
         for (int64_t i = 0; i < k; ++i) {
-            if (ir[i] < 0) continue;  // TOP_K past the row's end
+            if (ir[i] < 0 || banned(ir[i])) continue;  // TOP_K past the row's end, or banned
             cand.push_back(ir[i]);
             vals.push_back(vr[i]);
         }

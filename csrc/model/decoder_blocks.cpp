@@ -90,7 +90,8 @@ void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGra
             g.set_output(dg.argmax_values);
             if (p.sample) {
                 dg.in.samplers = g.input(DType::I32, {kSamplerWords, p.n_outputs, 1, 1}, "inp_samplers");
-                dg.sampled = g.sample(dg.argmax, dg.argmax_values, dg.in.samplers);
+                dg.in.sample_bans = g.input(DType::I32, {kSampleBans, p.n_outputs, 1, 1}, "inp_sample_bans");
+                dg.sampled = g.sample(dg.argmax, dg.argmax_values, dg.in.samplers, dg.in.sample_bans);
                 g.set_name(dg.sampled, "sampled");
                 g.set_output(dg.sampled);
             }

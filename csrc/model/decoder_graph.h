@@ -42,7 +42,7 @@ struct DecoderGraphParams {
     // With argmax, the logits stay an output too: some rows read them (Batch::logits_rows).
     bool argmax_logits = false;
     // With argmax_values, each output row's token drawn from those candidates as the host draws
-    // it (SAMPLE, with the rows' samplers an input): the token a step decoded ahead is fed.
+    // it (SAMPLE, with the rows' samplers and bans inputs): the token a step decoded ahead is fed.
     bool sample = false;
 
     bool operator==(const DecoderGraphParams& o) const {
@@ -62,6 +62,7 @@ struct DecoderGraphInputs {
     int kv_base = -1;    // [n_rows] first cache cell of each row's span
     int out_rows = -1;   // [n_outputs] rows that want logits (absent when all rows do), prompt rows first
     int samplers = -1;   // [kSamplerWords, n_outputs] with DecoderGraphParams::sample (SAMPLE's)
+    int sample_bans = -1;  // [kSampleBans, n_outputs] with DecoderGraphParams::sample (SAMPLE's)
     int64_t n_prompt_rows = 0;  // not a tensor: DecoderGraphParams::n_prompt_rows, for the MUL_MATs and ATTENTION
 };
 

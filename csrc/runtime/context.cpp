@@ -284,6 +284,15 @@ bool Context::launch_chunk(const Batch& b, size_t begin, size_t end, const std::
                 sampler_words(b.samplers[i], static_cast<uint32_t>(b.positions[i]), words.data() + j * kSamplerWords);
             }
             backend_->write(g[dg.in.samplers], words.data(), words.size() * sizeof(uint32_t));
+            std::vector<int32_t> bans(out_rows.size() * kSampleBans, -1);
+            for (size_t j = 0; j < out_rows.size(); ++j) {
+                const std::vector<int32_t>& rb = b.samplers[order[static_cast<size_t>(out_rows[j])]].bans;
+                if (rb.size() > static_cast<size_t>(kSampleBans)) {
+                    throw std::invalid_argument("launch: a sampled row bans at most " + std::to_string(kSampleBans) + " ids");
+                }
+                std::copy(rb.begin(), rb.end(), bans.begin() + static_cast<std::ptrdiff_t>(j * kSampleBans));
+            }
+            backend_->write(g[dg.in.sample_bans], bans.data(), bans.size() * sizeof(int32_t));
         }
         backend_->compute(g);
 

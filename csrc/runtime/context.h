@@ -30,6 +30,7 @@ struct RowSampler {
     double min_p = 0.0;
     int32_t top_k = 0;
     uint64_t seed = 0;
+    std::vector<int32_t> bans;  // ids left out of the candidates (-inf biases), at most kSampleBans
 };
 
 struct Batch {

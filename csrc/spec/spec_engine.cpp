@@ -689,9 +689,11 @@ std::vector<StepOutput> SpecEngine::step() {
                            batch.size() == run.size() && batch.size() <= static_cast<size_t>(params_.n_batch) &&
                            std::all_of(run.begin(), run.end(), [this](const Request* r) { return may_decode_ahead(*r); });
         if (ahead) {
-            // Sampled rows: the graph draws their tokens, which the step ahead is fed.
-            batch.sample = batch.argmax_values;
+            // Sampled rows and rows with bans (more than one id a row): the graph draws their
+            // tokens, which the step ahead is fed.
+            batch.sample = batch.argmax_k > 1 || batch.argmax_values;
             if (batch.sample) {
+                batch.argmax_values = true;
                 for (const Request* r : run) batch.samplers.push_back(row_sampler(*r));
             }
             std::unique_ptr<PendingDecode> now = ctx_->launch(batch, layers_);

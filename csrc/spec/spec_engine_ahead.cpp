@@ -17,13 +17,15 @@ bool SpecEngine::may_decode_ahead(const Request& r) const {
     // A plain greedy row whose next step is certain to follow (no drafts, no lookup, nothing the
     // host must do to the logits, a next cell, and not its last token by max_tokens); a stop id
     // may still end it, and then the step ahead's row is dropped.
-    // A sampled row may too where the graph draws its token (sampled_ahead: no processing, its
-    // law from the graph's top-k candidates).
+    // A sampled row, or one that bans a few ids (ignore_eos), may too where the graph draws its
+    // token (sampled_ahead: SAMPLE over the graph's top-k candidates less the bans).
     const RequestParams& q = r.params;
-    const bool drawn_in_graph = params_.sampled_ahead > 0 && q.temperature > 0.0 && !reads_logits(r);
-    return r.generating && !r.paused && !r.drafting && !r.needs_draft && r.drafts.empty() &&
-           (q.temperature <= 0.0 || drawn_in_graph) &&
-           !q.processing.active() && q.n_probs == 0 && (params_.ngram.n <= 0 || !q.draft) &&
+    const std::vector<int32_t> bans = q.processing.bans_only();
+    const bool few_bans = !q.processing.active() || (!bans.empty() && bans.size() <= static_cast<size_t>(kSampleBans));
+    const bool needs_sample = q.temperature > 0.0 || !bans.empty();
+    const bool token_in_graph = few_bans && !reads_logits(r) && (!needs_sample || params_.sampled_ahead > 0);
+    return r.generating && !r.paused && !r.drafting && !r.needs_draft && r.drafts.empty() && token_in_graph &&
+           q.n_probs == 0 && (params_.ngram.n <= 0 || !q.draft) &&
            r.pos0 + 1 < ctx_->n_ctx_seq() && !(q.max_tokens > 0 && r.n_out + 1 >= q.max_tokens);
 }
 
@@ -58,6 +60,7 @@ bool SpecEngine::launch_ahead(const std::vector<Request*>& run, PendingDecode& n
 RowSampler SpecEngine::row_sampler(const Request& r) const {
     const RequestParams& q = r.params;
     RowSampler rs;
+    rs.bans = q.processing.bans_only();
     if (q.temperature <= 0.0 || params_.sampled_ahead == 2) return rs;  // 2: predicts the greedy token
     rs.temperature = q.temperature;
     rs.top_p = q.top_p;
@@ -68,8 +71,9 @@ RowSampler SpecEngine::row_sampler(const Request& r) const {
 }
 
 void SpecEngine::check_fed_token(Request& r, const DecodeOutput& out, size_t row, const VerifyResult& vr) {
-    // Greedy rows are fed their ARGMAX (or SAMPLE's first id), which is their token by definition.
-    if (out.sampled.empty() || r.params.temperature <= 0.0) return;
+    // Rows fed their ARGMAX are fed their greedy token by definition; SAMPLE's (a greedy row's
+    // first id not banned, or a sampled row's draw) is checked.
+    if (out.sampled.empty()) return;
     if (out.sampled[row] == vr.tokens.back()) return;
     r.ahead_stale = true;
     ++n_ahead_overruled_;
