@@ -317,6 +317,31 @@ __device__ __forceinline__ void stage_x(const Job& j, float* dst) {
     __syncthreads();
 }
 
+// A lane's first 4 units of each of its R rows: the loads issued before the PDL wait.
+template <int R>
+__device__ __forceinline__ void load_first_units(const uint4* const (&wr)[R], int lane, int units, uint4 (&pre)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (lane + 32 * i < units) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) pre[r][i] = ldw<1>(wr[r] + lane + 32 * i);
+        }
+    }
+}
+
+// Their fmaf chains (fma_unit(w, u, acc): one unit's), u stepping past them.
+template <int R, typename F>
+__device__ __forceinline__ void fma_first_units(const uint4 (&pre)[R][4], int units, int& u, float (&acc)[R], F fma_unit) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (u < units) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = fma_unit(pre[r][i], u, acc[r]);
+        }
+        u += 32;
+    }
+}
+
 // smem: blocks of W warps stage x (normalised where the job has a norm) in shared memory once,
 // then each warp runs the production loop (unroll 4) over R rows at once, x from shared memory
 // (a load serves R rows) and the weights past L1 (no_allocate, so they do not evict anything);
@@ -338,15 +363,7 @@ __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
         }
     }
     uint4 pre[R][4];
-    if (kEarly && live) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (lane + 32 * i < units) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) pre[r][i] = ldw<1>(wr[r] + lane + 32 * i);
-            }
-        }
-    }
+    if (kEarly && live) load_first_units<R>(wr, lane, units, pre);
     pdl_wait();
     if constexpr (!kTrigFirst) pdl_go();
     {
@@ -370,16 +387,7 @@ __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
     };
     float acc[R] = {};
     int u = lane;
-    if (kEarly) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (u < units) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] = fma_unit(pre[r][i], u, acc[r]);
-            }
-            u += 32;
-        }
-    }
+    if (kEarly) fma_first_units<R>(pre, units, u, acc, fma_unit);
 #pragma unroll 4
     for (; u < units; u += 32) {
 #pragma unroll
@@ -409,13 +417,7 @@ __global__ void __launch_bounds__(W * 32) k_bal(Job j) {
     const uint4* wr[R];
     if (item < end) {
         rows_of(item, wr);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (lane + 32 * i < units) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) pre[r][i] = ldw<1>(wr[r] + lane + 32 * i);
-            }
-        }
+        load_first_units<R>(wr, lane, units, pre);
     }
     pdl_wait();
     pdl_go();
@@ -424,16 +426,7 @@ __global__ void __launch_bounds__(W * 32) k_bal(Job j) {
         if (!first) rows_of(item, wr);
         float acc[R] = {};
         int u = lane;
-        if (first) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                if (u < units) {
-#pragma unroll
-                    for (int r = 0; r < R; ++r) acc[r] = unit_fma(pre[r][i], hs + u * 8, acc[r]);
-                }
-                u += 32;
-            }
-        }
+        if (first) fma_first_units<R>(pre, units, u, acc, [](uint4 w, int uu, float a) { return unit_fma(w, hs + uu * 8, a); });
 #pragma unroll 4
         for (; u < units; u += 32) {
 #pragma unroll
