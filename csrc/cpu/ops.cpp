@@ -379,15 +379,8 @@ void op_sample(const Graph& g, int id, int ith, int nth) {
             std::memcpy(&d, &bits, sizeof d);
             return d;
         };
-        const int32_t* br = bans.as<int32_t>() + r * kSampleBans;
-        const auto banned = [br](int32_t t) { return std::find(br, br + kSampleBans, t) != br + kSampleBans; };
-        cand.clear();
-        vals.clear();
-        for (int64_t i = 0; i < k; ++i) {
-            if (ir[i] < 0 || banned(ir[i])) continue;  // TOP_K past the row's end, or banned
-            cand.push_back(ir[i]);
-            vals.push_back(vr[i]);
-        }
+        // TOP_K's -1 padding and the bans' own (-1 never matches a kept id) drop out.
+        candidates_less_bans(ir, vr, k, bans.as<int32_t>() + r * kSampleBans, kSampleBans, &cand, &vals);
         int32_t token = -1;
         const bool nan = std::any_of(vals.begin(), vals.end(), [](float v) { return v != v; });
         if (!cand.empty() && !nan) {

@@ -473,16 +473,12 @@ VerifyResult SpecEngine::verify_rows(const Request& r, const DecodeOutput& out, 
             std::vector<float> values;
             for (size_t j = 0; j < laws.size(); ++j) {
                 const size_t row = (static_cast<size_t>(first) + j) * k;
-                ids.clear();
-                values.clear();
-                for (size_t i = 0; i < k; ++i) {
-                    const int32_t t = out.argmax[row + i];
-                    const float v = out.argmax_values[row + i];
-                    if (std::isnan(v)) throw std::runtime_error("the target's logits hold NaN");
-                    if (t < 0 || banned(t)) continue;
-                    ids.push_back(t);
-                    values.push_back(v);
+                const float* v = out.argmax_values.data() + row;
+                if (std::any_of(v, v + k, [](float x) { return std::isnan(x); })) {
+                    throw std::runtime_error("the target's logits hold NaN");
                 }
+                candidates_less_bans(out.argmax.data() + row, v, static_cast<int64_t>(k), bans.data(), bans.size(), &ids,
+                                     &values);
                 laws[j] = candidate_law(ids.data(), values.data(), static_cast<int64_t>(ids.size()), r.params.temperature,
                                         r.params.top_k, r.params.top_p, r.params.min_p);
             }

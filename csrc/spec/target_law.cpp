@@ -147,6 +147,17 @@ SparseLaw candidate_law(const int32_t* ids, const float* logits, int64_t m, doub
     return law;
 }
 
+void candidates_less_bans(const int32_t* cand, const float* values, int64_t k, const int32_t* bans, size_t n_bans,
+                          std::vector<int32_t>* ids, std::vector<float>* logits) {
+    ids->clear();
+    logits->clear();
+    for (int64_t i = 0; i < k; ++i) {
+        if (cand[i] < 0 || std::find(bans, bans + n_bans, cand[i]) != bans + n_bans) continue;
+        ids->push_back(cand[i]);
+        logits->push_back(values[i]);
+    }
+}
+
 // The first index of the row's maximum (ties: the smaller index, -0 and +0 equal), as one scan
 // comparing x[t] > x[best] would give. Two passes: the maximum, then its first index; the first
 // is vectorised (a greedy verify takes the argmax of every row over the whole vocabulary, which

@@ -3,6 +3,7 @@
 // greedy token. Verification (spec/verify.h) checks drafts against these laws.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -44,6 +45,11 @@ struct SparseLaw {
 // processing costs m entries instead of the vocabulary. Throws std::invalid_argument otherwise.
 SparseLaw candidate_law(const int32_t* ids, const float* logits, int64_t m, double temperature, int64_t top_k,
                         double top_p, double min_p);
+
+// A row's candidates (TOP_K's ids and their logits, k of them) less TOP_K's -1 padding and the n
+// banned ids, in order, into ids / logits (cleared first): what candidate_law is given.
+void candidates_less_bans(const int32_t* cand, const float* values, int64_t k, const int32_t* bans, size_t n_bans,
+                          std::vector<int32_t>* ids, std::vector<float>* logits);
 
 // The first index of the largest value; NaN throws.
 int32_t argmax_first(const float* x, int64_t n);
