@@ -19,6 +19,7 @@
 #include "cuda/graph_cache.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
+#include "cuda/matmul_tc_wide.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -421,8 +422,18 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, con
 // 2,723-2,795 -> 2,354-2,382 us a step, against 1,830-1,870 for a plain read of the same bytes.
 // In the model the gain is smaller: tg128 300-306 -> 306-316 t/s (alternating runs).
 // PYSPEC_CUDA_ROW_STREAM=0 keeps k_mul_mat (A/B); the same bits either way.
-constexpr int kRowWarps = 16;
-constexpr int kRowThreads = kRowWarps * 32;
+//
+// The grid is balanced (twenty-seventh session): 2 blocks of 8 warps a SM, block b taking the
+// contiguous items [n b / G, n (b + 1) / G) of the launch's n items (an item: a warp's two rows),
+// its warps round-robin over them. A grid of one item a warp (16 warps a block) left o's and
+// down's 1,280 items on 80 of the 132 SMs and ran gate/up's 9,728 in 1.15 waves, and its kernel
+// boundaries cost more (the next kernel's blocks wait for the SMs that hold the longest tail).
+// Same probe, both grids, two runs: 2,353-2,356 -> 2,152-2,157 us a step (q/k/v alone 357 -> 400,
+// o 261 -> 242, gate/up 1,000 -> 986, down 549 -> 525; the rest is the boundaries).
+// PYSPEC_CUDA_ROW_BALANCE=0 keeps the grid of one item a warp (A/B); the same bits either way.
+constexpr int kRowWarps = 16;        // the grid of one item a warp
+constexpr int kBalWarps = 8;         // the balanced grid
+constexpr int kBalBlocksPerSm = 2;
 constexpr int kEarlyUnits = 4;
 
 __device__ __forceinline__ uint4 ld_stream(const char* p) {
@@ -447,18 +458,32 @@ __device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t u
 }
 
 // The block's activation column in shared memory, normalised (kNorm) or copied; every thread of
-// the block calls it.
-template <bool kNorm>
+// the block (kThreads) calls it.
+template <bool kNorm, int kThreads>
 __device__ __forceinline__ const float* stage_column(const float* x, int64_t k, const float* nw, float eps) {
     if constexpr (kNorm) {
         const float* xc[1] = {x};
-        norm_prologue<1, kRowThreads>(xc, k, nw, eps);
+        norm_prologue<1, kThreads>(xc, k, nw, eps);
         return xc[0];
     } else {
         float* hs = reinterpret_cast<float*>(normed_rows);
-        for (int64_t i = threadIdx.x; i < k; i += kRowThreads) hs[i] = x[i];
+        for (int64_t i = threadIdx.x; i < k; i += kThreads) hs[i] = x[i];
         __syncthreads();
         return hs;
+    }
+}
+
+// The items [first, end) of block blockIdx.x: an equal contiguous share of n items over the
+// grid (kBalanced), or kW items a block.
+template <bool kBalanced, int kW>
+__device__ __forceinline__ void block_items(int64_t n, int64_t& first, int64_t& end) {
+    const int64_t b = blockIdx.x;
+    if constexpr (kBalanced) {
+        first = n * b / gridDim.x;
+        end = n * (b + 1) / gridDim.x;
+    } else {
+        first = b * kW;
+        end = min(first + kW, n);
     }
 }
 
@@ -492,56 +517,82 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16), ld_stream(wr[1] + u * 16)}, u);
 }
 
-// k_mul_mat's one-column case for long 16-bit rows: warp w of block b the global rows
-// 2 * (kRowWarps * b + w) and the one after (clamped to the last, as k_mul_mat reads them).
-template <DType T, bool kNorm>
-__global__ void __launch_bounds__(kRowThreads) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
+// k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
+// (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
+// first + w + kW, ... (block_items).
+template <DType T, bool kNorm, bool kBalanced, int kW>
+__global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
-    const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5)) * 2;
+    int64_t item, end;
+    block_items<kBalanced, kW>((n_rows + 1) / 2, item, end);
+    item += threadIdx.x >> 5;
     const char* wr[2];
+    const auto rows_of = [&](int64_t it) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int64_t row = min(r0 + r, n_rows - 1);
-        const int j = part_of(p, row);
-        wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
-    }
-    const bool early = p.early && r0 < n_rows;
+        for (int r = 0; r < 2; ++r) {
+            const int64_t row = min(2 * it + r, n_rows - 1);
+            const int j = part_of(p, row);
+            wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
+        }
+    };
+    const bool early = p.early && item < end;
     uint4 pre[2][kEarlyUnits];
-    if (early) load_early(wr, k / 8, lane, pre);
+    if (early) {
+        rows_of(item);
+        load_early(wr, k / 8, lane, pre);
+    }
     pdl_enter();
-    const float* xs = stage_column<kNorm>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
-    if (r0 >= n_rows) return;
-    float acc[2];
-    stream_rows<T>(wr, xs, k, lane, early, pre, acc);
+    const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
+    for (bool first = true; item < end; item += kW, first = false) {
+        if (!(first && early)) rows_of(item);
+        float acc[2];
+        stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float sum = warp_sum(acc[r]);
-        if (lane == 0 && r0 + r < n_rows) store(p, r0 + r, 0, sum);
+        for (int r = 0; r < 2; ++r) {
+            const float sum = warp_sum(acc[r]);
+            if (lane == 0 && 2 * item + r < n_rows) store(p, 2 * item + r, 0, sum);
+        }
     }
 }
 
-// k_mul_mat_glu's one-column case for long 16-bit rows: warp w of block b gate and up row
-// kRowWarps * b + w, storing silu(gate) * up.
-template <DType T, bool kNorm>
-__global__ void __launch_bounds__(kRowThreads) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g,
-                                                                   int64_t rb_u, int64_t n_rows, int64_t k,
-                                                                   const float* x, float* y, const float* norm_w,
-                                                                   float norm_eps, bool constant) {
+// k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
+// silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
+template <DType T, bool kNorm, bool kBalanced, int kW>
+__global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
+                                                              int64_t n_rows, int64_t k, const float* x, float* y,
+                                                              const float* norm_w, float norm_eps, bool constant) {
     const int lane = threadIdx.x & 31;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-    const int64_t rc = min(row, n_rows - 1);
-    const char* const wr[2] = {wg + rc * rb_g, wu + rc * rb_u};
-    const bool early = constant && row < n_rows;
+    int64_t row, end;
+    block_items<kBalanced, kW>(n_rows, row, end);
+    row += threadIdx.x >> 5;
+    const bool early = constant && row < end;
     uint4 pre[2][kEarlyUnits];
-    if (early) load_early(wr, k / 8, lane, pre);
+    if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pre);
     pdl_enter();
-    const float* xs = stage_column<kNorm>(x, k, norm_w, norm_eps);  // before any warp leaves
-    if (row >= n_rows) return;
-    float acc[2];
-    stream_rows<T>(wr, xs, k, lane, early, pre, acc);
-    const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-    if (lane == 0) y[row] = silu_f(g) * u;
+    const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps);  // before any warp leaves
+    for (bool first = true; row < end; row += kW, first = false) {
+        const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
+        float acc[2];
+        stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
+        const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+        if (lane == 0) y[row] = silu_f(g) * u;
+    }
+}
+
+// Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
+// grid, or with PYSPEC_CUDA_ROW_BALANCE=0 the grid of one item a warp. pick(balanced, warps)
+// gives the kernel instantiation.
+template <class Pick, class... Args>
+void launch_row_stream(Pick&& pick, int64_t n, int64_t k, cudaStream_t s, Args... args) {
+    static const bool balanced = env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0;
+    const size_t smem = k * sizeof(float);
+    if (balanced) {
+        const int64_t blocks = std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n);
+        return launch(pick(std::true_type{}), static_cast<unsigned>(std::max<int64_t>(1, blocks)), kBalWarps * 32, smem,
+                      s, args...);
+    }
+    launch(pick(std::false_type{}), grid_for(n, kRowWarps), kRowWarps * 32, smem, s, args...);
 }
 
 // Whether a launch of weight type T (kVec: 16-byte loads) takes the row-streaming kernels.
@@ -594,11 +645,15 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
     if (streams_rows<T, kVec>(k, m)) {
         if (gate.constant && up.constant) count_graph_event(GraphEvent::EarlyWeightLaunch);
-        const auto kernel = norm.w ? k_mul_mat_glu_rows<T, true> : k_mul_mat_glu_rows<T, false>;
-        launch(kernel, grid_for(gate.n_rows, kRowWarps), kRowThreads, k * sizeof(float), s,
-               static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
-               static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps, gate.constant && up.constant);
-        return;
+        const auto pick = [&](auto balanced) {
+            constexpr bool kB = decltype(balanced)::value;
+            constexpr int kW = kB ? kBalWarps : kRowWarps;
+            return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
+        };
+        return launch_row_stream(pick, gate.n_rows, k, s, static_cast<const char*>(gate.w),
+                                 static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
+                                 static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps,
+                                 gate.constant && up.constant);
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (norm.w) {
@@ -640,8 +695,12 @@ template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
     if (streams_rows<T, kVec>(k, m)) {
         if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
-        const auto kernel = p.norm_w ? k_mul_mat_rows<T, true> : k_mul_mat_rows<T, false>;
-        return launch(kernel, grid_for(p.row0[p.n], 2 * kRowWarps), kRowThreads, k * sizeof(float), s, p, k, x);
+        const auto pick = [&](auto balanced) {
+            constexpr bool kB = decltype(balanced)::value;
+            constexpr int kW = kB ? kBalWarps : kRowWarps;
+            return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
+        };
+        return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, s, p, k, x);
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (p.norm_w) {

@@ -196,6 +196,37 @@ def test_swiglu_epilogue_gives_the_unfused_bits(dtype, monkeypatch):
     np.testing.assert_allclose(out["1", 5], ref.reshape(5, n_rows), rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+@gpu
+@pytest.mark.parametrize("balance", ["1", "0"])
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, monkeypatch):
+    """One column over many long 16-bit rows takes the row-streaming kernels (cuda/ops_matmul.cu),
+    whose balanced grid gives each warp several items (two rows, or a gate and an up row) once the
+    rows outnumber 2 blocks x 8 warps a SM: every row of a plain MUL_MAT (an odd row count, so the
+    last item's second row is a clamped read) and of the fused gate/up/SWIGLU equals, bit for bit,
+    the same row in a batch of 5 (another kernel), on both grids (PYSPEC_CUDA_ROW_BALANCE); and
+    the product is within rounding of the CPU's."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    monkeypatch.setenv("PYSPEC_CUDA_ROW_BALANCE", balance)
+    n_rows, k = 6151, 640
+    stored, x = mm_inputs(dtype, n_rows, k, 5, seed=41)
+    (one,) = run_on(DEVICE, matmul_build(stored, dtype, x[:1], n_rows))
+    (five,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    np.testing.assert_array_equal(one.reshape(n_rows), five.reshape(5, n_rows)[0])
+    (ref,) = run_on("cpu", matmul_build(stored, dtype, x[:1], n_rows))
+    np.testing.assert_allclose(one.reshape(n_rows), ref.reshape(n_rows), rtol=2e-2,
+                               atol=2e-2 * np.abs(ref).max())
+    n_ff = 4363
+    stored_g, _ = mm_inputs(dtype, n_ff, k, 1, seed=42)
+    stored_u, _ = mm_inputs(dtype, n_ff, k, 1, seed=43)
+    (g1,) = run_on(DEVICE, swiglu_ffn_build(stored_g, stored_u, dtype, x[:1], n_ff))
+    (g5,) = run_on(DEVICE, swiglu_ffn_build(stored_g, stored_u, dtype, x, n_ff))
+    np.testing.assert_array_equal(g1.reshape(n_ff), g5.reshape(5, n_ff)[0])
+    (gref,) = run_on("cpu", swiglu_ffn_build(stored_g, stored_u, dtype, x[:1], n_ff))
+    np.testing.assert_allclose(g1.reshape(n_ff), gref.reshape(n_ff), rtol=2e-2,
+                               atol=2e-2 * np.abs(gref).max())
+
+
 def norm_then_matmuls_build(dtype, x, norm_w, weights, tail, fetch_norm=False, eps=1e-5):
     """RMS_NORM(x, norm_w) read by MUL_MATs over the same activations: tail "group" (q/k/v-like
     weights of different rows, each fetched), "glu" (gate, up, then SWIGLU) or "residual" (one

@@ -24,9 +24,9 @@
 //   gN[e]      the base shape with each group of N units loaded by volatile loads first
 //   bulkX      each warp streams its rows through a ring of shared-memory stages filled by
 //              cp.async.bulk (the copy engine), x in shared memory
-//   balW[xB]   balanced grids (not yet run on the GPU): B blocks of W warps a SM, each block an
-//              equal contiguous share of the rows, warps round-robin over it (o and down leave 52
-//              of 132 SMs idle in s16r2e, gate/up runs 1.15 waves)
+//   balW[xB]   balanced grids: B blocks of W warps a SM, each block an equal contiguous share
+//              of the rows, warps round-robin over it (o and down leave 52 of 132 SMs idle in
+//              s16r2e, gate/up runs 1.15 waves); bal8x2r2 became the row-streaming kernels' grid
 // Every variant but read/nofma/nox checks its o and down outputs against base bit for bit.
 // Measured (H200, 36 layers, us a step of the 144 launches): read 1,830-1,870, base 2,723-2,795,
 // nox 2,246-2,334, batch16 2,504-2,516, stream8 2,454-2,472, s16r2e 2,354-2,382, g6e 2,439,
@@ -36,6 +36,9 @@
 // (first 4 KiB), the next kernel triggered before the wait T 2,379 (its down alone 685 against
 // 552), FT 2,838; with a 6 us attention stand-in before each o (DRAM idle there) prefetching only
 // o's rows (oF / oFT) 2,622 / 2,593 against 2,655, and with a 3 us one no gain: nothing kept.
+// Twenty-seventh session: s16r2e 2,353-2,356; balanced grids bal8x2r2 2,152-2,157 (kept: the
+// model's tg128 322 -> 350 t/s), bal20 2,450, bal32 2,584, bal16x2 2,901, bal8x4 2,964, bal10x3
+// 3,826; the sum of the kinds alone moved little (2,165 -> 2,153): the boundaries are the gain.
 // usage: probe [layers, default 36] [comma-separated variants, default all] [attention us, default 0]
 // With an attention time, a stand-in kernel (k_att) runs that long before each layer's o.
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_gemv_f16.cu -o probe
