@@ -454,6 +454,37 @@ def test_engine_generator_is_plain_decoding_with_eog_kept(smoke):
     assert sampled[0] == alone[0] and sampled != greedy
 
 
+def test_engine_generator_server_sampler_draws_within_the_filters(smoke):
+    """sampler="server" samples with llama-server's filters: every sampled token is among the
+    target's 40 most likely at its position, with at least 5% of the most likely token's
+    probability (min-p); the "full" law, at the same temperature, leaves those bounds (so the
+    check can fail); greedy continuations are the same under both."""
+    import pyspec
+    from pyspec.train.engine_generate import EngineGenerator
+    target = str(smoke / "smoke-target.gguf")
+    prompts = [[5, 6, 7], [9], list(range(20, 45)), [3, 3, 3, 3]]
+    server = EngineGenerator(target, n_slots=4, max_len=64, n_threads=2, sampler="server")
+    full = EngineGenerator(target, n_slots=4, max_len=64, n_threads=2, sampler="full")
+    assert server(prompts, 12, [0.0] * 4, [], seed=1) == full(prompts, 12, [0.0] * 4, [], seed=1)
+    ctx = pyspec.Context(pyspec.Model(target, n_threads=2), n_ctx=64)
+
+    def outside(seqs):
+        n = 0
+        for p, s in zip(prompts, seqs):
+            ctx.kv_clear()
+            logits = ctx.decode(tokens=s[:-1], output=[True] * (len(s) - 1)).logits
+            for i in range(len(p), len(s)):
+                row = np.asarray(logits[i - 1], np.float64)
+                rank = int((row > row[s[i]]).sum())
+                n += rank >= 40 or row[s[i]] < row.max() + np.log(0.05)
+        return n
+
+    assert outside(server(prompts, 12, [1.5] * 4, [], seed=3)) == 0
+    assert outside(full(prompts, 12, [1.5] * 4, [], seed=3)) > 0
+    with pytest.raises(ValueError, match="unknown sampler"):
+        EngineGenerator(target, n_slots=1, sampler="nucleus")
+
+
 def test_gen_engine_writes_loadable_shards(smoke, tmp_path):
     from pyspec.train.shards import load_shards
     target = str(smoke / "smoke-target.gguf")
@@ -616,6 +647,44 @@ def test_grown_drafter_computes_the_same_and_trains_its_new_layer(smoke, tmp_pat
         cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "shrink"),
                   "--no-progress", "--data", str(smoke / "data"), "--init-from",
                   str(out / "hf"), "--layers", str(n)])
+
+
+def test_grown_markov_head_computes_the_same_and_trains_its_new_columns(smoke, tmp_path):
+    """--init-from --markov-rank R (more than the checkpoint's): the trained columns are kept and
+    the new ones start without effect, so the grown drafter's logits and confidence equal the
+    checkpoint's; training then moves the new markov_w2 columns; the engine loads the converted
+    GGUF with the new rank; a smaller rank is refused."""
+    from pyspec.train.from_gguf import load_drafter_gguf
+    target = str(smoke / "smoke-target.gguf")
+    src = DSparkDrafter.load_hf(smoke / "hf")
+    r = src.c.markov_rank
+    grown = src.grow_markov(2 * r, torch.Generator().manual_seed(1))
+    assert grown.markov_w1.shape[1] == grown.markov_w2.shape[1] == 2 * r
+    assert float(grown.markov_w1[:, r:].detach().abs().max()) > 0   # the new W1 columns are not zero
+    # equal up to the summation order of the longer dot products (the added terms are zeros)
+    la, lb = probe_logits(target, src, grown)
+    torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
+    prev = torch.tensor([1, 5, 9])
+    h = torch.randn(3, src.c.hidden_size, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(src.confidence_logit(h, src.markov(prev)[0]),
+                               grown.confidence_logit(h, grown.markov(prev)[0]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError):
+        src.grow_markov(r)
+
+    out = tmp_path / "grow-markov"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "hf"),
+                     "--markov-rank", str(2 * r), "--steps", "6", "--save-every", "3"]) == 0
+    trained = torch.load(out / "train_state.pt", weights_only=False)["drafter"]
+    assert trained["markov_w2"].shape[1] == 2 * r
+    assert float(trained["markov_w2"][:, r:].abs().max()) > 0
+    path = out / "drafter-f32.gguf"
+    assert load_drafter_gguf(path).c.markov_rank == 2 * r
+    _core.DraftModel(str(path), _core.Model(target))   # the engine takes the new rank
+    with pytest.raises(ValueError, match="grow, not shrink"):
+        cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "shrink"),
+                  "--no-progress", "--data", str(smoke / "data"), "--init-from",
+                  str(out / "hf"), "--markov-rank", str(r)])
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])

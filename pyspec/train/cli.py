@@ -42,14 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "the added layers start as identities and the trained ones are kept)")
     p.add_argument("--target-layers", default="auto",
                    help="'auto' or comma-separated GGUF layer-input ids (0 = embeddings)")
-    p.add_argument("--markov-rank", type=int, default=128)
+    p.add_argument("--markov-rank", type=int, default=None,
+                   help="rank of the Markov head's bigram bias (default 128; with --init-from "
+                        "the checkpoint's, or more: the trained columns are kept and the new "
+                        "ones start without effect)")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="draft only the N most frequent target tokens of the generated data "
                         "(always with EOS/EOG): the head and Markov W2 get N rows and the "
                         "checkpoint a d2t map (0: the full vocabulary)")
     p.add_argument("--gen-engine", type=int, default=0, metavar="SLOTS",
-                   help="generate the data with pyspec's own engine on the CPU, SLOTS sequences "
-                        "at a time (0: the torch target on --device)")
+                   help="generate the data with pyspec's own engine, SLOTS sequences at a time "
+                        "(0: the torch target on --device)")
+    p.add_argument("--gen-backend", choices=["cpu", "cuda"], default="cpu",
+                   help="where --gen-engine runs (cuda: a build with PYSPEC_CUDA)")
+    p.add_argument("--gen-sampler", choices=["full", "server"], default="full",
+                   help="--gen-engine's law at T > 0: full, softmax(logits / T) as the torch "
+                        "generator; server, llama-server's default filters (top-k 40, top-p "
+                        "0.95, min-p 0.05), which on the GPU never reads a whole logit row")
     p.add_argument("--chat-fraction", type=float, default=0.6,
                    help="share of conversational prompts (everyday requests, questions, "
                         "stories, multi-turn chats) among the generated data's prompts; the "
@@ -126,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.seq_len, args.batch, args.anchors = 64, 4, 8
         args.data_prompts, args.gen_batch, args.save_every = 16, 16, 10
         args.val_fraction, args.val_seqs = max(args.val_fraction, 0.25), 4
-        args.markov_rank = 32
+        args.markov_rank = args.markov_rank or (None if args.init_from else 32)
         args.outtype = "f32"
     if args.target is None:
         print("error: --target is required (or --smoke)", file=sys.stderr)
@@ -147,6 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         patience=args.patience, init_from=args.init_from, hf_dtype=args.hf_dtype,
         time_limit=args.time_limit, draft_vocab=args.draft_vocab,
         chat_fraction=args.chat_fraction, gen_engine=args.gen_engine, self_prompts=args.self_prompts,
+        gen_backend=args.gen_backend, gen_sampler=args.gen_sampler,
         anchor_region=args.anchor_region)
     t0 = time.time()
     hf = train(opts)

@@ -188,6 +188,33 @@ class DSparkDrafter(torch.nn.Module):
                 l.down_proj.weight.zero_()
         return m
 
+    def grow_markov(self, rank: int, generator: Optional[torch.Generator] = None) -> "DSparkDrafter":
+        """A copy whose Markov head has rank `rank` (more than this drafter's): the trained
+        columns of markov_w1 and markov_w2 are kept; the new columns of markov_w2 and the
+        confidence head's weights on them start at zero, so the copy computes exactly what this
+        drafter does, while the new columns of markov_w1 start random (std 0.02) so that
+        gradients reach the new markov_w2 columns from the first step. The bigram bias is what
+        continues a word's pieces (docs/training.md), so its rank is capacity worth adding."""
+        r = self.c.markov_rank
+        if rank <= r:
+            raise ValueError(f"grow the Markov rank to {rank}: the drafter already has {r}")
+        c = DrafterConfig(**{**self.c.__dict__, "markov_rank": int(rank)})
+        m = DSparkDrafter(c).to(self.markov_w1.device)
+        sd = self.state_dict()
+        resized = {"markov_w1", "markov_w2", "conf_proj.weight"}
+        m.load_state_dict({k: v for k, v in sd.items() if k not in resized}, strict=False)
+        with torch.no_grad():
+            w1 = torch.empty(c.vocab_size, rank - r, device=self.markov_w1.device)
+            torch.nn.init.normal_(w1, std=0.02, generator=generator)
+            m.markov_w1.copy_(torch.cat([self.markov_w1, w1.to(self.markov_w1.dtype)], 1))
+            m.markov_w2.zero_()
+            m.markov_w2[:, :r].copy_(self.markov_w2)
+            if c.confidence_head:
+                e = c.hidden_size
+                m.conf_proj.weight.zero_()
+                m.conf_proj.weight[:, :e + r].copy_(self.conf_proj.weight)
+        return m
+
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
             if isinstance(m, torch.nn.Linear):

@@ -45,7 +45,7 @@ class TrainOptions:
     block_size: Optional[int] = None     # None: 7, or with init_from the checkpoint's
     layers: Optional[int] = None          # None: 3, or --init-from's checkpoint's
     target_layers: str = "auto"
-    markov_rank: int = 128
+    markov_rank: Optional[int] = None    # None: 128, or with init_from the checkpoint's (may grow)
     mask_token_id: Optional[int] = None
     lr: float = 6e-4
     warmup: float = 0.04
@@ -78,6 +78,8 @@ class TrainOptions:
     chat_fraction: float = 0.6           # share of conversational prompts (data.py)
     anchor_region: str = "continuation"  # anchors in the generated part only, or "all" positions
     gen_engine: int = 0                  # > 0: generate data with pyspec's engine, this many at once
+    gen_backend: str = "cpu"             # the engine's backend: cpu or cuda
+    gen_sampler: str = "full"            # the engine's law at T > 0 (EngineGenerator.SAMPLERS)
     self_prompts: float = 0.0            # share of conversational requests the target writes itself
 
 
@@ -225,8 +227,10 @@ def _training_data(opt: TrainOptions, target, tok, device, deadline, log):
     if opt.gen_engine > 0:
         from .engine_generate import EngineGenerator
         generator = EngineGenerator(opt.target, n_slots=opt.gen_engine, max_len=opt.seq_len,
-                                    n_threads=opt.threads)
-        log(f"generating with pyspec's engine on the CPU, {opt.gen_engine} sequences at a time")
+                                    n_threads=opt.threads, backend=opt.gen_backend,
+                                    sampler=opt.gen_sampler)
+        log(f"generating with pyspec's engine ({opt.gen_backend}, sampler {opt.gen_sampler}), "
+            f"{opt.gen_engine} sequences at a time")
     seqs, pls = generate_dataset(target, tok, opt.data_prompts, opt.seq_len, device,
                                  opt.gen_batch, opt.seed, progress=opt.progress,
                                  deadline=deadline, chat_fraction=opt.chat_fraction,
@@ -267,6 +271,14 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
             log(f"{opt.init_from} grown from {drafter.c.num_hidden_layers} to {opt.layers} "
                 f"layers (the new ones start as identities)")
             drafter = drafter.grow(opt.layers)
+        if opt.markov_rank is not None and opt.markov_rank < drafter.c.markov_rank:
+            raise ValueError(f"--markov-rank {opt.markov_rank}: {opt.init_from} has rank "
+                             f"{drafter.c.markov_rank} (the Markov head can grow, not shrink)")
+        if opt.markov_rank is not None and opt.markov_rank > drafter.c.markov_rank:
+            log(f"{opt.init_from}'s Markov head grown from rank {drafter.c.markov_rank} to "
+                f"{opt.markov_rank} (the new columns start without effect)")
+            drafter = drafter.grow_markov(opt.markov_rank,
+                                          torch.Generator().manual_seed(opt.seed + 17))
         if opt.block_size is not None and opt.block_size != drafter.c.block_size:
             log(f"block size {drafter.c.block_size} of {opt.init_from} becomes {opt.block_size}")
             drafter.c.block_size = opt.block_size
@@ -279,7 +291,7 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
                         num_hidden_layers=opt.layers or 3, num_attention_heads=hp.n_head,
                         num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim,
                         vocab_size=hp.n_vocab, target_layers=layers, mask_token_id=mask_id,
-                        block_size=opt.block_size or 7, markov_rank=opt.markov_rank,
+                        block_size=opt.block_size or 7, markov_rank=opt.markov_rank or 128,
                         draft_vocab_size=len(d2t) if d2t is not None else 0,
                         rms_norm_eps=hp.rms_eps, rope_theta=hp.rope_freq_base,
                         max_position_embeddings=hp.n_ctx_train,
