@@ -243,15 +243,17 @@ def test_off_by_default_where_compute_is_synchronous(loaded):
     assert e.n_decoded_ahead == 0
 
 
-def _server_session(target, ahead):
+def _server_session(target, ahead, sampled_ahead="1"):
     """Requests against a drafterless pyspec-server (the GPU's default), decoding ahead forced
     on or off: concurrent greedy requests, one cut by a stop string, a stream its client drops,
-    a request on a slot's kept cache, then seeded sampled requests alone and beside a greedy one."""
+    a request on a slot's kept cache, then seeded sampled requests alone and beside a greedy one.
+    Returns the replies, and /metrics' decoding-ahead counters (steps, overruled rows) apart."""
     from concurrent.futures import ThreadPoolExecutor
 
     from server_process import ServerProcess
-    srv = ServerProcess(["-m", target, "-np", "3", "-c", str(3 * 512), "-t", "2", "--temp", "0"],
-                        env={"PYSPEC_DECODE_AHEAD": "1" if ahead else "0"})
+    srv = ServerProcess(["-m", target, "-np", "3", "-c", str(3 * 512), "-t", "2", "--temp", "0", "--metrics"],
+                        env={"PYSPEC_DECODE_AHEAD": "1" if ahead else "0",
+                             "PYSPEC_SAMPLED_AHEAD": sampled_ahead})
     try:
         def complete(prompt, **kw):
             r = srv.post("/completion", dict({"prompt": prompt, "n_predict": 24, "temperature": 0}, **kw))
@@ -278,15 +280,26 @@ def _server_session(target, ahead):
             futs = [pool.submit(complete, prompts[0], temperature=0.8, seed=100),
                     pool.submit(complete, prompts[1]), pool.submit(complete, prompts[2], temperature=0.8, seed=102)]
             sampled_together = [f.result() for f in futs]
-        return alone, together, after, sampled, sampled_together
+        metrics = srv.get("/metrics").text
+        counters = [float(line.split()[1]) for line in metrics.splitlines()
+                    for name in ("pyspec:decoded_ahead_steps_total ",
+                                 "pyspec:decoded_ahead_overruled_rows_total ")
+                    if line.startswith(name)]
+        return (alone, together, after, sampled, sampled_together), counters
     finally:
         srv.stop()
 
 
 def test_the_server_gives_the_same_replies(pairs):
-    got = _server_session(pairs.target, True)
-    want = _server_session(pairs.target, False)
-    assert got == want
+    """Decoding ahead on (the graph's sampled draws as predictions, or with PYSPEC_SAMPLED_AHEAD=2
+    greedy predictions the host overrules) gives the replies of decoding ahead off, and /metrics
+    counts the steps decoded ahead and the rows overruled."""
+    got, (steps, overruled) = _server_session(pairs.target, True)
+    forced, (steps_forced, overruled_forced) = _server_session(pairs.target, True, sampled_ahead="2")
+    want, (steps_off, overruled_off) = _server_session(pairs.target, False)
+    assert got == want and forced == want
+    assert steps > 0 and steps_forced > 0 and steps_off == 0 and overruled_off == 0
+    assert overruled_forced > overruled
     alone, together, _, sampled, sampled_together = got
     assert together[0] == alone[0] and together[1][2] == "word"
     assert sampled_together[0] == sampled[0] and sampled_together[2] == sampled[2]

@@ -183,7 +183,8 @@ def test_metrics_text_has_llamas_names_and_types():
     for name in gauges:
         assert f"# TYPE llamacpp:{name} gauge\n" in text
     assert set(values) == {f"llamacpp:{n}" for n in counters + gauges} | {
-        "pyspec:draft_registry_size"}
+        "pyspec:draft_registry_size", "pyspec:decoded_ahead_steps_total",
+        "pyspec:decoded_ahead_overruled_rows_total"}
     assert values["llamacpp:prompt_tokens_seconds"] == 20.0     # 10 tokens / 0.5 s
     assert values["llamacpp:predicted_tokens_seconds"] == 20.0  # 8 / 0.4
     assert values["llamacpp:n_busy_slots_per_decode"] == 1.5

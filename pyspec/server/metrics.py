@@ -43,6 +43,17 @@ _GAUGES = [
      "Average number of busy slots per llama_decode() call"),
 ]
 
+# pyspec's own counters (not llama's): decoding ahead (docs/internals.md). A step queued before
+# the host read the step before it saves the host's per-token work; an overruled row is one whose
+# token the graph drew and the host's draw replaced, so its step is redone (many mean the graph's
+# draws differ from the host's, which costs speed, never tokens).
+_OWN_COUNTERS = [
+    ("pyspec:decoded_ahead_steps", "decoded_ahead_steps_total",
+     "Steps queued before the host read the step before them (decoding ahead)."),
+    ("pyspec:decoded_ahead_overruled_rows", "decoded_ahead_overruled_total",
+     "Rows decoded ahead on a token the host's own draw overruled (dropped and decoded again)."),
+]
+
 
 class SchedulerCollector(Collector):
     """Reads the scheduler's totals on every scrape."""
@@ -96,6 +107,10 @@ class SchedulerCollector(Collector):
                               "Requests holding drafter state (draft state registry entries).")
         g.add_metric([], m.get("draft_registry_size", 0))
         out.append(g)
+        for name, key, doc in _OWN_COUNTERS:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], m.get(key, 0))
+            out.append(c)
         return out
 
 

@@ -239,6 +239,10 @@ class Scheduler:
             "n_busy_slots_per_decode": self._busy_sum / n_dec if n_dec else 0.0,
             # pyspec's own: requests holding drafter state (0 once every request has ended).
             "draft_registry_size": registry,
+            # pyspec's own: steps queued before the host read the step before them, and rows of
+            # those whose token the host's draw overruled (dropped and decoded again).
+            "decoded_ahead_steps_total": m.get("decoded_ahead_steps_total", 0),
+            "decoded_ahead_overruled_total": m.get("decoded_ahead_overruled_total", 0),
         }
 
     @property
@@ -278,6 +282,8 @@ class Scheduler:
                     if task is not None:
                         self._on_output(task, o)
                 self._registry_size = self.registry_size
+                self._m["decoded_ahead_steps_total"] = int(self.engine.n_decoded_ahead)
+                self._m["decoded_ahead_overruled_total"] = int(self.engine.n_ahead_overruled)
         # Shutdown: whoever still waits gets an error, not a hang.
         with self._lock:
             for task in list(self._tasks.values()):
