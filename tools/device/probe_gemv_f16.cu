@@ -39,6 +39,7 @@
 // Twenty-seventh session: s16r2e 2,353-2,356; balanced grids bal8x2r2 2,152-2,157 (kept: the
 // model's tg128 322 -> 350 t/s), bal20 2,450, bal32 2,584, bal16x2 2,901, bal8x4 2,964, bal10x3
 // 3,826; the sum of the kinds alone moved little (2,165 -> 2,153): the boundaries are the gain.
+// Not run yet: bal16r2, bal4x4r2, bal8x3r2, bal8x2r4, bal4x4r4 (probe 36 s16r2e,bal8x2r2,bal16r2,...).
 // usage: probe [layers, default 36] [comma-separated variants, default all] [attention us, default 0]
 // With an attention time, a stand-in kernel (k_att) runs that long before each layer's o.
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_gemv_f16.cu -o probe
@@ -808,6 +809,12 @@ int main(int argc, char** argv) {
         {"bal10x3", run_bal<10, 1, 3>, run_bal<10, 2, 3>},
         {"bal8x4", run_bal<8, 1, 4>, run_bal<8, 2, 4>},
         {"bal8x2r2", run_bal<8, 2, 2>, run_bal<8, 2, 2>},
+        // around bal8x2r2 (kept): other splits of 16 warps a SM, 24 warps, 4 rows a warp
+        {"bal16r2", run_bal<16, 2, 1>, run_bal<16, 2, 1>},
+        {"bal4x4r2", run_bal<4, 2, 4>, run_bal<4, 2, 4>},
+        {"bal8x3r2", run_bal<8, 2, 3>, run_bal<8, 2, 3>},
+        {"bal8x2r4", run_bal<8, 4, 2>, run_bal<8, 2, 2>},
+        {"bal4x4r4", run_bal<4, 4, 4>, run_bal<4, 2, 4>},
         {"oF", run_smem<16, 2, true>, run_smem<16, 2, true>, run_smem<16, 2, true, false, 1>},
         {"oFT", run_smem<16, 2, true>, run_smem<16, 2, true>, run_smem<16, 2, true, false, 1, true>},
         // F: each warp's rows prefetched into L2 by the copy engine before the PDL wait (whole
