@@ -405,6 +405,85 @@ def test_reduced_vocab_loss_is_the_acceptance_tv():
     torch.testing.assert_close(out["ce"], (ce * wc).sum() / wc.sum())
 
 
+def test_label_weights_scale_each_slot_by_its_label():
+    """token_weight (--piece-weight): every term is the mean over the slots weighted by the
+    position decay times the label's factor, against a numpy computation; all factors 1 give
+    the plain loss."""
+    from pyspec.train.loss import dspark_loss
+    g = torch.Generator().manual_seed(3)
+    B, L, A, K, V = 2, 16, 3, 3, 11
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    lengths = torch.tensor([16, 9])
+    anchors = torch.tensor([[0, 4, 12], [1, 3, 6]])
+    t_logits = torch.randn(B, L, V, generator=g) * 2
+    logits = torch.randn(B, A, K, V, generator=g)
+    plain = dspark_loss(dict(logits=logits, conf=None), t_logits, tokens, lengths, anchors)
+    ones = dspark_loss(dict(logits=logits, conf=None), t_logits, tokens, lengths, anchors,
+                       token_weight=torch.ones(V))
+    for k in ("loss", "ce", "l1"):
+        torch.testing.assert_close(ones[k], plain[k], rtol=0, atol=0)
+    tw = np.ones(V)
+    tw[[2, 5, 7]] = 4.0
+    got = dspark_loss(dict(logits=logits, conf=None), t_logits, tokens, lengths, anchors,
+                      token_weight=torch.tensor(tw, dtype=torch.float32))
+    tk, tl, lg = tokens.numpy(), t_logits.double().numpy(), logits.double().numpy()
+
+    def softmax(x):
+        e = np.exp(x - x.max())
+        return e / e.sum()
+
+    num_ce = num_l1 = den = 0.0
+    for b in range(B):
+        for a in range(A):
+            for k in range(K):
+                pos = int(anchors[b, a]) + k
+                if pos + 1 >= int(lengths[b]):
+                    continue
+                label = tk[b, pos + 1]
+                w = np.exp(-k / 4.0) * tw[label]
+                q, p = softmax(lg[b, a, k]), softmax(tl[b, pos])
+                num_ce += w * -np.log(q[label])
+                num_l1 += w * np.abs(q - p).sum()
+                den += w
+    np.testing.assert_allclose(float(got["ce"]), num_ce / den, rtol=1e-5)
+    np.testing.assert_allclose(float(got["l1"]), num_l1 / den, rtol=1e-5)
+    np.testing.assert_allclose(float(got["loss"]), 0.1 * num_ce / den + 0.9 * num_l1 / den, rtol=1e-5)
+    assert abs(float(got["loss"]) - float(plain["loss"])) > 1e-4
+
+
+def test_word_pieces_of_the_default_tokenizer():
+    """word_piece_ids: tokens that continue a word (a letter or digit first, no space mark), not
+    the ones after a space, punctuation, newlines or control tokens."""
+    import pyspec
+    from pyspec.model import default_model_path
+    from pyspec.train.loss import word_piece_ids
+    try:
+        tok = pyspec.LLM(default_model_path(), n_ctx=64).tokenizer
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    ids = set(word_piece_ids(tok))
+    for piece in ("iffel", "ines", "the", "1"):
+        assert tok.token_to_id(piece) in ids, piece
+    for piece in ("Ġthe", ",", "Ċ", "čĊ", "Ġ", "<|im_start|>"):
+        assert tok.token_to_id(piece) not in ids, piece
+    assert 0.2 < len(ids) / tok.n_vocab < 0.5
+
+
+def test_piece_weight_option(smoke, tmp_path):
+    """--piece-weight trains with label weights (and says so); a weight <= 0 is refused."""
+    target = str(smoke / "smoke-target.gguf")
+    lines = []
+    from pyspec.train.loop import TrainOptions, train
+    opts = TrainOptions(target=target, out=str(tmp_path / "pw"), steps=3, layers=1, markov_rank=32,
+                        seq_len=64, batch=4, anchors=8, data=[str(smoke / "data")], save_every=3,
+                        val_fraction=0.25, val_seqs=4, progress=False, outtype="f32",
+                        piece_weight=3.0)
+    train(opts, log=lines.append)
+    assert any("continues a word" in line and "weigh 3" in line for line in lines)
+    assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "bad"),
+                     "--no-progress", "--piece-weight", "0"]) == 2
+
+
 def test_init_from_full_vocab_reduces_markov_w2(smoke, tmp_path):
     """--init-from a full-vocabulary checkpoint with --draft-vocab: same backbone, markov_w2
     rows at d2t, so the draft logits are the full ones at d2t."""

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchor-region", choices=["continuation", "all"], default="continuation",
                    help="where training blocks are anchored: the generated continuation only "
                         "(where the engine drafts), or every position")
+    p.add_argument("--piece-weight", type=float, default=1.0, metavar="W",
+                   help="weight of the training loss's slots whose label continues a word (a "
+                        "token starting with a letter or digit, no leading space), where drafts "
+                        "fail most (1: every slot alike; validation always weighs them alike)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: a rare control token of the vocabulary")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -140,6 +144,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.target is None:
         print("error: --target is required (or --smoke)", file=sys.stderr)
         return 2
+    if not args.piece_weight > 0.0:
+        print(f"error: --piece-weight must be > 0, got {args.piece_weight}", file=sys.stderr)
+        return 2
     if not 0.0 <= args.self_prompts <= 1.0:
         print(f"error: --self-prompts must be in [0, 1], got {args.self_prompts}", file=sys.stderr)
         return 2
@@ -156,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         patience=args.patience, init_from=args.init_from, hf_dtype=args.hf_dtype,
         time_limit=args.time_limit, draft_vocab=args.draft_vocab,
         chat_fraction=args.chat_fraction, gen_engine=args.gen_engine, self_prompts=args.self_prompts,
-        gen_backend=args.gen_backend, gen_sampler=args.gen_sampler,
+        gen_backend=args.gen_backend, gen_sampler=args.gen_sampler, piece_weight=args.piece_weight,
         anchor_region=args.anchor_region)
     t0 = time.time()
     hf = train(opts)

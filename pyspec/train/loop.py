@@ -80,6 +80,7 @@ class TrainOptions:
     gen_engine: int = 0                  # > 0: generate data with pyspec's engine, this many at once
     gen_backend: str = "cpu"             # the engine's backend: cpu or cuda
     gen_sampler: str = "full"            # the engine's law at T > 0 (EngineGenerator.SAMPLERS)
+    piece_weight: float = 1.0            # loss weight of slots whose label continues a word
     self_prompts: float = 0.0            # share of conversational requests the target writes itself
 
 
@@ -441,6 +442,14 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
             f.write(json.dumps(rec) + "\n")
 
     embedding, head = target.embedding.detach(), target.head.detach()
+    token_weight = None       # validation keeps the plain loss, comparable across runs
+    if opt.piece_weight != 1.0:
+        from .loss import word_piece_ids
+        token_weight = torch.ones(hp.n_vocab, device=device)
+        pieces = word_piece_ids(tok)
+        token_weight[torch.tensor(pieces, dtype=torch.long, device=device)] = opt.piece_weight
+        log(f"slots whose label continues a word ({len(pieces)} token ids) weigh "
+            f"{opt.piece_weight:g} in the training loss")
     if opt.init_from and step == 0 and validator is not None:
         evaluate(None)       # the starting point competes too: training must beat it
     drafter.train()
@@ -473,7 +482,7 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
             feats, t_logits = target_features(target, tokens, lengths, layers)
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
             res = drafter(feats, tokens, anchors, embedding, head)
-        losses = dspark_loss(res, t_logits, tokens, lengths, anchors, opt.gamma)
+        losses = dspark_loss(res, t_logits, tokens, lengths, anchors, opt.gamma, token_weight)
         optim.zero_grad(set_to_none=True)
         losses["loss"].backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -13,12 +13,17 @@ mass outside the draft vocabulary, has no gradient but keeps TV and so the confi
 1 - TV the true acceptance probability of the slot). CE: a label outside the draft vocabulary
 cannot be drafted and is ignored (its slot still counts in L1 and BCE; the CE mean is over the
 labels inside). The greedy proxy compares d2t[argmax q] with the target's full-vocabulary argmax
-(the engine accepts a greedy draft iff it equals the target's argmax)."""
+(the engine accepts a greedy draft iff it equals the target's argmax).
+
+Label weights (token_weight, --piece-weight): a slot's weight may also be scaled by a per-token
+factor of its label, e.g. up for tokens that continue a word (word_piece_ids), where a trained
+drafter's first draft is accepted least (docs/training.md). Every term is then the weighted mean
+over the slots, so with all factors 1 the loss is the plain one."""
 
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +31,29 @@ import torch.nn.functional as F
 W_CE, W_L1, W_CONF = 0.1, 0.9, 1.0
 
 
+def word_piece_ids(tokenizer) -> List[int]:
+    """The ids of normal tokens that continue a word: their text starts with a letter or digit
+    (no leading space mark, as SentencePiece's '▁', no punctuation), as "iffel" after "the E" -
+    the pieces a drafter most often gets wrong. Byte-level BPE writes the bytes that are not
+    printable (space, newline, tab, ...) as the characters U+0100-U+0143 ('Ġ' a space), which
+    are letters to Python, so those never start a word piece there."""
+    byte_level = tokenizer.model == "gpt2"
+    out = []
+    for tid in range(tokenizer.n_vocab):
+        if tokenizer.token_type(tid) != 1:
+            continue
+        c = tokenizer.token_text(tid)[:1]
+        if c.isalnum() and not (byte_level and 0x100 <= ord(c) <= 0x143):
+            out.append(tid)
+    return out
+
+
 def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, tokens: torch.Tensor,
-                lengths: torch.Tensor, anchors: torch.Tensor, gamma: float = 4.0
-                ) -> Dict[str, torch.Tensor]:
+                lengths: torch.Tensor, anchors: torch.Tensor, gamma: float = 4.0,
+                token_weight: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """out: DSparkDrafter.forward's dict; target_logits [B, L, V]; tokens [B, L]; lengths [B];
-    anchors [B, A]. Returns loss and its parts (detached) plus per-slot acceptance proxies."""
+    anchors [B, A]; token_weight [V] (optional): each slot's weight times its label's factor.
+    Returns loss and its parts (detached) plus per-slot acceptance proxies."""
     logits = out["logits"]                                     # [B, A, K, Vd] float32
     d2t = out.get("d2t")
     B, A, K, Vd = logits.shape
@@ -46,6 +69,8 @@ def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, token
     logp_d = torch.log_softmax(logits, -1)
     p_d = logp_d.exp()
     w = torch.exp(-offs.float() / gamma)[None, None, :] * valid.float()
+    if token_weight is not None:
+        w = w * token_weight.to(dev)[labels]
     denom = w.sum().clamp(min=1e-6)
     if d2t is None:
         l1 = (p_d - p_t).abs().sum(-1)
