@@ -366,18 +366,25 @@ def test_draft_vocabulary_counts_continuations():
     assert draft_vocabulary(seqs, pls, [0, 1], 5, 12).tolist() == [1, 2, 3, 8, 9]
 
 
+def random_loss_case(seed, K, V, lengths, anchors):
+    """Random inputs of dspark_loss: tokens [B, L] (L the longest length), lengths, anchors
+    [B, A], target logits [B, L, V] and drafter logits [B, A, K, V]."""
+    g = torch.Generator().manual_seed(seed)
+    B, L, A = len(lengths), max(lengths), len(anchors[0])
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    t_logits = torch.randn(B, L, V, generator=g) * 2
+    logits = torch.randn(B, A, K, V, generator=g)
+    return tokens, torch.tensor(lengths), torch.tensor(anchors), t_logits, logits
+
+
 def test_reduced_vocab_loss_is_the_acceptance_tv():
     """With d2t the L1 term is ||q - p||_1 over the full vocabulary (q = 0 off the draft
     vocabulary), so 1 - TV = sum min(q, p), the sampling acceptance; labels outside are ignored
     by CE; with d2t = every id the loss equals the full-vocabulary loss."""
     from pyspec.train.loss import dspark_loss
-    g = torch.Generator().manual_seed(0)
     B, L, A, K, V = 2, 20, 3, 4, 30
-    tokens = torch.randint(0, V, (B, L), generator=g)
-    lengths = torch.tensor([20, 15])
-    anchors = torch.tensor([[0, 5, 9], [1, 4, 8]])
-    t_logits = torch.randn(B, L, V, generator=g) * 2
-    full = torch.randn(B, A, K, V, generator=g)
+    tokens, lengths, anchors, t_logits, full = random_loss_case(
+        0, K, V, [20, 15], [[0, 5, 9], [1, 4, 8]])
     ref = dspark_loss(dict(logits=full, conf=None), t_logits, tokens, lengths, anchors)
     same = dspark_loss(dict(logits=full, conf=None, d2t=torch.arange(V)), t_logits, tokens,
                        lengths, anchors)
@@ -410,13 +417,9 @@ def test_label_weights_scale_each_slot_by_its_label():
     position decay times the label's factor, against a numpy computation; all factors 1 give
     the plain loss."""
     from pyspec.train.loss import dspark_loss
-    g = torch.Generator().manual_seed(3)
     B, L, A, K, V = 2, 16, 3, 3, 11
-    tokens = torch.randint(0, V, (B, L), generator=g)
-    lengths = torch.tensor([16, 9])
-    anchors = torch.tensor([[0, 4, 12], [1, 3, 6]])
-    t_logits = torch.randn(B, L, V, generator=g) * 2
-    logits = torch.randn(B, A, K, V, generator=g)
+    tokens, lengths, anchors, t_logits, logits = random_loss_case(
+        3, K, V, [16, 9], [[0, 4, 12], [1, 3, 6]])
     plain = dspark_loss(dict(logits=logits, conf=None), t_logits, tokens, lengths, anchors)
     ones = dspark_loss(dict(logits=logits, conf=None), t_logits, tokens, lengths, anchors,
                        token_weight=torch.ones(V))

@@ -2,14 +2,15 @@
 
 On the CPU: GPU time is scarce and the CPU sits idle between device calls, so sequences can be
 generated here and carried to the training session as shards. On the GPU (`--gen-backend cuda`)
-the engine decodes a hundred sequences or more per step, several times faster than the torch
-generator's padded batches. The engine (`_core.SpecEngine` without a drafter) decodes many
-sequences per step with llama.cpp's sampling chain. With sampler "full" every filter is off and
-it samples from softmax(logits / T), the law the torch generator samples from; with "server" it
-samples with llama-server's default filters (top-k 40, top-p 0.95, min-p 0.05) at T, the law most
-served requests use, which a row draws from its graph's 40 best logits (on the GPU the full row is
-never read). At T = 0 either is greedy. Each prompt's randomness is keyed by its own seed, so the output of a prompt does not
-depend on which others share its steps (design invariant 7).
+the engine decodes a hundred sequences or more per step, about 2.3x the torch generator's tokens
+a second on the H200 (docs/training.md, run s8). The engine (`_core.SpecEngine` without a drafter)
+decodes many sequences per step with llama.cpp's sampling chain. With sampler "full" every filter
+is off and it samples from softmax(logits / T), the law the torch generator samples from; with
+"server" it samples with llama-server's default filters (top-k 40, top-p 0.95, min-p 0.05) at T,
+the law most served requests use, which a row draws from its graph's 40 best logits (on the GPU
+the full row is never read). At T = 0 either is greedy. Each prompt's randomness is keyed by its
+own seed, so the output of a prompt does not depend on which others share its steps (design
+invariant 7).
 
 Same contract as target.generate: prompt + continuation per prompt, at most max_new new tokens,
 a sequence ending after its end-of-generation token (which is kept, as the torch path keeps it).
