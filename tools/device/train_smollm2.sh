@@ -21,7 +21,14 @@
 #     bash tools/device/train_smollm2.sh [extra pyspec-train-drafter flags]
 #
 # Without DATA the run generates its own sequences first (--data-prompts, --seed, ...; they stay
-# in $RUN/data on the held machine for the calls after). To continue from the embedded drafter,
+# in $RUN/data on the held machine for the calls after). The core is built with CUDA where nvcc
+# exists, so the engine can generate them on the GPU (run s8, ~2.3x the torch generator):
+#
+#   TIME=450 bash tools/device/train_smollm2.sh --generate-only --gen-engine 128 \
+#     --gen-backend cuda --gen-sampler server --data-prompts 30000 --chat-fraction 0.7 \
+#     --self-prompts 0.5 --seed 911
+#
+# To continue from the embedded drafter,
 # whose checkpoint is not carried: --init-from pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf
 # (or build/drafter/... when it was moved out of the tree).
 set -u
@@ -44,8 +51,11 @@ if [ ! -s /tmp/smol.gguf ]; then
   fi
 fi
 python3 -c "import pyspec" 2>/dev/null || {
-  cmake -S . -B build/cpu -G Ninja -DPYSPEC_INPLACE=ON -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >/dev/null &&
-    cmake --build build/cpu -j"$(nproc)" --target _core > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+  cuda=OFF
+  command -v nvcc >/dev/null 2>&1 && cuda=ON
+  cmake -S . -B build/train -G Ninja -DPYSPEC_INPLACE=ON -DPYSPEC_CUDA=$cuda \
+    -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >/dev/null &&
+    cmake --build build/train -j"$(nproc)" --target _core > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 }
 resume=()
 [ -f "$run/train_state.pt" ] && resume=(--resume)
@@ -53,6 +63,8 @@ resume=()
 python3 -m pyspec.train.cli --target /tmp/smol.gguf --out "$run" ${DATA:+--data $DATA} \
   --device cuda --time-limit "${TIME:-500}" --hf-dtype bf16 --max-shard-mib 15 --no-progress \
   ${resume[@]+"${resume[@]}"} "$@" 2>&1 | grep -v -i warning | tee "$out/train.log" | tail -25
+# a data-only run brings its shards back (each at most --data-shard-mib, 15 MiB by default)
+case " $* " in *" --generate-only "*) cp "$run"/data/data-*.npz "$out"/ 2>/dev/null ;; esac
 [ -d "$run/hf" ] && cp -r "$run/hf" "$out/hf"
 [ -f "$run/eval_log.jsonl" ] && cp "$run/eval_log.jsonl" "$out/"
 ls -la "$out" "$out/hf" 2>/dev/null
