@@ -577,6 +577,18 @@ def test_gen_engine_writes_loadable_shards(smoke, tmp_path):
     assert len(seqs) == 16 and all(len(s) > p for s, p in zip(seqs, pls))
 
 
+def test_gen_backend_cuda_without_cuda_is_a_clear_error(smoke, tmp_path, capsys):
+    """--gen-backend cuda in a build without CUDA: one error line and exit status 1, no
+    traceback."""
+    if _core.cuda_available()[0]:
+        pytest.skip("this build has CUDA")
+    target = str(smoke / "smoke-target.gguf")
+    assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "g"), "--no-progress",
+                     "--generate-only", "--gen-engine", "2", "--gen-backend", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "without CUDA" in err and "Traceback" not in err
+
+
 def test_anchors_stay_in_the_continuation():
     from pyspec.train.loop import _anchors
     gen = torch.Generator().manual_seed(0)
@@ -703,7 +715,7 @@ def test_self_prompts_are_the_targets_own_finished_user_turns():
         assert msgs[0]["content"] in text and text.endswith("<|im_start|>assistant\n")
 
 
-def test_grown_drafter_computes_the_same_and_trains_its_new_layer(smoke, tmp_path):
+def test_grown_drafter_computes_the_same_and_trains_its_new_layer(smoke, tmp_path, capsys):
     """--init-from --layers N (more than the checkpoint's): the trained layers are kept and the
     appended ones start as identities, so the grown drafter's logits equal the checkpoint's;
     training then moves the new layer (its zeroed residual outputs get gradients)."""
@@ -725,13 +737,13 @@ def test_grown_drafter_computes_the_same_and_trains_its_new_layer(smoke, tmp_pat
     assert float(trained[f"layers.{n}.o_proj.weight"].abs().max()) > 0
     assert float(trained[f"layers.{n}.down_proj.weight"].abs().max()) > 0
     torch.testing.assert_close(trained["fc.weight"].shape, src.fc.weight.shape)
-    with pytest.raises(ValueError, match="grow, not shrink"):
-        cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "shrink"),
-                  "--no-progress", "--data", str(smoke / "data"), "--init-from",
-                  str(out / "hf"), "--layers", str(n)])
+    assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "shrink"),
+                     "--no-progress", "--data", str(smoke / "data"), "--init-from",
+                     str(out / "hf"), "--layers", str(n)]) == 2
+    assert "grow, not shrink" in capsys.readouterr().err
 
 
-def test_grown_markov_head_computes_the_same_and_trains_its_new_columns(smoke, tmp_path):
+def test_grown_markov_head_computes_the_same_and_trains_its_new_columns(smoke, tmp_path, capsys):
     """--init-from --markov-rank R (more than the checkpoint's): the trained columns are kept and
     the new ones start without effect, so the grown drafter's logits and confidence equal the
     checkpoint's; training then moves the new markov_w2 columns; the engine loads the converted
@@ -763,10 +775,10 @@ def test_grown_markov_head_computes_the_same_and_trains_its_new_columns(smoke, t
     path = out / "drafter-f32.gguf"
     assert load_drafter_gguf(path).c.markov_rank == 2 * r
     _core.DraftModel(str(path), _core.Model(target))   # the engine takes the new rank
-    with pytest.raises(ValueError, match="grow, not shrink"):
-        cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "shrink"),
-                  "--no-progress", "--data", str(smoke / "data"), "--init-from",
-                  str(out / "hf"), "--markov-rank", str(r)])
+    assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "shrink"),
+                     "--no-progress", "--data", str(smoke / "data"), "--init-from",
+                     str(out / "hf"), "--markov-rank", str(r)]) == 2
+    assert "grow, not shrink" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])

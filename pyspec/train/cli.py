@@ -166,12 +166,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         gen_backend=args.gen_backend, gen_sampler=args.gen_sampler, piece_weight=args.piece_weight,
         anchor_region=args.anchor_region)
     t0 = time.time()
-    hf = train(opts)
-    if hf is None:
-        print(f"wrote {args.out / 'data'} in {time.time() - t0:.0f}s")
-        return 0
-    gguf_path = args.out / f"drafter-{args.outtype}.gguf"
-    convert_checkpoint(hf, args.target, gguf_path, args.outtype)
+    try:
+        hf = train(opts)
+        if hf is None:
+            print(f"wrote {args.out / 'data'} in {time.time() - t0:.0f}s")
+            return 0
+        gguf_path = args.out / f"drafter-{args.outtype}.gguf"
+        convert_checkpoint(hf, args.target, gguf_path, args.outtype)
+    except (ValueError, RuntimeError, OSError) as e:
+        # bad options or files (a checkpoint that cannot grow that way, a CUDA backend in a CPU
+        # build, a missing target): one line, not a traceback; what was saved stays in --out
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
     print(f"wrote {hf} and {gguf_path} in {time.time() - t0:.0f}s")
     print(f"use it: pyspec-cli -m {args.target} -md {gguf_path}")
     return 0
