@@ -45,11 +45,11 @@ constexpr int kKPad = 8;  // halves after each staged K row: the lanes' 16-byte 
 constexpr int stages_for(int nc) { return nc <= 2 ? 2 : 1; }
 
 // Shared memory: q [hd] floats; the warps' states acc [kWarps][hd] and (m, l) [kWarps][2] floats;
-// with the row's RoPE (DecodeRope), its angles [hd] floats and the new cell's K and V rows [2][hd]
-// halves; per warp and stage, K [32][hd + kKPad] (unless each lane holds its K row in registers)
-// and V [32][hd] halves.
+// with the row's RoPE (DecodeRope), its angles [hd] floats, the q and k heads as read and their
+// norms' weights [4][hd] floats, and the new cell's K and V rows [2][hd] halves; per warp and
+// stage, K [32][hd + kKPad] (unless each lane holds its K row in registers) and V [32][hd] halves.
 inline size_t staged_smem_bytes(int hd, int stages, bool reg_k, bool rope) {
-    const size_t floats = static_cast<size_t>(hd) + static_cast<size_t>(kWarps) * hd + 2 * kWarps + (rope ? hd : 0);
+    const size_t floats = static_cast<size_t>(hd) + static_cast<size_t>(kWarps) * hd + 2 * kWarps + (rope ? 5 * hd : 0);
     const size_t stage = static_cast<size_t>(kChunk) * (reg_k ? hd : 2 * hd + kKPad) * sizeof(uint16_t);
     return floats * sizeof(float) + (rope ? 2 * static_cast<size_t>(hd) * sizeof(uint16_t) : 0) +
            static_cast<size_t>(kWarps) * stages * stage;
@@ -102,9 +102,14 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
 // of q writes for it, and block z = 0 of each kv head's first q head what the ROPE of k and the two
 // SET_ROWS write for that kv head. Returns the new cell, or -1 when it lies outside the cache (the
 // error bit is set and nothing is stored, as SET_ROWS does).
+// With rope.early every global value it reads (q's and k's heads, the norms' weights, the V row)
+// is requested in one round, into s_x ([q | k | q weights | k weights], hd floats each) and s_new:
+// one L2 round trip on the launch's critical path instead of three (the norms' reads, the
+// rotation's, V's). The norms then read their inputs from shared memory in the same order, so the
+// bits are the same.
 __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const TDesc& q, const TDesc& kc,
                                                  const TDesc& vc, int n_kv_head, int64_t cell, const float* s_cs,
-                                                 float* s_q, uint16_t* s_new, unsigned* err) {
+                                                 float* s_x, float* s_q, uint16_t* s_new, unsigned* err) {
     const int hd = static_cast<int>(q.ne[0]), h = blockIdx.x;
     const int group = static_cast<int>(q.ne[1]) / n_kv_head, kvh = h / group;
     const int half = rope.n_rot / 2;
@@ -117,17 +122,44 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
     const float* xv = reinterpret_cast<const float*>(rope.v_src.data) + static_cast<int64_t>(kvh) * hd;
     uint16_t* ck = kv_writer && cell_ok ? reinterpret_cast<uint16_t*>(kc.data + cell * kc.nb[1]) + kvh * hd : nullptr;
     uint16_t* cv = kv_writer && cell_ok ? reinterpret_cast<uint16_t*>(vc.data + cell * vc.nb[1]) + kvh * hd : nullptr;
-    // The q/k norms' scales (warp 0: q's head, warp 1: k's), with the norm kernel's reduction.
+    const auto store_v = [&](int d) {
+        const uint16_t v = f2h(xv[d]);
+        s_new[hd + d] = v;
+        if (cv) cv[d] = v;
+    };
+    const bool one_round = rope.early;
+    if (one_round) {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            s_x[d] = xq[d];
+            s_x[hd + d] = xk[d];
+            if (rope.q_norm) {
+                s_x[2 * hd + d] = rope.q_norm[d];
+                s_x[3 * hd + d] = rope.k_norm[d];
+            }
+            store_v(d);
+        }
+        __syncthreads();  // the heads as read
+    }
+    // The q/k norms' scales (warp 0: q's head, warp 1: k's), with the norm kernel's reduction, from
+    // shared memory (one round) or, as before, from global memory: the same values in the same
+    // order. (Each read below names its memory, so neither path takes generic loads.)
     __shared__ float s_scale[2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (rope.q_norm && warp < 2) {
-        const float sc = warp_rms_scale(warp == 0 ? xq : xk, hd, lane, rope.norm_eps);
+        const float sc = one_round ? warp_rms_scale(s_x + warp * hd, hd, lane, rope.norm_eps)
+                                   : warp_rms_scale(warp == 0 ? xq : xk, hd, lane, rope.norm_eps);
         if (lane == 0) s_scale[warp] = sc;
     }
     __syncthreads();  // the angles and the scales
     // Element i of q's / k's head as the ROPE reads it: the norm's output, x * scale * w.
-    const auto qv = [&](int i) { return rope.q_norm ? xq[i] * s_scale[0] * rope.q_norm[i] : xq[i]; };
-    const auto kv = [&](int i) { return rope.k_norm ? xk[i] * s_scale[1] * rope.k_norm[i] : xk[i]; };
+    const auto qv = [&](int i) {
+        const float x = one_round ? s_x[i] : xq[i];
+        return rope.q_norm ? x * s_scale[0] * (one_round ? s_x[2 * hd + i] : rope.q_norm[i]) : x;
+    };
+    const auto kv = [&](int i) {
+        const float x = one_round ? s_x[hd + i] : xk[i];
+        return rope.k_norm ? x * s_scale[1] * (one_round ? s_x[3 * hd + i] : rope.k_norm[i]) : x;
+    };
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         int i0, i1;
         rope_pair(i, half, rope.neox != 0, i0, i1);
@@ -162,10 +194,8 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
         if (kv_writer) yk[i] = b;
         if (ck) ck[i] = hb;
     }
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        const uint16_t v = f2h(xv[d]);
-        s_new[hd + d] = v;
-        if (cv) cv[d] = v;
+    if (!one_round) {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) store_v(d);
     }
     if (kv_writer && !cell_ok && threadIdx.x == 0) atomicOr(err, kErrSetRowsId);
     return cell_ok ? cell : -1;
@@ -214,23 +244,41 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     float* s_acc = s_q + hd;                      // [kWarps][hd]
     float* s_ml = s_acc + kWarps * hd;            // [kWarps][2]
     float* s_cs = s_ml + 2 * kWarps;              // kRope: the angles [hd]
-    uint16_t* s_new = reinterpret_cast<uint16_t*>(s_cs + (kRope ? hd : 0));  // kRope: the new K, V rows
+    float* s_x = s_cs + (kRope ? hd : 0);         // kRope: the heads and weights as read [4][hd]
+    uint16_t* s_new = reinterpret_cast<uint16_t*>(s_x + (kRope ? 4 * hd : 0));  // kRope: the new K, V rows
     int64_t new_cell = -1;  // kRope: the cache row this launch writes, staged from s_new instead
+    // kRope with rope.early: this lane's mask value in the block's first page (-inf outside the
+    // span) and the warp's cells there that are not masked, read before the wait.
+    float mj_first = -INFINITY;
+    uint32_t live_first = ~0u;  // the rows of the first page's chunk worth staging (all: unknown)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if constexpr (kRope) {
         // Graph leaves (launch_attention_rope's caller checks), so read before the PDL wait: the
         // double-precision angles overlap the kernel before.
         new_cell = rope.cells[0];
         rope_angles(rope.pos[0], rope.factors, rope.n_rot, rope.base, rope.fscale, s_cs, threadIdx.x, blockDim.x);
+        if (rope.early) {
+            // The mask row too: a decode step's mask covers a whole page span (256 cells a graph)
+            // while the row sees fewer, so the masked rows are not copied at all (a masked cell's
+            // K is never read and its V is weighted by a p of 0, dropped by a select).
+            const int64_t b0 = base[blockIdx.y], span = mask.ne[0];
+            const int64_t c_first = b0 / kChunk, c_last = (b0 + span - 1) / kChunk;
+            const int64_t ch = (c_first / kWarps + blockIdx.z) * kWarps + warp;
+            const int64_t j = ch * kChunk + lane - b0;
+            const bool in_span = span > 0 && b0 >= 0 && ch >= c_first && ch <= c_last && j >= 0 && j < span;
+            const float* mrow = reinterpret_cast<const float*>(mask.data + blockIdx.y * mask.nb[1]);
+            if (in_span) mj_first = mrow[j];
+            live_first = __ballot_sync(0xffffffffu, mj_first != -INFINITY);
+        }
     }
     pdl_enter();
     // kRope: every block runs the prologue (it stores the new rows), here or after its first copies.
     const auto prologue = [&] {
-        if constexpr (kRope) new_cell = rope_prologue(rope, q, kc, vc, n_kv_head, new_cell, s_cs, s_q, s_new, err);
+        if constexpr (kRope) new_cell = rope_prologue(rope, q, kc, vc, n_kv_head, new_cell, s_cs, s_x, s_q, s_new, err);
     };
     const int h = blockIdx.x;
     const int64_t r = blockIdx.y;
     const bool split = gridDim.z > 1;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvh = h / (static_cast<int>(q.ne[1]) / n_kv_head);
     const int64_t span = mask.ne[0];
     const int64_t n_cells = kc.ne[1];
@@ -261,9 +309,10 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const int units = hd / 8;                                       // 16-byte units per row
 
     // This warp's chunk of page gg, staged into stage st when the row has it: every lane copies
-    // units of its rows (rows past the cache's end are zero-filled and never used); one group is
-    // committed either way, so the wait counts stay uniform.
-    auto stage_page = [&](int64_t gg, int st) {
+    // units of its rows (rows past the cache's end are zero-filled and never used; rows whose bit
+    // in live is 0, masked, are not copied); one group is committed either way, so the wait counts
+    // stay uniform.
+    auto stage_page = [&](int64_t gg, int st, uint32_t live) {
         const int64_t ch = gg * kWarps + warp;
         if (gg <= g_end && ch >= c_first && ch <= c_last) {
             uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
@@ -271,6 +320,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             for (int u = lane; u < kChunk * units; u += 32) {
                 const int i = u / units, col = u % units;
                 const int64_t cell = ch * kChunk + i;
+                if (!((live >> i) & 1u)) continue;
                 const bool ok = cell < n_cells && cell != new_cell;  // the new cell: from s_new
                 const int64_t c = ok ? cell : 0;
                 if (!kRegK) cp_async<16>(sk + i * ks + col * 8, kc.data + c * kc.nb[1] + col_bytes + col * 16, ok);
@@ -280,7 +330,8 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
         cp_async_commit();
     };
 
-    stage_page(g, 0);  // in flight while q arrives (or is rotated: the new cell is left out of it)
+    const int64_t g_start = g;
+    stage_page(g, 0, live_first);  // in flight while q arrives (or is rotated: the new cell is left out of it)
     if constexpr (kRope) {
         prologue();
     } else {
@@ -297,7 +348,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
         const bool active = ch >= c_first && ch <= c_last;
         const int64_t j = ch * kChunk + lane - b0;
         const bool in_span = active && j >= 0 && j < span;
-        const float mj = in_span ? mrow[j] : -INFINITY;
+        const float mj = kRope && rope.early && g == g_start ? mj_first : in_span ? mrow[j] : -INFINITY;
         uint4 kreg[kRegK ? 4 * NC : 1];  // kRegK: this lane's K row, loaded while V is copied
         if constexpr (kRegK) {
             if (in_span) {
@@ -311,7 +362,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             }
         }
         if (S == 2) {
-            stage_page(g + 1, st ^ 1);  // the other stage, read by the previous page (synchronised)
+            stage_page(g + 1, st ^ 1, ~0u);  // the other stage, read by the previous page (synchronised)
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -345,7 +396,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             }
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
-        if (S == 1) stage_page(g + 1, 0);
+        if (S == 1) stage_page(g + 1, 0, ~0u);
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const int d = lane + 32 * c;

@@ -39,7 +39,9 @@
 // Twenty-seventh session: s16r2e 2,353-2,356; balanced grids bal8x2r2 2,152-2,157 (kept: the
 // model's tg128 322 -> 350 t/s), bal20 2,450, bal32 2,584, bal16x2 2,901, bal8x4 2,964, bal10x3
 // 3,826; the sum of the kinds alone moved little (2,165 -> 2,153): the boundaries are the gain.
-// Not run yet: bal16r2, bal4x4r2, bal8x3r2, bal8x2r4, bal4x4r4 (probe 36 s16r2e,bal8x2r2,bal16r2,...).
+// Twenty-eighth session, around bal8x2r2 (2,150): bal16r2 2,145, bal4x4r2 2,367, bal8x3r2 2,654,
+// bal8x2r4 2,653, bal4x4r4 2,661 (read 1,854, s16r2e 2,358): 16 warps a SM in any split of two
+// rows a warp is as good as it gets here; nothing changed.
 // usage: probe [layers, default 36] [comma-separated variants, default all] [attention us, default 0]
 // With an attention time, a stand-in kernel (k_att) runs that long before each layer's o.
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_gemv_f16.cu -o probe
