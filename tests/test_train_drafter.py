@@ -116,6 +116,30 @@ def test_target_forward_matches_engine(tmp_path, arch, wtype):
     assert rel_err(lg3[0].numpy(), ref_logits[30:]) < 1e-4
 
 
+def test_learning_rate_decays_by_the_steps_or_by_the_time_limit():
+    """The cosine reaches 0.1 peak at the last step, or when a time limit's budget is spent,
+    whichever comes first; the warm-up is by steps. A run stopped by its time limit must end
+    decayed, not near the peak (a resumed run with a larger --steps did: run s9)."""
+    from pyspec.train.loop import lr_at
+    peak, total, warm = 1e-3, 1000, 0.04
+    w = int(total * warm)
+    assert lr_at(0, total, peak, warm) == pytest.approx(peak / w)
+    assert lr_at(w, total, peak, warm) == pytest.approx(peak)
+    assert lr_at(total, total, peak, warm) == pytest.approx(0.1 * peak)
+    # Halfway in time, a tenth of the way in steps: the rate is the halfway one.
+    half = lr_at(w + (total - w) // 2, total, peak, warm)
+    assert lr_at(100, total, peak, warm, time_frac=0.5) == pytest.approx(half)
+    assert lr_at(100, total, peak, warm, time_frac=0.0) > half
+    # Spent budget: the floor, at any step past the warm-up; the time term never raises the rate.
+    assert lr_at(2000, 30000, peak, warm, time_frac=1.0) == pytest.approx(0.1 * peak)  # s9's resume
+    assert lr_at(w + 1, total, peak, warm, time_frac=2.0) == pytest.approx(0.1 * peak)
+    for step in (w, 300, 700, total):
+        for tf in (0.0, 0.3, 0.9):
+            assert lr_at(step, total, peak, warm, tf) <= lr_at(step, total, peak, warm) + 1e-15
+    # Within the warm-up the steps decide.
+    assert lr_at(5, total, peak, warm, time_frac=0.9) == lr_at(5, total, peak, warm)
+
+
 def test_auto_target_layers():
     assert auto_target_layers(30) == [2, 9, 15, 22, 29]
     assert auto_target_layers(2) == [0, 1]

@@ -183,11 +183,16 @@ def target_features(target: TargetModel, tokens, lengths, layers: List[int]):
     return feats, logits
 
 
-def lr_at(step: int, total: int, peak: float, warmup: float) -> float:
+def lr_at(step: int, total: int, peak: float, warmup: float, time_frac: float = 0.0) -> float:
+    """Linear warm-up over the first warmup share of the steps, then a cosine from peak down to
+    0.1 peak at the last step, or, with a time limit, by the time it runs out (time_frac: the
+    share of the training loop's time budget spent), whichever comes first. Without the time
+    term a run stopped by --time-limit ended at whatever rate it had reached, and a resumed run
+    given a larger --steps went back near the peak (run s9, docs/training.md)."""
     w = max(1, int(total * warmup))
     if step < w:
         return peak * (step + 1) / w
-    t = (step - w) / max(1, total - w)
+    t = max((step - w) / max(1, total - w), time_frac)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
@@ -476,8 +481,9 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
         starts = [max(0, prompt_lens[i] - 1) for i in idx] \
             if opt.anchor_region == "continuation" and prompt_lens is not None else None
         anchors = _anchors(lengths.cpu(), opt.anchors, gen, starts).to(device)
+        time_frac = 0.0 if deadline is None else (time.time() - t_train) / max(1e-9, deadline - t_train)
         for g in optim.param_groups:
-            g["lr"] = lr_at(step, opt.steps, opt.lr, opt.warmup)
+            g["lr"] = lr_at(step, opt.steps, opt.lr, opt.warmup, time_frac)
         with torch.no_grad():
             feats, t_logits = target_features(target, tokens, lengths, layers)
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
