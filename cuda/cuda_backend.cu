@@ -904,7 +904,7 @@ private:
         rope.pos = reinterpret_cast<const int32_t*>(dptr(g, ra.src[1]));
         rope.cells = reinterpret_cast<const int32_t*>(dptr(g, g[c].src[2]));
         rope.factors = ra.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, ra.src[2])) : nullptr;
-        rope.early = cuda::env_switch("PYSPEC_CUDA_ATT_EARLY") == 1 && is_leaf(g, att.src[3]) && is_leaf(g, att.src[4]);
+        rope.early = cuda::env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 && is_leaf(g, att.src[3]) && is_leaf(g, att.src[4]);
         rope.n_rot = ra.iparams[0];
         rope.neox = ra.iparams[1] == 2 ? 1 : 0;
         rope.base = ra.fparams[0];

@@ -213,6 +213,22 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
 // 87-92 registers and no spills. The arithmetic and its order are the same either way.
 // H200 (2026-12-01, two alternating rounds, tg128): SmolLM2 1,376 / 1,314 -> 1,392 / 1,379 t/s,
 // Qwen3-4B 331 / 328 -> 330 / 330; the CUDA tests pass either way.
+// The chunk of kChunk cells a warp copies first (in its block's first page) and whether it lies
+// in the row's span: the L2 prefetch and the early mask read work on it before the PDL wait.
+struct FirstChunk {
+    int64_t b0, span, ch;
+    bool in_span;
+};
+__device__ inline FirstChunk first_chunk(const int32_t* base, const TDesc& mask, int warp) {
+    FirstChunk f;
+    f.b0 = base[blockIdx.y];
+    f.span = mask.ne[0];
+    const int64_t c_first = f.b0 / kChunk, c_last = (f.b0 + f.span - 1) / kChunk;
+    f.ch = (c_first / kWarps + blockIdx.z) * kWarps + warp;
+    f.in_span = f.span > 0 && f.b0 >= 0 && f.ch >= c_first && f.ch <= c_last;
+    return f;
+}
+
 // kRope (a decode row's DecodeRope, one row): the block computes its q head, and the new cell's K
 // and V rows of its kv head, from the RoPE's inputs (rope_prologue), and stages those in place of
 // the cell's cache row, which this launch itself writes.
@@ -225,12 +241,11 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     // rows, one cell a lane, so their DRAM latency overlaps the kernel before. The rows are read
     // from the cache only after the wait (the previous kernel may be writing the newest one); a
     // prefetch is a hint that changes no value. base holds host-written positions.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (prefetch) {
-        const int64_t b0 = base[blockIdx.y], span = mask.ne[0], n_cells = kc.ne[1];
-        const int64_t c_first = b0 / kChunk, c_last = (b0 + span - 1) / kChunk;
-        const int64_t ch = (c_first / kWarps + blockIdx.z) * kWarps + (threadIdx.x >> 5);
-        const int64_t cell = ch * kChunk + (threadIdx.x & 31);
-        if (span > 0 && b0 >= 0 && ch >= c_first && ch <= c_last && cell < n_cells) {
+        const FirstChunk f = first_chunk(base, mask, warp);
+        const int64_t cell = f.ch * kChunk + lane;
+        if (f.in_span && cell < kc.ne[1]) {
             const int kvh = static_cast<int>(blockIdx.x) / (static_cast<int>(q.ne[1]) / n_kv_head);
             const int64_t col_bytes = static_cast<int64_t>(kvh) * q.ne[0] * 2;
             asm volatile("prefetch.global.L2 [%0];" ::"l"(kc.data + cell * kc.nb[1] + col_bytes));
@@ -251,7 +266,6 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     // span) and the warp's cells there that are not masked, read before the wait.
     float mj_first = -INFINITY;
     uint32_t live_first = ~0u;  // the rows of the first page's chunk worth staging (all: unknown)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if constexpr (kRope) {
         // Graph leaves (launch_attention_rope's caller checks), so read before the PDL wait: the
         // double-precision angles overlap the kernel before.
@@ -261,11 +275,9 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             // The mask row too: a decode step's mask covers a whole page span (256 cells a graph)
             // while the row sees fewer, so the masked rows are not copied at all (a masked cell's
             // K is never read and its V is weighted by a p of 0, dropped by a select).
-            const int64_t b0 = base[blockIdx.y], span = mask.ne[0];
-            const int64_t c_first = b0 / kChunk, c_last = (b0 + span - 1) / kChunk;
-            const int64_t ch = (c_first / kWarps + blockIdx.z) * kWarps + warp;
-            const int64_t j = ch * kChunk + lane - b0;
-            const bool in_span = span > 0 && b0 >= 0 && ch >= c_first && ch <= c_last && j >= 0 && j < span;
+            const FirstChunk f = first_chunk(base, mask, warp);
+            const int64_t j = f.ch * kChunk + lane - f.b0;
+            const bool in_span = f.in_span && j >= 0 && j < f.span;
             const float* mrow = reinterpret_cast<const float*>(mask.data + blockIdx.y * mask.nb[1]);
             if (in_span) mj_first = mrow[j];
             live_first = __ballot_sync(0xffffffffu, mj_first != -INFINITY);

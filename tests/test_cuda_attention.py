@@ -458,7 +458,7 @@ def test_rope_and_kv_store_as_one_launch(cache_dtype, mode, monkeypatch):
 @real_gpu
 @pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (6, 3, 40)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
 @pytest.mark.parametrize("case", ["short", "middle", "long", "neox_half", "factors", "q_kept", "qk_norm"])
-@pytest.mark.parametrize("early", ["0", "1"], ids=["", "early"])
+@pytest.mark.parametrize("early", ["1", "0"], ids=["", "noearly"])
 def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, early):
     """A decode row's q/k ROPE, K/V SET_ROWS and ATTENTION (a decoder layer's order) run as one
     launch of the staged attention kernel (cuda::DecodeRope): the attention's output, the rotated q
@@ -467,9 +467,9 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
     row with the new cell last; the new cell in the middle of the span; a row long enough to be
     split over blocks (the register-K variant for 128-wide heads); neox with half the dims rotated
     (the unrotated tail); frequency factors; q's input fetched too; per-head q/k RMS_NORMs before the
-    ROPEs (Qwen3's), which the launch runs too. Masked cells hold NaN in both caches. Each case also
-    with PYSPEC_CUDA_ATT_EARLY=1 (the mask read before the PDL wait, masked cells not copied, the
-    prologue's inputs read in one round)."""
+    ROPEs (Qwen3's), which the launch runs too. Masked cells hold NaN in both caches. Each case both
+    with the early reads (the default: the mask read before the PDL wait, masked cells not copied,
+    the prologue's inputs read in one round) and without them (PYSPEC_CUDA_ATT_EARLY=0)."""
     monkeypatch.setenv("PYSPEC_CUDA_ATT_EARLY", early)
     if any(os.environ.get(v) == "0" for v in ("PYSPEC_CUDA_FUSE", "PYSPEC_CUDA_ATT_STAGED", "PYSPEC_CUDA_ATT_ROPE")):
         pytest.skip("the launch is off (PYSPEC_CUDA_FUSE, PYSPEC_CUDA_ATT_STAGED or PYSPEC_CUDA_ATT_ROPE is 0)")

@@ -8,8 +8,8 @@
 # PYSPEC_CUDA_WGMMA=0, and notma, the wgmma MUL_MAT fed by cp.async: PYSPEC_CUDA_WGMMA_TMA=0,
 # and wgmma, every row on tensor cores and every wide call on wgmma however
 # small: PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L, and noprefetch, no L2 prefetch before the PDL
-# wait: PYSPEC_CUDA_PREFETCH=0, and early, the decode attention's early reads:
-# PYSPEC_CUDA_ATT_EARLY=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# wait: PYSPEC_CUDA_PREFETCH=0, and noearly, the decode attention without its early reads:
+# PYSPEC_CUDA_ATT_EARLY=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -56,7 +56,7 @@ for mode in ${MODES:-plain nofuse tc notiled}; do
     wgmma) envs=(PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L) ;;
     noprefetch) envs=(PYSPEC_CUDA_PREFETCH=0) ;;
     nosplit) envs=(PYSPEC_CUDA_COLUMN_SPLIT=0) ;;
-    early) envs=(PYSPEC_CUDA_ATT_EARLY=1) ;;
+    noearly) envs=(PYSPEC_CUDA_ATT_EARLY=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
