@@ -35,14 +35,17 @@ def default_model_path() -> str:
 
 
 # The DSpark drafter trained for the default model (pyspec-train-drafter on SmolLM2's own
-# generations, docs/training.md), shipped in pyspec/data/: run s5, s3 retrained for a block of 4.
-# pyspec-cli and pyspec-server use it when no model is given, for every request, greedy (n_max
-# 2: x1.28 / x1.49 / x1.36 on chat / code / prose) and sampled with llama-server's default chain
-# at T 0.8 (rejection: x1.08 / x1.24 / x1.09). --spec-type none turns it off.
+# generations, docs/training.md), shipped in pyspec/data/: run s9's pw3, a block of 4 over the
+# 4,096 draft ids SmolLM2 generates most (it replaced s5, 8,192 ids, on 2026-12-01: a cheaper
+# pass, acceptance as good). pyspec-cli and pyspec-server use it when no model is given, for every
+# request, greedy (n_max 2 on 2 CPU threads: x1.11-1.28 / x1.37-1.59 / x1.31-1.42 on chat / code
+# / prose) and sampled with llama-server's default chain at T 0.8 (rejection: x1.21-1.24 /
+# x1.36-1.42 / x1.17-1.24). --spec-type none turns it off.
 DEFAULT_DRAFTER_FILE = "SmolLM2-135M-Instruct-DSpark.Q4_1.gguf"
 # Drafts per round with it unless the user asks otherwise: the fastest on 2 CPU threads
-# (bench/bench_drafter.py, run s5, greedy, chat / code / prose: n_max 2 x1.28 / x1.49 / x1.36
-# over plain decoding, n_max 3 x1.18 / x1.45 / x1.34, n_max 4 x1.05 / x1.32 / x1.18).
+# (bench/bench_drafter.py, greedy, chat / code / prose, one run: n_max 2 x1.28 / x1.59 / x1.31
+# over plain decoding, n_max 3 x1.23 / x1.63 / x1.24; run s5 before it: n_max 2 x1.28 / x1.49 /
+# x1.36, 3 x1.18 / x1.45 / x1.34, 4 x1.05 / x1.32 / x1.18).
 DEFAULT_DRAFTER_N_MAX = 2
 
 
@@ -53,10 +56,9 @@ def default_drafter_path() -> Optional[str]:
 
 
 # Where the embedded drafter drafts when the user did not ask for speculation: on the CPU (the
-# speed-ups above); not on the GPU, where it wins greedy decoding (H200, 2026-11-30, n_max 2: chat
-# x1.08-1.20, code x1.28-1.39, prose x1.17-1.29) but at best breaks even on sampled decoding,
-# what most requests do (llama-server's chain at T 0.8, rejection: chat x0.91, code x1.00; a
-# sampled round's drafter pass and host work cost 0.5 ms more than a greedy one's). README, "GPU".
+# speed-ups above); not on the GPU, where a plain step of this model is ~0.65 ms and the drafter
+# wins only on code (H200, 2026-12-01, n_max 2, greedy: chat x0.90, code x1.07-1.08, prose x0.95;
+# llama-server's chain at T 0.8, rejection: x0.84-0.85, x1.06-1.08, x0.79-0.80). README, "GPU".
 # --spec-type draft-dspark (or --draft-max / --spec-draft-n-max) turns it on there.
 EMBEDDED_DRAFTER_BACKENDS = ("cpu",)
 
