@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "cpu/top_k.h"
+#include "cpu/vec_exp_f64.h"
 #include "cpu/vec_math.h"
 
 namespace pyspec {
@@ -97,15 +98,19 @@ void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, dou
         }
         ids->assign(order.begin(), order.begin() + kept);
     }
-    // Temperature and the softmax of what is left, in double.
-    double mx = -INFINITY;
+    // Temperature and the softmax of what is left, in double (the exponentials vectorised:
+    // cpu/vec_exp_f64.h; with no filter they are the whole vocabulary's).
+    // The largest z / T is the best's: dividing by T > 0 keeps the order, and every filter keeps
+    // the best. Without a filter the kept ids are 0..n-1, read in place (a vectorised loop).
+    const double mx = static_cast<double>(z[best]) / temperature;
     probs->resize(ids->size());
-    for (size_t i = 0; i < ids->size(); ++i) {
-        (*probs)[i] = z[(*ids)[i]] / temperature;
-        mx = std::max(mx, (*probs)[i]);
+    double* pr = probs->data();
+    if (!use_k && !use_p && !use_min) {
+        for (int64_t v = 0; v < n; ++v) pr[v] = static_cast<double>(z[v]) / temperature;
+    } else {
+        for (size_t i = 0; i < ids->size(); ++i) pr[i] = static_cast<double>(z[(*ids)[i]]) / temperature;
     }
-    double sum = 0.0;
-    for (double& x : *probs) sum += (x = std::exp(x - mx));
+    const double sum = vec::exp_shift_sum_f64(probs->data(), static_cast<int64_t>(probs->size()), mx);
     for (double& x : *probs) x /= sum;
 }
 
