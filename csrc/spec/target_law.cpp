@@ -15,6 +15,42 @@ namespace pyspec {
 
 namespace {
 
+// Moves to the front of order (every id, any order) the tokens whose logit is at least an edge
+// above which the shares w[v] = exp(z[v] - zmax) sum past `need` (with room for rounding), and
+// returns how many: a prefix of the (logit desc, id asc) order that holds top-p's nucleus, found
+// by a histogram of the logits below the best instead of a sort (0 when the edge would take in
+// the whole row, or the shares fall short: the caller sorts as it goes then).
+template <typename T>
+int64_t nucleus_superset(const T* z, const double* w, int64_t n, double zmax, double need, std::vector<int32_t>* order) {
+    constexpr int kBins = 512;
+    constexpr double kSpan = 64.0;  // logits more than 64 below the best share under e^-64 each
+    const double scale = kBins / kSpan;
+    // d = (zmax - z) * scale is monotone in z (equal for equal logits); bin floor(d), the last
+    // bin also holding every d past it (most of a row: summed in a register, not through memory).
+    double mass[kBins] = {};
+    double far = 0.0;
+    for (int64_t v = 0; v < n; ++v) {
+        const double d = (zmax - static_cast<double>(z[v])) * scale;
+        if (d < kBins - 1) {
+            mass[static_cast<int>(d)] += w[v];
+        } else {
+            far += w[v];
+        }
+    }
+    mass[kBins - 1] += far;
+    double cum = 0.0;
+    int last = 0;
+    for (; last < kBins - 1; ++last) {
+        cum += mass[last];
+        if (cum >= need * (1.0 + 1e-9)) break;
+    }
+    if (last == kBins - 1) return 0;
+    const double edge = last + 1;  // bins 0..last: d < last + 1
+    const auto head = std::partition(order->begin(), order->end(),
+                                     [&](int32_t v) { return (zmax - static_cast<double>(z[v])) * scale < edge; });
+    return head - order->begin();
+}
+
 // processed_candidates over logits of type T (double, or float read as its exact double value:
 // every comparison and every difference below is the same on either, so the engine's float rows
 // need no widened copy).
@@ -66,35 +102,47 @@ void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, dou
             limit = std::min(limit, std::max<int64_t>(count, 1));
         }
         int64_t kept = limit;
+        // order[0, sorted) holds the best `sorted` ids in order; sort_to extends it to `want`: the
+        // next best go in front of the rest (nth_element), then are sorted among themselves. The
+        // order (logit desc, id asc) is total, so the prefix is the one a full sort gives.
+        int64_t sorted = 0;
+        const auto sort_to = [&](int64_t want) {
+            want = std::min<int64_t>(want, static_cast<int64_t>(order.size()));
+            if (want <= sorted) return;
+            std::nth_element(order.begin() + sorted, order.begin() + want, order.end(), before);
+            std::sort(order.begin() + sorted, order.begin() + want, before);
+            sorted = want;
+        };
         if (use_p) {
-            // top-p renormalises top-k's survivors at temperature 1. The best few are sorted first:
-            // when they already reach top_p, sorting the rest is unnecessary (same prefix).
+            // top-p renormalises top-k's survivors at temperature 1. The best few are sorted first
+            // and the sorted prefix grows fourfold as the sum needs it: a flat row's nucleus of
+            // thousands costs a sort of those, not a heap sort of the vocabulary (~10 ms).
             double total = 0.0;
             if (use_k) {
-                std::partial_sort(order.begin(), order.begin() + n_k, order.end(), before);
+                sort_to(n_k);
                 for (int64_t i = 0; i < n_k; ++i) total += std::exp(z[order[static_cast<size_t>(i)]] - zmax);
-            } else {
-                for (int64_t v = 0; v < n; ++v) total += std::exp(z[v] - zmax);
+            } else {  // every token's share, the exponentials vectorised (probs is scratch here)
+                probs->resize(static_cast<size_t>(n));
+                for (int64_t v = 0; v < n; ++v) (*probs)[static_cast<size_t>(v)] = static_cast<double>(z[v]);
+                total = vec::exp_shift_sum_f64(probs->data(), n, zmax);
+                const int64_t head = nucleus_superset(z, probs->data(), n, zmax, top_p * total, &order);
+                std::sort(order.begin(), order.begin() + head, before);
+                sorted = head;
+                if (head == 0) sort_to(std::min<int64_t>(limit, 256));
             }
-            int64_t sorted = use_k ? n_k : std::min<int64_t>(limit, 256);
-            if (!use_k) std::partial_sort(order.begin(), order.begin() + sorted, order.end(), before);
             double cum = 0.0;
             for (int64_t i = 0; i < limit; ++i) {
-                if (i == sorted) {
-                    std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
-                    sorted = limit;
-                }
+                if (i == sorted) sort_to(std::min(limit, 4 * sorted));
                 cum += std::exp(z[order[static_cast<size_t>(i)]] - zmax) / total;
                 if (cum >= top_p) {
                     kept = i + 1;
                     break;
                 }
             }
-            // Not reached within min-p's survivors: min-p keeps them all (kept = limit); the
-            // whole sorted prefix up to limit is in place either way.
-            if (kept == limit && sorted < limit) std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
+            // Not reached within min-p's survivors: min-p keeps them all (kept = limit), and the
+            // loop sorted up to it.
         } else {
-            std::partial_sort(order.begin(), order.begin() + limit, order.end(), before);
+            sort_to(limit);
         }
         ids->assign(order.begin(), order.begin() + kept);
     }
