@@ -512,13 +512,14 @@ def test_the_laws_softmax_is_double_precision_wherever_a_token_sits():
     assert probs[1] == 0.0 and probs[3] == 0.0 and 0.0 < probs[2] < 1e-306 and probs[0] == 1.0
 
 
-def test_top_p_without_top_k_finds_the_nucleus_of_a_whole_vocabulary():
+def test_top_p_and_min_p_without_top_k_find_their_tokens_in_a_whole_vocabulary():
     """top-p with top-k off looks at the whole row: its nucleus is found from a histogram of the
     logits below the best and only that prefix is sorted (target_law.cpp nucleus_superset; a flat
     row's nucleus of thousands took a heap sort of the vocabulary, ~6 ms). Against the plain
     reference on 49k-token rows: peaked (a nucleus of a few), flat (thousands), ties at the top
     and on a histogram bin's edge (logits 1/8 apart, the bins' width), a tail longer than the
-    histogram's 64 (the sort-as-you-go fallback), and with min-p after it."""
+    histogram's 64 (the sort-as-you-go fallback), and with min-p after it; min-p alone too (its
+    survivors moved to the front by one pass, then sorted)."""
     from test_sampling import reference_candidates
 
     rng = np.random.default_rng(17)
@@ -532,7 +533,7 @@ def test_top_p_without_top_k_finds_the_nucleus_of_a_whole_vocabulary():
     rows["ties"][rng.integers(n, size=50)] = rows["ties"].max()
     for name, z in rows.items():
         z = z.astype(np.float32)
-        for top_p, min_p in ((0.9, 0.0), (0.95, 0.0), (0.999999, 0.0), (0.95, 1e-4)):
+        for top_p, min_p in ((0.9, 0.0), (0.95, 0.0), (0.999999, 0.0), (0.95, 1e-4), (1.0, 0.05), (1.0, 1e-6)):
             ref = reference_candidates(z, 0, top_p, min_p)
             ids, probs = _core.spec.processed_candidates(z.astype(np.float64), 0.8, 0, top_p, min_p)
             assert ids.tolist() == ref, (name, top_p, min_p, len(ids), len(ref))

@@ -95,10 +95,10 @@ void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, dou
         // Only what can survive is sorted: top-k's k best; min-p's survivors are a prefix of the
         // sorted order (logit >= the best + log(min_p)) whose length needs no sort.
         int64_t limit = n_k;
+        const double min_floor = use_min ? zmax + std::log(min_p) : -INFINITY;
         if (use_min) {
-            const double floor = zmax + std::log(min_p);
             int64_t count = 0;
-            for (int64_t v = 0; v < n; ++v) count += z[v] >= floor;
+            for (int64_t v = 0; v < n; ++v) count += z[v] >= min_floor;
             limit = std::min(limit, std::max<int64_t>(count, 1));
         }
         int64_t kept = limit;
@@ -141,6 +141,11 @@ void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, dou
             }
             // Not reached within min-p's survivors: min-p keeps them all (kept = limit), and the
             // loop sorted up to it.
+        } else if (use_min && !use_k) {
+            // min-p's survivors are the tokens at or above its floor (the best among them): one
+            // pass moves them to the front, then only they are sorted.
+            std::partition(order.begin(), order.end(), [&](int32_t v) { return z[v] >= min_floor; });
+            std::sort(order.begin(), order.begin() + limit, before);
         } else {
             sort_to(limit);
         }
