@@ -1,10 +1,11 @@
 """What sampling costs next to greedy decoding, in one run: plain decoding (`SpecEngine` without a
 drafter) of the same prompts greedy, at temperature only (T 0.8, every token of the vocabulary
-in the law: invariant 5 runs no filter) and with llama-server's default chain (top-k 40, top-p
-0.95, min-p 0.05, T 0.8). Prints tok/s, the host time per step that is not the target pass
-(`SpecEngine.phase_times`: the law and the draw), and the ratio to greedy; then the two host parts
-alone on a real logit row: the law (`processed_law`) and one draw from it (a verify round without
-drafts: the exponential race).
+in the law: invariant 5 runs no filter), with top-p 0.95 or min-p 0.05 alone (top-k 0: the whole
+row is filtered) and with llama-server's default chain (top-k 40, top-p 0.95, min-p 0.05, T 0.8).
+Prints tok/s, the host time per step that is not the target pass (`SpecEngine.phase_times`: the
+law and the draw), and the ratio to greedy; then the two host parts alone on a real logit row:
+the law (`processed_law`) and one draw from it (a verify round without drafts: the exponential
+race).
 
     PYTHONPATH=. python bench/bench_sampling.py [--model M.gguf] [-ngl all] [-n 128] [--repeats 3]
 """
@@ -27,6 +28,8 @@ PROMPTS = ["Write a short story about a robot who learns to paint.",
            "def merge_sort(xs):"]
 MODES = {"greedy": dict(temperature=0.0),
          "temperature": dict(temperature=0.8),
+         "top-p only": dict(temperature=0.8, top_k=0, top_p=0.95),
+         "min-p only": dict(temperature=0.8, top_k=0, min_p=0.05),
          "server chain": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)}
 
 
@@ -86,7 +89,7 @@ def main() -> int:
     logits = np.ascontiguousarray(ctx.decode(p, positions=np.arange(len(p)), seq_ids=np.zeros(len(p), int)).logits[-1],
                                   dtype=np.float32)
     none_q, none_d = np.zeros((0, logits.size), np.float32), np.zeros(0, np.int32)
-    for mode in ("temperature", "server chain"):
+    for mode in [m for m in MODES if m != "greedy"]:
         s = MODES[mode]
         law = _core.spec.processed_law(logits, s["temperature"], s.get("top_k", 0), s.get("top_p", 1.0),
                                        s.get("min_p", 0.0))
