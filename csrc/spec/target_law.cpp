@@ -116,7 +116,7 @@ void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, dou
         if (use_p) {
             // top-p renormalises top-k's survivors at temperature 1. The best few are sorted first
             // and the sorted prefix grows fourfold as the sum needs it: a flat row's nucleus of
-            // thousands costs a sort of those, not a heap sort of the vocabulary (~10 ms).
+            // thousands costs a sort of those, not a heap sort of the vocabulary (~6 ms).
             double total = 0.0;
             if (use_k) {
                 sort_to(n_k);
@@ -151,10 +151,9 @@ void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, dou
         }
         ids->assign(order.begin(), order.begin() + kept);
     }
-    // Temperature and the softmax of what is left, in double (the exponentials vectorised:
-    // cpu/vec_exp_f64.h; with no filter they are the whole vocabulary's).
-    // The largest z / T is the best's: dividing by T > 0 keeps the order, and every filter keeps
-    // the best. Without a filter the kept ids are 0..n-1, read in place (a vectorised loop).
+    // Temperature and the softmax of what is left, in double, the exponentials vectorised
+    // (cpu/vec_exp_f64.h). The largest z / T is the best's: dividing by T > 0 keeps the order,
+    // and every filter keeps the best. Without a filter the kept ids are 0..n-1, read in place.
     const double mx = static_cast<double>(z[best]) / temperature;
     probs->resize(ids->size());
     double* pr = probs->data();
