@@ -130,10 +130,13 @@ void candidates_of(const T* z, int64_t n, double temperature, int64_t top_k, dou
                 sorted = head;
                 if (head == 0) sort_to(std::min<int64_t>(limit, 256));
             }
+            // The shares summed into total (top-k's recomputed: there are k of them).
+            const double* shares = use_k ? nullptr : probs->data();
             double cum = 0.0;
             for (int64_t i = 0; i < limit; ++i) {
                 if (i == sorted) sort_to(std::min(limit, 4 * sorted));
-                cum += std::exp(z[order[static_cast<size_t>(i)]] - zmax) / total;
+                const int32_t t = order[static_cast<size_t>(i)];
+                cum += (shares ? shares[t] : std::exp(z[t] - zmax)) / total;
                 if (cum >= top_p) {
                     kept = i + 1;
                     break;
