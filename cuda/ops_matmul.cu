@@ -378,11 +378,20 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat_generic(DType t, const 
 // and stores silu(gate) * up, the SWIGLU op's formula. So the bits are those of the three nodes
 // run apart, and the two products never reach memory. (Two rows of each per warp measured slower
 // on the H200: Qwen3-4B's gate/up 34.2 -> 37.5 us a call.)
-template <DType T, bool kVec, int C, bool kNorm>
-__global__ void __launch_bounds__(kWarps * 32) k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
-                                                              int64_t n_rows, int64_t row_base, int64_t k, const float* x,
-                                                              int64_t x_stride, int64_t m, float* y, int64_t y_stride,
-                                                              const float* norm_w, float norm_eps, bool prefetch) {
+// kSplit (small_tile's split: one column a warp for each of m > 1 columns, a verify pass's rows)
+// holds the kernel to 56 registers so that kGluSplitBlocksPerSm blocks fit an SM: left to itself
+// ptxas took 80 (Q4_1 with the norm prologue), 6 blocks an SM, and SmolLM2's 3-row verify split
+// into 1,152 blocks ran in 1.45 waves of 792 (the 56 cost 84-128 bytes of spills, which L1
+// holds). H200, one build, alternating runs: ncu 11.3 -> 7.7 us a call; a speculative round's
+// target pass (3 rows) 1.04-1.08 -> 0.95 ms by the wall clock. A decode's one column (384 blocks)
+// keeps its registers: it fits an SM's blocks either way.
+constexpr int kGluSplitBlocksPerSm = 9;
+
+template <DType T, bool kVec, int C, bool kNorm, bool kSplit = false>
+__global__ void __launch_bounds__(kWarps * 32, kSplit ? kGluSplitBlocksPerSm : 1)
+    k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u, int64_t n_rows, int64_t row_base,
+                  int64_t k, const float* x, int64_t x_stride, int64_t m, float* y, int64_t y_stride,
+                  const float* norm_w, float norm_eps, bool prefetch) {
     const int lane = threadIdx.x & 31;
     const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
     if (prefetch && blockIdx.x == 0 && row < n_rows) {  // as k_mul_mat, before the wait
@@ -625,7 +634,7 @@ int64_t small_tile(DType t, int64_t k, int64_t m) {
     return m == 2 ? 2 : m <= 4 ? 4 : 8;
 }
 
-template <DType T, bool kVec, int C, bool kNorm = false>
+template <DType T, bool kVec, int C, bool kNorm = false, bool kSplit = false>
 void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
     constexpr int64_t max_rows = int64_t{kWarps} * 65535;
@@ -633,7 +642,7 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
     for (int64_t r0 = 0; r0 < gate.n_rows; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, gate.n_rows - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
-        launch(k_mul_mat_glu<T, kVec, C, kNorm>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s,
+        launch(k_mul_mat_glu<T, kVec, C, kNorm, kSplit>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s,
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
             static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys, norm.w, norm.eps,
             prefetch_weights(static_cast<int64_t>(std::max(gate.row_bytes, up.row_bytes))));
@@ -656,6 +665,10 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
                                  gate.constant && up.constant);
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
+    if (tile == 1 && m > 1) {
+        if (norm.w) return mul_mat_glu_tiles<T, kVec, 1, true, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+        return mul_mat_glu_tiles<T, kVec, 1, false, true>(gate, up, k, x, xs, m, y, ys, norm, s);
+    }
     if (norm.w) {
         if (tile == 1) return mul_mat_glu_tiles<T, kVec, 1, true>(gate, up, k, x, xs, m, y, ys, norm, s);
         if (tile == 2) return mul_mat_glu_tiles<T, kVec, 2, true>(gate, up, k, x, xs, m, y, ys, norm, s);
