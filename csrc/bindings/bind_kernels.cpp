@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/immutable_memory.h"
 #include "core/thread_pool.h"
 #include "cpu/matmul.h"
 #include "cpu/quants.h"
@@ -155,8 +156,14 @@ void bind_kernels(py::module_& parent) {
     m.def(
         "matmul",
         [](const std::string& dtype, const ByteArray& w, int64_t n_rows, int64_t n_cols, const FloatArray& x,
-           int n_threads) {
-            const WeightMatrix wm = weight_matrix(parse_dtype(dtype), w, n_rows, n_cols, x);
+           int n_threads, bool packed) {
+            WeightMatrix wm = weight_matrix(parse_dtype(dtype), w, n_rows, n_cols, x);
+            std::vector<uint8_t> panels;
+            if (packed) {
+                panels.resize(packed_weight_bytes(wm.dtype, n_rows, n_cols));
+                pack_weights(wm.dtype, wm.data, wm.row_bytes, n_rows, n_cols, panels.data());
+                wm.packed = panels.data();
+            }
             const int64_t m = x.shape(0);
             py::array_t<float> y({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(n_rows)});
             CachedPool& cp = pool_for(n_threads);
@@ -169,16 +176,39 @@ void bind_kernels(py::module_& parent) {
             return y;
         },
         py::arg("dtype"), py::arg("w"), py::arg("n_rows"), py::arg("n_cols"), py::arg("x"), py::arg("n_threads") = 1,
-        "Y[m, n] = dot(W row n, X row m): W is n_rows packed rows of dtype, X float32 [M, n_cols]");
+        py::arg("packed") = false,
+        "Y[m, n] = dot(W row n, X row m): W is n_rows rows of dtype's blocks, X float32 [M, n_cols]; packed: "
+        "through the packed panel layout (weights_packable types on AVX-512 VNNI builds; ValueError elsewhere)");
+    m.def("weights_packable", [](const std::string& dtype) { return weights_packable(parse_dtype(dtype)); },
+          py::arg("dtype"), "Whether this build packs dtype's weights into 16-row panels for matmul");
+    m.def(
+        "packed_copy_stats",
+        [] {
+            const ImmutableCopyStats st = immutable_copy_stats();
+            py::dict d;
+            d["regions"] = st.regions;
+            d["copies"] = st.copies;
+            d["bytes"] = st.bytes;
+            return d;
+        },
+        "The copies kept from read-only GGUF mappings (the CPU's packed weights): {regions (mapped files), "
+        "copies, bytes}");
 
     m.def(
         "time_matmul",
         [](const std::string& dtype, const ByteArray& w, int64_t n_rows, int64_t n_cols, const FloatArray& x,
-           int n_threads, int repeats) {
+           int n_threads, int repeats, bool packed) {
             if (repeats < 1) throw std::invalid_argument("time_matmul: repeats must be >= 1");
             int64_t copies = 0;
             WeightMatrix wm = weight_matrix(parse_dtype(dtype), w, n_rows, n_cols, x, &copies);
             const size_t matrix_bytes = static_cast<size_t>(n_rows) * wm.row_bytes;
+            // Packed: each copy packed once, before the clock starts.
+            const size_t packed_bytes = packed ? packed_weight_bytes(wm.dtype, n_rows, n_cols) : 0;
+            std::vector<uint8_t> panels(packed_bytes * static_cast<size_t>(copies));
+            for (int64_t c = 0; packed && c < copies; ++c) {
+                pack_weights(wm.dtype, w.data() + static_cast<size_t>(c) * matrix_bytes, wm.row_bytes, n_rows, n_cols,
+                             panels.data() + static_cast<size_t>(c) * packed_bytes);
+            }
             const int64_t m = x.shape(0);
             std::vector<float> y(static_cast<size_t>(m * n_rows));
             CachedPool& cp = pool_for(n_threads);
@@ -187,12 +217,13 @@ void bind_kernels(py::module_& parent) {
             const auto start = std::chrono::steady_clock::now();
             for (int r = 0; r < repeats; ++r) {
                 wm.data = w.data() + static_cast<size_t>(r % copies) * matrix_bytes;
+                if (packed) wm.packed = panels.data() + static_cast<size_t>(r % copies) * packed_bytes;
                 matmul(wm, x.data(), n_cols, m, y.data(), n_rows, cp.pool, cp.scratch);
             }
             return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / repeats;
         },
         py::arg("dtype"), py::arg("w"), py::arg("n_rows"), py::arg("n_cols"), py::arg("x"), py::arg("n_threads"),
-        py::arg("repeats"),
+        py::arg("repeats"), py::arg("packed") = false,
         "Seconds per matmul over `repeats` calls, cycling through the copies of the matrix that w holds "
         "(several copies larger than the last-level cache measure weights streamed from memory)");
 

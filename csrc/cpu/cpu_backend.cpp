@@ -6,10 +6,14 @@
 #include <limits>
 #include <new>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <sys/mman.h>
 
+#include "core/immutable_memory.h"
 #include "cpu/matmul.h"
+#include "cpu/quants.h"
 
 namespace pyspec {
 namespace {
@@ -24,6 +28,30 @@ void* aligned_zeroed(size_t bytes) {
     return p;
 }
 
+// PYSPEC_CPU_PACK=0 keeps every weight in its file layout (A/B runs; the same bits either way).
+bool packing_enabled() {
+    static const bool on = [] {
+        const char* v = std::getenv("PYSPEC_CPU_PACK");
+        return !(v && std::string(v) == "0");
+    }();
+    return on;
+}
+
+// The packed copy of weights read from a GGUF mapping (cpu/quants.h, pack_weights: one contiguous
+// run per 16-row panel block instead of 16 strided reads), made on first use and shared by every
+// context over the file (core/immutable_memory.h), or nullptr: weights of other types, other
+// builds, or memory that may change (not inside a mapping).
+const void* packed_copy(const WeightMatrix& w) {
+    if (!packing_enabled() || !weights_packable(w.dtype) || w.n_rows < 1) return nullptr;
+    const size_t bytes = static_cast<size_t>(w.n_rows) * w.row_bytes;
+    const uint64_t kind = static_cast<uint64_t>(w.dtype) << 56 ^ static_cast<uint64_t>(w.n_cols) << 24 ^ w.row_bytes;
+    return immutable_derived_copy(w.data, bytes, kind, [&w] {
+        std::vector<uint8_t> out(packed_weight_bytes(w.dtype, w.n_rows, w.n_cols));
+        pack_weights(w.dtype, w.data, w.row_bytes, w.n_rows, w.n_cols, out.data());
+        return out;
+    });
+}
+
 MatmulPart matmul_part(const Graph& g, int id) {
     const Tensor& dst = g[id];
     const Tensor& w = g[dst.src[0]];
@@ -32,8 +60,9 @@ MatmulPart matmul_part(const Graph& g, int id) {
     if (x.ne[2] != 1 || x.ne[3] != 1 || x.nb[0] != sizeof(float)) {
         throw std::logic_error("mul_mat: activations must be 2-D F32 rows");
     }
-    return MatmulPart{WeightMatrix{w.dtype, w.data, w.ne[1], w.ne[0], w.nb[1]}, dst.as<float>(),
-                      static_cast<int64_t>(dst.nb[1] / sizeof(float))};
+    WeightMatrix wm{w.dtype, w.data, w.ne[1], w.ne[0], w.nb[1]};
+    if (w.has(kExternal)) wm.packed = packed_copy(wm);
+    return MatmulPart{wm, dst.as<float>(), static_cast<int64_t>(dst.nb[1] / sizeof(float))};
 }
 
 bool bytes_overlap(const Tensor& a, const Tensor& b) {

@@ -133,21 +133,18 @@ inline __m512i panel_block_sums(const Panel& p, const typename QuantTraits<T>::A
 
 constexpr int kQuantRM = 4;  // activation rows per tile
 
-// Y rows [0, RM) x panel rows [0, rows): blocks unpacked on the fly, or taken from `cached`
-// (the panel unpacked once for a long batch).
-template <DType T, int RM, bool kCached>
-void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached, const uint8_t* act,
-                size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
+// Y rows [0, RM) x panel rows [0, rows), the panel's block b given by panel_at(b, scratch) (unpacked
+// on the fly into scratch, taken from a cache, or read packed): the one accumulation every path
+// shares, so each gives the same bits.
+template <DType T, int RM, class PanelAt>
+void tile_rows(PanelAt&& panel_at, int64_t nb, const uint8_t* act, size_t act_stride, float* y, int64_t y_stride,
+               int rows) {
     using Act = typename QuantTraits<T>::Act;
     __m512 acc[RM];
     for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        Panel fresh;
-        if constexpr (!kCached) {
-            pf.step(b);
-            load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, fresh);
-        }
-        const Panel& p = kCached ? cached[b] : fresh;
+        Panel scratch;
+        const Panel& p = panel_at(b, scratch);
         for (int r = 0; r < RM; ++r) {
             const Act& a = reinterpret_cast<const Act*>(act + r * act_stride)[b];
             const __m512 sums = _mm512_cvtepi32_ps(panel_block_sums<T>(p, a));
@@ -157,6 +154,105 @@ void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* ca
     }
     const __mmask16 store = static_cast<__mmask16>((1u << rows) - 1);
     for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(y + r * y_stride, store, acc[r]);
+}
+
+// Y rows [0, RM) x panel rows [0, rows): blocks unpacked on the fly, or taken from `cached`
+// (the panel unpacked once for a long batch).
+template <DType T, int RM, bool kCached>
+void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached, const uint8_t* act,
+                size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
+    const auto panel_at = [&](int64_t b, Panel& fresh) -> const Panel& {
+        if constexpr (kCached) {
+            return cached[b];
+        } else {
+            pf.step(b);
+            load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, fresh);
+            return fresh;
+        }
+    };
+    tile_rows<T, RM>(panel_at, nb, act, act_stride, y, y_stride, rows);
+}
+
+// Packed panels (pack_weights). A panel's block is [d of its 16 rows, fp16][m of its 16 rows,
+// fp16: Q4_1 only][quants]: for Q4_0/Q4_1 four 64-byte vectors, vector i holding in its 128-bit
+// lane k the 16 quant bytes of row 4k + i (load_panel's lo[i] / hi[i] source); for Q8_0 eight,
+// lo[0..3] then hi[0..3], already biased by 128. So a block is read in 5 to 9 contiguous loads
+// instead of 32 strided 16-byte ones, and its headers need no transpose. The panel vectors hold
+// the same values as load_panel's, so every sum and scale below is the strided kernel's.
+template <DType T>
+constexpr size_t packed_block_bytes() {
+    return QuantTraits<T>::kBlockBytes * kPanelRows;
+}
+
+template <DType T>
+inline void load_packed_panel(const uint8_t* pb, Panel& p) {
+    p.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
+    constexpr size_t q = T == DType::Q4_1 ? 64 : 32;
+    if constexpr (T == DType::Q4_1) p.m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (T == DType::Q8_0) {
+            p.lo[i] = _mm512_loadu_si512(pb + q + 64 * i);
+            p.hi[i] = _mm512_loadu_si512(pb + q + 256 + 64 * i);
+        } else {
+            const __m512i nib = _mm512_set1_epi8(0x0f);
+            const __m512i v = _mm512_loadu_si512(pb + q + 64 * i);
+            p.lo[i] = _mm512_and_si512(v, nib);
+            p.hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        }
+    }
+}
+
+// quant_tile over a packed panel (pp: its first block).
+template <DType T, int RM>
+void packed_tile(const uint8_t* pp, int64_t nb, const uint8_t* act, size_t act_stride, float* y, int64_t y_stride,
+                 int rows, const Prefetch& pf) {
+    const auto panel_at = [&](int64_t b, Panel& fresh) -> const Panel& {
+        pf.step(b);
+        load_packed_panel<T>(pp + b * packed_block_bytes<T>(), fresh);
+        return fresh;
+    };
+    tile_rows<T, RM>(panel_at, nb, act, act_stride, y, y_stride, rows);
+}
+
+template <DType T, int RM>
+void packed_tile_rest(int64_t rows_a, const uint8_t* pp, int64_t nb, const uint8_t* act, size_t act_stride, float* y,
+                      int64_t y_stride, int rows, const Prefetch& pf) {
+    if constexpr (RM > 0) {
+        if (rows_a == RM) {
+            packed_tile<T, RM>(pp, nb, act, act_stride, y, y_stride, rows, pf);
+        } else {
+            packed_tile_rest<T, RM - 1>(rows_a, pp, nb, act, act_stride, y, y_stride, rows, pf);
+        }
+    }
+}
+
+// One packed byte run per panel block, from the matrix's rows (the last row repeated past n_w).
+template <DType T>
+void pack_typed(const uint8_t* w, size_t row_bytes, int64_t n_w, int64_t nb, uint8_t* out) {
+    constexpr size_t kb = QuantTraits<T>::kBlockBytes;
+    constexpr size_t qo = QuantTraits<T>::kQsOffset;
+    constexpr size_t q = T == DType::Q4_1 ? 64 : 32;
+    const int64_t panels = (n_w + kPanelRows - 1) / kPanelRows;
+    for (int64_t pn = 0; pn < panels; ++pn) {
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* o = out + (pn * nb + b) * packed_block_bytes<T>();
+            for (int r = 0; r < kPanelRows; ++r) {
+                const int64_t row = std::min<int64_t>(pn * kPanelRows + r, n_w - 1);
+                const uint8_t* blk = w + static_cast<size_t>(row) * row_bytes + static_cast<size_t>(b) * kb;
+                std::memcpy(o + 2 * r, blk, 2);                                  // d
+                if constexpr (T == DType::Q4_1) std::memcpy(o + 32 + 2 * r, blk + 2, 2);  // m
+                const int i = r % 4, k = r / 4;
+                if constexpr (T == DType::Q8_0) {
+                    for (int j = 0; j < 16; ++j) {
+                        o[q + 64 * i + 16 * k + j] = static_cast<uint8_t>(blk[qo + j] ^ 0x80);
+                        o[q + 256 + 64 * i + 16 * k + j] = static_cast<uint8_t>(blk[qo + 16 + j] ^ 0x80);
+                    }
+                } else {
+                    std::memcpy(o + q + 64 * i + 16 * k, blk + qo, 16);
+                }
+            }
+        }
+    }
 }
 
 #elif PYSPEC_AVX2
@@ -292,6 +388,40 @@ void quant_tiles_m(const uint8_t* w, const size_t* off, int64_t nb, const Panel*
                                               y + m * y_stride, y_stride, rows, m == 0 ? pf : none);
 }
 
+#if PYSPEC_AVX512VNNI
+template <DType T>
+void packed_dot_rows(const uint8_t* packed, int64_t n_w, const uint8_t* act, size_t act_stride, int64_t n_a, int64_t n,
+                     float* y, int64_t y_stride) {
+    const int64_t nb = n / QK;
+    const size_t panel_bytes = static_cast<size_t>(nb) * packed_block_bytes<T>();
+    const Prefetch none{};
+    for (int64_t i0 = 0; i0 < n_w; i0 += kPanelRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, n_w - i0));
+        const uint8_t* pp = packed + (i0 / kPanelRows) * panel_bytes;
+        // While this panel is computed, the next one streams into L2 (by its first tile).
+        const Prefetch next{i0 + kPanelRows < n_w ? pp + panel_bytes : nullptr, panel_bytes, nb};
+        if (n_a > kQuantRM) {  // more than one tile: each block unpacked once, as quant_dot_rows does
+            thread_local std::vector<Panel> cache;
+            if (cache.size() < static_cast<size_t>(nb)) cache.resize(static_cast<size_t>(nb));
+            for (int64_t b = 0; b < nb; ++b) {
+                next.step(b);
+                load_packed_panel<T>(pp + b * packed_block_bytes<T>(), cache[static_cast<size_t>(b)]);
+            }
+            quant_tiles_m<T, true>(nullptr, nullptr, nb, cache.data(), act, act_stride, n_a, y + i0, y_stride, rows,
+                                   Prefetch{});
+            continue;
+        }
+        int64_t m = 0;
+        for (; m + kQuantRM <= n_a; m += kQuantRM) {
+            packed_tile<T, kQuantRM>(pp, nb, act + m * act_stride, act_stride, y + m * y_stride + i0, y_stride, rows,
+                                     m == 0 ? next : none);
+        }
+        packed_tile_rest<T, kQuantRM - 1>(n_a - m, pp, nb, act + m * act_stride, act_stride, y + m * y_stride + i0,
+                                          y_stride, rows, m == 0 ? next : none);
+    }
+}
+#endif
+
 template <DType T>
 void quant_dot_rows(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* act, size_t act_stride,
                     int64_t n_a, int64_t n, float* y, int64_t y_stride) {
@@ -334,13 +464,21 @@ void quant_dot_rows(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_
 // -------------------------------------------------------------------------------------------------
 // Public entry points.
 
-void dot_rows(DType weight_type, const void* w, size_t w_stride, int64_t n_w, const void* act, size_t act_stride,
-              int64_t n_a, int64_t n, float* y, int64_t y_stride) {
-    // Activation rows go in chunks small enough to stay in L2 while every weight panel meets
-    // them; a long batch would otherwise be streamed from memory once per panel.
+namespace {
+
+// Activation rows go in chunks small enough to stay in L2 while every weight panel meets them; a
+// long batch would otherwise be streamed from memory once per panel.
+int64_t activation_chunk(DType weight_type, int64_t n) {
     constexpr size_t kChunkBytes = 192 << 10;
     const size_t act_bytes = std::max<size_t>(1, activation_row_bytes(weight_type, n));
-    const int64_t chunk = std::max<int64_t>(8, static_cast<int64_t>(kChunkBytes / act_bytes));
+    return std::max<int64_t>(8, static_cast<int64_t>(kChunkBytes / act_bytes));
+}
+
+}  // namespace
+
+void dot_rows(DType weight_type, const void* w, size_t w_stride, int64_t n_w, const void* act, size_t act_stride,
+              int64_t n_a, int64_t n, float* y, int64_t y_stride) {
+    const int64_t chunk = activation_chunk(weight_type, n);
     const uint8_t* wb = static_cast<const uint8_t*>(w);
     for (int64_t m0 = 0; m0 < n_a; m0 += chunk) {
         const int64_t rows = std::min(chunk, n_a - m0);
@@ -358,6 +496,61 @@ void dot_rows(DType weight_type, const void* w, size_t w_stride, int64_t n_w, co
             default: throw std::invalid_argument(std::string("no dot product for weight type ") + dtype_name(weight_type));
         }
     }
+}
+
+bool weights_packable(DType weight_type) {
+#if PYSPEC_AVX512VNNI
+    return weight_type == DType::Q8_0 || weight_type == DType::Q4_0 || weight_type == DType::Q4_1;
+#else
+    (void)weight_type;
+    return false;
+#endif
+}
+
+size_t packed_panel_bytes(DType weight_type, int64_t n) {
+    if (!weights_packable(weight_type)) throw std::invalid_argument(std::string("no packed layout for ") + dtype_name(weight_type));
+    return dtype_row_bytes(weight_type, n) * 16;  // 16 rows a panel (AVX-512)
+}
+
+size_t packed_weight_bytes(DType weight_type, int64_t n_rows, int64_t n) {
+    return static_cast<size_t>((n_rows + 15) / 16) * packed_panel_bytes(weight_type, n);
+}
+
+void pack_weights(DType weight_type, const void* w, size_t row_bytes, int64_t n_rows, int64_t n, void* out) {
+    if (!weights_packable(weight_type)) throw std::invalid_argument(std::string("no packed layout for ") + dtype_name(weight_type));
+    if (n % QK != 0 || n_rows < 1) throw std::invalid_argument("pack_weights: rows must be whole blocks");
+#if PYSPEC_AVX512VNNI
+    const auto* wb = static_cast<const uint8_t*>(w);
+    auto* ob = static_cast<uint8_t*>(out);
+    switch (weight_type) {
+        case DType::Q8_0: pack_typed<DType::Q8_0>(wb, row_bytes, n_rows, n / QK, ob); break;
+        case DType::Q4_0: pack_typed<DType::Q4_0>(wb, row_bytes, n_rows, n / QK, ob); break;
+        default: pack_typed<DType::Q4_1>(wb, row_bytes, n_rows, n / QK, ob); break;
+    }
+#else
+    (void)w, (void)row_bytes, (void)out;
+#endif
+}
+
+void dot_rows_packed(DType weight_type, const void* packed, int64_t n_w, const void* act, size_t act_stride,
+                     int64_t n_a, int64_t n, float* y, int64_t y_stride) {
+    if (!weights_packable(weight_type)) throw std::invalid_argument(std::string("no packed layout for ") + dtype_name(weight_type));
+#if PYSPEC_AVX512VNNI
+    const int64_t chunk = activation_chunk(weight_type, n);
+    const auto* pb = static_cast<const uint8_t*>(packed);
+    for (int64_t m0 = 0; m0 < n_a; m0 += chunk) {
+        const int64_t rows = std::min(chunk, n_a - m0);
+        const uint8_t* ab = static_cast<const uint8_t*>(act) + m0 * act_stride;
+        float* yc = y + m0 * y_stride;
+        switch (weight_type) {
+            case DType::Q8_0: packed_dot_rows<DType::Q8_0>(pb, n_w, ab, act_stride, rows, n, yc, y_stride); break;
+            case DType::Q4_0: packed_dot_rows<DType::Q4_0>(pb, n_w, ab, act_stride, rows, n, yc, y_stride); break;
+            default: packed_dot_rows<DType::Q4_1>(pb, n_w, ab, act_stride, rows, n, yc, y_stride); break;
+        }
+    }
+#else
+    (void)packed, (void)n_w, (void)act, (void)act_stride, (void)n_a, (void)n, (void)y, (void)y_stride;
+#endif
 }
 
 float dot_row(DType weight_type, const void* w_row, const void* act_row, int64_t n) {

@@ -12,7 +12,7 @@
 namespace pyspec {
 namespace {
 
-// Weight rows are handed out in multiples of the widest kernel panel.
+// Weight rows are handed out in multiples of the widest kernel panel (a packed panel's rows too).
 constexpr int64_t kRowUnit = 16;
 // Up to this many activation values, every thread quantizes all rows for itself: that costs
 // less than the extra pass through the pool that sharing the work needs.
@@ -25,6 +25,7 @@ void check(const WeightMatrix& w, int64_t m) {
                                     dtype_name(w.dtype) + "'s block size");
     }
     if (w.row_bytes < dtype_row_bytes(w.dtype, w.n_cols)) throw std::invalid_argument("matmul: row stride is smaller than a row");
+    if (w.packed && !weights_packable(w.dtype)) throw std::invalid_argument("matmul: packed weights of a type without a packed layout");
     activation_row_bytes(w.dtype, w.n_cols);  // throws for types without a dot product
 }
 
@@ -60,8 +61,13 @@ void matmul_group(const MatmulPart* parts, int n_parts, const float* x, int64_t 
             if (a >= b) continue;
             const WeightMatrix& w = parts[i].w;
             const int64_t r0 = (a - first_unit[i]) * kRowUnit, r1 = std::min((b - first_unit[i]) * kRowUnit, w.n_rows);
-            dot_rows(w.dtype, static_cast<const uint8_t*>(w.data) + r0 * w.row_bytes, w.row_bytes, r1 - r0, act,
-                     act_stride, m, k, parts[i].y + r0, parts[i].y_stride);
+            if (w.packed) {  // r0 starts a panel: kRowUnit is the packed panel's 16 rows
+                dot_rows_packed(w.dtype, static_cast<const uint8_t*>(w.packed) + (r0 / 16) * packed_panel_bytes(w.dtype, k),
+                                r1 - r0, act, act_stride, m, k, parts[i].y + r0, parts[i].y_stride);
+            } else {
+                dot_rows(w.dtype, static_cast<const uint8_t*>(w.data) + r0 * w.row_bytes, w.row_bytes, r1 - r0, act,
+                         act_stride, m, k, parts[i].y + r0, parts[i].y_stride);
+            }
         }
     };
     if (!dtype_is_quantized(w0.dtype)) {  // float weights take the activations as they are

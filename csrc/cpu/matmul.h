@@ -15,6 +15,9 @@ struct WeightMatrix {
     int64_t n_rows;      // N: output features
     int64_t n_cols;      // K: input features (multiple of 32 for quantized types)
     size_t row_bytes;    // stride between weight rows in bytes
+    // The same rows packed (pack_weights, whole 16-row panels), or nullptr: then dot_rows_packed
+    // reads them instead, with the same bits.
+    const void* packed = nullptr;
 };
 
 // Y[m][n] = dot(W row n, X row m) for m < M, n < N. X rows are K floats with stride x_stride

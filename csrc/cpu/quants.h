@@ -71,6 +71,24 @@ void prepare_activation_row_reference(DType weight_type, const float* src, void*
 void dot_rows(DType weight_type, const void* w, size_t w_stride, int64_t n_w, const void* act, size_t act_stride,
               int64_t n_a, int64_t n, float* y, int64_t y_stride);
 
+// Packed weights (AVX-512 VNNI builds; Q8_0, Q4_0 and Q4_1): a matrix rearranged so that each
+// block of a 16-row panel is one contiguous run of bytes in the order the kernel's vectors take it
+// (the rows' scales side by side, then their quants lane by lane) instead of 16 strided reads of
+// 16 bytes each. The same values in the same arithmetic, so the same bits as dot_rows.
+// weights_packable: whether this build packs `weight_type` (false elsewhere: callers keep dot_rows).
+bool weights_packable(DType weight_type);
+// Bytes of the packed copy of n_rows rows of n values (whole panels: a last partial panel repeats
+// its last row, as dot_rows reads it).
+size_t packed_weight_bytes(DType weight_type, int64_t n_rows, int64_t n);
+// Packs n_rows rows (row_bytes apart) into out (packed_weight_bytes of them).
+void pack_weights(DType weight_type, const void* w, size_t row_bytes, int64_t n_rows, int64_t n, void* out);
+// Bytes of one packed panel of rows of n values: panel p of a packed matrix starts p of them in.
+size_t packed_panel_bytes(DType weight_type, int64_t n);
+// dot_rows over packed weights: rows [0, n_w) of the panels starting at `packed` (n_w rows from a
+// panel's first row), the same bits as dot_rows over the rows themselves.
+void dot_rows_packed(DType weight_type, const void* packed, int64_t n_w, const void* act, size_t act_stride,
+                     int64_t n_a, int64_t n, float* y, int64_t y_stride);
+
 // Half-precision helpers for the F16 KV cache. The dots use the F32/F16 reduction order above.
 void fp32_to_fp16_row(const float* src, uint16_t* dst, int64_t n);
 void fp16_to_fp32_row(const uint16_t* src, float* dst, int64_t n);

@@ -16,6 +16,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "core/immutable_memory.h"
+
 namespace pyspec {
 
 namespace {
@@ -535,10 +537,15 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
         base_ = nullptr;
         throw;
     }
+    // Mapped read-only: the bytes never change while mapped, so backends may keep copies derived
+    // from them (packed weights) until the file goes.
+    register_immutable(base_, size_);
 }
 
 GgufFile::~GgufFile() {
-    if (base_) ::munmap(const_cast<uint8_t*>(base_), size_);
+    if (!base_) return;
+    unregister_immutable(base_);
+    ::munmap(const_cast<uint8_t*>(base_), size_);
 }
 
 const GgufValue* GgufFile::find(const std::string& key) const {
