@@ -21,7 +21,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import pyspec  # noqa: E402
 from pyspec._core import kernels  # noqa: E402
+
+# The child processes import the pyspec this one imported.
+PYSPEC_HOME = str(Path(pyspec.__file__).resolve().parents[1])
 
 SHAPES = [("Q4_1", 576, 576), ("Q4_1", 192, 576), ("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)]
 STREAM_BYTES = 160 << 20
@@ -65,7 +69,7 @@ def decode(args) -> None:
     for _ in range(args.rounds):
         for pack in ("0", "1"):
             env = dict(os.environ, PYSPEC_CPU_PACK=pack)
-            res = subprocess.run([sys.executable, "-c", DECODE.format(root=str(ROOT), threads=args.threads)], env=env,
+            res = subprocess.run([sys.executable, "-c", DECODE.format(root=PYSPEC_HOME, threads=args.threads)], env=env,
                                  capture_output=True, text=True, check=True)
             rates[pack].append(float(res.stdout.split()[-1]))
     a, b = max(rates["0"]), max(rates["1"])

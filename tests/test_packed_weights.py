@@ -18,7 +18,9 @@ from pyspec._core import kernels
 
 from default_model import require_default_model
 
-ROOT = Path(__file__).resolve().parents[1]
+# The child processes import the pyspec this process imported (an in-place build, or the
+# installed package as CI has it).
+PYSPEC_HOME = str(Path(pyspec.__file__).resolve().parents[1])
 TYPES = ("Q8_0", "Q4_0", "Q4_1")
 
 
@@ -84,7 +86,7 @@ def test_the_default_model_gives_the_same_logits_packed_and_not():
     out = {}
     for pack in ("0", "1"):
         env = dict(os.environ, PYSPEC_CPU_PACK=pack)
-        res = subprocess.run([sys.executable, "-c", _LOGITS_SCRIPT.format(root=str(ROOT))], env=env,
+        res = subprocess.run([sys.executable, "-c", _LOGITS_SCRIPT.format(root=PYSPEC_HOME)], env=env,
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         digest, copies = res.stdout.split()
