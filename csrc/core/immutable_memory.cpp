@@ -52,7 +52,7 @@ const uint8_t* immutable_derived_copy(const void* p, size_t bytes, uint64_t kind
     const auto key = std::make_tuple(p, bytes, kind);
     auto found = r.copies.find(key);
     if (found == r.copies.end()) found = r.copies.emplace(key, make()).first;
-    return found->second.data();
+    return found->second.empty() ? nullptr : found->second.data();
 }
 
 ImmutableCopyStats immutable_copy_stats() {

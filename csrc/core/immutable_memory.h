@@ -18,7 +18,8 @@ void register_immutable(const void* begin, size_t bytes);
 void unregister_immutable(const void* begin);
 
 // The copy of [p, p + bytes) of this kind, made by make() on the first request; nullptr when
-// those bytes do not lie inside one registered region.
+// those bytes do not lie inside one registered region, or when make() declined (returned nothing:
+// remembered, so it is not asked again for those bytes).
 const uint8_t* immutable_derived_copy(const void* p, size_t bytes, uint64_t kind,
                                       const std::function<std::vector<uint8_t>()>& make);
 

@@ -1,6 +1,7 @@
 #include "cpu/cpu_backend.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -37,6 +38,19 @@ bool packing_enabled() {
     return on;
 }
 
+// Bytes of memory Linux says can be had without swapping (MemAvailable), or SIZE_MAX where that
+// cannot be read.
+size_t memory_available() {
+    std::FILE* f = std::fopen("/proc/meminfo", "r");
+    if (!f) return std::numeric_limits<size_t>::max();
+    char line[256];
+    size_t kib = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f)) found = std::sscanf(line, "MemAvailable: %zu kB", &kib) == 1;
+    std::fclose(f);
+    return found ? kib * 1024 : std::numeric_limits<size_t>::max();
+}
+
 // The packed copy of weights read from a GGUF mapping (cpu/quants.h, pack_weights: one contiguous
 // run per 16-row panel block instead of 16 strided reads), made on first use and shared by every
 // context over the file (core/immutable_memory.h), or nullptr: weights of other types, other
@@ -46,7 +60,12 @@ const void* packed_copy(const WeightMatrix& w) {
     const size_t bytes = static_cast<size_t>(w.n_rows) * w.row_bytes;
     const uint64_t kind = static_cast<uint64_t>(w.dtype) << 56 ^ static_cast<uint64_t>(w.n_cols) << 24 ^ w.row_bytes;
     return immutable_derived_copy(w.data, bytes, kind, [&w] {
-        std::vector<uint8_t> out(packed_weight_bytes(w.dtype, w.n_rows, w.n_cols));
+        // The copy is anonymous memory the kernel cannot evict, where the mapping's pages are
+        // page cache it can: a copy that would take more than a quarter of what is available is
+        // declined, and those weights keep the file layout (the same bits, read more slowly).
+        const size_t need = packed_weight_bytes(w.dtype, w.n_rows, w.n_cols);
+        if (need > memory_available() / 4) return std::vector<uint8_t>{};
+        std::vector<uint8_t> out(need);
         pack_weights(w.dtype, w.data, w.row_bytes, w.n_rows, w.n_cols, out.data());
         return out;
     });
