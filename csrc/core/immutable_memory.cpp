@@ -1,5 +1,6 @@
 #include "core/immutable_memory.h"
 
+#include <atomic>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -21,6 +22,8 @@ std::mutex& registry_mutex() {
     return m;
 }
 
+std::atomic<uint64_t> g_generation{0};
+
 std::map<const char*, Region>& regions() {
     static std::map<const char*, Region> r;  // by first byte
     return r;
@@ -37,7 +40,10 @@ void register_immutable(const void* begin, size_t bytes) {
 void unregister_immutable(const void* begin) {
     std::lock_guard<std::mutex> lock(registry_mutex());
     regions().erase(static_cast<const char*>(begin));
+    ++g_generation;
 }
+
+uint64_t immutable_generation() { return g_generation.load(); }
 
 const uint8_t* immutable_derived_copy(const void* p, size_t bytes, uint64_t kind,
                                       const std::function<std::vector<uint8_t>()>& make) {

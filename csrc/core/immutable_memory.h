@@ -23,6 +23,10 @@ void unregister_immutable(const void* begin);
 const uint8_t* immutable_derived_copy(const void* p, size_t bytes, uint64_t kind,
                                       const std::function<std::vector<uint8_t>()>& make);
 
+// Counts the regions unregistered so far: a caller that keeps pointers to copies (the CPU
+// backend's lookup cache) drops them when it changes.
+uint64_t immutable_generation();
+
 // What the registry holds now: regions, copies and the copies' bytes (tests, diagnostics).
 struct ImmutableCopyStats {
     size_t regions = 0, copies = 0, bytes = 0;

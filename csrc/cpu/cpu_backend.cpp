@@ -55,11 +55,13 @@ size_t memory_available() {
 // run per 16-row panel block instead of 16 strided reads), made on first use and shared by every
 // context over the file (core/immutable_memory.h), or nullptr: weights of other types, other
 // builds, or memory that may change (not inside a mapping).
-const void* packed_copy(const WeightMatrix& w) {
+const void* packed_copy(const WeightMatrix& w, PackedLookups& seen) {
     if (!packing_enabled() || !weights_packable(w.dtype) || w.n_rows < 1) return nullptr;
     const size_t bytes = static_cast<size_t>(w.n_rows) * w.row_bytes;
     const uint64_t kind = static_cast<uint64_t>(w.dtype) << 56 ^ static_cast<uint64_t>(w.n_cols) << 24 ^ w.row_bytes;
-    return immutable_derived_copy(w.data, bytes, kind, [&w] {
+    const auto hit = seen.by_data.find(w.data);
+    if (hit != seen.by_data.end() && hit->second.kind == kind && hit->second.bytes == bytes) return hit->second.packed;
+    const void* packed = immutable_derived_copy(w.data, bytes, kind, [&w] {
         // The copy is anonymous memory the kernel cannot evict, where the mapping's pages are
         // page cache it can: a copy that would take more than a quarter of what is available is
         // declined, and those weights keep the file layout (the same bits, read more slowly).
@@ -69,9 +71,11 @@ const void* packed_copy(const WeightMatrix& w) {
         pack_weights(w.dtype, w.data, w.row_bytes, w.n_rows, w.n_cols, out.data());
         return out;
     });
+    seen.by_data[w.data] = PackedLookups::Entry{kind, bytes, packed};
+    return packed;
 }
 
-MatmulPart matmul_part(const Graph& g, int id) {
+MatmulPart matmul_part(const Graph& g, int id, PackedLookups& packed) {
     const Tensor& dst = g[id];
     const Tensor& w = g[dst.src[0]];
     const Tensor& x = g[dst.src[1]];
@@ -80,7 +84,7 @@ MatmulPart matmul_part(const Graph& g, int id) {
         throw std::logic_error("mul_mat: activations must be 2-D F32 rows");
     }
     WeightMatrix wm{w.dtype, w.data, w.ne[1], w.ne[0], w.nb[1]};
-    if (w.has(kExternal)) wm.packed = packed_copy(wm);
+    if (w.has(kExternal)) wm.packed = packed_copy(wm, packed);
     return MatmulPart{wm, dst.as<float>(), static_cast<int64_t>(dst.nb[1] / sizeof(float))};
 }
 
@@ -95,7 +99,7 @@ bool bytes_overlap(const Tensor& a, const Tensor& b) {
 // the later ones early is safe: no node computes in between, and a member whose output overlaps
 // the activations or an earlier member's output (never planned so) ends the group. Returns the
 // last node run.
-int run_mul_mat_group(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>& scratch) {
+int run_mul_mat_group(const Graph& g, int id, ThreadPool& pool, std::vector<uint8_t>& scratch, PackedLookups& packed) {
     const Tensor& x = g[g[id].src[1]];
     int members[kMaxMatmulParts];
     const int n_members = matmuls_sharing_activations(g, id, members, kMaxMatmulParts);
@@ -106,7 +110,7 @@ int run_mul_mat_group(const Graph& g, int id, ThreadPool& pool, std::vector<uint
         bool clash = m > 0 && bytes_overlap(t, x);
         for (int i = 0; i < m && !clash; ++i) clash = bytes_overlap(t, g[members[i]]);
         if (clash) break;
-        parts[n++] = matmul_part(g, members[m]);
+        parts[n++] = matmul_part(g, members[m], packed);
         last = members[m];
     }
     matmul_group(parts, n, x.as<float>(), static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], pool, scratch);
@@ -194,13 +198,17 @@ void CpuBackend::apply_plan(Graph& graph, const AllocationPlan& plan) {
 
 void CpuBackend::compute(Graph& graph) {
     using clock = std::chrono::steady_clock;
+    if (const uint64_t gen = immutable_generation(); gen != packed_.generation) {  // a mapping went
+        packed_.by_data.clear();
+        packed_.generation = gen;
+    }
     for (int id = 0; id < graph.size(); ++id) {
         const Op op = graph[id].op;
         if (op == Op::NONE || op == Op::VIEW) continue;
         const clock::time_point t0 = profiling_ ? clock::now() : clock::time_point();
         int last = id;
         if (op == Op::MUL_MAT) {
-            last = run_mul_mat_group(graph, id, *pool_, matmul_scratch_);
+            last = run_mul_mat_group(graph, id, *pool_, matmul_scratch_, packed_);
         } else if (op == Op::ATTENTION && attention_phased_applies(graph, id, pool_->size())) {
             attention_phased(graph, id, *pool_, attention_scratch_);
         } else if (run_inline(graph, graph[id])) {

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "core/backend.h"
@@ -13,6 +14,18 @@
 #include "cpu/ops.h"
 
 namespace pyspec {
+
+// The packed copies (cpu/quants.h, pack_weights) a CPU backend has looked up, by the weights'
+// first byte; `packed` is nullptr where none is kept (other types, memory that may change).
+struct PackedLookups {
+    struct Entry {
+        uint64_t kind;
+        size_t bytes;
+        const void* packed;
+    };
+    std::unordered_map<const void*, Entry> by_data;
+    uint64_t generation = 0;  // core/immutable_memory.h's when by_data was last emptied
+};
 
 class CpuBackend final : public Backend {
 public:
@@ -61,6 +74,10 @@ private:
     std::vector<std::unique_ptr<Mapping>> persistent_;
     std::vector<KernelScratch> scratch_;       // one per thread
     std::vector<uint8_t> matmul_scratch_;      // prepared activations, shared by all threads
+    // Packed weights this backend has looked up (cpu_backend.cpp, packed_copy), by the weights'
+    // first byte: the registry's lock and search once per matrix, not once per MUL_MAT. Emptied
+    // when any mapping has gone since (core/immutable_memory.h, immutable_generation).
+    PackedLookups packed_;
     AttentionPhaseScratch attention_scratch_;  // the phased attention's buffers
     bool poison_ = false;
     bool profiling_ = false;
