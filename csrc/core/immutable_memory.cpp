@@ -1,9 +1,7 @@
 #include "core/immutable_memory.h"
 
 #include <atomic>
-#include <iterator>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <tuple>
 

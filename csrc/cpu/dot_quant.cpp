@@ -72,6 +72,7 @@ struct Prefetch {
 
 #if PYSPEC_AVX512VNNI
 constexpr int kPanelRows = 16;
+static_assert(kPanelRows == kPackedPanelRows, "a packed panel is one kernel panel");
 
 // Four 16-byte rows into one vector. Built from two 256-bit halves: on Zen 4 inserting 128-bit
 // lanes into a 512-bit register directly costs about twice as much.
@@ -507,17 +508,25 @@ bool weights_packable(DType weight_type) {
 #endif
 }
 
-size_t packed_panel_bytes(DType weight_type, int64_t n) {
+namespace {
+
+void require_packable(DType weight_type) {
     if (!weights_packable(weight_type)) throw std::invalid_argument(std::string("no packed layout for ") + dtype_name(weight_type));
-    return dtype_row_bytes(weight_type, n) * 16;  // 16 rows a panel (AVX-512)
+}
+
+}  // namespace
+
+size_t packed_panel_bytes(DType weight_type, int64_t n) {
+    require_packable(weight_type);
+    return dtype_row_bytes(weight_type, n) * kPackedPanelRows;
 }
 
 size_t packed_weight_bytes(DType weight_type, int64_t n_rows, int64_t n) {
-    return static_cast<size_t>((n_rows + 15) / 16) * packed_panel_bytes(weight_type, n);
+    return static_cast<size_t>((n_rows + kPackedPanelRows - 1) / kPackedPanelRows) * packed_panel_bytes(weight_type, n);
 }
 
 void pack_weights(DType weight_type, const void* w, size_t row_bytes, int64_t n_rows, int64_t n, void* out) {
-    if (!weights_packable(weight_type)) throw std::invalid_argument(std::string("no packed layout for ") + dtype_name(weight_type));
+    require_packable(weight_type);
     if (n % QK != 0 || n_rows < 1) throw std::invalid_argument("pack_weights: rows must be whole blocks");
 #if PYSPEC_AVX512VNNI
     const auto* wb = static_cast<const uint8_t*>(w);
@@ -534,7 +543,7 @@ void pack_weights(DType weight_type, const void* w, size_t row_bytes, int64_t n_
 
 void dot_rows_packed(DType weight_type, const void* packed, int64_t n_w, const void* act, size_t act_stride,
                      int64_t n_a, int64_t n, float* y, int64_t y_stride) {
-    if (!weights_packable(weight_type)) throw std::invalid_argument(std::string("no packed layout for ") + dtype_name(weight_type));
+    require_packable(weight_type);
 #if PYSPEC_AVX512VNNI
     const int64_t chunk = activation_chunk(weight_type, n);
     const auto* pb = static_cast<const uint8_t*>(packed);

@@ -14,6 +14,7 @@ namespace {
 
 // Weight rows are handed out in multiples of the widest kernel panel (a packed panel's rows too).
 constexpr int64_t kRowUnit = 16;
+static_assert(kRowUnit % kPackedPanelRows == 0, "a thread's rows start a packed panel");
 // Up to this many activation values, every thread quantizes all rows for itself: that costs
 // less than the extra pass through the pool that sharing the work needs.
 constexpr int64_t kPrivatePrepareValues = 8192;
@@ -61,8 +62,9 @@ void matmul_group(const MatmulPart* parts, int n_parts, const float* x, int64_t 
             if (a >= b) continue;
             const WeightMatrix& w = parts[i].w;
             const int64_t r0 = (a - first_unit[i]) * kRowUnit, r1 = std::min((b - first_unit[i]) * kRowUnit, w.n_rows);
-            if (w.packed) {  // r0 starts a panel: kRowUnit is the packed panel's 16 rows
-                dot_rows_packed(w.dtype, static_cast<const uint8_t*>(w.packed) + (r0 / 16) * packed_panel_bytes(w.dtype, k),
+            if (w.packed) {  // r0 starts a panel (kRowUnit)
+                dot_rows_packed(w.dtype,
+                                static_cast<const uint8_t*>(w.packed) + (r0 / kPackedPanelRows) * packed_panel_bytes(w.dtype, k),
                                 r1 - r0, act, act_stride, m, k, parts[i].y + r0, parts[i].y_stride);
             } else {
                 dot_rows(w.dtype, static_cast<const uint8_t*>(w.data) + r0 * w.row_bytes, w.row_bytes, r1 - r0, act,

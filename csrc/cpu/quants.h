@@ -77,6 +77,9 @@ void dot_rows(DType weight_type, const void* w, size_t w_stride, int64_t n_w, co
 // 16 bytes each. The same values in the same arithmetic, so the same bits as dot_rows.
 // weights_packable: whether this build packs `weight_type` (false elsewhere: callers keep dot_rows).
 bool weights_packable(DType weight_type);
+// Rows of a packed panel: a packed matrix is read from panel boundaries only (matmul hands its
+// threads whole panels).
+constexpr int64_t kPackedPanelRows = 16;
 // Bytes of the packed copy of n_rows rows of n values (whole panels: a last partial panel repeats
 // its last row, as dot_rows reads it).
 size_t packed_weight_bytes(DType weight_type, int64_t n_rows, int64_t n);
