@@ -72,6 +72,41 @@ struct Prefetch {
 
 #if PYSPEC_AVX512VNNI
 constexpr int kPanelRows = 16;
+#elif PYSPEC_AVX2
+constexpr int kPanelRows = 8;
+#endif
+
+#if PYSPEC_AVX512VNNI || PYSPEC_AVX2
+// Packed panels (pack_weights). A kernel panel's block is [d of its rows, fp16][m of its rows,
+// fp16: Q4_1 only][quants]: for Q4_0/Q4_1 four vectors, vector i holding in its 128-bit lane k the
+// 16 quant bytes of row 4k + i (load_panel's lo[i] / hi[i] source); for Q8_0 eight, lo[0..3] then
+// hi[0..3], biased by 128 where the kernel multiplies unsigned by signed bytes (VNNI; AVX2's
+// maddubs takes the signs apart instead). So a block is read in 5 to 9 contiguous loads instead of
+// 16 or 32 strided 16-byte ones, and its headers need no transpose. The panel vectors hold the
+// same values as load_panel's, so every sum and scale is the strided kernel's. A packed panel
+// (kPackedPanelRows, what matmul hands a thread) is kPackedPanelRows / kPanelRows kernel panels,
+// each one contiguous run of its blocks.
+static_assert(kPackedPanelRows % kPanelRows == 0, "a packed panel is whole kernel panels");
+constexpr size_t kPackedVecBytes = 4 * kPanelRows;
+constexpr int64_t kPackedCachedTiles = 4;  // packed_dot_rows unpacks a panel into a cache past this many tiles  // 16 quant bytes of each of a quarter of the rows
+#if PYSPEC_AVX512VNNI
+constexpr uint8_t kPackedQ8Bias = 0x80;
+#else
+constexpr uint8_t kPackedQ8Bias = 0;
+#endif
+
+template <DType T>
+constexpr size_t packed_block_bytes() {
+    return QuantTraits<T>::kBlockBytes * kPanelRows;
+}
+
+template <DType T>
+constexpr size_t packed_quants_offset() {  // past the panel's d (and m) headers
+    return (T == DType::Q4_1 ? 4 : 2) * kPanelRows;
+}
+#endif
+
+#if PYSPEC_AVX512VNNI
 static_assert(kPanelRows == kPackedPanelRows, "a packed panel is one kernel panel");
 
 // Four 16-byte rows into one vector. Built from two 256-bit halves: on Zen 4 inserting 128-bit
@@ -157,43 +192,15 @@ void tile_rows(PanelAt&& panel_at, int64_t nb, const uint8_t* act, size_t act_st
     for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(y + r * y_stride, store, acc[r]);
 }
 
-// Y rows [0, RM) x panel rows [0, rows): blocks unpacked on the fly, or taken from `cached`
-// (the panel unpacked once for a long batch).
-template <DType T, int RM, bool kCached>
-void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached, const uint8_t* act,
-                size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
-    const auto panel_at = [&](int64_t b, Panel& fresh) -> const Panel& {
-        if constexpr (kCached) {
-            return cached[b];
-        } else {
-            pf.step(b);
-            load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, fresh);
-            return fresh;
-        }
-    };
-    tile_rows<T, RM>(panel_at, nb, act, act_stride, y, y_stride, rows);
-}
-
-// Packed panels (pack_weights). A panel's block is [d of its 16 rows, fp16][m of its 16 rows,
-// fp16: Q4_1 only][quants]: for Q4_0/Q4_1 four 64-byte vectors, vector i holding in its 128-bit
-// lane k the 16 quant bytes of row 4k + i (load_panel's lo[i] / hi[i] source); for Q8_0 eight,
-// lo[0..3] then hi[0..3], already biased by 128. So a block is read in 5 to 9 contiguous loads
-// instead of 32 strided 16-byte ones, and its headers need no transpose. The panel vectors hold
-// the same values as load_panel's, so every sum and scale below is the strided kernel's.
-template <DType T>
-constexpr size_t packed_block_bytes() {
-    return QuantTraits<T>::kBlockBytes * kPanelRows;
-}
-
 template <DType T>
 inline void load_packed_panel(const uint8_t* pb, Panel& p) {
     p.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
-    constexpr size_t q = T == DType::Q4_1 ? 64 : 32;
+    constexpr size_t q = packed_quants_offset<T>();
     if constexpr (T == DType::Q4_1) p.m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
     for (int i = 0; i < 4; ++i) {
         if constexpr (T == DType::Q8_0) {
             p.lo[i] = _mm512_loadu_si512(pb + q + 64 * i);
-            p.hi[i] = _mm512_loadu_si512(pb + q + 256 + 64 * i);
+            p.hi[i] = _mm512_loadu_si512(pb + q + 4 * kPackedVecBytes + 64 * i);
         } else {
             const __m512i nib = _mm512_set1_epi8(0x0f);
             const __m512i v = _mm512_loadu_si512(pb + q + 64 * i);
@@ -202,62 +209,7 @@ inline void load_packed_panel(const uint8_t* pb, Panel& p) {
         }
     }
 }
-
-// quant_tile over a packed panel (pp: its first block).
-template <DType T, int RM>
-void packed_tile(const uint8_t* pp, int64_t nb, const uint8_t* act, size_t act_stride, float* y, int64_t y_stride,
-                 int rows, const Prefetch& pf) {
-    const auto panel_at = [&](int64_t b, Panel& fresh) -> const Panel& {
-        pf.step(b);
-        load_packed_panel<T>(pp + b * packed_block_bytes<T>(), fresh);
-        return fresh;
-    };
-    tile_rows<T, RM>(panel_at, nb, act, act_stride, y, y_stride, rows);
-}
-
-template <DType T, int RM>
-void packed_tile_rest(int64_t rows_a, const uint8_t* pp, int64_t nb, const uint8_t* act, size_t act_stride, float* y,
-                      int64_t y_stride, int rows, const Prefetch& pf) {
-    if constexpr (RM > 0) {
-        if (rows_a == RM) {
-            packed_tile<T, RM>(pp, nb, act, act_stride, y, y_stride, rows, pf);
-        } else {
-            packed_tile_rest<T, RM - 1>(rows_a, pp, nb, act, act_stride, y, y_stride, rows, pf);
-        }
-    }
-}
-
-// One packed byte run per panel block, from the matrix's rows (the last row repeated past n_w).
-template <DType T>
-void pack_typed(const uint8_t* w, size_t row_bytes, int64_t n_w, int64_t nb, uint8_t* out) {
-    constexpr size_t kb = QuantTraits<T>::kBlockBytes;
-    constexpr size_t qo = QuantTraits<T>::kQsOffset;
-    constexpr size_t q = T == DType::Q4_1 ? 64 : 32;
-    const int64_t panels = (n_w + kPanelRows - 1) / kPanelRows;
-    for (int64_t pn = 0; pn < panels; ++pn) {
-        for (int64_t b = 0; b < nb; ++b) {
-            uint8_t* o = out + (pn * nb + b) * packed_block_bytes<T>();
-            for (int r = 0; r < kPanelRows; ++r) {
-                const int64_t row = std::min<int64_t>(pn * kPanelRows + r, n_w - 1);
-                const uint8_t* blk = w + static_cast<size_t>(row) * row_bytes + static_cast<size_t>(b) * kb;
-                std::memcpy(o + 2 * r, blk, 2);                                  // d
-                if constexpr (T == DType::Q4_1) std::memcpy(o + 32 + 2 * r, blk + 2, 2);  // m
-                const int i = r % 4, k = r / 4;
-                if constexpr (T == DType::Q8_0) {
-                    for (int j = 0; j < 16; ++j) {
-                        o[q + 64 * i + 16 * k + j] = static_cast<uint8_t>(blk[qo + j] ^ 0x80);
-                        o[q + 256 + 64 * i + 16 * k + j] = static_cast<uint8_t>(blk[qo + 16 + j] ^ 0x80);
-                    }
-                } else {
-                    std::memcpy(o + q + 64 * i + 16 * k, blk + qo, 16);
-                }
-            }
-        }
-    }
-}
-
 #elif PYSPEC_AVX2
-constexpr int kPanelRows = 8;
 
 inline __m256i load_2x128(const uint8_t* p0, const uint8_t* p1) {
     return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0));
@@ -327,21 +279,17 @@ inline __m256i panel_block_sums(const Panel& p, const typename QuantTraits<T>::A
 
 constexpr int kQuantRM = 2;  // activation rows per tile (16 ymm registers)
 
-// Y rows [0, RM) x panel rows [0, rows): blocks unpacked on the fly, or taken from `cached`
-// (the panel unpacked once for a long batch).
-template <DType T, int RM, bool kCached>
-void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached, const uint8_t* act,
-                size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
+// Y rows [0, RM) x panel rows [0, rows), the panel's block b given by panel_at(b, scratch): the one
+// accumulation every path shares, as in the AVX-512 kernel.
+template <DType T, int RM, class PanelAt>
+void tile_rows(PanelAt&& panel_at, int64_t nb, const uint8_t* act, size_t act_stride, float* y, int64_t y_stride,
+               int rows) {
     using Act = typename QuantTraits<T>::Act;
     __m256 acc[RM];
     for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        Panel fresh;
-        if constexpr (!kCached) {
-            pf.step(b);
-            load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, fresh);
-        }
-        const Panel& p = kCached ? cached[b] : fresh;
+        Panel scratch;
+        const Panel& p = panel_at(b, scratch);
         for (int r = 0; r < RM; ++r) {
             const Act& a = reinterpret_cast<const Act*>(act + r * act_stride)[b];
             const __m256 sums = _mm256_cvtepi32_ps(panel_block_sums<T>(p, a));
@@ -360,9 +308,99 @@ void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* ca
     }
 }
 
+template <DType T>
+inline void load_packed_panel(const uint8_t* pb, Panel& p) {
+    constexpr size_t q = packed_quants_offset<T>();
+    p.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb)));
+    if constexpr (T == DType::Q4_1) p.m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 16)));
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (T == DType::Q8_0) {
+            p.lo[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + q + kPackedVecBytes * i));
+            p.hi[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + q + 4 * kPackedVecBytes + kPackedVecBytes * i));
+            p.abs_lo[i] = _mm256_abs_epi8(p.lo[i]);
+            p.abs_hi[i] = _mm256_abs_epi8(p.hi[i]);
+        } else {
+            const __m256i nib = _mm256_set1_epi8(0x0f);
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + q + kPackedVecBytes * i));
+            p.lo[i] = _mm256_and_si256(v, nib);
+            p.hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+    }
+}
 #endif
 
 #if PYSPEC_AVX512VNNI || PYSPEC_AVX2
+// Y rows [0, RM) x panel rows [0, rows): blocks unpacked on the fly, or taken from `cached`
+// (the panel unpacked once for a long batch).
+template <DType T, int RM, bool kCached>
+void quant_tile(const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached, const uint8_t* act,
+                size_t act_stride, float* y, int64_t y_stride, int rows, const Prefetch& pf) {
+    const auto panel_at = [&](int64_t b, Panel& fresh) -> const Panel& {
+        if constexpr (kCached) {
+            return cached[b];
+        } else {
+            pf.step(b);
+            load_panel<T>(w + b * QuantTraits<T>::kBlockBytes, off, fresh);
+            return fresh;
+        }
+    };
+    tile_rows<T, RM>(panel_at, nb, act, act_stride, y, y_stride, rows);
+}
+
+// quant_tile over a packed panel (pp: its first block).
+template <DType T, int RM>
+void packed_tile(const uint8_t* pp, int64_t nb, const uint8_t* act, size_t act_stride, float* y, int64_t y_stride,
+                 int rows, const Prefetch& pf) {
+    const auto panel_at = [&](int64_t b, Panel& fresh) -> const Panel& {
+        pf.step(b);
+        load_packed_panel<T>(pp + b * packed_block_bytes<T>(), fresh);
+        return fresh;
+    };
+    tile_rows<T, RM>(panel_at, nb, act, act_stride, y, y_stride, rows);
+}
+
+template <DType T, int RM>
+void packed_tile_rest(int64_t rows_a, const uint8_t* pp, int64_t nb, const uint8_t* act, size_t act_stride, float* y,
+                      int64_t y_stride, int rows, const Prefetch& pf) {
+    if constexpr (RM > 0) {
+        if (rows_a == RM) {
+            packed_tile<T, RM>(pp, nb, act, act_stride, y, y_stride, rows, pf);
+        } else {
+            packed_tile_rest<T, RM - 1>(rows_a, pp, nb, act, act_stride, y, y_stride, rows, pf);
+        }
+    }
+}
+
+// One packed byte run per kernel panel block, from the matrix's rows, for whole packed panels (rows
+// past n_w repeat the last row).
+template <DType T>
+void pack_typed(const uint8_t* w, size_t row_bytes, int64_t n_w, int64_t nb, uint8_t* out) {
+    constexpr size_t kb = QuantTraits<T>::kBlockBytes;
+    constexpr size_t qo = QuantTraits<T>::kQsOffset;
+    constexpr size_t q = packed_quants_offset<T>();
+    const int64_t panels = (n_w + kPackedPanelRows - 1) / kPackedPanelRows * (kPackedPanelRows / kPanelRows);
+    for (int64_t pn = 0; pn < panels; ++pn) {
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* o = out + (pn * nb + b) * packed_block_bytes<T>();
+            for (int r = 0; r < kPanelRows; ++r) {
+                const int64_t row = std::min<int64_t>(pn * kPanelRows + r, n_w - 1);
+                const uint8_t* blk = w + static_cast<size_t>(row) * row_bytes + static_cast<size_t>(b) * kb;
+                std::memcpy(o + 2 * r, blk, 2);                                                    // d
+                if constexpr (T == DType::Q4_1) std::memcpy(o + 2 * kPanelRows + 2 * r, blk + 2, 2);  // m
+                uint8_t* qs = o + q + kPackedVecBytes * (r % 4) + 16 * (r / 4);
+                if constexpr (T == DType::Q8_0) {
+                    for (int j = 0; j < 16; ++j) {
+                        qs[j] = static_cast<uint8_t>(blk[qo + j] ^ kPackedQ8Bias);
+                        qs[4 * kPackedVecBytes + j] = static_cast<uint8_t>(blk[qo + 16 + j] ^ kPackedQ8Bias);
+                    }
+                } else {
+                    std::memcpy(qs, blk + qo, 16);
+                }
+            }
+        }
+    }
+}
+
 // The last rows < kQuantRM of a batch: a tile of exactly that many.
 template <DType T, int RM, bool kCached>
 void quant_tile_rest(int64_t rows_a, const uint8_t* w, const size_t* off, int64_t nb, const Panel* cached,
@@ -389,7 +427,6 @@ void quant_tiles_m(const uint8_t* w, const size_t* off, int64_t nb, const Panel*
                                               y + m * y_stride, y_stride, rows, m == 0 ? pf : none);
 }
 
-#if PYSPEC_AVX512VNNI
 template <DType T>
 void packed_dot_rows(const uint8_t* packed, int64_t n_w, const uint8_t* act, size_t act_stride, int64_t n_a, int64_t n,
                      float* y, int64_t y_stride) {
@@ -401,7 +438,10 @@ void packed_dot_rows(const uint8_t* packed, int64_t n_w, const uint8_t* act, siz
         const uint8_t* pp = packed + (i0 / kPanelRows) * panel_bytes;
         // While this panel is computed, the next one streams into L2 (by its first tile).
         const Prefetch next{i0 + kPanelRows < n_w ? pp + panel_bytes : nullptr, panel_bytes, nb};
-        if (n_a > kQuantRM) {  // more than one tile: each block unpacked once, as quant_dot_rows does
+        // Past a few tiles each block is unpacked once, as quant_dot_rows does. For fewer, the packed
+        // blocks (contiguous, a half or a quarter of an unpacked Panel's bytes) are read again per
+        // tile: AVX2's 3-row verify pass (two tiles) measured 1.3x faster so (Q8_0 output head).
+        if (n_a > kPackedCachedTiles * kQuantRM) {
             thread_local std::vector<Panel> cache;
             if (cache.size() < static_cast<size_t>(nb)) cache.resize(static_cast<size_t>(nb));
             for (int64_t b = 0; b < nb; ++b) {
@@ -421,7 +461,6 @@ void packed_dot_rows(const uint8_t* packed, int64_t n_w, const uint8_t* act, siz
                                           y_stride, rows, m == 0 ? next : none);
     }
 }
-#endif
 
 template <DType T>
 void quant_dot_rows(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* act, size_t act_stride,
@@ -500,7 +539,7 @@ void dot_rows(DType weight_type, const void* w, size_t w_stride, int64_t n_w, co
 }
 
 bool weights_packable(DType weight_type) {
-#if PYSPEC_AVX512VNNI
+#if PYSPEC_AVX512VNNI || PYSPEC_AVX2
     return weight_type == DType::Q8_0 || weight_type == DType::Q4_0 || weight_type == DType::Q4_1;
 #else
     (void)weight_type;
@@ -528,7 +567,7 @@ size_t packed_weight_bytes(DType weight_type, int64_t n_rows, int64_t n) {
 void pack_weights(DType weight_type, const void* w, size_t row_bytes, int64_t n_rows, int64_t n, void* out) {
     require_packable(weight_type);
     if (n % QK != 0 || n_rows < 1) throw std::invalid_argument("pack_weights: rows must be whole blocks");
-#if PYSPEC_AVX512VNNI
+#if PYSPEC_AVX512VNNI || PYSPEC_AVX2
     const auto* wb = static_cast<const uint8_t*>(w);
     auto* ob = static_cast<uint8_t*>(out);
     switch (weight_type) {
@@ -544,7 +583,7 @@ void pack_weights(DType weight_type, const void* w, size_t row_bytes, int64_t n_
 void dot_rows_packed(DType weight_type, const void* packed, int64_t n_w, const void* act, size_t act_stride,
                      int64_t n_a, int64_t n, float* y, int64_t y_stride) {
     require_packable(weight_type);
-#if PYSPEC_AVX512VNNI
+#if PYSPEC_AVX512VNNI || PYSPEC_AVX2
     const int64_t chunk = activation_chunk(weight_type, n);
     const auto* pb = static_cast<const uint8_t*>(packed);
     for (int64_t m0 = 0; m0 < n_a; m0 += chunk) {

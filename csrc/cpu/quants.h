@@ -71,10 +71,12 @@ void prepare_activation_row_reference(DType weight_type, const float* src, void*
 void dot_rows(DType weight_type, const void* w, size_t w_stride, int64_t n_w, const void* act, size_t act_stride,
               int64_t n_a, int64_t n, float* y, int64_t y_stride);
 
-// Packed weights (AVX-512 VNNI builds; Q8_0, Q4_0 and Q4_1): a matrix rearranged so that each
-// block of a 16-row panel is one contiguous run of bytes in the order the kernel's vectors take it
-// (the rows' scales side by side, then their quants lane by lane) instead of 16 strided reads of
-// 16 bytes each. The same values in the same arithmetic, so the same bits as dot_rows.
+// Packed weights (AVX-512 VNNI and AVX2 builds; Q8_0, Q4_0 and Q4_1): a matrix rearranged so that
+// each block of a kernel panel (16 rows, or 8 with AVX2) is one contiguous run of bytes in the order
+// the kernel's vectors take it (the rows' scales side by side, then their quants lane by lane)
+// instead of 16 or 8 strided reads of 16 bytes each. The same values in the same arithmetic, so the
+// same bits as dot_rows. The layout differs between the two instruction sets; a copy never leaves
+// the process that made it.
 // weights_packable: whether this build packs `weight_type` (false elsewhere: callers keep dot_rows).
 bool weights_packable(DType weight_type);
 // Rows of a packed panel: a packed matrix is read from panel boundaries only (matmul hands its

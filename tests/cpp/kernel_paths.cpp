@@ -1,6 +1,6 @@
 // Built by tests/test_kernels.py once per instruction set (AVX-512 VNNI, AVX2, plain x86-64):
-// every kernel path must give the bits of the scalar definitions (quants.h), so a model computes
-// the same numbers on every CPU. Prints a digest of all results (equal across builds) and exits
+// every kernel path (packed weights too, where the instruction set has a packed layout) must give
+// the bits of the scalar definitions (quants.h), so a model computes the same numbers on every CPU. Prints a digest of all results (equal across builds) and exits
 // non-zero on the first mismatch.
 #include <cstdint>
 #include <cstdio>
@@ -36,7 +36,7 @@ int main() {
     for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
         for (int64_t k : {32, 96, 576, 40, 7}) {
             if (dtype_is_quantized(t) && k % QK != 0) continue;
-            for (int64_t n : {1, 9, 16, 33}) {
+            for (int64_t n : {1, 9, 16, 33, 40}) {
                 for (int64_t m : {1, 3, 5, 70}) {
                     std::vector<float> wf(static_cast<size_t>(n * k)), x(static_cast<size_t>(m * k));
                     for (float& v : wf) v = normal(rng);
@@ -52,6 +52,17 @@ int main() {
                     const size_t bytes = ref.size() * sizeof(float);
                     if (std::memcmp(ref.data(), y1.data(), bytes) || std::memcmp(ref.data(), y2.data(), bytes)) {
                         return fail("matmul", t, n, m, k);
+                    }
+                    if (weights_packable(t)) {  // the packed layout of this instruction set, same bits
+                        std::vector<uint8_t> packed(packed_weight_bytes(t, n, k));
+                        pack_weights(t, w.data(), row, n, k, packed.data());
+                        WeightMatrix pm = wm;
+                        pm.packed = packed.data();
+                        matmul(pm, x.data(), k, m, y1.data(), n, one, scratch);
+                        matmul(pm, x.data(), k, m, y2.data(), n, two, scratch);
+                        if (std::memcmp(ref.data(), y1.data(), bytes) || std::memcmp(ref.data(), y2.data(), bytes)) {
+                            return fail("packed matmul", t, n, m, k);
+                        }
                     }
                     mix(ref.data(), bytes);
                 }

@@ -115,9 +115,9 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_models.py::test_prompt_rows_with_logits_keep_their_bits_in_any_batch[qwen3]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]"
-             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[short-h9kv3d64]"
-             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[long-h32kv8d128]"
-             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[neox_half-h6kv3d40]")
+             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-short-h9kv3d64]"
+             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-long-h32kv8d128]"
+             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[noearly-neox_half-h6kv3d40]")
   for tool in memcheck racecheck; do
     timeout 600 env PYSPEC_CUDA_GRAPHS=0 compute-sanitizer --tool $tool --error-exitcode 9 \
       python3 -m pytest -q -p no:cacheprovider "${san_tests[@]}" > "$out/sanitize-$tool.log" 2>&1
