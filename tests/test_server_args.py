@@ -142,7 +142,7 @@ def test_unsupported_env_enabled_is_an_error_disabled_is_fine():
 
 @pytest.mark.parametrize("argv", [
     ["--mlock"], ["--no-mmap"], ["-fa", "on"], ["--flash-attn", "auto"], ["--threads-http", "4"],
-    ["--no-ui"], ["--no-webui"], ["-cram", "0"], ["--no-warmup"], ["--numa", "distribute"],
+    ["--no-ui"], ["--no-webui"], ["-cram", "0"], ["--numa", "distribute"],
     ["-dev", "none"], ["--log-disable"], ["--no-models-autoload"], ["--swa-full"],
     ["--sleep-idle-seconds", "5"], ["--backend_sampling"], ["--no-context-shift"]])
 def test_hardware_flags_are_accepted_with_a_warning(argv):
@@ -150,6 +150,12 @@ def test_hardware_flags_are_accepted_with_a_warning(argv):
     assert c.port == 1234   # a value-taking ignored flag consumed exactly its value
     assert len(c.warnings) == 1
     assert c.warnings[0].startswith(f"flag {argv[0].replace('_', '-')} is accepted and ignored: ")
+
+
+def test_warmup_is_on_unless_turned_off():
+    assert parse().warmup is True and parse("--warmup").warmup is True
+    c = parse("--no-warmup")
+    assert c.warmup is False and c.warnings == []
 
 
 def test_mlock_warning_text():

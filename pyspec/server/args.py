@@ -89,6 +89,7 @@ class ServerConfig:
     threads_batch: int = -1              # -1: same as threads
     n_gpu_layers: Optional[str] = None   # "auto" | "all" | N, as given
     n_gpu_layers_draft: Optional[str] = None
+    warmup: bool = True                  # a throwaway request at load (llama-server's warmup run)
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8080
@@ -344,6 +345,9 @@ _OPTIONS: Tuple[_Opt, ...] = (
     _Opt(("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl"),
          "n_gpu_layers_draft", _gpu_layers, "draft model layers on the GPU: N|auto|all",
          env="LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
+    _Opt(("--warmup",), "warmup", None,
+         "run a throwaway request at load, so the first client does not pay for packing or "
+         "uploading the weights and capturing graphs (default: enabled)", neg=("--no-warmup",)),
     _Opt(("--host",), "host", _str, "address to listen on (default: 127.0.0.1)",
          env="LLAMA_ARG_HOST", metavar="HOST"),
     _Opt(("--port",), "port", _int, "port to listen on, 0 = any (default: 8080)",
@@ -419,7 +423,6 @@ _IGNORED: Tuple[Tuple[Tuple[str, ...], bool, str], ...] = (
     (("--ui", "--webui", "--no-ui", "--no-webui"), False, "pyspec-server has no web UI"),
     (("-cram", "--cache-ram"), True, "there is no host-side prompt cache"),
     (("--no-cache-idle-slots",), False, "there is no host-side prompt cache"),
-    (("--no-warmup",), False, "pyspec-server does no warmup run"),
     (("--numa",), True, "NUMA placement is left to the OS"),
     (("-dev", "--device"), True, "pyspec chooses its own device"),
     (("-devd", "--device-draft"), True, "pyspec chooses its own device"),

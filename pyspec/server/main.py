@@ -118,7 +118,18 @@ class Loaded:
         self.file_bytes = os.path.getsize(self.model_path)
         self.draft_file_bytes = os.path.getsize(draft_path) if draft_path else 0
 
+    def warm_up(self) -> None:
+        """llama-server's warmup run (--no-warmup skips it): a short greedy request through the
+        target and the drafter before the first client's."""
+        ids = self.tokenizer.encode("Hello", add_special=True) or [0]
+        seconds = self.scheduler.warmup(ids)
+        log.info("warmup: %.2f s (a %d-token prompt and 3 tokens; the weights %s, graphs "
+                 "planned; --no-warmup skips it)", seconds, len(ids),
+                 "uploaded to the GPU" if self.backend == "cuda" else "read and packed")
+
     def log_summary(self) -> None:
+        from .. import _core
+
         m, eng = self.model, self.scheduler.engine
         log.info("model: %s (%s, %d layers, n_embd %d, n_vocab %d, n_ctx_train %d), %d threads",
                  self.model_path, m.arch, m.n_layer, m.n_embd, m.n_vocab, m.n_ctx_train,
@@ -152,6 +163,10 @@ class Loaded:
         if self.drafter is not None:
             parts.append(f"drafter weights {_mib(self.draft_file_bytes)}")
             parts.append(f"drafter KV cache {_mib(eng.draft_kv_cache_bytes)}")
+        # The CPU's packed copies of quantized weights, made on first use (by the warmup run).
+        packed = 0 if on_gpu else int(_core.kernels.packed_copy_stats()["bytes"])
+        if packed:
+            parts.append(f"packed weight copies {_mib(packed)}")
         log.info("memory: %s", ", ".join(parts))
 
     def model_meta(self) -> dict:
@@ -209,6 +224,8 @@ def run(cfg: ServerConfig, loop: str = "auto", http: str = "auto") -> int:
             settings.model_meta = loaded.model_meta()
             if not cfg.model and not cfg.alias and not cfg.hf_repo:
                 settings.model_name = os.path.basename(loaded.model_path)
+            if cfg.warmup:
+                loaded.warm_up()
             loaded.log_summary()
             loaded.scheduler.start()
         except Exception as exc:  # a bad file or flag (or a bug): say so and stop serving

@@ -166,8 +166,31 @@ class Scheduler:
         self._accepted_per_pos: Dict[int, int] = collections.Counter()
         self._busy_sum = 0
         self._registry_size = 0  # drafter states held, read by the engine thread after each step
+        # The engine's lifetime counters at the end of warmup(), which the metrics leave out.
+        self._ahead_base = (0, 0)
 
     # -- lifecycle -------------------------------------------------------------------------
+
+    def warmup(self, prompt_ids: List[int], max_tokens: int = 3) -> float:
+        """llama-server's warmup run: one throwaway greedy request straight through the engine
+        before the scheduler thread starts, so the work that happens once (the CPU's packed
+        weights, the GPU's weight upload, plans and CUDA graphs; the drafter's too) is not paid by
+        the first client. The caches are cleared afterwards and the metrics leave it out; nothing
+        of it reaches a client. Returns the seconds it took."""
+        if self._thread is not None:
+            raise RuntimeError("warmup() runs before start()")
+        t0 = time.perf_counter()
+        self.engine.add_request(0, list(prompt_ids), max_tokens=max_tokens, temperature=0.0,
+                                verify="greedy", seq=0, draft=self.speculative)
+        for _ in range(64 + len(prompt_ids)):  # a few prompt chunks and rounds; never a hang
+            if not self.engine.n_requests:
+                break
+            self.engine.step()
+        if self.engine.has_request(0):
+            self.engine.cancel(0)
+        self.engine.clear_cache()
+        self._ahead_base = (int(self.engine.n_decoded_ahead), int(self.engine.n_ahead_overruled))
+        return time.perf_counter() - t0
 
     def start(self) -> None:
         self._running = True
@@ -282,8 +305,10 @@ class Scheduler:
                     if task is not None:
                         self._on_output(task, o)
                 self._registry_size = self.registry_size
-                self._m["decoded_ahead_steps_total"] = int(self.engine.n_decoded_ahead)
-                self._m["decoded_ahead_overruled_total"] = int(self.engine.n_ahead_overruled)
+                self._m["decoded_ahead_steps_total"] = (int(self.engine.n_decoded_ahead) -
+                                                        self._ahead_base[0])
+                self._m["decoded_ahead_overruled_total"] = (int(self.engine.n_ahead_overruled) -
+                                                            self._ahead_base[1])
         # Shutdown: whoever still waits gets an error, not a hang.
         with self._lock:
             for task in list(self._tasks.values()):
