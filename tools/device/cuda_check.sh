@@ -15,6 +15,7 @@
 #
 #   bash tools/device/cuda_check.sh            # about 5 minutes on an H200, bench included
 #   SKIP_BENCH=1 bash tools/device/cuda_check.sh
+#   MODES= SKIP_BENCH=1 SANITIZE=1 bash tools/device/cuda_check.sh   # the sanitizer alone (no test modes)
 #   MODES="plain nofuse" BENCH_MODES=plain bash tools/device/cuda_check.sh   # fewer runs
 #   KERNEL_TIMES=1 ...                          # also per-kernel times by ncu (tools/device/kernel_times.py)
 #   KERNEL_DETAIL=k_mul_mat_tc_narrow_f ...     # also ncu's full report (stall reasons, memory, occupancy)
@@ -42,7 +43,7 @@ cmake -S . -B build/cuda -G Ninja -DPYSPEC_CUDA=ON -DPYSPEC_INPLACE=ON \
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
 tests="tests/test_cuda_ops.py tests/test_cuda_matmul.py tests/test_cuda_attention.py tests/test_cuda_models.py tests/test_cuda_graphs.py"
-for mode in ${MODES:-plain nofuse tc notiled}; do
+for mode in ${MODES-plain nofuse tc notiled}; do
   case $mode in
     plain) envs=() ;;
     nofuse) envs=(PYSPEC_CUDA_FUSE=0) ;;
