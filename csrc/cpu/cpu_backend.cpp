@@ -1,5 +1,6 @@
 #include "cpu/cpu_backend.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -55,27 +56,38 @@ size_t memory_available() {
 // run per 16-row panel block instead of 16 strided reads), made on first use and shared by every
 // context over the file (core/immutable_memory.h), or nullptr: weights of other types, other
 // builds, or memory that may change (not inside a mapping).
-const void* packed_copy(const WeightMatrix& w, PackedLookups& seen) {
+const void* packed_copy(const WeightMatrix& w, PackedLookups& seen, ThreadPool& pool) {
     if (!packing_enabled() || !weights_packable(w.dtype) || w.n_rows < 1) return nullptr;
     const size_t bytes = static_cast<size_t>(w.n_rows) * w.row_bytes;
     const uint64_t kind = static_cast<uint64_t>(w.dtype) << 56 ^ static_cast<uint64_t>(w.n_cols) << 24 ^ w.row_bytes;
     const auto hit = seen.by_data.find(w.data);
     if (hit != seen.by_data.end() && hit->second.kind == kind && hit->second.bytes == bytes) return hit->second.packed;
-    const void* packed = immutable_derived_copy(w.data, bytes, kind, [&w] {
+    const void* packed = immutable_derived_copy(w.data, bytes, kind, [&w, &pool] {
         // The copy is anonymous memory the kernel cannot evict, where the mapping's pages are
         // page cache it can: a copy that would take more than a quarter of what is available is
         // declined, and those weights keep the file layout (the same bits, read more slowly).
         const size_t need = packed_weight_bytes(w.dtype, w.n_rows, w.n_cols);
         if (need > memory_available() / 4) return std::vector<uint8_t>{};
         std::vector<uint8_t> out(need);
-        pack_weights(w.dtype, w.data, w.row_bytes, w.n_rows, w.n_cols, out.data());
+        // Each thread packs whole packed panels (the copy of SmolLM2 and its drafter took ~120 ms
+        // on one thread, paid by the server's warmup or a first request).
+        const int64_t panels = (w.n_rows + kPackedPanelRows - 1) / kPackedPanelRows;
+        const size_t panel_bytes = packed_panel_bytes(w.dtype, w.n_cols);
+        pool.run([&](int ith, int nth) {
+            int64_t p0 = 0, p1 = 0;
+            split_range(panels, ith, nth, p0, p1);
+            const int64_t r0 = p0 * kPackedPanelRows, r1 = std::min(w.n_rows, p1 * kPackedPanelRows);
+            if (r0 >= r1) return;
+            pack_weights(w.dtype, static_cast<const uint8_t*>(w.data) + static_cast<size_t>(r0) * w.row_bytes,
+                         w.row_bytes, r1 - r0, w.n_cols, out.data() + static_cast<size_t>(p0) * panel_bytes);
+        });
         return out;
     });
     seen.by_data[w.data] = PackedLookups::Entry{kind, bytes, packed};
     return packed;
 }
 
-MatmulPart matmul_part(const Graph& g, int id, PackedLookups& packed) {
+MatmulPart matmul_part(const Graph& g, int id, PackedLookups& packed, ThreadPool& pool) {
     const Tensor& dst = g[id];
     const Tensor& w = g[dst.src[0]];
     const Tensor& x = g[dst.src[1]];
@@ -84,7 +96,7 @@ MatmulPart matmul_part(const Graph& g, int id, PackedLookups& packed) {
         throw std::logic_error("mul_mat: activations must be 2-D F32 rows");
     }
     WeightMatrix wm{w.dtype, w.data, w.ne[1], w.ne[0], w.nb[1]};
-    if (w.has(kExternal)) wm.packed = packed_copy(wm, packed);
+    if (w.has(kExternal)) wm.packed = packed_copy(wm, packed, pool);
     return MatmulPart{wm, dst.as<float>(), static_cast<int64_t>(dst.nb[1] / sizeof(float))};
 }
 
@@ -110,7 +122,7 @@ int run_mul_mat_group(const Graph& g, int id, ThreadPool& pool, std::vector<uint
         bool clash = m > 0 && bytes_overlap(t, x);
         for (int i = 0; i < m && !clash; ++i) clash = bytes_overlap(t, g[members[i]]);
         if (clash) break;
-        parts[n++] = matmul_part(g, members[m], packed);
+        parts[n++] = matmul_part(g, members[m], packed, pool);
         last = members[m];
     }
     matmul_group(parts, n, x.as<float>(), static_cast<int64_t>(x.nb[1] / sizeof(float)), x.ne[1], pool, scratch);
