@@ -78,9 +78,15 @@ __device__ __forceinline__ void load_unit(const char* row, int64_t u, float v[8]
         const int part = static_cast<int>(u & 3);
         const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ8_0));
         const float d = h2f(ld16(blk));
-        const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2 + part * 8);
+        // A 34-byte block's quants are 2-byte aligned: four 16-bit loads instead of eight byte
+        // loads (the head of SmolLM2, 49,152 rows, was bound by load instructions), the same values.
+        const char* qs = blk + 2 + part * 8;
 #pragma unroll
-        for (int t = 0; t < 8; ++t) v[t] = static_cast<float>(qs[t]) * d;
+        for (int t = 0; t < 4; ++t) {
+            const uint16_t two = ld16(qs + 2 * t);
+            v[2 * t] = static_cast<float>(static_cast<int8_t>(two & 0xffu)) * d;
+            v[2 * t + 1] = static_cast<float>(static_cast<int8_t>(two >> 8)) * d;
+        }
         pos0 = b * QK + part * 8;
         pos1 = pos0 + 4;
     } else if constexpr (T == DType::Q4_0) {
@@ -88,11 +94,13 @@ __device__ __forceinline__ void load_unit(const char* row, int64_t u, float v[8]
         const int part = static_cast<int>(u & 3);
         const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ4_0));
         const float d = h2f(ld16(blk));
-        const uint8_t* qs = reinterpret_cast<const uint8_t*>(blk + 2 + part * 4);
+        // 18-byte blocks: the 4 quant bytes in two 16-bit loads.
+        const uint32_t four = ld16(blk + 2 + part * 4) | static_cast<uint32_t>(ld16(blk + 4 + part * 4)) << 16;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-            v[t] = d * static_cast<float>((qs[t] & 15) - 8);
-            v[t + 4] = d * static_cast<float>((qs[t] >> 4) - 8);
+            const uint32_t q = (four >> (8 * t)) & 0xffu;
+            v[t] = d * static_cast<float>(static_cast<int>(q & 15) - 8);
+            v[t + 4] = d * static_cast<float>(static_cast<int>(q >> 4) - 8);
         }
         pos0 = b * QK + part * 4;
         pos1 = pos0 + 16;
@@ -101,11 +109,13 @@ __device__ __forceinline__ void load_unit(const char* row, int64_t u, float v[8]
         const int part = static_cast<int>(u & 3);
         const char* blk = row + b * static_cast<int64_t>(sizeof(BlockQ4_1));
         const float d = h2f(ld16(blk)), mn = h2f(ld16(blk + 2));
-        const uint8_t* qs = reinterpret_cast<const uint8_t*>(blk + 4 + part * 4);
+        // 20-byte blocks keep the quants 4-byte aligned: one load for the unit's 4 bytes.
+        const uint32_t four = *reinterpret_cast<const uint32_t*>(blk + 4 + part * 4);
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-            v[t] = __fmul_rn(d, static_cast<float>(qs[t] & 15)) + mn;
-            v[t + 4] = __fmul_rn(d, static_cast<float>(qs[t] >> 4)) + mn;
+            const uint32_t q = (four >> (8 * t)) & 0xffu;
+            v[t] = __fmul_rn(d, static_cast<float>(q & 15)) + mn;
+            v[t + 4] = __fmul_rn(d, static_cast<float>(q >> 4)) + mn;
         }
         pos0 = b * QK + part * 4;
         pos1 = pos0 + 16;
