@@ -115,7 +115,7 @@ struct DecodeRope {
     const float* q_norm = nullptr;
     const float* k_norm = nullptr;
     float norm_eps = 0.0f;
-    // Early reads (on unless PYSPEC_CUDA_ATT_EARLY=0; +2% tg128 on the H200, docs/internals.md):
+    // Early reads (on unless PYSPEC_CUDA_ATT_EARLY=0; +2% tg128 on the H200, docs/internals-cuda.md):
     // the ATTENTION's mask and first cells are graph leaves (nothing in the graph writes them), so
     // the launch reads the mask before the PDL wait and copies only the cells it leaves visible,
     // and after the wait it requests all the prologue's inputs in one round. The same bits either
