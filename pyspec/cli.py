@@ -264,7 +264,7 @@ def _check_args(args) -> None:
 def _load(args):
     """The LLM with the chosen chat template, or a CliError that says what is wrong."""
     from .llm import LLM
-    from .model import Model, embedded_drafter_by_default
+    from .model import Model, embedded_drafter_by_default, embedded_drafter_held_back_note
 
     if args.model is not None and not os.path.isfile(args.model):
         what = "is a directory" if os.path.isdir(args.model) else "not found"
@@ -278,9 +278,7 @@ def _load(args):
             model, n_gpu_layers = Model(None, n_threads=n_threads, n_gpu_layers=args.n_gpu_layers), None
             if not embedded_drafter_by_default(model.backend):
                 args.model_draft, args.draft_max, args.embedded_drafter = None, None, False
-                _log(f"main: speculative decoding off on {model.backend.upper()} by default: the "
-                     f"embedded drafter is slower than plain decoding there (--spec-type "
-                     f"draft-dspark turns it on)")
+                _log("main: " + embedded_drafter_held_back_note(model.backend))
         llm = LLM(model, n_ctx=args.ctx_size, n_threads=n_threads,
                   n_batch=args.batch_size, draft_model=args.model_draft,
                   spec_type=args.spec_type, draft_n_max=args.draft_max,

@@ -56,17 +56,30 @@ def default_drafter_path() -> Optional[str]:
 
 
 # Where the embedded drafter drafts when the user did not ask for speculation: on the CPU (the
-# speed-ups above); not on the GPU, where a plain step of this model is ~0.65 ms and the drafter
-# wins only on code (H200, 2026-12-01, n_max 2, greedy: chat x0.90, code x1.07-1.08, prose x0.95;
-# llama-server's chain at T 0.8, rejection: x0.84-0.85, x1.06-1.08, x0.79-0.80). README, "GPU".
-# --spec-type draft-dspark (or --draft-max / --spec-draft-n-max) turns it on there.
+# speed-ups above), where its quantized kernels are AVX-512 VNNI; not on CPUs with AVX2 kernels
+# only, where a 3-row verify pass costs 1.9 plain steps (against 1.2 with VNNI, whose dpbusd does
+# the 4-bit and 8-bit products in one instruction) and the drafter loses (2026-12-01, an x86-64-v3
+# build of this 2-core EPYC, n_max 2, greedy: chat x0.88, code x0.99, prose x0.78); not on the GPU,
+# where a plain step of this model is ~0.64 ms and the drafter gains on code only (H200, n_max 2,
+# greedy: chat x1.01, code x1.21, prose x1.04). README, "GPU". --spec-type draft-dspark (or
+# --draft-max / --spec-draft-n-max) turns it on anywhere.
 EMBEDDED_DRAFTER_BACKENDS = ("cpu",)
+EMBEDDED_DRAFTER_CPU_KERNELS = ("avx512vnni",)
 
 
 def embedded_drafter_by_default(backend: str) -> bool:
     """Whether the default model drafts with its embedded drafter on `backend` ("cpu" or "cuda")
     when the user did not ask for speculation."""
-    return backend in EMBEDDED_DRAFTER_BACKENDS
+    if backend not in EMBEDDED_DRAFTER_BACKENDS:
+        return False
+    return backend != "cpu" or _core.kernels.isa() in EMBEDDED_DRAFTER_CPU_KERNELS
+
+
+def embedded_drafter_held_back_note(backend: str) -> str:
+    """The log line of a front end that loads the default model without its embedded drafter."""
+    where = backend.upper() + (f" ({_core.kernels.isa()} kernels)" if backend == "cpu" else "")
+    return (f"speculative decoding: off on {where} by default: the embedded drafter is slower "
+            f"than plain decoding there (--spec-type draft-dspark turns it on)")
 
 
 def _default_threads() -> int:

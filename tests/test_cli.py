@@ -61,6 +61,8 @@ def test_the_default_model_speculates_with_its_embedded_drafter(llm):
     --spec-type none turns it off."""
     if pyspec.model.default_drafter_path() is None:
         pytest.skip("this install has no embedded drafter")
+    if not pyspec.model.embedded_drafter_by_default("cpu"):
+        pytest.skip("the embedded drafter is off by default with this CPU's kernels")
     r = run_cli("-p", FRANCE["prompt"], "-n", "16", *BASE[:-2])
     assert r.returncode == 0, r.stderr
     assert r.stdout == FRANCE["prompt"] + llm.generate(FRANCE["prompt"], max_tokens=16, temperature=0) + "\n"
@@ -91,19 +93,22 @@ def test_the_default_model_speculates_with_its_embedded_drafter(llm):
 
 
 def test_the_embedded_drafter_stays_off_where_it_does_not_pay(llm, monkeypatch, capsys):
-    """Where the embedded drafter was measured slower than plain decoding (the GPU:
-    pyspec.model.embedded_drafter_by_default), the default model decodes plainly unless
-    speculation is asked for (--spec-type draft-dspark, --draft-max, ...); the same text either
-    way. Played on the CPU by declaring no backend the drafter pays on."""
+    """Where the embedded drafter was measured slower than plain decoding (the GPU, CPUs whose
+    quantized kernels are not AVX-512 VNNI: pyspec.model.embedded_drafter_by_default), the
+    default model decodes plainly unless speculation is asked for (--spec-type draft-dspark,
+    --draft-max, ...); the same text either way. Played on this CPU by declaring no kernels the
+    drafter pays with."""
     if pyspec.model.default_drafter_path() is None:
         pytest.skip("this install has no embedded drafter")
-    assert pyspec.model.embedded_drafter_by_default("cpu")
+    isa = pyspec._core.kernels.isa()
+    assert pyspec.model.embedded_drafter_by_default("cpu") == (isa == "avx512vnni")
     assert not pyspec.model.embedded_drafter_by_default("cuda")
-    monkeypatch.setattr(pyspec.model, "EMBEDDED_DRAFTER_BACKENDS", ())
+    monkeypatch.setattr(pyspec.model, "EMBEDDED_DRAFTER_CPU_KERNELS", ())
+    assert not pyspec.model.embedded_drafter_by_default("cpu")
     args = ["-p", FRANCE["prompt"], "-n", "12", "-t", "2", "-c", "256", "--temp", "0"]
     assert cli.main(args) == 0
     held = capsys.readouterr()
-    assert "speculative decoding off on CPU by default" in held.err, held.err
+    assert f"speculative decoding: off on CPU ({isa} kernels) by default" in held.err, held.err
     assert "draft acceptance" not in held.err and "embedded drafter '" not in held.err
     for asked in (["--spec-type", "draft-dspark"], ["--draft-max", "3"]):
         assert cli.main(args + asked) == 0

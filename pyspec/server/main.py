@@ -129,6 +129,7 @@ class Loaded:
 
     def log_summary(self) -> None:
         from .. import _core
+        from ..model import embedded_drafter_held_back_note
 
         m, eng = self.model, self.scheduler.engine
         log.info("model: %s (%s, %d layers, n_embd %d, n_vocab %d, n_ctx_train %d), %d threads",
@@ -140,9 +141,7 @@ class Loaded:
                      "; the default model's embedded drafter (--spec-type none: off)"
                      if self.embedded_drafter else "")
         elif self.embedded_drafter_held_back:
-            log.info("speculative decoding: off on %s by default: the embedded drafter is slower "
-                     "than plain decoding there (--spec-type draft-dspark turns it on)",
-                     self.model.backend.upper())
+            log.info("%s", embedded_drafter_held_back_note(self.model.backend))
         elif not self.spec_ngram:
             log.info("speculative decoding: off (no drafter; -md FILE turns it on)")
         if self.spec_ngram:
