@@ -87,8 +87,8 @@ constexpr int kPanelRows = 8;
 // (kPackedPanelRows, what matmul hands a thread) is kPackedPanelRows / kPanelRows kernel panels,
 // each one contiguous run of its blocks.
 static_assert(kPackedPanelRows % kPanelRows == 0, "a packed panel is whole kernel panels");
-constexpr size_t kPackedVecBytes = 4 * kPanelRows;
-constexpr int64_t kPackedCachedTiles = 4;  // packed_dot_rows unpacks a panel into a cache past this many tiles  // 16 quant bytes of each of a quarter of the rows
+constexpr size_t kPackedVecBytes = 4 * kPanelRows;  // 16 quant bytes of each of a quarter of the rows
+constexpr int64_t kPackedCachedTiles = 4;           // packed_dot_rows caches unpacked panels past this many tiles
 #if PYSPEC_AVX512VNNI
 constexpr uint8_t kPackedQ8Bias = 0x80;
 #else
@@ -107,8 +107,6 @@ constexpr size_t packed_quants_offset() {  // past the panel's d (and m) headers
 #endif
 
 #if PYSPEC_AVX512VNNI
-static_assert(kPanelRows == kPackedPanelRows, "a packed panel is one kernel panel");
-
 // Four 16-byte rows into one vector. Built from two 256-bit halves: on Zen 4 inserting 128-bit
 // lanes into a 512-bit register directly costs about twice as much.
 inline __m512i load_4x128(const uint8_t* p0, const uint8_t* p1, const uint8_t* p2, const uint8_t* p3) {
