@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl",
                    dest="n_gpu_layers_draft", default=None, metavar="N",
                    help="drafter layers on the GPU, as -ngl (default: as the target)")
+    p.add_argument("--warmup", dest="warmup", action="store_true", default=True,
+                   help="a throwaway generation before the prompt's, so its timings leave out "
+                        "what happens once (packing or uploading the weights, graphs) "
+                        "(default: on)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="no warmup run")
     p.add_argument("--version", action="version", version=f"pyspec {__version__}")
     return p
 
@@ -440,6 +445,11 @@ def _run(args) -> int:
     if llm.speculative is not None:
         _log(f"load: drafter backend "
              f"{_backend_line(llm.speculative.drafter.backend, args.n_gpu_layers_draft)}")
+    if args.warmup:
+        # As llama-cli's warmup: each LLM call starts from an empty cache, so nothing of it stays.
+        t0 = time.perf_counter()
+        llm.generate("Hello", max_tokens=3, temperature=0.0)
+        _log(f"main: warmup {time.perf_counter() - t0:.2f} s (--no-warmup skips it)")
     seed = args.seed if args.seed != -1 else secrets.randbits(32)
     _log(f"main: n_ctx = {llm.n_ctx}, n_batch = {llm.context.n_batch}, "
          f"n_predict = {args.n_predict}, n_threads = {m.n_threads}")

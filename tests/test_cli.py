@@ -55,6 +55,17 @@ def test_prompt_is_echoed_then_the_greedy_continuation(llm):
     assert "sampler seed: " in r.stderr and "stopped by token limit" in r.stderr
 
 
+def test_warmup_runs_unless_turned_off_and_changes_no_text(llm):
+    """llama-cli's warmup run (default on, --no-warmup off): a throwaway generation before the
+    prompt's; the text is the same either way."""
+    warm = run_cli("-p", FRANCE["prompt"], "-n", "8", *BASE)
+    cold = run_cli("-p", FRANCE["prompt"], "-n", "8", "--no-warmup", *BASE)
+    assert warm.returncode == 0 and cold.returncode == 0, (warm.stderr, cold.stderr)
+    assert re.search(r"main: warmup [\d.]+ s", warm.stderr), warm.stderr
+    assert "main: warmup" not in cold.stderr
+    assert warm.stdout == cold.stdout and warm.stdout.startswith(FRANCE["prompt"])
+
+
 def test_the_default_model_speculates_with_its_embedded_drafter(llm):
     """No -m: the embedded DSpark drafter drafts (2 per round), the greedy text is plain
     decoding's, and the perf lines report the prompt and the acceptance; sampling drafts too;
