@@ -121,10 +121,10 @@ class Loaded:
     def warm_up(self) -> None:
         """llama-server's warmup run (--no-warmup skips it): a short greedy request through the
         target and the drafter before the first client's."""
-        ids = self.tokenizer.encode("Hello", add_special=True) or [0]
-        seconds = self.scheduler.warmup(ids)
-        log.info("warmup: %.2f s (a %d-token prompt and 3 tokens; the weights %s, graphs "
-                 "planned; --no-warmup skips it)", seconds, len(ids),
+        ids, n = self.tokenizer.encode("Hello", add_special=True) or [0], 3
+        seconds = self.scheduler.warmup(ids, max_tokens=n)
+        log.info("warmup: %.2f s (a %d-token prompt and %d tokens; the weights %s, graphs "
+                 "planned; --no-warmup skips it)", seconds, len(ids), n,
                  "uploaded to the GPU" if self.backend == "cuda" else "read and packed")
 
     def log_summary(self) -> None:
