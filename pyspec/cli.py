@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 from . import __version__
 from .chat import ChatTemplate, ChatTemplateError, InvalidMessagesError
-from .cli_common import UserError, read_user_file
+from .cli_common import WARMUP_PROMPT, WARMUP_TOKENS, UserError, read_user_file
 from .sampling import SamplingParams
 
 _D = SamplingParams()
@@ -448,7 +448,7 @@ def _run(args) -> int:
     if args.warmup:
         # As llama-cli's warmup: each LLM call starts from an empty cache, so nothing of it stays.
         t0 = time.perf_counter()
-        llm.generate("Hello", max_tokens=3, temperature=0.0)
+        llm.generate(WARMUP_PROMPT, max_tokens=WARMUP_TOKENS, temperature=0.0)
         _log(f"main: warmup {time.perf_counter() - t0:.2f} s (--no-warmup skips it)")
     seed = args.seed if args.seed != -1 else secrets.randbits(32)
     _log(f"main: n_ctx = {llm.n_ctx}, n_batch = {llm.context.n_batch}, "

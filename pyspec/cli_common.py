@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Type, Union
 
+# The warmup request of pyspec-cli and pyspec-server (llama.cpp's warmup run): a short greedy
+# generation that does the one-time work (packing or uploading weights, graphs) before the first
+# real one.
+WARMUP_PROMPT = "Hello"
+WARMUP_TOKENS = 3
+
 
 class UserError(Exception):
     """A user-facing problem (bad flag value, unreadable file, ...): printed as one line, exit

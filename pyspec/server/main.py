@@ -121,7 +121,9 @@ class Loaded:
     def warm_up(self) -> None:
         """llama-server's warmup run (--no-warmup skips it): a short greedy request through the
         target and the drafter before the first client's."""
-        ids, n = self.tokenizer.encode("Hello", add_special=True) or [0], 3
+        from ..cli_common import WARMUP_PROMPT, WARMUP_TOKENS
+
+        ids, n = self.tokenizer.encode(WARMUP_PROMPT, add_special=True) or [0], WARMUP_TOKENS
         seconds = self.scheduler.warmup(ids, max_tokens=n)
         log.info("warmup: %.2f s (a %d-token prompt and %d tokens; the weights %s, graphs "
                  "planned; --no-warmup skips it)", seconds, len(ids), n,
