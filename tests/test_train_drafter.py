@@ -159,13 +159,17 @@ def randomize(drafter: DSparkDrafter, seed: int) -> DSparkDrafter:
     return drafter
 
 
-@pytest.mark.parametrize("which", ["trained", "random"])
+@pytest.mark.parametrize("which", ["trained", "random", "last-layer"])
 def test_torch_drafter_equals_engine_drafter(smoke_run, tmp_path, which):
+    """The engine's drafting pass equals the torch reference's; "last-layer" also reads the
+    target's last layer output (layer input n_layer), which the graph records apart."""
     run, target_path = smoke_run
     drafter = DSparkDrafter.load_hf(run / "hf")
     gguf_path = run / "drafter-f32.gguf"
     target = TargetModel.from_gguf(str(target_path))
-    if which == "random":
+    if which == "last-layer":
+        drafter = drafter.add_target_layers([target.hp.n_layer])
+    if which != "trained":
         randomize(drafter, 7)
         hf = drafter.save_hf(tmp_path / "hf", head=target.head)
         gguf_path = tmp_path / "drafter.gguf"
@@ -218,7 +222,7 @@ def test_torch_drafter_equals_engine_drafter(smoke_run, tmp_path, which):
         assert prev in set(d2t.tolist())
     assert rel_err(out["logits"][:, d2t], logits.detach().numpy()) < tol
     np.testing.assert_allclose(out["confidence"], conf, atol=tol)
-    if which == "random":
+    if which != "trained":
         np.testing.assert_array_equal(out["tokens"], ref["tokens"].numpy())
 
 
@@ -803,6 +807,51 @@ def test_grown_markov_head_computes_the_same_and_trains_its_new_columns(smoke, t
                      "--no-progress", "--data", str(smoke / "data"), "--init-from",
                      str(out / "hf"), "--markov-rank", str(r)]) == 2
     assert "grow, not shrink" in capsys.readouterr().err
+
+
+def test_added_target_layer_computes_the_same_and_trains_its_fc_columns(smoke, tmp_path, capsys):
+    """--init-from --target-layers (the checkpoint's ids, then new ones, here the last layer's
+    output n_layer): fc's new columns start at zero, so the drafter's logits equal the
+    checkpoint's whatever the new feature holds; training then moves those columns; the engine
+    loads the converted GGUF and drafts from the wider features; ids that change or drop the
+    checkpoint's are refused."""
+    from pyspec.train.from_gguf import load_drafter_gguf
+    target = str(smoke / "smoke-target.gguf")
+    src = DSparkDrafter.load_hf(smoke / "hf")
+    tm = TargetModel.from_gguf(target)
+    have, last = list(src.c.target_layers), tm.hp.n_layer
+    assert last not in have
+    wide = src.add_target_layers([last])
+    assert wide.c.target_layers == have + [last]
+    tokens = torch.randint(0, tm.hp.n_vocab, (1, 40), generator=torch.Generator().manual_seed(0))
+    _, inp = tm(tokens, layers=have + [last], logits=False)
+    anchors = torch.tensor([[3, 10, 20]])
+    la = src(torch.cat([inp[l] for l in have], -1), tokens, anchors, tm.embedding, tm.head)["logits"]
+    lb = wide(torch.cat([inp[l] for l in have + [last]], -1), tokens, anchors, tm.embedding,
+              tm.head)["logits"]
+    torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
+    for bad in ([have[0]], []):
+        with pytest.raises(ValueError):
+            src.add_target_layers(bad)
+
+    out = tmp_path / "wide"
+    ids = ",".join(map(str, have + [last]))
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "hf"),
+                     "--target-layers", ids, "--steps", "6", "--save-every", "3"]) == 0
+    trained = torch.load(out / "train_state.pt", weights_only=False)["drafter"]
+    n_old = src.fc.weight.shape[1]
+    assert trained["fc.weight"].shape[1] == n_old + src.c.hidden_size
+    assert float(trained["fc.weight"][:, n_old:].abs().max()) > 0
+    path = out / "drafter-f32.gguf"
+    assert load_drafter_gguf(path).c.target_layers == have + [last]
+    d = _core.DraftModel(str(path), _core.Model(target))
+    assert list(d.target_layers) == have + [last]
+    changed = ",".join(map(str, [last] + have[1:]))
+    assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "changed"),
+                     "--no-progress", "--data", str(smoke / "data"), "--init-from",
+                     str(smoke / "hf"), "--target-layers", changed]) == 2
+    assert "can grow, not change" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])

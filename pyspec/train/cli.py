@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafter layers (default 3; with --init-from the checkpoint's, or more: "
                         "the added layers start as identities and the trained ones are kept)")
     p.add_argument("--target-layers", default="auto",
-                   help="'auto' or comma-separated GGUF layer-input ids (0 = embeddings)")
+                   help="'auto' or comma-separated GGUF layer-input ids (0 = embeddings, "
+                        "n_layer = the last layer's output); with --init-from, the checkpoint's "
+                        "ids first, then ids to add (their fc columns start at zero)")
     p.add_argument("--markov-rank", type=int, default=None,
                    help="rank of the Markov head's bigram bias (default 128; with --init-from "
                         "the checkpoint's, or more: the trained columns are kept and the new "

@@ -188,6 +188,30 @@ class DSparkDrafter(torch.nn.Module):
                 l.down_proj.weight.zero_()
         return m
 
+    def add_target_layers(self, extra: List[int]) -> "DSparkDrafter":
+        """A copy that also reads the target's layer inputs `extra`, appended after this
+        drafter's (the GGUF order is the features' order): fc's columns for the new segments
+        start at zero, so the copy computes exactly what this drafter does and training starts
+        from there. Why: a trained drafter can be given a feature it lacked, e.g. the last
+        layer's output (input n_layer), without losing what it learned (--init-from
+        --target-layers)."""
+        extra = [int(t) for t in extra]
+        if not extra or len(set(extra)) != len(extra) or set(extra) & set(self.c.target_layers):
+            raise ValueError(f"add target layers {extra}: they must be new and distinct (the "
+                             f"drafter reads {self.c.target_layers})")
+        c = DrafterConfig(**{**self.c.__dict__, "target_layers": list(self.c.target_layers) + extra})
+        m = DSparkDrafter(c).to(self.markov_w1.device)
+        if self.d2t is not None:
+            m.set_d2t(self.d2t)
+        sd = {k: v for k, v in self.state_dict().items() if k != "fc.weight"}
+        missing, unexpected = m.load_state_dict(sd, strict=False)
+        assert missing == ["fc.weight"] and not unexpected, (missing, unexpected)
+        with torch.no_grad():
+            n_old = self.fc.weight.shape[1]
+            m.fc.weight.zero_()
+            m.fc.weight[:, :n_old].copy_(self.fc.weight)
+        return m
+
     def grow_markov(self, rank: int, generator: Optional[torch.Generator] = None) -> "DSparkDrafter":
         """A copy whose Markov head has rank `rank` (more than this drafter's): the trained
         columns of markov_w1 and markov_w2 are kept; the new columns of markov_w2 and the

@@ -285,6 +285,15 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
                 f"{opt.markov_rank} (the new columns start without effect)")
             drafter = drafter.grow_markov(opt.markov_rank,
                                           torch.Generator().manual_seed(opt.seed + 17))
+        if opt.target_layers != "auto" and layers != drafter.c.target_layers:
+            have = drafter.c.target_layers
+            if layers[:len(have)] != have or len(layers) == len(have):
+                raise ValueError(f"--target-layers {','.join(map(str, layers))}: {opt.init_from} "
+                                 f"reads {','.join(map(str, have))}; list those first, then the "
+                                 f"layers to add (a drafter's features can grow, not change)")
+            log(f"{opt.init_from} also reads layer inputs {layers[len(have):]} (fc's new "
+                f"columns start at zero)")
+            drafter = drafter.add_target_layers(layers[len(have):])
         if opt.block_size is not None and opt.block_size != drafter.c.block_size:
             log(f"block size {drafter.c.block_size} of {opt.init_from} becomes {opt.block_size}")
             drafter.c.block_size = opt.block_size
