@@ -56,15 +56,18 @@ def default_drafter_path() -> Optional[str]:
 
 
 # Where the embedded drafter drafts when the user did not ask for speculation: on the CPU (the
-# speed-ups above), where its quantized kernels are AVX-512 VNNI; not on CPUs with AVX2 kernels
-# only, where a 3-row verify pass costs 1.9 plain steps (against 1.2 with VNNI, whose dpbusd does
-# the 4-bit and 8-bit products in one instruction) and the drafter loses (2026-12-01, an x86-64-v3
-# build of this 2-core EPYC, n_max 2, greedy: chat x0.88, code x0.99, prose x0.78); not on the GPU,
-# where a plain step of this model is ~0.64 ms and the drafter gains on code only (H200, n_max 2,
-# greedy: chat x1.01, code x1.21, prose x1.04). README, "GPU". --spec-type draft-dspark (or
-# --draft-max / --spec-draft-n-max) turns it on anywhere.
+# speed-ups above), where its quantized kernels multiply bytes with VNNI's dpbusd, 512-bit
+# (AVX-512 VNNI) or 256-bit (AVX-VNNI, or AVX-512 VNNI without AVX512BW: "avx2+vnni"); not on CPUs
+# with plain AVX2 kernels, where maddubs + madd take three instructions for dpbusd's one, a 3-row
+# verify pass costs 1.3-1.9 plain steps and the drafter loses on chat (2026-12-01/02, x86-64-v3
+# builds of this 2-core EPYC, n_max 2, greedy: chat x0.87-0.92, code x0.99-1.20, prose x0.78-1.09,
+# against x0.99-1.10 / x1.34 / x1.07-1.09 with 256-bit VNNI in the same runs;
+# bench/bench_isa_builds.py); not on the GPU, where a plain step of this model is ~0.64 ms and the
+# drafter gains on code only (H200, n_max 2, greedy: chat x1.01, code x1.21, prose x1.04).
+# README, "GPU". --spec-type draft-dspark (or --draft-max / --spec-draft-n-max) turns it on
+# anywhere.
 EMBEDDED_DRAFTER_BACKENDS = ("cpu",)
-EMBEDDED_DRAFTER_CPU_KERNELS = ("avx512vnni",)
+EMBEDDED_DRAFTER_CPU_KERNELS = ("avx512vnni", "avx2+vnni")
 
 
 def embedded_drafter_by_default(backend: str) -> bool:

@@ -34,7 +34,7 @@ struct QuantTraits<DType::Q8_0> {
     using Act = BlockQ8_0Sum;
     static constexpr size_t kBlockBytes = sizeof(BlockQ8_0);
     static constexpr size_t kQsOffset = 2;
-    static constexpr int kBiasShift = 7;  // bias 128 (VNNI path only)
+    static constexpr int kBiasShift = 7;  // bias 128 (VNNI paths only)
 };
 template <>
 struct QuantTraits<DType::Q4_0> {
@@ -89,7 +89,7 @@ constexpr int kPanelRows = 8;
 static_assert(kPackedPanelRows % kPanelRows == 0, "a packed panel is whole kernel panels");
 constexpr size_t kPackedVecBytes = 4 * kPanelRows;  // 16 quant bytes of each of a quarter of the rows
 constexpr int64_t kPackedCachedTiles = 4;           // packed_dot_rows caches unpacked panels past this many tiles
-#if PYSPEC_AVX512VNNI
+#if PYSPEC_AVX512VNNI || PYSPEC_AVX2VNNI
 constexpr uint8_t kPackedQ8Bias = 0x80;
 #else
 constexpr uint8_t kPackedQ8Bias = 0;
@@ -213,12 +213,29 @@ inline __m256i load_2x128(const uint8_t* p0, const uint8_t* p1) {
     return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0));
 }
 
-// One block of an 8-row panel. Q8_0 quants stay signed (lo/hi) next to their magnitudes
-// (abs_lo/abs_hi) for maddubs' unsigned x signed product, which must not overflow int16.
+// One block of an 8-row panel. Without VNNI, Q8_0 quants stay signed (lo/hi) next to their
+// magnitudes (abs_lo/abs_hi) for maddubs' unsigned x signed product, which must not overflow
+// int16; with 256-bit VNNI they are biased by 128 as in the AVX-512 kernel (dpbusd sums four
+// products into int32 at once, so there is no int16 step to overflow).
 struct Panel {
-    __m256i lo[4], hi[4], abs_lo[4], abs_hi[4];
+    __m256i lo[4], hi[4];
+#if !PYSPEC_AVX2VNNI
+    __m256i abs_lo[4], abs_hi[4];
+#endif
     __m256 d, m;
 };
+
+#if PYSPEC_AVX2VNNI
+// acc + the sums of four u8 x s8 products per int32 lane: the same exact integers as maddubs +
+// madd (which never saturate on these operands), in one instruction instead of three.
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
 
 inline __m256 fp16_lanes_to_float(__m256i hdr, int byte) {  // the fp16 at byte 0 or 2 of each dword
     const __m256i pick = byte == 0 ? _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9,
@@ -236,8 +253,14 @@ inline void load_panel(const uint8_t* blk, const size_t* off, Panel& p) {
         if constexpr (T == DType::Q8_0) {
             p.lo[i] = load_2x128(blk + off[i] + q, blk + off[4 + i] + q);
             p.hi[i] = load_2x128(blk + off[i] + q + 16, blk + off[4 + i] + q + 16);
+#if PYSPEC_AVX2VNNI
+            const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+            p.lo[i] = _mm256_xor_si256(bias, p.lo[i]);
+            p.hi[i] = _mm256_xor_si256(bias, p.hi[i]);
+#else
             p.abs_lo[i] = _mm256_abs_epi8(p.lo[i]);
             p.abs_hi[i] = _mm256_abs_epi8(p.hi[i]);
+#endif
         } else {
             const __m256i nib = _mm256_set1_epi8(0x0f);
             const __m256i v = load_2x128(blk + off[i] + q, blk + off[4 + i] + q);
@@ -256,8 +279,11 @@ template <DType T>
 inline __m256i panel_block_sums(const Panel& p, const typename QuantTraits<T>::Act& a) {
     const __m256i alo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.qs)));
     const __m256i ahi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.qs + 16)));
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i s[4];
+#if PYSPEC_AVX2VNNI
+    for (int i = 0; i < 4; ++i) s[i] = dpbusd256(dpbusd256(_mm256_setzero_si256(), p.lo[i], alo), p.hi[i], ahi);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int i = 0; i < 4; ++i) {
         if constexpr (T == DType::Q8_0) {
             const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(p.abs_lo[i], _mm256_sign_epi8(alo, p.lo[i])), ones);
@@ -268,10 +294,16 @@ inline __m256i panel_block_sums(const Panel& p, const typename QuantTraits<T>::A
                 _mm256_add_epi16(_mm256_maddubs_epi16(p.lo[i], alo), _mm256_maddubs_epi16(p.hi[i], ahi)), ones);
         }
     }
+#endif
     const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
     const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
     __m256i sums = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
-    if constexpr (T == DType::Q4_0) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(a.sum * 8));
+#if PYSPEC_AVX2VNNI
+    constexpr bool kBiased = QuantTraits<T>::kBiasShift >= 0;  // Q8_0 (128) and Q4_0 (8)
+#else
+    constexpr bool kBiased = T == DType::Q4_0;  // maddubs takes Q8_0's signs apart
+#endif
+    if constexpr (kBiased) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(a.sum * (1 << QuantTraits<T>::kBiasShift)));
     return sums;
 }
 
@@ -315,8 +347,10 @@ inline void load_packed_panel(const uint8_t* pb, Panel& p) {
         if constexpr (T == DType::Q8_0) {
             p.lo[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + q + kPackedVecBytes * i));
             p.hi[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + q + 4 * kPackedVecBytes + kPackedVecBytes * i));
+#if !PYSPEC_AVX2VNNI
             p.abs_lo[i] = _mm256_abs_epi8(p.lo[i]);
             p.abs_hi[i] = _mm256_abs_epi8(p.hi[i]);
+#endif
         } else {
             const __m256i nib = _mm256_set1_epi8(0x0f);
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + q + kPackedVecBytes * i));
@@ -610,6 +644,8 @@ const char* kernel_isa() {
     return "avx512vnni";
 #elif PYSPEC_AVX512
     return "avx512 (quantized dots: avx2)";
+#elif PYSPEC_AVX2VNNI
+    return "avx2+vnni";
 #elif PYSPEC_AVX2
     return "avx2";
 #else

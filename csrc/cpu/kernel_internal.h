@@ -28,6 +28,12 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PYSPEC_AVX2 1
+// 256-bit VNNI (vpdpbusd on ymm registers) for the AVX2 quantized kernels: AVX-VNNI (Intel's
+// client cores since Alder Lake, VEX-encoded) or AVX-512 VNNI with VL (EVEX-encoded) where the
+// 512-bit kernels are not built (no AVX512BW).
+#if !defined(PYSPEC_AVX512VNNI) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define PYSPEC_AVX2VNNI 1
+#endif
 #endif
 
 namespace pyspec {
