@@ -219,7 +219,9 @@ class SpeculativeGenerator:
         self.verify = verify
         self.layers = [int(x) for x in drafter.model.target_layers]
         self.offset = int(drafter.model.draft_offset)
-        self.block_size = int(drafter.model.block_size)
+        # The whole trained block, or for a drafter trained on cut blocks just the rows a round
+        # drafts (DraftHparams::block_rows), as the engine decodes it.
+        self.block_size = int(drafter.model.block_rows(self.draft_n_max + self.offset))
 
     def method(self, params: SamplingParams) -> str:
         if params.greedy:

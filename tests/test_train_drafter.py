@@ -38,6 +38,17 @@ def probe_logits(target, *drafters):
     return [d(feats, tokens, anchors, tm.embedding, tm.head)["logits"] for d in drafters]
 
 
+def run_greedy(engine, prompt, n):
+    """(tokens, final stats) of one greedy request run alone on a SpecEngine."""
+    engine.add_request(0, prompt, max_tokens=n, temperature=0.0, verify="greedy")
+    out, stats = [], None
+    while engine.n_requests:
+        for o in engine.step():
+            out += o["tokens"]
+            stats = o["stats"] if o["finished"] else stats
+    return out, stats
+
+
 def rel_err(got, ref):
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     return float(np.max(np.abs(got - ref)) / np.std(ref))
@@ -657,23 +668,14 @@ def test_engine_simulation_matches_the_engine(smoke):
     dm = _core.DraftModel(str(smoke / "drafter-f32.gguf"), model)
     n_max, n_tok = drafter.c.block_size, 40
 
-    def run(engine, p, n):
-        engine.add_request(0, p, max_tokens=n, temperature=0.0, verify="greedy")
-        out, stats = [], None
-        while engine.n_requests:
-            for o in engine.step():
-                out += o["tokens"]
-                stats = o["stats"] if o["finished"] else stats
-        return out, stats
-
     spec = _core.SpecEngine(model, dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
                             draft_n_max=n_max)
     plain = _core.SpecEngine(model, None, n_ctx=512, n_seq_max=1, n_threads=2)
     total = {"engine": [0, 0], "sim": [0, 0]}
     for p in ([1, 17, 42, 99, 5], [1, 230, 64, 7], [1, 3, 3, 3, 9, 12]):
         # the greedy sequence, longer than the speculative run so its last round sees drafts
-        seq = p + run(plain, p, n_tok + n_max + 1)[0]
-        out, st = run(spec, p, n_tok)
+        seq = p + run_greedy(plain, p, n_tok + n_max + 1)[0]
+        out, st = run_greedy(spec, p, n_tok)
         assert out == seq[len(p):len(p) + n_tok]
         tokens, lengths = _batch([seq], [0], torch.device("cpu"))
         feats, t_logits = target_features(tm, tokens, lengths, drafter.c.target_layers)
@@ -852,6 +854,85 @@ def test_added_target_layer_computes_the_same_and_trains_its_fc_columns(smoke, t
                      "--no-progress", "--data", str(smoke / "data"), "--init-from",
                      str(smoke / "hf"), "--target-layers", changed]) == 2
     assert "can grow, not change" in capsys.readouterr().err
+
+
+def test_cut_blocks_train_and_draft_as_the_engine_decodes_them(smoke, tmp_path, capsys):
+    """--block-size-min N: training also sees blocks cut to N..K-1 rows, whose masks match a
+    drafting pass over that many rows (the trailing mask slots invisible); the checkpoint and its
+    GGUF carry N (pyspec.drafter.block_size_min) and the engine then decodes just the rows a
+    round drafts, so its acceptance is the simulation's over cut blocks, and stays lossless;
+    an N outside 1..K-1 is refused."""
+    import pyspec
+    from pyspec.train.from_gguf import load_drafter_gguf
+    from pyspec.train.loop import _batch, target_features
+    from pyspec.train.validation import Validator, simulate_rounds
+    target = str(smoke / "smoke-target.gguf")
+    tm = TargetModel.from_gguf(target)
+    src = randomize(DSparkDrafter.load_hf(smoke / "hf"), 3).eval()
+    K = src.c.block_size
+    # the training mask of a cut block is the drafting pass over that many rows
+    tokens = torch.randint(0, tm.hp.n_vocab, (1, 40), generator=torch.Generator().manual_seed(0))
+    _, inp = tm(tokens, layers=src.c.target_layers, logits=False)
+    feats = torch.cat([inp[l] for l in src.c.target_layers], -1)
+    anchors = torch.tensor([[12, 20]])
+    with torch.no_grad():
+        cut = src(feats, tokens, anchors, tm.embedding, tm.head, torch.tensor([[3, 5]]))["h"]
+        whole = src(feats, tokens, anchors, tm.embedding, tm.head)["h"]
+    for a, n in ((0, 3), (1, 5)):
+        pos0 = int(anchors[0, a])
+        ref = src.draft_block(feats[0, :pos0], int(tokens[0, pos0]), pos0, n, tm.embedding, tm.head)
+        torch.testing.assert_close(cut[0, a, :n], ref["hidden"], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(cut[0, 0, :3], whole[0, 0, :3], atol=1e-3)   # the mask matters
+
+    out = tmp_path / "cut"
+    assert cli.main(["--smoke", "--target", target, "--out", str(out), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "hf"),
+                     "--block-size-min", "2", "--steps", "6", "--save-every", "3"]) == 0
+    assert DSparkDrafter.load_hf(out / "hf").c.block_size_min == 2
+    path = out / "drafter-f32.gguf"
+    assert load_drafter_gguf(path).c.block_size_min == 2
+    model = _core.Model(target)
+    dm = _core.DraftModel(str(path), model)
+    assert (dm.block_size_min, dm.block_rows(1), dm.block_rows(3), dm.block_rows(K + 4)) == (2, 2, 3, K)
+    whole_dm = _core.DraftModel(str(smoke / "drafter-f32.gguf"), model)
+    assert (whole_dm.block_size_min, whole_dm.block_rows(2)) == (0, K)
+
+    # the engine at n_max 2 decodes 2-row blocks: its acceptance is the simulation's over them
+    drafter = DSparkDrafter.load_hf(out / "hf").eval()
+    n_max, n_tok = 2, 40
+
+    spec = _core.SpecEngine(model, dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
+                            draft_n_max=n_max)
+    assert spec.draft_block_rows == n_max
+    assert _core.SpecEngine(model, whole_dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
+                            draft_n_max=n_max).draft_block_rows == K
+    plain = _core.SpecEngine(model, None, n_ctx=512, n_seq_max=1, n_threads=2)
+    eng, sim = [0, 0], [0, 0]
+    for p in ([1, 17, 42, 99, 5], [1, 230, 64, 7], [1, 3, 3, 3, 9, 12]):
+        seq = p + run_greedy(plain, p, n_tok + n_max + 1)[0]
+        got, st = run_greedy(spec, p, n_tok)
+        assert got == seq[len(p):len(p) + n_tok]
+        tok, lens = _batch([seq], [0], torch.device("cpu"))
+        f, t_logits = target_features(tm, tok, lens, drafter.c.target_layers)
+        (h,) = Validator.continuation_hits(drafter, f, t_logits, tok, lens, [len(p)], tm.embedding,
+                                           tm.head, None, K, torch.device("cpu"), block_len=n_max)
+        rounds, acc = simulate_rounds(h, n_max, max_tokens=n_tok)
+        eng[0] += st["n_rounds"]
+        eng[1] += st["draft_n_accepted"]
+        sim[0] += rounds
+        sim[1] += acc
+    assert eng[1] > 0
+    assert abs(sum(eng) / eng[0] - sum(sim) / sim[0]) < 0.02, (eng, sim)
+    # the Python loop decodes the same rows, and both stay lossless
+    ids = [1, 17, 42, 99, 5, 230, 64]
+    a = pyspec.LLM(target, n_ctx=256).generate(ids, max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = pyspec.LLM(target, n_ctx=256, draft_model=str(path), draft_n_max=2)
+    assert llm.speculative.block_size == 2
+    assert llm.generate(ids, max_tokens=30, temperature=0.0, ignore_eos=True) == a
+    assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "bad"), "--no-progress",
+                     "--data", str(smoke / "data"), "--init-from", str(smoke / "hf"),
+                     "--block-size-min", str(K)]) == 2
+    assert "--block-size-min" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])

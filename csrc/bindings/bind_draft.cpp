@@ -120,6 +120,9 @@ void bind_draft(py::module_& m) {
              }),
              py::arg("path"), py::arg("target_model"), py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("block_size", [](const DraftModel& d) { return d.hparams().block_size; })
+        .def_property_readonly("block_size_min", [](const DraftModel& d) { return d.hparams().block_size_min; })
+        .def("block_rows", [](const DraftModel& d, int64_t n_slots) { return d.hparams().block_rows(n_slots); },
+             py::arg("n_slots"), "rows a pass decodes when its first n_slots slots come out")
         .def_property_readonly("target_layers", [](const DraftModel& d) { return d.hparams().target_layers; })
         .def_property_readonly("mask_token_id", [](const DraftModel& d) { return d.hparams().mask_token_id; })
         .def_property_readonly("n_layer", [](const DraftModel& d) { return d.hparams().n_layer; })

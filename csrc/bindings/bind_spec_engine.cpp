@@ -200,6 +200,9 @@ void bind_spec_engine(py::module_& m) {
              "Drops the prompt cache of an idle target sequence (-1: every idle one); a busy one raises.")
         .def("draft_n_rows", [](const SpecEngine& e, int32_t slot) { return e.draft_context().n_rows(slot); })
         .def_property_readonly("draft_n_max", &SpecEngine::draft_n_max)
+        .def_property_readonly("draft_block_rows", &SpecEngine::draft_block_rows,
+                               "rows each drafting pass decodes: the drafter's block, or fewer for "
+                               "one trained on cut blocks (pyspec.drafter.block_size_min)")
         .def_property_readonly("window", [](const SpecEngine& e) { return e.draft_context().window(); })
         .def("draft_pos_base", [](const SpecEngine& e, int32_t slot) { return e.draft_context().pos_base(slot); })
         .def_property_readonly("draft_max_pos_written", [](const SpecEngine& e) { return e.draft_context().max_pos_written(); })

@@ -133,6 +133,7 @@ void DraftModel::load_hparams() {
     }
     hp_.n_vocab = th.n_vocab;
     hp_.block_size = f.get_int_or(k + "block_size", 16);
+    hp_.block_size_min = f.get_int_or("pyspec.drafter.block_size_min", 0);
     const int64_t mask = f.get_int("tokenizer.ggml.mask_token_id");
     if (mask < 0 || mask >= th.n_vocab) {
         throw std::invalid_argument("drafter mask_token_id " + std::to_string(mask) + " is outside the target vocabulary (" +
@@ -288,6 +289,11 @@ void DraftModel::load_weights() {
     if (hp_.block_size < 1 || hp_.n_draft_max() < 1) {
         throw std::invalid_argument("drafter dflash.block_size " + std::to_string(hp_.block_size) +
                                     " leaves no draft slot in its block layout");
+    }
+    if (hp_.block_size_min < 0 || hp_.block_size_min >= hp_.block_size) {
+        throw std::invalid_argument("drafter pyspec.drafter.block_size_min " + std::to_string(hp_.block_size_min) +
+                                    " must be 0 (whole blocks) or below dflash.block_size " +
+                                    std::to_string(hp_.block_size));
     }
 }
 

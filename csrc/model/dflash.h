@@ -10,6 +10,7 @@
 //   shift:     moves cached rows down by `delta` positions and re-rotates K (window rebase)
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,10 @@ struct DraftHparams {
     float embedding_scale = 1.0f; // dflash.embedding_scale
     std::vector<int> target_layers;  // target layer-input ids (0 = embeddings)
     int64_t block_size = 16;
+    // pyspec.drafter.block_size_min (pyspec-train-drafter --block-size-min): the drafter was also
+    // trained on blocks cut to this many rows or more, so a round may decode just the rows it
+    // drafts; 0: whole blocks only (every other drafter), which the engine then always decodes.
+    int64_t block_size_min = 0;
     int32_t mask_token_id = 0;
     bool causal = false;             // dflash.attention.causal: causal within the block
     bool is_dspark = false;          // markov_w1.weight present
@@ -49,6 +54,13 @@ struct DraftHparams {
     int draft_offset() const { return is_dspark && sample_from_anchor ? 0 : 1; }
     // Most drafts per block: block_size (DSpark anchor-first) or block_size - 1.
     int64_t n_draft_max() const { return block_size - draft_offset(); }
+    // The rows a pass decodes when its first n_slots slots (the drafts' and, for bonus-anchor
+    // layouts, the anchor's) come out: the whole block, or for a drafter trained on cut blocks
+    // just those rows (at least block_size_min).
+    int64_t block_rows(int64_t n_slots) const {
+        if (block_size_min <= 0) return block_size;
+        return std::min(block_size, std::max(block_size_min, n_slots));
+    }
 };
 
 struct DraftLayerWeights {

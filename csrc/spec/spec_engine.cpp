@@ -83,6 +83,7 @@ SpecEngine::SpecEngine(const Model& target, const DraftModel* drafter, const Spe
     draft_n_max_ = std::min<int64_t>(hp.n_draft_max(), params_.n_batch - 1);
     if (params_.draft_n_max >= 0) draft_n_max_ = std::min(draft_n_max_, params_.draft_n_max);
     draft_n_max_ = std::max<int64_t>(draft_n_max_, 0);
+    draft_block_ = hp.block_rows(draft_n_max_ + offset_);
 }
 
 const DraftContext& SpecEngine::draft_context() const {
@@ -376,7 +377,10 @@ void SpecEngine::draft(const std::vector<std::pair<Request*, int32_t>>& todo) {
     // pass drafts every request, and batch invariance (invariant 7) makes each block what
     // drafting it alone would give -- which is also why, when the pass fails, drafting each
     // request alone finds the one that failed without changing anyone else's drafts.
-    const int64_t block = drafter_->hparams().block_size;
+    // A drafter trained on cut blocks too (pyspec.drafter.block_size_min) decodes just the rows
+    // this engine's rounds draft (draft_block_): every round the same block, so the above holds
+    // as well.
+    const int64_t block = draft_block_;
     // The engine reads the draft slots' tokens, q and confidences: a DSpark pass gives them
     // without the sampling chains (DraftContext::draft_many), unless its chains would break an
     // ARGMAX tie another way (a d2t that does not keep the vocabulary's order). DFlash prunes

@@ -200,6 +200,8 @@ public:
     int64_t cached_prefix(int32_t seq, const std::vector<int32_t>& tokens) const;
     void clear_cache(int32_t seq);
     int64_t draft_n_max() const { return draft_n_max_; }
+    // Rows each drafting pass decodes (DraftHparams::block_rows of the rounds' slots).
+    int64_t draft_block_rows() const { return draft_block_; }
     int64_t steps() const { return step_; }
     // Steps launched ahead (SpecEngineParams::decode_ahead) so far, and whether one is in flight.
     int64_t n_decoded_ahead() const { return n_decoded_ahead_; }
@@ -340,6 +342,7 @@ private:
     int64_t n_vocab_ = 0;
     int64_t draft_n_max_ = 0;
     int64_t offset_ = 0;
+    int64_t draft_block_ = 0;
     int64_t step_ = 0;
     PhaseTimes phase_times_;
     struct Ahead {

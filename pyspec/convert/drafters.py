@@ -38,6 +38,9 @@ DSPARK_ARCHS = ("DSparkDraftModel", "Qwen3DSparkModel", "DSparkSpeculator")
 DRAFTER_ARCHS = DFLASH_ARCHS + DSPARK_ARCHS
 MASK_EMBEDDING_FILES = ("mask_embedding.safetensors", "mask_embedding.npy", "mask_embedding.pt")
 MASK_KEY = gguf.Keys.Tokenizer.MASK_ID
+# pyspec's own key: the drafter was trained on blocks cut to this many rows or more too, so the
+# engine may decode just the rows a round drafts (pyspec.train: --block-size-min).
+BLOCK_SIZE_MIN_KEY = "pyspec.drafter.block_size_min"
 
 
 @dataclass
@@ -240,6 +243,8 @@ def plan_drafter(model_dir: Path, config: dict, hf_arch: str, name: str,
     add_hparams(plan, "dflash", hp, key_length=True)
     plan.i32_array("dflash.target_layers", [lid + 1 for lid in layer_ids])
     plan.u32("dflash.block_size", cfg.opt("block_size", 16))
+    if cfg.opt("block_size_min"):   # pyspec-train-drafter --block-size-min; other engines ignore it
+        plan.u32(BLOCK_SIZE_MIN_KEY, int(cfg.opt("block_size_min")))
     plan.boolean("dflash.attention.causal",
                  bool(cfg.opt("causal", cfg.hp_cfg.get("is_causal", False))))
     if cfg.is_dspark:

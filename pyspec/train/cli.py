@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block length: the drafter's rows per pass, and its most drafts (default "
                         "7; with --init-from the checkpoint's unless given: no weight depends on "
                         "it, so a trained drafter can be retrained for a shorter, cheaper block)")
+    p.add_argument("--block-size-min", type=int, default=None, metavar="N",
+                   help="also train on blocks cut to N..block_size-1 rows (half the blocks), so "
+                        "pyspec's engine may decode just the rows a round drafts: a cheaper pass "
+                        "at small --spec-draft-n-max (0: whole blocks only, the default; other "
+                        "engines always decode whole blocks, which stay in training)")
     p.add_argument("--layers", type=int, default=None,
                    help="drafter layers (default 3; with --init-from the checkpoint's, or more: "
                         "the added layers start as identities and the trained ones are kept)")
@@ -154,6 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     opts = TrainOptions(
         target=args.target, out=str(args.out), steps=args.steps, block_size=args.block_size,
+        block_size_min=args.block_size_min,
         layers=args.layers, target_layers=args.target_layers, markov_rank=args.markov_rank,
         mask_token_id=args.mask_token_id, lr=args.lr, batch=args.batch, anchors=args.anchors,
         seq_len=args.seq_len, data_prompts=args.data_prompts, gen_batch=args.gen_batch,

@@ -42,6 +42,11 @@ class DrafterConfig:
     target_layers: List[int]          # GGUF convention: layer inputs (HF ids + 1)
     mask_token_id: int
     block_size: int = 7
+    # 0: the drafter was trained on whole blocks only, which the engine then always decodes. Else
+    # it was trained on blocks of every length from block_size_min to block_size (the trailing
+    # slots cut), so the engine may decode just the rows a round drafts (pyspec's GGUF key
+    # pyspec.drafter.block_size_min): a short round costs a short pass.
+    block_size_min: int = 0
     markov_rank: int = 128
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -71,6 +76,7 @@ class DrafterConfig:
             rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, hidden_act="silu",
             tie_word_embeddings=False, torch_dtype="float32",
             block_size=self.block_size, mask_token_id=self.mask_token_id,
+            **({"block_size_min": self.block_size_min} if self.block_size_min else {}),
             target_layer_ids=[int(t) - 1 for t in self.target_layers],
             markov_rank=self.markov_rank, markov_head_type="vanilla",
             sample_from_anchor=True, causal=False,
@@ -88,6 +94,7 @@ class DrafterConfig:
                    vocab_size=cfg["vocab_size"],
                    target_layers=[int(t) + 1 for t in cfg["target_layer_ids"]],
                    mask_token_id=cfg["mask_token_id"], block_size=cfg["block_size"],
+                   block_size_min=int(cfg.get("block_size_min") or 0),
                    markov_rank=cfg["markov_rank"], rms_norm_eps=cfg["rms_norm_eps"],
                    rope_theta=cfg["rope_theta"],
                    max_position_embeddings=cfg["max_position_embeddings"],
@@ -308,11 +315,14 @@ class DSparkDrafter(torch.nn.Module):
     # -- training: many anchors per sequence in one pass ---------------------------------------
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-                embedding: torch.Tensor, head: torch.Tensor) -> Dict[str, torch.Tensor]:
+                embedding: torch.Tensor, head: torch.Tensor,
+                block_lens: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         """feats [B, L, n_tl*E], tokens [B, L], anchors [B, A] (positions, each block fully inside
         the sequence or its tail slots ignored by the loss). Teacher-forced Markov predecessors:
-        prev_k = tokens[anchor + k]. Returns logits [B, A, K, V] (base + Markov bias), h, conf
-        logits [B, A, K] (or None)."""
+        prev_k = tokens[anchor + k]. block_lens [B, A] (optional): each block's length, its slots
+        from there on neither seen by the others nor meant to be used (the loss drops them), as
+        the engine decodes a shorter block. Returns logits [B, A, K, V] (base + Markov bias), h,
+        conf logits [B, A, K] (or None)."""
         c = self.c
         B, L = tokens.shape
         A, K = anchors.shape[1], c.block_size
@@ -329,6 +339,9 @@ class DSparkDrafter(torch.nn.Module):
         ctx_ok = ctx_ok[:, :, None, :].expand(B, A, K, L).reshape(B, A * K, L)
         same = torch.eye(A, dtype=torch.bool, device=dev)[:, None, :, None].expand(A, K, A, K)
         blk_ok = same.reshape(1, A * K, A * K).expand(B, A * K, A * K)
+        if block_lens is not None:   # key slot j of a block only where j < its length
+            key_in = (offs[None, None, :] < block_lens[:, :, None]).reshape(B, 1, A * K)
+            blk_ok = blk_ok & key_in
         mask = torch.cat([ctx_ok, blk_ok], -1)
         h = self.backbone(g, ctx_pos, x, blk_pos, mask).view(B, A, K, -1)
         base = h @ self.draft_head(head).T.to(h.dtype)

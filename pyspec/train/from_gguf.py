@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import torch
 
+from ..convert.drafters import BLOCK_SIZE_MIN_KEY
 from ..gguf_fields import field_value, open_gguf
 from .drafter import DrafterConfig, DSparkDrafter
 
@@ -119,6 +120,7 @@ def load_drafter_gguf(path: Path) -> DSparkDrafter:
         vocab_size=n_vocab, target_layers=[int(t) for t in need("dflash.target_layers")],
         mask_token_id=int(need("tokenizer.ggml.mask_token_id")),
         block_size=int(need("dflash.block_size")), markov_rank=int(w1.shape[1]),
+        block_size_min=int(value(BLOCK_SIZE_MIN_KEY, 0)),
         rms_norm_eps=float(need("dflash.attention.layer_norm_rms_epsilon")),
         rope_theta=float(value("dflash.rope.freq_base", 10000.0)),
         max_position_embeddings=int(value("dflash.context_length", 8192)),

@@ -43,6 +43,7 @@ class TrainOptions:
     out: str
     steps: int = 2000
     block_size: Optional[int] = None     # None: 7, or with init_from the checkpoint's
+    block_size_min: Optional[int] = None  # > 0: also train on blocks cut to this length or more
     layers: Optional[int] = None          # None: 3, or --init-from's checkpoint's
     target_layers: str = "auto"
     markov_rank: Optional[int] = None    # None: 128, or with init_from the checkpoint's (may grow)
@@ -297,6 +298,9 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
         if opt.block_size is not None and opt.block_size != drafter.c.block_size:
             log(f"block size {drafter.c.block_size} of {opt.init_from} becomes {opt.block_size}")
             drafter.c.block_size = opt.block_size
+        if opt.block_size_min is not None:
+            drafter.c.block_size_min = opt.block_size_min
+        check_block_size_min(drafter.c)
         c = drafter.c
         log(f"initialised from {opt.init_from}: {c.num_hidden_layers} layers, target layers "
             f"{c.target_layers}, mask token {c.mask_token_id}, draft vocabulary {c.vd} "
@@ -306,12 +310,14 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
                         num_hidden_layers=opt.layers or 3, num_attention_heads=hp.n_head,
                         num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim,
                         vocab_size=hp.n_vocab, target_layers=layers, mask_token_id=mask_id,
-                        block_size=opt.block_size or 7, markov_rank=opt.markov_rank or 128,
+                        block_size=opt.block_size or 7, block_size_min=opt.block_size_min or 0,
+                        markov_rank=opt.markov_rank or 128,
                         draft_vocab_size=len(d2t) if d2t is not None else 0,
                         rms_norm_eps=hp.rms_eps, rope_theta=hp.rope_freq_base,
                         max_position_embeddings=hp.n_ctx_train,
                         extra=dict(target=Path(opt.target).name, seq_len=opt.seq_len,
                                    mask_choice="rare control token (see pyspec.train)"))
+    check_block_size_min(cfg)
     drafter = DSparkDrafter(cfg)
     if cfg.reduced:
         drafter.set_d2t(d2t)
@@ -333,6 +339,25 @@ def validation_score(val: dict) -> float:
     validation has greedy sequences to simulate on, else the per-anchor proxy."""
     e = val.get("engine_len", math.nan)
     return e if math.isfinite(e) else val["accept_len"]
+
+
+def check_block_size_min(c) -> None:
+    if c.block_size_min and not 1 <= c.block_size_min < c.block_size:
+        raise ValueError(f"--block-size-min {c.block_size_min}: must be 1 to {c.block_size - 1} "
+                         f"for a block of {c.block_size} (0: whole blocks only)")
+
+
+def block_lengths(c, shape, gen: torch.Generator, device) -> Optional[torch.Tensor]:
+    """Each training block's length [B, A] for a drafter with block_size_min (else None): half
+    of the blocks whole, as every engine without pyspec's key decodes them, the other half cut
+    uniformly to block_size_min .. block_size - 1, as pyspec's engine decodes a round of fewer
+    drafts."""
+    if not c.block_size_min:
+        return None
+    K = c.block_size
+    cut = torch.randint(c.block_size_min, K, shape, generator=gen)
+    whole = torch.rand(shape, generator=gen) < 0.5
+    return torch.where(whole, torch.full(shape, K), cut).to(device)
 
 
 def block_size_of(opt: TrainOptions) -> int:
@@ -495,9 +520,11 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
             g["lr"] = lr_at(step, opt.steps, opt.lr, opt.warmup, time_frac)
         with torch.no_grad():
             feats, t_logits = target_features(target, tokens, lengths, layers)
+        blens = block_lengths(drafter.c, tuple(anchors.shape), gen, device)
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            res = drafter(feats, tokens, anchors, embedding, head)
-        losses = dspark_loss(res, t_logits, tokens, lengths, anchors, opt.gamma, token_weight)
+            res = drafter(feats, tokens, anchors, embedding, head, blens)
+        losses = dspark_loss(res, t_logits, tokens, lengths, anchors, opt.gamma, token_weight,
+                             blens)
         optim.zero_grad(set_to_none=True)
         losses["loss"].backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

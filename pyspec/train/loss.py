@@ -50,9 +50,11 @@ def word_piece_ids(tokenizer) -> List[int]:
 
 def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, tokens: torch.Tensor,
                 lengths: torch.Tensor, anchors: torch.Tensor, gamma: float = 4.0,
-                token_weight: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                token_weight: Optional[torch.Tensor] = None,
+                block_lens: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """out: DSparkDrafter.forward's dict; target_logits [B, L, V]; tokens [B, L]; lengths [B];
-    anchors [B, A]; token_weight [V] (optional): each slot's weight times its label's factor.
+    anchors [B, A]; token_weight [V] (optional): each slot's weight times its label's factor;
+    block_lens [B, A] (optional): the blocks' lengths, slots past them not counted.
     Returns loss and its parts (detached) plus per-slot acceptance proxies."""
     logits = out["logits"]                                     # [B, A, K, Vd] float32
     d2t = out.get("d2t")
@@ -62,6 +64,8 @@ def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, token
     offs = torch.arange(K, device=dev)
     pos = anchors[:, :, None] + offs                           # position of the slot's input
     valid = (pos + 1) < lengths[:, None, None]                 # label inside the sequence
+    if block_lens is not None:
+        valid = valid & (offs[None, None, :] < block_lens[:, :, None])
     pos_c = pos.clamp(max=L - 2)
     labels = torch.gather(tokens, 1, (pos_c + 1).reshape(B, -1)).view(B, A, K)
     t_logits = torch.gather(target_logits, 1, pos_c.reshape(B, -1, 1).expand(-1, -1, V))

@@ -136,12 +136,19 @@ class Validator:
 
     def _simulate(self, drafter, feats, t_logits, tokens, lengths, starts, emb, head, amp,
                   sim: Dict[str, int]) -> None:
-        """Adds the engine-simulated rounds of the batch's greedy sequences to sim."""
-        for h in self.continuation_hits(drafter, feats, t_logits, tokens, lengths, starts, emb,
-                                        head, amp, self.block_size, self.device):
-            for n_max, kr, ka in ((self.block_size, "rounds", "accepted"),
-                                  (3, "rounds_3", "accepted_3")):
-                rounds, acc = simulate_rounds(h, n_max)
+        """Adds the engine-simulated rounds of the batch's greedy sequences to sim. A drafter
+        trained on cut blocks (block_size_min) drafts 3 a round from a block of max(3, min)
+        rows, as the engine then decodes it."""
+        args = (drafter, feats, t_logits, tokens, lengths, starts, emb, head, amp, self.block_size,
+                self.device)
+        whole = self.continuation_hits(*args)
+        bmin = getattr(drafter.c, "block_size_min", 0)
+        short = self.continuation_hits(*args, block_len=max(3, bmin)) \
+            if bmin and max(3, bmin) < self.block_size else whole
+        for h, h3 in zip(whole, short):
+            for n_max, hits, kr, ka in ((self.block_size, h, "rounds", "accepted"),
+                                        (3, h3, "rounds_3", "accepted_3")):
+                rounds, acc = simulate_rounds(hits, n_max)
                 sim[kr] += rounds
                 sim[ka] += acc
             sim["seqs"] += 1
@@ -149,10 +156,11 @@ class Validator:
     @staticmethod
     @torch.no_grad()
     def continuation_hits(drafter, feats, t_logits, tokens, lengths, starts, emb, head, amp,
-                          K: int, device) -> List[np.ndarray]:
+                          K: int, device, block_len: Optional[int] = None) -> List[np.ndarray]:
         """For each greedy sequence of the batch, hits [n anchors, K]: the drafter run at every
         anchor the engine may draft from (the prompt's last token .. length - 2), slot k compared
-        with the target's argmax at anchor + k. starts: the prompt lengths."""
+        with the target's argmax at anchor + k. starts: the prompt lengths. block_len: blocks cut
+        to that many rows (slots past it never hit)."""
         argmax = t_logits.argmax(-1)                                   # [B, L]
         out = []
         for r, (ln, pl) in enumerate(zip(lengths.tolist(), starts)):
@@ -166,13 +174,16 @@ class Validator:
             for c0 in range(0, len(cont), ENGINE_CHUNK):
                 a = cont[c0:c0 + ENGINE_CHUNK][None]                     # [1, A]
                 with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                    res = drafter(feats[r:r + 1, :ln], tokens[r:r + 1, :ln], a, emb, head)
+                    blens = None if block_len is None else torch.full_like(a, block_len)
+                    res = drafter(feats[r:r + 1, :ln], tokens[r:r + 1, :ln], a, emb, head, blens)
                 drafted = res["logits"][0].argmax(-1)                    # [A, K]
                 if res.get("d2t") is not None:
                     drafted = res["d2t"].to(drafted.device)[drafted]
                 pos = a[0][:, None] + torch.arange(K, device=a.device)   # slot k reads pos a + k
                 inside = pos + 1 < ln
                 want = argmax[r, pos.clamp(max=ln - 1)]
+                if block_len is not None:
+                    inside = inside & (torch.arange(K, device=a.device) < block_len)[None]
                 hits.append(((drafted == want) & inside).cpu())
             out.append(torch.cat(hits).numpy())
         return out
