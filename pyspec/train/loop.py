@@ -288,7 +288,7 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
                                           torch.Generator().manual_seed(opt.seed + 17))
         if opt.target_layers != "auto" and layers != drafter.c.target_layers:
             have = drafter.c.target_layers
-            if layers[:len(have)] != have or len(layers) == len(have):
+            if layers[:len(have)] != have:   # (equal lists were excluded above: this one is longer)
                 raise ValueError(f"--target-layers {','.join(map(str, layers))}: {opt.init_from} "
                                  f"reads {','.join(map(str, have))}; list those first, then the "
                                  f"layers to add (a drafter's features can grow, not change)")

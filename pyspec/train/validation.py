@@ -142,7 +142,7 @@ class Validator:
         args = (drafter, feats, t_logits, tokens, lengths, starts, emb, head, amp, self.block_size,
                 self.device)
         whole = self.continuation_hits(*args)
-        bmin = getattr(drafter.c, "block_size_min", 0)
+        bmin = drafter.c.block_size_min
         short = self.continuation_hits(*args, block_len=max(3, bmin)) \
             if bmin and max(3, bmin) < self.block_size else whole
         for h, h3 in zip(whole, short):
