@@ -49,6 +49,34 @@ def run_greedy(engine, prompt, n):
     return out, stats
 
 
+def engine_against_simulation(model, dm, tm, drafter, n_max, block_len=None, n_tok=40):
+    """([rounds, accepted] of the C++ engine, the same of the validator's simulation) over three
+    greedy requests of the smoke target at n_max drafts a round; each speculative run must equal
+    plain decoding. block_len: the simulation's blocks cut to that many rows."""
+    from pyspec.train.loop import _batch, target_features
+    from pyspec.train.validation import Validator, simulate_rounds
+    spec = _core.SpecEngine(model, dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
+                            draft_n_max=n_max)
+    plain = _core.SpecEngine(model, None, n_ctx=512, n_seq_max=1, n_threads=2)
+    eng, sim = [0, 0], [0, 0]
+    for p in ([1, 17, 42, 99, 5], [1, 230, 64, 7], [1, 3, 3, 3, 9, 12]):
+        # the greedy sequence, longer than the speculative run so its last round sees drafts
+        seq = p + run_greedy(plain, p, n_tok + n_max + 1)[0]
+        got, st = run_greedy(spec, p, n_tok)
+        assert got == seq[len(p):len(p) + n_tok]
+        tokens, lengths = _batch([seq], [0], torch.device("cpu"))
+        feats, t_logits = target_features(tm, tokens, lengths, drafter.c.target_layers)
+        (h,) = Validator.continuation_hits(drafter, feats, t_logits, tokens, lengths, [len(p)],
+                                           tm.embedding, tm.head, None, drafter.c.block_size,
+                                           torch.device("cpu"), block_len=block_len)
+        rounds, acc = simulate_rounds(h, n_max, max_tokens=n_tok)
+        eng[0] += st["n_rounds"]
+        eng[1] += st["draft_n_accepted"]
+        sim[0] += rounds
+        sim[1] += acc
+    return eng, sim
+
+
 def rel_err(got, ref):
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     return float(np.max(np.abs(got - ref)) / np.std(ref))
@@ -659,39 +687,17 @@ def test_engine_simulation_matches_the_engine(smoke):
     """The validation's replay of greedy speculative decoding (simulate_rounds over the torch
     drafter's hits along a greedy sequence) gives the C++ engine's own rounds and accepted
     drafts for the same prompts."""
-    from pyspec.train.loop import _batch, target_features
-    from pyspec.train.validation import Validator, simulate_rounds
     target_path = smoke / "smoke-target.gguf"
     drafter = DSparkDrafter.load_hf(smoke / "hf").eval()
     tm = TargetModel.from_gguf(str(target_path))
     model = _core.Model(str(target_path))
     dm = _core.DraftModel(str(smoke / "drafter-f32.gguf"), model)
-    n_max, n_tok = drafter.c.block_size, 40
-
-    spec = _core.SpecEngine(model, dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
-                            draft_n_max=n_max)
-    plain = _core.SpecEngine(model, None, n_ctx=512, n_seq_max=1, n_threads=2)
-    total = {"engine": [0, 0], "sim": [0, 0]}
-    for p in ([1, 17, 42, 99, 5], [1, 230, 64, 7], [1, 3, 3, 3, 9, 12]):
-        # the greedy sequence, longer than the speculative run so its last round sees drafts
-        seq = p + run_greedy(plain, p, n_tok + n_max + 1)[0]
-        out, st = run_greedy(spec, p, n_tok)
-        assert out == seq[len(p):len(p) + n_tok]
-        tokens, lengths = _batch([seq], [0], torch.device("cpu"))
-        feats, t_logits = target_features(tm, tokens, lengths, drafter.c.target_layers)
-        (h,) = Validator.continuation_hits(drafter, feats, t_logits, tokens, lengths, [len(p)],
-                                           tm.embedding, tm.head, None, n_max,
-                                           torch.device("cpu"))
-        total["engine"][0] += st["n_rounds"]
-        total["engine"][1] += st["draft_n_accepted"]
-        rounds, acc = simulate_rounds(h, n_max, max_tokens=n_tok)
-        total["sim"][0] += rounds
-        total["sim"][1] += acc
-    assert total["engine"][1] > 0, "the smoke drafter should accept something on its own target"
+    eng, sim = engine_against_simulation(model, dm, tm, drafter, drafter.c.block_size)
+    assert eng[1] > 0, "the smoke drafter should accept something on its own target"
     # Torch (F32 throughout) and the engine (F16 KV cache) may rarely break an argmax tie apart.
-    eng_len = sum(total["engine"]) / total["engine"][0]
-    sim_len = sum(total["sim"]) / total["sim"][0]
-    assert abs(eng_len - sim_len) < 0.02, total
+    eng_len = sum(eng) / eng[0]
+    sim_len = sum(sim) / sim[0]
+    assert abs(eng_len - sim_len) < 0.02, (eng, sim)
 
 
 def test_grouped_attention_equals_sdpa():
@@ -864,8 +870,6 @@ def test_cut_blocks_train_and_draft_as_the_engine_decodes_them(smoke, tmp_path, 
     an N outside 1..K-1 is refused."""
     import pyspec
     from pyspec.train.from_gguf import load_drafter_gguf
-    from pyspec.train.loop import _batch, target_features
-    from pyspec.train.validation import Validator, simulate_rounds
     target = str(smoke / "smoke-target.gguf")
     tm = TargetModel.from_gguf(target)
     src = randomize(DSparkDrafter.load_hf(smoke / "hf"), 3).eval()
@@ -899,28 +903,12 @@ def test_cut_blocks_train_and_draft_as_the_engine_decodes_them(smoke, tmp_path, 
 
     # the engine at n_max 2 decodes 2-row blocks: its acceptance is the simulation's over them
     drafter = DSparkDrafter.load_hf(out / "hf").eval()
-    n_max, n_tok = 2, 40
-
-    spec = _core.SpecEngine(model, dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
-                            draft_n_max=n_max)
-    assert spec.draft_block_rows == n_max
+    n_max = 2
+    assert _core.SpecEngine(model, dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
+                            draft_n_max=n_max).draft_block_rows == n_max
     assert _core.SpecEngine(model, whole_dm, n_ctx=512, n_seq_max=1, n_draft_slots=1, n_threads=2,
                             draft_n_max=n_max).draft_block_rows == K
-    plain = _core.SpecEngine(model, None, n_ctx=512, n_seq_max=1, n_threads=2)
-    eng, sim = [0, 0], [0, 0]
-    for p in ([1, 17, 42, 99, 5], [1, 230, 64, 7], [1, 3, 3, 3, 9, 12]):
-        seq = p + run_greedy(plain, p, n_tok + n_max + 1)[0]
-        got, st = run_greedy(spec, p, n_tok)
-        assert got == seq[len(p):len(p) + n_tok]
-        tok, lens = _batch([seq], [0], torch.device("cpu"))
-        f, t_logits = target_features(tm, tok, lens, drafter.c.target_layers)
-        (h,) = Validator.continuation_hits(drafter, f, t_logits, tok, lens, [len(p)], tm.embedding,
-                                           tm.head, None, K, torch.device("cpu"), block_len=n_max)
-        rounds, acc = simulate_rounds(h, n_max, max_tokens=n_tok)
-        eng[0] += st["n_rounds"]
-        eng[1] += st["draft_n_accepted"]
-        sim[0] += rounds
-        sim[1] += acc
+    eng, sim = engine_against_simulation(model, dm, tm, drafter, n_max, block_len=n_max)
     assert eng[1] > 0
     assert abs(sum(eng) / eng[0] - sum(sim) / sim[0]) < 0.02, (eng, sim)
     # the Python loop decodes the same rows, and both stay lossless
