@@ -35,17 +35,19 @@ def default_model_path() -> str:
 
 
 # The DSpark drafter trained for the default model (pyspec-train-drafter on SmolLM2's own
-# generations, docs/training.md), shipped in pyspec/data/: run s9's pw3, a block of 4 over the
-# 4,096 draft ids SmolLM2 generates most (it replaced s5, 8,192 ids, on 2026-12-01: a cheaper
-# pass, acceptance as good). pyspec-cli and pyspec-server use it when no model is given, for every
-# request, greedy (n_max 2 on 2 CPU threads: x1.11-1.28 / x1.37-1.59 / x1.31-1.42 on chat / code
-# / prose) and sampled with llama-server's default chain at T 0.8 (rejection: x1.21-1.24 /
-# x1.36-1.42 / x1.17-1.24). --spec-type none turns it off.
+# generations, docs/training.md), shipped in pyspec/data/: a block of 7 over the 4,096 draft ids
+# SmolLM2 generates most, trained on whole blocks and on blocks cut to 2-6 rows
+# (pyspec.drafter.block_size_min 2), so pyspec decodes just the rows a round drafts (it replaced
+# pw3, a block of 4, on 2026-12-02: the same acceptance at n_max 2 for a pass of 12% of a plain
+# step against 14-17%, and drafts up to 7). pyspec-cli and pyspec-server use it when no model is
+# given, for every request, greedy (n_max 2 on 2 CPU threads: x1.15-1.28 / x1.49-1.54 /
+# x1.12-1.23 on chat / code / prose) and sampled with llama-server's default chain at T 0.8
+# (rejection: x1.10-1.18 / x1.37-1.47 / x1.14-1.17). --spec-type none turns it off.
 DEFAULT_DRAFTER_FILE = "SmolLM2-135M-Instruct-DSpark.Q4_1.gguf"
 # Drafts per round with it unless the user asks otherwise: the fastest on 2 CPU threads
-# (bench/bench_drafter.py, greedy, chat / code / prose, one run: n_max 2 x1.28 / x1.59 / x1.31
-# over plain decoding, n_max 3 x1.23 / x1.63 / x1.24; run s5 before it: n_max 2 x1.28 / x1.49 /
-# x1.36, 3 x1.18 / x1.45 / x1.34, 4 x1.05 / x1.32 / x1.18).
+# (bench/bench_drafter.py, greedy, chat / code / prose: n_max 2 x1.13 / x1.47 / x1.29, 3 x0.99 /
+# x1.37 / x1.24, 4 x0.82 / x1.13 / x1.05 for this drafter in one run of 2026-12-02; its block of
+# 4 before it: n_max 2 x1.28 / x1.59 / x1.31, 3 x1.23 / x1.63 / x1.24).
 DEFAULT_DRAFTER_N_MAX = 2
 
 

@@ -479,6 +479,24 @@ def test_reduced_vocab_loss_is_the_acceptance_tv():
     torch.testing.assert_close(out["ce"], (ce * wc).sum() / wc.sum())
 
 
+def valid_slot_laws(tokens, lengths, anchors, t_logits, logits):
+    """For every block slot whose label is inside its sequence: (k, label, q, p), the drafter's
+    and the target's softmax in float64 (numpy), the reference the loss tests compare with."""
+    tk, tl, lg = tokens.numpy(), t_logits.double().numpy(), logits.double().numpy()
+
+    def softmax(x):
+        e = np.exp(x - x.max())
+        return e / e.sum()
+
+    B, A, K = lg.shape[:3]
+    for b in range(B):
+        for a in range(A):
+            for k in range(K):
+                pos = int(anchors[b, a]) + k
+                if pos + 1 < int(lengths[b]):
+                    yield k, tk[b, pos + 1], softmax(lg[b, a, k]), softmax(tl[b, pos])
+
+
 def test_label_weights_scale_each_slot_by_its_label():
     """token_weight (--piece-weight): every term is the mean over the slots weighted by the
     position decay times the label's factor, against a numpy computation; all factors 1 give
@@ -496,29 +514,41 @@ def test_label_weights_scale_each_slot_by_its_label():
     tw[[2, 5, 7]] = 4.0
     got = dspark_loss(dict(logits=logits, conf=None), t_logits, tokens, lengths, anchors,
                       token_weight=torch.tensor(tw, dtype=torch.float32))
-    tk, tl, lg = tokens.numpy(), t_logits.double().numpy(), logits.double().numpy()
-
-    def softmax(x):
-        e = np.exp(x - x.max())
-        return e / e.sum()
-
     num_ce = num_l1 = den = 0.0
-    for b in range(B):
-        for a in range(A):
-            for k in range(K):
-                pos = int(anchors[b, a]) + k
-                if pos + 1 >= int(lengths[b]):
-                    continue
-                label = tk[b, pos + 1]
-                w = np.exp(-k / 4.0) * tw[label]
-                q, p = softmax(lg[b, a, k]), softmax(tl[b, pos])
-                num_ce += w * -np.log(q[label])
-                num_l1 += w * np.abs(q - p).sum()
-                den += w
+    for k, label, q, p in valid_slot_laws(tokens, lengths, anchors, t_logits, logits):
+        w = np.exp(-k / 4.0) * tw[label]
+        num_ce += w * -np.log(q[label])
+        num_l1 += w * np.abs(q - p).sum()
+        den += w
     np.testing.assert_allclose(float(got["ce"]), num_ce / den, rtol=1e-5)
     np.testing.assert_allclose(float(got["l1"]), num_l1 / den, rtol=1e-5)
     np.testing.assert_allclose(float(got["loss"]), 0.1 * num_ce / den + 0.9 * num_l1 / den, rtol=1e-5)
     assert abs(float(got["loss"]) - float(plain["loss"])) > 1e-4
+
+
+def test_position_decay_and_per_slot_proxies_against_numpy():
+    """--loss-decay-gamma: slot k weighs exp(-k / gamma) in every term; the per-slot proxies are
+    the share of valid slots whose argmax is the target's (slot_acc) and the mean of
+    sum min(p, q) (slot_sampled, a sampled draft's chance to survive rejection at T 1)."""
+    from pyspec.train.loss import dspark_loss
+    B, L, A, K, V = 2, 14, 3, 4, 9
+    tokens, lengths, anchors, t_logits, logits = random_loss_case(
+        5, K, V, [14, 8], [[0, 6, 10], [1, 2, 5]])
+    got = dspark_loss(dict(logits=logits, conf=None), t_logits, tokens, lengths, anchors, gamma=1.5)
+    num_l1 = den = 0.0
+    hits, sampled, count = np.zeros(K), np.zeros(K), np.zeros(K)
+    for k, _, q, p in valid_slot_laws(tokens, lengths, anchors, t_logits, logits):
+        w = np.exp(-k / 1.5)
+        num_l1 += w * np.abs(q - p).sum()
+        den += w
+        hits[k] += q.argmax() == p.argmax()
+        sampled[k] += np.minimum(q, p).sum()
+        count[k] += 1
+    np.testing.assert_allclose(float(got["l1"]), num_l1 / den, rtol=1e-5)
+    np.testing.assert_allclose(got["slot_acc"].numpy(), hits / count, rtol=1e-6)
+    np.testing.assert_allclose(got["slot_sampled"].numpy(), sampled / count, rtol=1e-5)
+    default = dspark_loss(dict(logits=logits, conf=None), t_logits, tokens, lengths, anchors)
+    assert abs(float(default["l1"]) - float(got["l1"])) > 1e-4
 
 
 def test_word_pieces_of_the_default_tokenizer():
@@ -552,6 +582,28 @@ def test_piece_weight_option(smoke, tmp_path):
     assert any("continues a word" in line and "weigh 3" in line for line in lines)
     assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "bad"),
                      "--no-progress", "--piece-weight", "0"]) == 2
+
+
+def test_loss_decay_gamma_option(smoke, tmp_path, monkeypatch, capsys):
+    """--loss-decay-gamma reaches the training loss; validation logs both per-slot proxies; a
+    gamma <= 0 is refused."""
+    from pyspec.train import loop
+    target = str(smoke / "smoke-target.gguf")
+    seen = []
+    real = loop.dspark_loss
+
+    def spy(*a, **kw):
+        seen.append(a[5] if len(a) > 5 else kw.get("gamma"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, "dspark_loss", spy)
+    assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "g"), "--no-progress",
+                     "--data", str(smoke / "data"), "--steps", "2", "--loss-decay-gamma", "2.5"]) == 0
+    assert seen and set(seen) == {2.5}
+    out = capsys.readouterr().out
+    assert "per-slot top-1 agreement [" in out and "sampled (T 1) [" in out
+    assert cli.main(["--smoke", "--target", target, "--out", str(tmp_path / "bad"),
+                     "--no-progress", "--loss-decay-gamma", "0"]) == 2
 
 
 def test_init_from_full_vocab_reduces_markov_w2(smoke, tmp_path):

@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the training loss's slots whose label continues a word (a "
                         "token starting with a letter or digit, no leading space), where drafts "
                         "fail most (1: every slot alike; validation always weighs them alike)")
+    p.add_argument("--loss-decay-gamma", type=float, default=4.0, metavar="GAMMA",
+                   help="the loss's position decay: slot k weighs exp(-k / GAMMA) (the DSpark "
+                        "recipe's 4; smaller puts the first drafts' laws first, which every "
+                        "round uses, over the later ones, which only long rounds reach)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: a rare control token of the vocabulary")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -154,6 +158,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.piece_weight > 0.0:
         print(f"error: --piece-weight must be > 0, got {args.piece_weight}", file=sys.stderr)
         return 2
+    if not args.loss_decay_gamma > 0.0:
+        print(f"error: --loss-decay-gamma must be > 0, got {args.loss_decay_gamma}", file=sys.stderr)
+        return 2
     if not 0.0 <= args.self_prompts <= 1.0:
         print(f"error: --self-prompts must be in [0, 1], got {args.self_prompts}", file=sys.stderr)
         return 2
@@ -172,7 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         time_limit=args.time_limit, draft_vocab=args.draft_vocab,
         chat_fraction=args.chat_fraction, gen_engine=args.gen_engine, self_prompts=args.self_prompts,
         gen_backend=args.gen_backend, gen_sampler=args.gen_sampler, piece_weight=args.piece_weight,
-        anchor_region=args.anchor_region)
+        anchor_region=args.anchor_region, gamma=args.loss_decay_gamma)
     t0 = time.time()
     try:
         hf = train(opts)

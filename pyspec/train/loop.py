@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from .drafter import DrafterConfig, DSparkDrafter
 from .from_gguf import gguf_block_size, is_gguf, load_drafter_gguf
-from .loss import dspark_loss
+from .loss import SLOT_KEYS, dspark_loss
 from .target import TargetModel
 
 
@@ -326,12 +326,13 @@ def build_drafter(opt: TrainOptions, hp, layers: List[int], mask_id: int, log=pr
 
 def _fmt(m: dict) -> str:
     slots = " ".join(f"{x:.2f}" for x in m.get("slot_acc", []))
+    sampled = " ".join(f"{x:.2f}" for x in m.get("slot_sampled", []))
     engine = ""
     if math.isfinite(m.get("engine_len", math.nan)):
         engine = (f"engine-simulated mean accepted length {m['engine_len']:.2f} (n_max 3: "
                   f"{m['engine_len_3']:.2f}, on {m['engine_seqs']} greedy sequences) ")
     return (f"loss {m['loss']:.4f} {engine}greedy accepted length ~{m['accept_len']:.2f} "
-            f"per-slot top-1 agreement [{slots}]")
+            f"per-slot top-1 agreement [{slots}]" + (f" sampled (T 1) [{sampled}]" if sampled else ""))
 
 
 def validation_score(val: dict) -> float:
@@ -530,12 +531,12 @@ def train(opt: TrainOptions, log=print) -> Optional[Path]:
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optim.step()
         step += 1
-        vals = {k: float(v.detach()) for k, v in losses.items() if k != "slot_acc"}
+        vals = {k: float(v.detach()) for k, v in losses.items() if k not in SLOT_KEYS}
         ema = vals if ema is None else {k: 0.9 * ema[k] + 0.1 * v for k, v in vals.items()}
         bar.set_postfix(loss=f"{ema['loss']:.3f}", ce=f"{ema['ce']:.2f}",
                         tv=f"{ema['l1'] / 2:.3f}", acc_len=f"{ema['accept_len']:.2f}")
         bar.update(1)
-        last = dict(ema, slot_acc=losses["slot_acc"].tolist())
+        last = dict(ema, **{k: losses[k].tolist() for k in SLOT_KEYS})
         if step % eval_every == 0 or step == opt.steps:
             rate = (step - step0) / max(1e-9, time.time() - t_train)
             log(f"step {step} ({rate:.2f} steps/s) training batches: {_fmt(last)}")

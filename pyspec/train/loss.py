@@ -48,6 +48,10 @@ def word_piece_ids(tokenizer) -> List[int]:
     return out
 
 
+# dspark_loss's per-slot outputs (vectors over the block's slots; the rest are scalars).
+SLOT_KEYS = ("slot_acc", "slot_sampled")
+
+
 def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, tokens: torch.Tensor,
                 lengths: torch.Tensor, anchors: torch.Tensor, gamma: float = 4.0,
                 token_weight: Optional[torch.Tensor] = None,
@@ -55,7 +59,10 @@ def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, token
     """out: DSparkDrafter.forward's dict; target_logits [B, L, V]; tokens [B, L]; lengths [B];
     anchors [B, A]; token_weight [V] (optional): each slot's weight times its label's factor;
     block_lens [B, A] (optional): the blocks' lengths, slots past them not counted.
-    Returns loss and its parts (detached) plus per-slot acceptance proxies."""
+    Returns loss and its parts (detached) plus per-slot acceptance proxies: slot_acc, the
+    drafter's argmax equal to the target's (greedy); slot_sampled, 1 - TV = sum min(p, q), the
+    chance a draft sampled from the drafter's law survives rejection against the target's at T 1
+    (what the TV term trains, and what greedy agreement does not show)."""
     logits = out["logits"]                                     # [B, A, K, Vd] float32
     d2t = out.get("d2t")
     B, A, K, Vd = logits.shape
@@ -108,6 +115,9 @@ def dspark_loss(out: Dict[str, torch.Tensor], target_logits: torch.Tensor, token
         run = torch.cumprod(hit.float(), -1)
         vb = valid.all(-1)
         acc_len = (run.sum(-1)[vb].mean() + 1) if bool(vb.any()) else torch.tensor(math.nan)
-        per_slot = (hit.float() * valid).sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)
+        n_valid = valid.float().sum((0, 1)).clamp(min=1)
+        per_slot = (hit.float() * valid).sum((0, 1)) / n_valid
+        sampled = ((1.0 - tv.detach()) * valid).sum((0, 1)) / n_valid
     return dict(loss=loss, **{k: v.detach() for k, v in parts.items()},
-                accept_len=acc_len.detach(), slot_acc=per_slot.detach())
+                accept_len=acc_len.detach(), slot_acc=per_slot.detach(),
+                slot_sampled=sampled.detach())

@@ -6,7 +6,7 @@ out once stays held out, and the greedy and sampled continuations of one prompt 
 side (otherwise the drafter would have seen a validation prompt's text).
 
 The proxies are the training loss's own (dspark_loss: loss, greedy accepted length, per-slot top-1
-agreement with the target) on a fixed subset of validation sequences with fixed anchors (in the
+agreement with the target and per-slot sampled agreement, 1 - TV) on a fixed subset of validation sequences with fixed anchors (in the
 generated part, as training's), so values logged at different steps, and in different sessions,
 are comparable.
 
@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .loss import dspark_loss
+from .loss import SLOT_KEYS, dspark_loss
 
 VAL_ANCHOR_SEED = 12345     # fixed: validation anchors do not depend on --seed
 GREEDY_AGREEMENT = 0.95     # a continuation this close to the target's argmax was greedy
@@ -101,7 +101,7 @@ class Validator:
         gen = torch.Generator().manual_seed(VAL_ANCHOR_SEED)
         emb, head = target.embedding.detach(), target.head.detach()
         tot: Dict[str, float] = {}
-        slot = None
+        slots: Dict[str, torch.Tensor] = {}
         weight = 0.0
         sim = {"rounds": 0, "accepted": 0, "rounds_3": 0, "accepted_3": 0, "seqs": 0}
         for b0 in range(0, len(self.seqs), self.batch):
@@ -119,14 +119,16 @@ class Validator:
             losses = dspark_loss(res, t_logits, tokens, lengths, anchors, gamma)
             w = float(len(idx))
             for k, v in losses.items():
-                if k != "slot_acc" and torch.isfinite(v):
+                if k in SLOT_KEYS:
+                    sv = v.float().cpu() * w
+                    slots[k] = slots[k] + sv if k in slots else sv
+                elif torch.isfinite(v):
                     tot[k] = tot.get(k, 0.0) + w * float(v)
-            sa = losses["slot_acc"].float().cpu() * w
-            slot = sa if slot is None else slot + sa
             weight += w
         drafter.train(was_training)
         out: Dict[str, object] = {k: v / max(weight, 1e-9) for k, v in tot.items()}
-        out["slot_acc"] = (slot / max(weight, 1e-9)).tolist() if slot is not None else []
+        for k in SLOT_KEYS:
+            out[k] = (slots[k] / max(weight, 1e-9)).tolist() if k in slots else []
         out["engine_seqs"] = sim["seqs"]
         out["engine_len"] = (sim["accepted"] + sim["rounds"]) / sim["rounds"] \
             if sim["rounds"] else float("nan")

@@ -51,8 +51,8 @@ if [ ! -s /tmp/smol.gguf ]; then
   fi
 fi
 python3 -c "import pyspec" 2>/dev/null || {
-  cuda=OFF
-  command -v nvcc >/dev/null 2>&1 && cuda=ON
+  cuda=${CUDA:-}   # CUDA=OFF: a 15 s CPU build where the run only trains (no --gen-engine)
+  [ -z "$cuda" ] && { cuda=OFF; command -v nvcc >/dev/null 2>&1 && cuda=ON; }
   cmake -S . -B build/train -G Ninja -DPYSPEC_INPLACE=ON -DPYSPEC_CUDA=$cuda \
     -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >/dev/null &&
     cmake --build build/train -j"$(nproc)" --target _core > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
