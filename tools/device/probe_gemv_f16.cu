@@ -42,6 +42,14 @@
 // Twenty-eighth session, around bal8x2r2 (2,150): bal16r2 2,145, bal4x4r2 2,367, bal8x3r2 2,654,
 // bal8x2r4 2,653, bal4x4r4 2,661 (read 1,854, s16r2e 2,358): 16 warps a SM in any split of two
 // rows a warp is as good as it gets here; nothing changed.
+// Thirty-third session: one persistent launch a step (pers*, a grid barrier between jobs) lost to
+// the 144 PDL launches in every form (two runs each, us a step): bal8x2r2 2,139-2,140, pers0
+// 2,672-2,674 (the barrier alone), pers4 2,839-2,840, pers8 3,070-3,080 (each warp's next-job rows
+// prefetched into shared memory with cp.async before the barrier: more prefetch, slower), persnb
+// 2,529 (no barrier at all, jobs back to back: what one resident grid streams by itself); read
+// 1,830, one read 1,593. Under PDL the next kernel's blocks sit beside the running ones (32 warps a
+// SM at the boundary, their first loads already out), which a persistent grid of 16 warps a SM,
+// each block finishing one job before staging the next, does not match. Nothing kept.
 // usage: probe [layers, default 36] [comma-separated variants, default all] [attention us, default 0]
 // With an attention time, a stand-in kernel (k_att) runs that long before each layer's o.
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_gemv_f16.cu -o probe
@@ -605,6 +613,122 @@ __global__ void k_read_all(const uint4* p, int64_t n, float* y) {
     if (s == 0x12345678u) y[0] = 1.0f;
 }
 
+
+// pers: one persistent launch for a whole list of jobs (a step), its blocks the balanced grid of
+// bal (W warps, 2 blocks a SM, two rows a warp, the same items and order, so the same bits), a
+// software grid barrier between jobs where the launches had their boundaries. Before arriving at
+// each barrier a warp asks for the first P units of both rows of its first item of the NEXT job
+// with cp.async into its own shared-memory slots (weights never depend on the barrier; no
+// registers hold them), so DRAM keeps streaming while the grid waits and the next job's x is
+// staged. P = 0: the barrier alone. The question: do launch boundaries cost what a barrier plus
+// an early shared-memory prefetch does not (one read of all the bytes in one launch runs at
+// 4.4-4.6 TB/s, in 144 launches at ~3.9)? persnb drops the barrier (no dependency kept): the
+// loop's own streaming bound.
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src) : "memory");
+}
+__device__ __forceinline__ void grid_barrier(unsigned* bar, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, 1u);
+        unsigned v;
+        do {
+            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
+        } while (v < target);
+    }
+    __syncthreads();
+}
+constexpr int kPersMaxK = 9728;
+template <int W, int P, bool kBarrier = true>
+__global__ void __launch_bounds__(W * 32, 2) k_pers(const Job* jobs, int n_jobs, unsigned* bar) {
+    constexpr int R = 2;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* xs = hs;                                                   // kPersMaxK floats
+    uint4* pf = reinterpret_cast<uint4*>(hs + kPersMaxK) + warp * (R * (P > 0 ? P : 1) * 32);
+    auto first_item = [&](const Job& j, int64_t& item, int64_t& end, const uint4* (&wr)[R]) {
+        const int64_t n = j.rows / R;
+        const int64_t start = n * blockIdx.x / gridDim.x;
+        end = n * (blockIdx.x + 1) / gridDim.x;
+        item = start + warp;
+#pragma unroll
+        for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (item + r * n) * j.k);
+    };
+    auto prefetch = [&](const Job& j) {
+        if constexpr (P > 0) {
+            int64_t item, end;
+            const uint4* wr[R];
+            first_item(j, item, end, wr);
+            if (item < end) {
+#pragma unroll
+                for (int i = 0; i < P; ++i) {
+                    if (lane + 32 * i < j.k / 8) {
+#pragma unroll
+                        for (int r = 0; r < R; ++r) cp16(pf + (r * P + i) * 32 + lane, wr[r] + lane + 32 * i);
+                    }
+                }
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+    };
+    prefetch(jobs[0]);
+    for (int ji = 0; ji < n_jobs; ++ji) {
+        const Job j = jobs[ji];
+        if (kBarrier && ji > 0) grid_barrier(bar, static_cast<unsigned>(ji) * gridDim.x);
+        stage_x<W>(j, xs);
+        int64_t item, end;
+        const uint4* wr[R];
+        first_item(j, item, end, wr);
+        const int units = j.k / 8;
+        const int64_t n = j.rows / R;
+        if constexpr (P > 0) asm volatile("cp.async.wait_all;" ::: "memory");
+        for (bool first = true; item < end; item += W, first = false) {
+            if (!first) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(j.w + (item + r * n) * j.k);
+            }
+            float acc[R] = {};
+            int u = lane;
+            if (P > 0 && first) {
+#pragma unroll
+                for (int i = 0; i < (P > 0 ? P : 1); ++i, u += 32) {
+                    if (u < units) {
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[r] = unit_fma(pf[(r * P + i) * 32 + lane], xs + u * 8, acc[r]);
+                    }
+                }
+            }
+#pragma unroll 4
+            for (; u < units; u += 32) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] = unit_fma(ldw<1>(wr[r] + u), xs + u * 8, acc[r]);
+            }
+            store_rows<R>(j, item, acc);
+        }
+        if (ji + 1 < n_jobs) prefetch(jobs[ji + 1]);
+    }
+}
+template <int W, int P>
+static size_t pers_smem() {
+    return kPersMaxK * sizeof(float) + size_t{W} * 2 * (P > 0 ? P : 1) * 32 * 16;
+}
+// One persistent launch over the n jobs at d_jobs (device memory), the barrier counter zeroed first.
+template <int W, int P, bool B = true>
+static void launch_pers(const Job* d_jobs, int n, unsigned* bar, cudaStream_t s) {
+    static int sms = 0;
+    if (!sms) {
+        CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        CK(cudaFuncSetAttribute(k_pers<W, P, B>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pers_smem<W, P>())));
+        int per_sm = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_pers<W, P, B>, W * 32, pers_smem<W, P>()));
+        if (per_sm < 2) { printf("k_pers<%d,%d>: only %d blocks a SM\n", W, P, per_sm); exit(1); }
+    }
+    CK(cudaMemsetAsync(bar, 0, sizeof(unsigned), s));
+    k_pers<W, P, B><<<static_cast<unsigned>(sms * 2), W * 32, pers_smem<W, P>(), s>>>(d_jobs, n, bar);
+    CK(cudaGetLastError());
+}
+
 template <typename K, typename... A>
 static void launch_pdl_block(K kernel, unsigned grid, unsigned block, size_t smem, cudaStream_t s, A... args) {
     cudaLaunchAttribute attr[1];
@@ -714,11 +838,21 @@ static void run_read(const Job& j, cudaStream_t s) {
     launch_pdl(k_read, static_cast<unsigned>((j.rows + kWarps - 1) / kWarps), 0, s, j);
 }
 
+
+static Job* g_jobs = nullptr;
+static unsigned* g_bar = nullptr;
+template <int W, int P>
+static void run_pers_one(const Job& j, cudaStream_t s) {
+    CK(cudaMemcpyAsync(g_jobs, &j, sizeof(Job), cudaMemcpyHostToDevice, s));
+    launch_pers<W, P>(g_jobs, 1, g_bar, s);
+}
+
 struct Variant {
     const char* name;
     void (*r1)(const Job&, cudaStream_t);
     void (*r2)(const Job&, cudaStream_t);
     void (*ro)(const Job&, cudaStream_t) = nullptr;  // the o launch, when not r1's
+    void (*list)(const Job*, int, unsigned*, cudaStream_t) = nullptr;  // one launch for a job list
 };
 
 // A stand-in for a decode step's attention between q/k/v and o: a few blocks holding an attention
@@ -781,6 +915,8 @@ int main(int argc, char** argv) {
         L.down = {p, hidden, ffn, x, nullptr, y};
     }
     const double bytes = static_cast<double>(per_layer) * n_layer * 2;
+    CK(cudaMalloc(&g_jobs, sizeof(Job) * 4 * n_layer));
+    CK(cudaMalloc(&g_bar, sizeof(unsigned)));
     const Variant variants[] = {
         {"read", run_read, run_read},
         {"base", run_base<1>, run_base<2>},
@@ -846,6 +982,12 @@ int main(int argc, char** argv) {
         {"bulkC", run_bulk<4, 6, 2048>, run_bulk<4, 6, 2048>},
         {"bulkD", run_bulk<4, 3, 8192>, run_bulk<4, 3, 8192>},
         {"bulkE", run_bulk<2, 8, 4096>, run_bulk<2, 8, 4096>},
+        // one persistent launch a step, a grid barrier between jobs, P units prefetched across it
+        {"pers0", run_pers_one<8, 0>, run_pers_one<8, 0>, nullptr, launch_pers<8, 0>},
+        {"pers4", run_pers_one<8, 4>, run_pers_one<8, 4>, nullptr, launch_pers<8, 4>},
+        {"pers8", run_pers_one<8, 8>, run_pers_one<8, 8>, nullptr, launch_pers<8, 8>},
+        // the same with no barrier at all (jobs back to back, no dependency): what streaming allows
+        {"persnb", run_pers_one<8, 8>, run_pers_one<8, 8>, nullptr, launch_pers<8, 8, false>},
     };
     // Per kind alone too (every layer's launches of one kind), to see which ones lag.
     const char* kinds[] = {"all", "qkv", "o", "gate/up", "down"};
@@ -886,8 +1028,20 @@ int main(int argc, char** argv) {
         for (int kind = 0; kind < 5; ++kind) {
             double kb = 0;
             cudaGraph_t g;
+            std::vector<Job> list;
+            if (v.list) {
+                for (const Layer& L : layers) {
+                    if (kind == 0 || kind == 1) list.push_back(L.qkv);
+                    if (kind == 0 || kind == 2) list.push_back(L.o);
+                    if (kind == 0 || kind == 3) list.push_back(L.gu);
+                    if (kind == 0 || kind == 4) list.push_back(L.down);
+                }
+                for (const Job& jb : list) kb += double(jb.rows) * jb.k * 2;
+                CK(cudaMemcpy(g_jobs, list.data(), sizeof(Job) * list.size(), cudaMemcpyHostToDevice));
+            }
             CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-            for (const Layer& L : layers) {
+            if (v.list) v.list(g_jobs, static_cast<int>(list.size()), g_bar, s);
+            for (const Layer& L : (v.list ? std::vector<Layer>{} : layers)) {
                 const bool read = v.r1 == run_read;
                 if (kind == 0 || kind == 1) { v.r1(L.qkv, s); kb += double(L.qkv.rows) * L.qkv.k * 2; }
                 if (att_ns && (kind == 0 || kind == 2)) launch_pdl_block(k_att, kAttBlocks, 256, kAttSmem, s, att_ns);
