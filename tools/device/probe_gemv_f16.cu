@@ -49,7 +49,10 @@
 // 2,529 (no barrier at all, jobs back to back: what one resident grid streams by itself); read
 // 1,830, one read 1,593. Under PDL the next kernel's blocks sit beside the running ones (32 warps a
 // SM at the boundary, their first loads already out), which a persistent grid of 16 warps a SM,
-// each block finishing one job before staging the next, does not match. Nothing kept.
+// each block finishing one job before staging the next, does not match. Also lost: balN, each
+// warp's next item's first 4 units loaded before this item's reduction (bal8x2r2 2,151-2,152,
+// balN8x2r2 3,345-3,353 at 80 registers with a spill against 128 without, balN16r2 2,258,
+// balN8x3r2 3,130). Nothing kept.
 // usage: probe [layers, default 36] [comma-separated variants, default all] [attention us, default 0]
 // With an attention time, a stand-in kernel (k_att) runs that long before each layer's o.
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_gemv_f16.cu -o probe
@@ -416,7 +419,7 @@ __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
 // start + w + W, ...; so every SM streams the same bytes (o and down have 80 row groups of 16
 // warps for 132 SMs in s16r2e, gate/up 1.15 waves). The first item's first 4 units are loaded
 // before the PDL wait; x is staged in shared memory once a block. Same order as base.
-template <int W, int R>
+template <int W, int R, bool kNext = false>
 __global__ void __launch_bounds__(W * 32) k_bal(Job j) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t n = j.rows / R, half = j.rows / R;
@@ -437,14 +440,20 @@ __global__ void __launch_bounds__(W * 32) k_bal(Job j) {
     pdl_go();
     stage_x<W>(j, hs);
     for (bool first = true; item < end; item += W, first = false) {
-        if (!first) rows_of(item, wr);
+        if (!first && !kNext) rows_of(item, wr);
         float acc[R] = {};
         int u = lane;
-        if (first) fma_first_units<R>(pre, units, u, acc, [](uint4 w, int uu, float a) { return unit_fma(w, hs + uu * 8, a); });
+        if (first || kNext) fma_first_units<R>(pre, units, u, acc, [](uint4 w, int uu, float a) { return unit_fma(w, hs + uu * 8, a); });
 #pragma unroll 4
         for (; u < units; u += 32) {
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = unit_fma(ldw<1>(wr[r] + u), hs + u * 8, acc[r]);
+        }
+        if constexpr (kNext) {  // the next item's first units go out before this one's reduction
+            if (item + W < end) {
+                rows_of(item + W, wr);
+                load_first_units<R>(wr, lane, units, pre);
+            }
         }
         store_rows<R>(j, item, acc);
     }
@@ -804,14 +813,14 @@ static void run_smem(const Job& j, cudaStream_t s) {
     launch_pdl_block(k_smem<W, R, E, P, F, T>, static_cast<unsigned>((n + W - 1) / W), W * 32,
                      (P ? 2 : 1) * j.k * sizeof(float), s, j);
 }
-template <int W, int R, int BPS>
+template <int W, int R, int BPS, bool N = false>
 static void run_bal(const Job& j, cudaStream_t s) {
     static int sms = 0;
     if (!sms) {
         CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-        CK(cudaFuncSetAttribute(k_bal<W, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, 9728 * 4));
+        CK(cudaFuncSetAttribute(k_bal<W, R, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, 9728 * 4));
     }
-    launch_pdl_block(k_bal<W, R>, static_cast<unsigned>(sms * BPS), W * 32, j.k * sizeof(float), s, j);
+    launch_pdl_block(k_bal<W, R, N>, static_cast<unsigned>(sms * BPS), W * 32, j.k * sizeof(float), s, j);
 }
 template <int W, int S, int CH>
 static void run_bulk(const Job& j, cudaStream_t s) {
@@ -947,6 +956,10 @@ int main(int argc, char** argv) {
         {"bal10x3", run_bal<10, 1, 3>, run_bal<10, 2, 3>},
         {"bal8x4", run_bal<8, 1, 4>, run_bal<8, 2, 4>},
         {"bal8x2r2", run_bal<8, 2, 2>, run_bal<8, 2, 2>},
+        // balN: each warp's next item's first 4 units loaded before this item's reduction
+        {"balN8x2r2", run_bal<8, 2, 2, true>, run_bal<8, 2, 2, true>},
+        {"balN16r2", run_bal<16, 2, 1, true>, run_bal<16, 2, 1, true>},
+        {"balN8x3r2", run_bal<8, 2, 3, true>, run_bal<8, 2, 3, true>},
         // around bal8x2r2 (kept): other splits of 16 warps a SM, 24 warps, 4 rows a warp
         {"bal16r2", run_bal<16, 2, 1>, run_bal<16, 2, 1>},
         {"bal4x4r2", run_bal<4, 2, 4>, run_bal<4, 2, 4>},
