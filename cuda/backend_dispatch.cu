@@ -512,8 +512,8 @@ void CudaBackend::run_node(const Graph& g, int id) {
                                    reinterpret_cast<const int32_t*>(dptr(g, src(4))), t.iparams[0], t.fparams[0],
                                    t.iparams[1], scratch_, err_, stream_);
             return;
-        case Op::ARGMAX: cuda::launch_argmax(desc(g, id), desc(g, src(0)), stream_); return;
-        case Op::TOP_K: cuda::launch_top_k(desc(g, id), desc(g, src(0)), stream_); return;
+        case Op::ARGMAX: cuda::launch_argmax(desc(g, id), desc(g, src(0)), scratch_, stream_); return;
+        case Op::TOP_K: cuda::launch_top_k(desc(g, id), desc(g, src(0)), scratch_, stream_); return;
         case Op::GATHER: cuda::launch_gather(desc(g, id), desc(g, src(0)), desc(g, src(1)), stream_); return;
         case Op::SAMPLE:
             cuda::launch_sample(desc(g, id), desc(g, src(0)), desc(g, src(1)), desc(g, src(2)), desc(g, src(3)),

@@ -359,7 +359,8 @@ CudaBackend::OpProfile CudaBackend::op_profile() const {
 }
 
 void CudaBackend::reserve_split_scratch(const Graph& g) {
-    // Only the tensor-core MUL_MAT kernels use it: every row's, or the prompt columns'.
+    // The tensor-core MUL_MAT kernels (every row's, or the prompt columns'), the split decode
+    // attention and the split ARGMAX / TOP_K use it.
     cuda::SplitScratchNeed need;
     for (int id = 0; id < g.size(); ++id) {
         const Tensor& t = g[id];
@@ -370,6 +371,14 @@ void CudaBackend::reserve_split_scratch(const Graph& g) {
                                  cuda::attention_tc_shape(q.ne[0], g[t.src[1]].dtype);
             const int64_t rows = q.ne[2] - (tc_rows ? t.iparams[1] : 0);
             const cuda::SplitScratchNeed n = cuda::attention_split_scratch(q.ne[0], q.ne[1], rows, g[t.src[3]].ne[0]);
+            need.partial_floats = std::max(need.partial_floats, n.partial_floats);
+            need.n_counters = std::max(need.n_counters, n.n_counters);
+            continue;
+        }
+        if (t.op == Op::ARGMAX || t.op == Op::TOP_K) {
+            const Tensor& a = g[t.src[0]];
+            const cuda::SplitScratchNeed n = cuda::pick_split_scratch(a.ne[0], a.ne[1] * a.ne[2] * a.ne[3],
+                                                                      t.op == Op::TOP_K ? t.ne[0] : 0);
             need.partial_floats = std::max(need.partial_floats, n.partial_floats);
             need.n_counters = std::max(need.n_counters, n.n_counters);
             continue;

@@ -97,8 +97,8 @@ private:
 
     // Grows the split scratch to what this graph's largest launch needs (the narrow tensor-core
     // MUL_MAT's K segments, the wide one's halves and split-K partials, a group's parts together; a
-    // long decode row's attention pages), before anything runs or is captured. Grow-only; captured
-    // graphs point at the old buffers, so they go with them.
+    // long decode row's attention pages; a long row's ARGMAX / TOP_K slices), before anything runs
+    // or is captured. Grow-only; captured graphs point at the old buffers, so they go with them.
     void reserve_split_scratch(const Graph& g);
 
     // The pre-pass: resolves the device address of every tensor an op reads or writes (uploading

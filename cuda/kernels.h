@@ -46,8 +46,6 @@ struct RopeJob {
 void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* cells, const float* factors, int n_rot,
                  bool neox, float freq_base, float freq_scale, bool inputs_fixed, unsigned* err, cudaStream_t s);
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s);
-void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s);
-void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s);
 // GATHER: dst[j, r] = a[ids[j, r], r]; an id outside the row (TOP_K's -1) gives -inf.
 void launch_gather(const TDesc& dst, const TDesc& a, const TDesc& ids, cudaStream_t s);
 void launch_sum(const TDesc& dst, const TDesc& a, cudaStream_t s);
@@ -59,8 +57,8 @@ void launch_sample(const TDesc& dst, const TDesc& ids, const TDesc& logits, cons
                    cudaStream_t s);
 
 // Device scratch of the kernels that split one reduction over several blocks (the narrow
-// tensor-core MUL_MAT's K segments, the wide one's split K, the decode attention's pages), owned
-// by the backend and sized before a compute (so nothing allocates inside a CUDA graph capture):
+// tensor-core MUL_MAT's K segments, the wide one's split K, the decode attention's pages, a long
+// row's ARGMAX / TOP_K slices), owned by the backend and sized before a compute (so nothing allocates inside a CUDA graph capture):
 // partial_floats floats and
 // n_counters unsigned counters that are zero between launches (each launch leaves them zero);
 // and n_halves 16-bit values, the wide tensor-core MUL_MAT's operands converted to halves (no
@@ -78,6 +76,13 @@ struct SplitScratchNeed {
     size_t n_counters = 0;
     size_t n_halves = 0;
 };
+// ARGMAX and TOP_K (cuda/ops_pick.cu): each row's first best id, or its k best ids in order (-1
+// past a row's non-NaN entries). A few long rows are split over blocks through the scratch (what
+// pick_split_scratch says a row of n entries in a launch of `rows` rows needs; k: TOP_K's k, 0 for
+// ARGMAX); with less scratch than that, a row takes one block. The ids are the same either way.
+SplitScratchNeed pick_split_scratch(int64_t n, int64_t rows, int64_t k);
+void launch_argmax(const TDesc& dst, const TDesc& a, const SplitScratch& scratch, cudaStream_t s);
+void launch_top_k(const TDesc& dst, const TDesc& a, const SplitScratch& scratch, cudaStream_t s);
 // prompt_rows: ATTENTION's prompt rows (core/graph.h), its first rows; they take the tensor-core
 // kernel where attention_tc_enabled() and the layout suits it (cuda/ops_attention_tc.cu), the rest
 // the CUDA-core kernels every row takes otherwise.

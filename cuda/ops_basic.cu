@@ -1,9 +1,9 @@
 // Row-wise and element-wise ops: cpy, get_rows, set_rows, rms_norm, add/mul/swiglu, scale/silu,
-// rope, softmax, argmax, top_k, sum. Each follows the CPU kernel in cpu/ops.cpp: rows are walked
-// through their byte strides (views are common inputs), values inside a row are contiguous.
+// rope, softmax, gather, sum (argmax and top_k: cuda/ops_pick.cu). Each follows the CPU kernel in
+// cpu/ops.cpp: rows are walked through their byte strides (views are common inputs), values
+// inside a row are contiguous.
 #include <algorithm>
 #include <cfloat>
-#include <climits>
 
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
@@ -431,176 +431,6 @@ __global__ void k_softmax(TDesc dst, TDesc a, float sc) {
     }
 }
 
-// (value, index) order of argmax / top_k: larger value first, then smaller index.
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
-
-// Block-wide best (value, index); all threads get it.
-__device__ void block_best(float& v, int& i, float* sv, int* si) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (better(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-        }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    __syncthreads();
-    if (lane == 0) {
-        sv[warp] = v;
-        si[warp] = i;
-    }
-    __syncthreads();
-    v = lane < nw ? sv[lane] : -INFINITY;
-    i = lane < nw ? si[lane] : INT_MAX;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (better(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-        }
-    }
-}
-
-__global__ void k_argmax(TDesc dst, TDesc a) {
-    pdl_enter();
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const int64_t r = blockIdx.x, n = a.ne[0];
-    const float* ar = reinterpret_cast<const float*>(a.row(r));
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        if (better(ar[i], static_cast<int>(i), bv, bi)) {
-            bv = ar[i];
-            bi = static_cast<int>(i);
-        }
-    }
-    block_best(bv, bi, sv, si);
-    if (threadIdx.x == 0) reinterpret_cast<int32_t*>(dst.data)[r] = bi == INT_MAX ? 0 : bi;
-}
-
-// k rounds of a block-wide best over the entries that come after the previous pick in the
-// (value desc, index asc) order: the CPU's partial_sort order, ties to the smaller index. Every
-// round reads the whole row: the way for short rows and for rows the filter below cannot narrow.
-__device__ void top_k_rounds(const float* ar, int64_t n, int64_t k, int32_t* out, float* sv, int* si) {
-    float pv = INFINITY;
-    int pi = -1;
-    bool first = true;
-    for (int64_t round = 0; round < k; ++round) {
-        float bv = -INFINITY;
-        int bi = INT_MAX;
-        if (round < n) {
-            for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-                const float v = ar[i];
-                const int ii = static_cast<int>(i);
-                const bool after = first || better(pv, pi, v, ii);
-                if (after && better(v, ii, bv, bi)) {
-                    bv = v;
-                    bi = ii;
-                }
-            }
-        }
-        block_best(bv, bi, sv, si);
-        if (threadIdx.x == 0) out[round] = bi == INT_MAX ? -1 : bi;
-        pv = bv;
-        pi = bi;
-        first = false;
-    }
-}
-
-// TOP_K of long rows (a vocabulary) in two reads of the row. The maxima of n_chunks chunks give a
-// floor, the k-th largest of them: k distinct entries reach it, so nothing below it is among the k
-// best. The entries at or above it (a few hundred for a logits row) are collected in shared
-// memory, and each one's rank in the (value desc, index asc) order is the number of collected
-// entries before it: the same ids in the same order as the rounds. Rows whose collection does not
-// fit (many entries equal to the floor) fall back to the rounds.
-constexpr int kTopKThreads = 1024;
-constexpr int kTopKChunks = 1024;      // at most this many chunk maxima (one per thread)
-constexpr int kTopKCollected = 2048;   // entries collected at most
-constexpr int64_t kTopKFiltered = 64;  // the largest k the filter serves (spec/target_law.h's kMaxSampledCandidates)
-
-// The block's smallest v; all threads get it.
-__device__ float block_min(float v, float* sv) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    __syncthreads();
-    if (lane == 0) sv[warp] = v;
-    __syncthreads();
-    v = lane < nw ? sv[lane] : INFINITY;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// chunk = 0: the rounds; else the filter with chunks of `chunk` entries (at most kTopKChunks).
-__global__ void k_top_k(TDesc dst, TDesc a, int64_t chunk) {
-    pdl_enter();
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    __shared__ float cmax[kTopKChunks];
-    __shared__ float cv[kTopKCollected];
-    __shared__ int ci[kTopKCollected];
-    __shared__ int n_collected;
-    const int64_t r = blockIdx.x, n = a.ne[0];
-    const int64_t k = dst.ne[0];
-    const float* ar = reinterpret_cast<const float*>(a.row(r));
-    int32_t* out = reinterpret_cast<int32_t*>(dst.row(r));
-    if (chunk == 0) {
-        top_k_rounds(ar, n, k, out, sv, si);
-        return;
-    }
-    const int n_chunks = static_cast<int>((n + chunk - 1) / chunk);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    for (int c = warp; c < n_chunks; c += n_warps) {
-        const int64_t end = min(n, (c + 1) * chunk);
-        float m = -INFINITY;
-        for (int64_t i = c * chunk + lane; i < end; i += 32) m = fmaxf(m, ar[i]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0) cmax[c] = m;
-    }
-    if (threadIdx.x == 0) n_collected = 0;
-    __syncthreads();
-    // The floor: the smallest chunk maximum with fewer than k maxima above it (the k-th largest).
-    float f = INFINITY;
-    if (threadIdx.x < n_chunks) {
-        const float mine = cmax[threadIdx.x];
-        int above = 0;
-        for (int c = 0; c < n_chunks; ++c) above += cmax[c] > mine;
-        if (above < k) f = mine;
-    }
-    const float floor = block_min(f, sv);
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = ar[i];
-        if (v >= floor) {
-            const int slot = atomicAdd(&n_collected, 1);
-            if (slot < kTopKCollected) {
-                cv[slot] = v;
-                ci[slot] = static_cast<int>(i);
-            }
-        }
-    }
-    __syncthreads();
-    const int m = n_collected;
-    if (m > kTopKCollected) {  // block-uniform
-        top_k_rounds(ar, n, k, out, sv, si);
-        return;
-    }
-    for (int s = threadIdx.x; s < m; s += blockDim.x) {
-        const float v = cv[s];
-        const int i = ci[s];
-        int rank = 0;
-        for (int t = 0; t < m; ++t) rank += better(cv[t], ci[t], v, i);
-        if (rank < k) out[rank] = i;
-    }
-    for (int64_t j = m + threadIdx.x; j < k; j += blockDim.x) out[j] = -1;  // only with NaN rows
-}
-
 // Each row's entries at its own ids (GATHER); -1 gives -inf.
 __global__ void k_gather(TDesc dst, TDesc a, TDesc ids) {
     pdl_enter();
@@ -745,21 +575,6 @@ void launch_rope(const RopeJob* jobs, int n, const int32_t* pos, const int32_t* 
 void launch_softmax(const TDesc& dst, const TDesc& a, float scale, cudaStream_t s) {
     if (a.nrows() == 0) return;
     launch(k_softmax, static_cast<unsigned>(a.nrows()), kThreads * 2, 0, s, dst, a, scale);
-}
-
-void launch_argmax(const TDesc& dst, const TDesc& a, cudaStream_t s) {
-    if (a.nrows() == 0) return;
-    launch(k_argmax, static_cast<unsigned>(a.nrows()), kThreads * 2, 0, s, dst, a);
-}
-
-void launch_top_k(const TDesc& dst, const TDesc& a, cudaStream_t s) {
-    if (a.nrows() == 0) return;
-    // Chunks of at least 256 entries (whole warps), at most kTopKChunks of them, and at least k.
-    const int64_t n = a.ne[0], k = dst.ne[0];
-    int64_t chunk = std::max<int64_t>(256, (n + kTopKChunks - 1) / kTopKChunks);
-    chunk = (chunk + 31) / 32 * 32;
-    if (k > kTopKFiltered || (n + chunk - 1) / chunk < k) chunk = 0;
-    launch(k_top_k, static_cast<unsigned>(a.nrows()), kTopKThreads, 0, s, dst, a, chunk);
 }
 
 void launch_gather(const TDesc& dst, const TDesc& a, const TDesc& ids, cudaStream_t s) {

@@ -529,13 +529,20 @@ def test_sum_contiguous_and_strided(shape, outlier):
 
 
 @gpu
-@pytest.mark.parametrize("rows", [6, 64])
-@pytest.mark.parametrize("n", [1, 7, 40, 257, 4096, 151936])
+@pytest.mark.parametrize("rows", [1, 6, 64])
+@pytest.mark.parametrize("n", [1, 7, 40, 257, 4096, 49152, 151936])
 def test_argmax_first_index_on_ties(n, rows):
+    """The first index of each row's largest value, NaN skipped; a few long rows are split over
+    blocks (cuda/ops_pick.cu), many rows or short ones are not: the same ids either way."""
     rng = np.random.default_rng(n + rows)
-    for x in (cpu.tie_heavy_rows(rng, rows, n), rng.standard_normal((rows, n)).astype(np.float32)):
+    with_nan = rng.standard_normal((rows, n)).astype(np.float32)
+    with_nan[:, 1:][rng.random((rows, n - 1)) < 0.01] = np.nan
+    for x in (cpu.tie_heavy_rows(rng, rows, n), rng.standard_normal((rows, n)).astype(np.float32),
+              cpu.signed_zero_rows(rng, rows, n)):
         got = cpu.reduce_run("ARGMAX", x, backend=DEVICE)[:, 0]
         assert np.array_equal(got, np.argmax(x, axis=1))
+    got = cpu.reduce_run("ARGMAX", with_nan, backend=DEVICE)[:, 0]
+    assert np.array_equal(got, np.nanargmax(with_nan, axis=1))
 
 
 @gpu
