@@ -39,7 +39,7 @@ import pyspec
 from pyspec import _core
 from tiny_models import write_tiny_model
 
-from conftest import subprocess_env  # noqa: E402
+from conftest import drain, run_requests, subprocess_env  # noqa: E402
 from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu  # noqa: E402
 
 HAS_SWITCH = hasattr(_core, "set_cuda_graphs")
@@ -339,11 +339,8 @@ def _tokens_of(engine, requests):
     """Adds {request id: (prompt, add_request options)} and steps until all finish: their tokens."""
     for rid, (prompt, kw) in requests.items():
         engine.add_request(rid, prompt, **kw)
-    tokens = {rid: [] for rid in requests}
-    while engine.n_requests:
-        for o in engine.step():
-            tokens[o["request_id"]] += o["tokens"]
-    return tokens
+    runs = run_requests(engine)
+    return {rid: runs[rid].tokens for rid in requests}
 
 
 def _engine_run(pairs, backend, sampled):
@@ -354,14 +351,8 @@ def _engine_run(pairs, backend, sampled):
             engine.add_request(rid, prompt, max_tokens=24, temperature=0.8, seed=100 + rid, verify="rejection")
         else:
             engine.add_request(rid, prompt, max_tokens=24, verify="greedy")
-    tokens = {rid: [] for rid in prompts}
-    blocks = {rid: [] for rid in prompts}
-    while engine.n_requests:
-        for o in engine.step():
-            tokens[o["request_id"]] += o["tokens"]
-            if o["verified"]:
-                blocks[o["request_id"]].append(list(o["verified"]))
-    return tokens, blocks
+    runs = run_requests(engine)
+    return {rid: runs[rid].tokens for rid in prompts}, {rid: runs[rid].blocks for rid in prompts}
 
 
 @gpu
@@ -466,9 +457,8 @@ def _candidates_run(pairs, n_probs):
         engine.add_request(rid, prompt, max_tokens=24, temperature=0.8, seed=100 + rid, n_probs=n_probs,
                            logit_bias=[(7, float("-inf"))], **kw)
     tokens = {rid: [] for rid in prompts}
-    while engine.n_requests:
-        for o in engine.step():
-            tokens[o["request_id"]].append((list(o["tokens"]), list(o["verified"])))
+    for o in drain(engine):
+        tokens[o["request_id"]].append((list(o["tokens"]), list(o["verified"])))
     return tokens, engine.n_candidate_steps
 
 

@@ -45,6 +45,7 @@ from pyspec.speculative import Drafter
 from tiny_models import write_tiny_model
 
 from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
+from conftest import run_requests  # noqa: E402
 
 
 from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu, no_cuda, real_gpu  # noqa: E402
@@ -642,20 +643,9 @@ def _run(engine, requests, hook=None):
     """{id: (prompt, max_tokens)} -> {id: (tokens, verified blocks, stats)}."""
     for rid, (prompt, n) in requests.items():
         engine.add_request(rid, prompt, max_tokens=n, verify="greedy")
-    tokens = {rid: [] for rid in requests}
-    blocks = {rid: [] for rid in requests}
-    stats = {}
-    while engine.n_requests:
-        for o in engine.step():
-            rid = o["request_id"]
-            tokens[rid] += o["tokens"]
-            if o["verified"]:
-                blocks[rid].append(list(o["verified"]))
-            if o["finished"]:
-                stats[rid] = o["stats"]
-        if hook:
-            hook(engine)
-    return {rid: (tokens[rid], blocks[rid], stats[rid]) for rid in requests}
+    runs = run_requests(engine, (lambda outs: hook(engine)) if hook else None)
+    assert all(runs[rid].stop_reason for rid in requests)
+    return {rid: (runs[rid].tokens, runs[rid].blocks, runs[rid].stats) for rid in requests}
 
 
 @gpu
@@ -733,16 +723,11 @@ def test_spec_engine_reclaim_after_rebase_on_the_device(pairs):
 
     e = engine()
     e.add_request(0, a, max_tokens=40, verify="greedy")
-    tokens, blocks, stats, based = [], [], None, []
+    based = []
     phase = "a"
-    while e.n_requests:
-        for o in e.step():
-            if o["request_id"] == 0:
-                tokens += o["tokens"]
-                if o["verified"]:
-                    blocks.append(list(o["verified"]))
-                if o["finished"]:
-                    stats = o["stats"]
+
+    def between(outs):
+        nonlocal phase
         if phase == "a" and e.steps == 6:
             based.append(e.draft_pos_base(e.draft_slot(0)))
             e.pause(0)
@@ -752,7 +737,10 @@ def test_spec_engine_reclaim_after_rebase_on_the_device(pairs):
             assert e.draft_slot(0) is None  # reclaimed by request 1
             e.resume(0)
             phase = "resumed"
-    assert phase == "resumed" and based and based[0] > 0
+
+    run = run_requests(e, between)[0]
+    tokens, blocks, stats = run.tokens, run.blocks, run.stats
+    assert run.stop_reason and phase == "resumed" and based and based[0] > 0
     assert stats["n_restaged"] == 1
     assert tokens == alone[0] and blocks == alone[1]
     st, ref = dict(stats), dict(alone[2])

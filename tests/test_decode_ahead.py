@@ -33,6 +33,7 @@ import pyspec
 from pyspec import _core
 
 from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
+from conftest import drain  # noqa: E402
 
 PROMPTS = [[3, 17, 29, 3, 3], [100, 101, 102], [7], list(range(40, 70))]
 
@@ -60,17 +61,20 @@ def run(e, reqs, hook=None):
     out = {rid: {"tokens": [], "reason": None, "stats": None} for rid in reqs}
     for rid, (prompt, kw) in reqs.items():
         e.add_request(rid, prompt, **kw)
-    i = 0
-    while e.n_requests:
-        for o in e.step():
-            r = out.setdefault(o["request_id"], {"tokens": [], "reason": None, "stats": None})
-            r["tokens"] += o["tokens"]
-            if o["finished"]:
-                r["reason"] = o["stop_reason"]
-            r["stats"] = o["stats"]
-        i += 1
+    steps = 0
+
+    def between(outs):
+        nonlocal steps
+        steps += 1
         if hook:
-            hook(e, i, out)
+            hook(e, steps, out)
+
+    for o in drain(e, between):
+        r = out.setdefault(o["request_id"], {"tokens": [], "reason": None, "stats": None})
+        r["tokens"] += o["tokens"]
+        if o["finished"]:
+            r["reason"] = o["stop_reason"]
+        r["stats"] = o["stats"]
     return out
 
 

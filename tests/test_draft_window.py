@@ -25,6 +25,7 @@ import pyspec
 from pyspec import _core
 
 from test_speculative import Pairs, edit_gguf  # noqa: E402
+from conftest import drain  # noqa: E402
 
 CTX = 64
 
@@ -59,13 +60,12 @@ def engine(target, drafter, n_ctx=512, draft_n_batch=512, draft_n_max=-1):
 def run_one(e, prompt, n):
     e.add_request(1, prompt, max_tokens=n)
     tokens, bases, stats = [], [], None
-    while e.n_requests:
-        for o in e.step():
-            tokens += o["tokens"]
-            if o["finished"]:
-                stats = o["stats"]
-            else:
-                bases.append(e.draft_pos_base(0))
+    for o in drain(e):
+        tokens += o["tokens"]
+        if o["finished"]:
+            stats = o["stats"]
+        else:
+            bases.append(e.draft_pos_base(0))
     return tokens, bases, stats
 
 

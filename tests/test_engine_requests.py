@@ -23,6 +23,7 @@ import pyspec
 from pyspec import _core
 
 from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
+from conftest import drain  # noqa: E402
 
 PROMPTS = [[3, 17, 29, 3, 3], [100, 101, 102], [7], list(range(40, 70))]
 
@@ -49,15 +50,11 @@ def run(e, reqs, hook=None):
     out = {rid: {"tokens": [], "probs": []} for rid in reqs}
     for rid, (prompt, n, kw) in reqs.items():
         e.add_request(rid, prompt, max_tokens=n, **kw)
-    while e.n_requests:
-        outs = e.step()
-        for o in outs:
-            r = out[o["request_id"]]
-            r["tokens"] += o["tokens"]
-            r["probs"] += o.get("probs", [])
-            r["stats"] = o["stats"]
-        if hook:
-            hook(e, outs)
+    for o in drain(e, (lambda outs: hook(e, outs)) if hook else None):
+        r = out[o["request_id"]]
+        r["tokens"] += o["tokens"]
+        r["probs"] += o.get("probs", [])
+        r["stats"] = o["stats"]
     return out
 
 

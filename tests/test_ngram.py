@@ -18,6 +18,7 @@ from pyspec import _core
 
 from test_spec_engine import PROMPTS, known_requests, make_engine, models, one_at_a_time, run  # noqa: E402
 from test_speculative import ALPHA, Pairs, chi2_pvalue, prefix_law, second_pair_law  # noqa: E402
+from conftest import run_requests  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +91,8 @@ def test_ngram_drafts_respect_max_tokens_and_the_context(pairs):
     # A full context ends the request where plain decoding ends it, with stop reason "context".
     def until_full(e):
         e.add_request(2, prompt, max_tokens=-1)
-        out, reason = [], None
-        while e.n_requests:
-            for o in e.step():
-                out += o["tokens"]
-                reason = o["stop_reason"] if o["finished"] else reason
-        return out, reason
+        got = run_requests(e)[2]
+        return got.tokens, got.stop_reason
     looked_up, reason = until_full(engine)
     assert reason == "context" and (looked_up, reason) == until_full(ngram_engine(target, None, n=0, n_seq_max=1))
 

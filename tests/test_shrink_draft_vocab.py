@@ -23,6 +23,7 @@ import pyspec
 from pyspec import _core
 
 from default_model import require_default_model  # noqa: E402
+from conftest import run_requests  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import shrink_draft_vocab as shrink  # noqa: E402
@@ -53,14 +54,8 @@ def _drafts(drafter_path):
     dm = _core.DraftModel(drafter_path, model)
     e = _core.SpecEngine(model, dm, n_ctx=512, n_seq_max=1, n_threads=2, draft_n_max=3)
     e.add_request(1, [1, 504, 3458, 314, 2, 1069, 48], max_tokens=40, verify="greedy")
-    tokens, blocks = [], []
-    while e.n_requests:
-        for o in e.step():
-            tokens += o["tokens"]
-            if o["verified"]:
-                blocks.append(list(o["verified"]))
-            stats = o["stats"]
-    return tokens, blocks, stats["draft_n_accepted"]
+    run = run_requests(e)[1]
+    return run.tokens, run.blocks, run.stats["draft_n_accepted"]
 
 
 def test_cut_rows_keep_their_ids(tmp_path):

@@ -31,6 +31,7 @@ from pyspec.sampling import Sampler, SamplingParams
 from pyspec.speculative import SpecStats
 
 from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under pytest)
+from conftest import drain, run_requests  # noqa: E402
 
 PROMPTS = [[5], [17, 3], [40, 41, 42, 43, 44, 45, 46], list(range(100, 160)), [9, 9, 9],
            [1, 2, 3, 4], list(range(200, 230)), [77, 78]]
@@ -65,24 +66,18 @@ def run(engine, requests, order=None, hook=None):
     for rid in order:
         prompt, n, kw = requests[rid]
         engine.add_request(rid, prompt, max_tokens=n, **kw)
-    tokens = {rid: [] for rid in order}
-    blocks = {rid: [] for rid in order}
-    stats = {}
-    while engine.n_requests:
-        outs = engine.step()
+
+    def between(outs):
         assert outs, "a step with active requests ran none"
         for o in outs:
-            rid = o["request_id"]
-            tokens[rid] += o["tokens"]
-            if o["verified"]:
-                blocks[rid].append(list(o["verified"]))
-            if o["finished"]:
-                stats[rid] = o["stats"]
-            else:
-                assert o["n_drafted"] == len(engine.pending_drafts(rid))
+            if not o["finished"]:
+                assert o["n_drafted"] == len(engine.pending_drafts(o["request_id"]))
         if hook:
             hook(engine, outs)
-    return {rid: (tokens[rid], blocks[rid], stats[rid]) for rid in order}
+
+    runs = run_requests(engine, between)
+    assert all(runs[rid].stop_reason for rid in order)
+    return {rid: (runs[rid].tokens, runs[rid].blocks, runs[rid].stats) for rid in order}
 
 
 def one_at_a_time(engine, requests):
@@ -255,9 +250,8 @@ def test_cancel_frees_everything(pairs):
     late = list(reqs)[5]
     engine.add_request(late, reqs[late][0], max_tokens=reqs[late][1])
     tokens[late] = []
-    while engine.n_requests:
-        for o in engine.step():
-            tokens[o["request_id"]] += o["tokens"]
+    for o in drain(engine):
+        tokens[o["request_id"]] += o["tokens"]
     for rid in ids[:1] + ids[2:] + [late]:
         assert tokens[rid] == alone[rid][0], rid
     assert_empty(engine, 4, 4)
@@ -605,12 +599,8 @@ def test_drafts_come_from_the_drafters_whole_block(pairs, layout):
     for i, prompt in enumerate(p for p in PROMPTS if len(p) > 3):
         engine = make_engine(pairs.target, pairs.drafters[layout], draft_n_max=n_max)
         engine.add_request(0, prompt, max_tokens=8)
-        first, emitted = None, []
-        while engine.n_requests:
-            for o in engine.step():
-                if first is None and o["verified"]:
-                    first = list(o["verified"])
-                emitted += o["tokens"]
+        run = run_requests(engine)[0]
+        first, emitted = run.blocks[0] if run.blocks else None, run.tokens
         # The prompt's pass gives the first token; the first round drafts from the rows of the
         # whole prompt, anchored at that token.
         n = len(prompt)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import tiny_models  # noqa: E402
+from conftest import run_requests  # noqa: E402
 from pyspec import _core  # noqa: E402
 from pyspec.convert import convert  # noqa: E402
 from pyspec.train import cli  # noqa: E402
@@ -41,12 +42,9 @@ def probe_logits(target, *drafters):
 def run_greedy(engine, prompt, n):
     """(tokens, final stats) of one greedy request run alone on a SpecEngine."""
     engine.add_request(0, prompt, max_tokens=n, temperature=0.0, verify="greedy")
-    out, stats = [], None
-    while engine.n_requests:
-        for o in engine.step():
-            out += o["tokens"]
-            stats = o["stats"] if o["finished"] else stats
-    return out, stats
+    run = run_requests(engine)[0]
+    assert run.stop_reason
+    return run.tokens, run.stats
 
 
 def engine_against_simulation(model, dm, tm, drafter, n_max, block_len=None, n_tok=40):

@@ -26,7 +26,8 @@
 #                                               # decode + speculative step (tiny models), on the
 #                                               # attention kernels, a split long row included (and
 #                                               # with the decode row's RoPE in the launch), on
-#                                               # the wide GEMM's split K and on the norm prologue
+#                                               # the wide GEMM's split K, the norm prologue and
+#                                               # the split ARGMAX / TOP_K
 #   SPEC_BENCH=/tmp/smol.gguf ...               # also bench/bench_drafter.py on the GPU: the real
 #                                               # SmolLM2 target (carried, see train_smollm2.sh)
 #                                               # with the shipped drafter (DRAFTER=path when it
@@ -118,7 +119,9 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-short-h9kv3d64]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-long-h32kv8d128]"
-             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[noearly-neox_half-h6kv3d40]")
+             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[noearly-neox_half-h6kv3d40]"
+             "tests/test_cuda_ops.py::test_argmax_first_index_on_ties[151936-1]"
+             "tests/test_cuda_ops.py::test_top_k_then_gather_equal_the_cpu[151936-64-1]")
   for tool in memcheck racecheck; do
     timeout 600 env PYSPEC_CUDA_GRAPHS=0 compute-sanitizer --tool $tool --error-exitcode 9 \
       python3 -m pytest -q -p no:cacheprovider "${san_tests[@]}" > "$out/sanitize-$tool.log" 2>&1
