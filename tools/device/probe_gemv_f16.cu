@@ -53,6 +53,10 @@
 // warp's next item's first 4 units loaded before this item's reduction (bal8x2r2 2,151-2,152,
 // balN8x2r2 3,345-3,353 at 80 registers with a spill against 128 without, balN16r2 2,258,
 // balN8x3r2 3,130). Nothing kept.
+// Thirty-fourth session: x staged by cp.async, every 16-byte copy of a thread in flight at once
+// (bal8x2r2v), lost: 2,207-2,211 against bal8x2r2 2,141-2,146 (read 1,843, one read 1,592-1,598);
+// the 4-byte staging loop was not what separates the kernels from the reads. A persistent launch
+// that streams weights through a copy-engine ring across the job boundaries: probe_mega.cu.
 // usage: probe [layers, default 36] [comma-separated variants, default all] [attention us, default 0]
 // With an attention time, a stand-in kernel (k_att) runs that long before each layer's o.
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_gemv_f16.cu -o probe
@@ -65,18 +69,13 @@
 #include <vector>
 
 #include "probe_common.cuh"
+#include "probe_f16_rows.cuh"
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_go() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-    return v;
-}
 
 template <int kHint>
 __device__ __forceinline__ uint4 ldw(const uint4* p) {
@@ -88,23 +87,6 @@ __device__ __forceinline__ uint4 ldw(const uint4* p) {
     } else {
         return __ldg(p);
     }
-}
-
-// One unit's 8 products on acc, in order t = 0..7, its x as two halves a, b.
-__device__ __forceinline__ float unit_fma2(uint4 w, float4 a, float4 b, float acc) {
-    const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        acc = fmaf(__half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] & 0xffffu))), xv[2 * t], acc);
-        acc = fmaf(__half2float(__ushort_as_half(static_cast<uint16_t>(ws[t] >> 16))), xv[2 * t + 1], acc);
-    }
-    return acc;
-}
-
-// unit_fma2 with the unit's 8 x values at xu.
-__device__ __forceinline__ float unit_fma(uint4 w, const float* xu, float acc) {
-    return unit_fma2(w, *reinterpret_cast<const float4*>(xu), *reinterpret_cast<const float4*>(xu + 4), acc);
 }
 
 // The norm prologue's shape (not its exact order; the cost is what matters here): the block's
@@ -313,14 +295,25 @@ __global__ void __launch_bounds__(kThreads) k_stream(Job j, int rows_per_warp) {
 
 // The job's x into shared memory by a block of W warps, normalised where the job has a norm
 // (the norm prologue's shape, its order the block's: the cost is what matters here).
-template <int W>
+// kVec: x comes by cp.async, 16 bytes a copy, every copy of the thread in flight at once (one L2
+// round trip), instead of a loop of 4-byte loads, each stored before the next few go out.
+template <int W, bool kVec = false>
 __device__ __forceinline__ void stage_x(const Job& j, float* dst) {
     __shared__ float sums[W];
     float acc = 0.0f;
-    for (int i = threadIdx.x; i < j.k; i += W * 32) {
-        const float v = j.x[i];
-        dst[i] = v;
-        acc = fmaf(v, v, acc);
+    if constexpr (kVec) {
+        for (int i = threadIdx.x; i < j.k / 4; i += W * 32) cp16(dst + 4 * i, j.x + 4 * i);
+        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+        __syncthreads();
+        if (j.nw) {
+            for (int i = threadIdx.x; i < j.k; i += W * 32) acc = fmaf(dst[i], dst[i], acc);
+        }
+    } else {
+        for (int i = threadIdx.x; i < j.k; i += W * 32) {
+            const float v = j.x[i];
+            dst[i] = v;
+            acc = fmaf(v, v, acc);
+        }
     }
     if (j.nw) {
         acc = warp_sum(acc);
@@ -419,7 +412,7 @@ __global__ void __launch_bounds__(W * 32) k_smem(Job j) {
 // start + w + W, ...; so every SM streams the same bytes (o and down have 80 row groups of 16
 // warps for 132 SMs in s16r2e, gate/up 1.15 waves). The first item's first 4 units are loaded
 // before the PDL wait; x is staged in shared memory once a block. Same order as base.
-template <int W, int R, bool kNext = false>
+template <int W, int R, bool kNext = false, bool kVec = false>
 __global__ void __launch_bounds__(W * 32) k_bal(Job j) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t n = j.rows / R, half = j.rows / R;
@@ -438,7 +431,7 @@ __global__ void __launch_bounds__(W * 32) k_bal(Job j) {
     }
     pdl_wait();
     pdl_go();
-    stage_x<W>(j, hs);
+    stage_x<W, kVec>(j, hs);
     for (bool first = true; item < end; item += W, first = false) {
         if (!first && !kNext) rows_of(item, wr);
         float acc[R] = {};
@@ -466,25 +459,6 @@ __global__ void __launch_bounds__(W * 32) k_bal(Job j) {
 // increasing u: the production order. x (normalised where the job has a norm) sits in shared
 // memory once per block. The first S chunks are asked for before the PDL wait (weights are
 // constant).
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nwait_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra wait_%=;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
 template <int W, int S, int CH>
 __global__ void __launch_bounds__(W * 32) k_bulk(Job j, int rows_per_warp) {
     extern __shared__ __align__(128) unsigned char bulk_smem[];
@@ -633,10 +607,6 @@ __global__ void k_read_all(const uint4* p, int64_t n, float* y) {
 // an early shared-memory prefetch does not (one read of all the bytes in one launch runs at
 // 4.4-4.6 TB/s, in 144 launches at ~3.9)? persnb drops the barrier (no dependency kept): the
 // loop's own streaming bound.
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-    const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src) : "memory");
-}
 __device__ __forceinline__ void grid_barrier(unsigned* bar, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -813,14 +783,14 @@ static void run_smem(const Job& j, cudaStream_t s) {
     launch_pdl_block(k_smem<W, R, E, P, F, T>, static_cast<unsigned>((n + W - 1) / W), W * 32,
                      (P ? 2 : 1) * j.k * sizeof(float), s, j);
 }
-template <int W, int R, int BPS, bool N = false>
+template <int W, int R, int BPS, bool N = false, bool V = false>
 static void run_bal(const Job& j, cudaStream_t s) {
     static int sms = 0;
     if (!sms) {
         CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-        CK(cudaFuncSetAttribute(k_bal<W, R, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, 9728 * 4));
+        CK(cudaFuncSetAttribute(k_bal<W, R, N, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, 9728 * 4));
     }
-    launch_pdl_block(k_bal<W, R, N>, static_cast<unsigned>(sms * BPS), W * 32, j.k * sizeof(float), s, j);
+    launch_pdl_block(k_bal<W, R, N, V>, static_cast<unsigned>(sms * BPS), W * 32, j.k * sizeof(float), s, j);
 }
 template <int W, int S, int CH>
 static void run_bulk(const Job& j, cudaStream_t s) {
@@ -879,27 +849,14 @@ __global__ void k_att(int64_t ns) {
 constexpr int kAttBlocks = 64;
 constexpr size_t kAttSmem = 135 * 1024;
 
-__global__ void k_fill(__half* p, int64_t n, uint32_t seed) {
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        p[i] = __float2half((static_cast<float>(h & 0xffff) / 65536.0f - 0.5f) * 0.05f);
-    }
-}
-
 int main(int argc, char** argv) {
     const int n_layer = argc > 1 ? atoi(argv[1]) : 36;
     const int64_t att_ns = argc > 3 ? static_cast<int64_t>(atof(argv[3]) * 1000) : 0;  // the stand-in's time
-    const int hidden = 2560, q = 4096, kv = 1024, ffn = 9728;
+    const int hidden = kHidden, q = kQ, kv = kKV, ffn = kFfn;
+    const int64_t per_layer = kLayerHalves;
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    const int64_t per_layer = int64_t{hidden} * (q + 2 * kv) + int64_t{q} * hidden + int64_t{2} * ffn * hidden +
-                              int64_t{ffn} * hidden;  // halves
-    __half* w = nullptr;
-    CK(cudaMalloc(&w, per_layer * n_layer * sizeof(__half)));
-    k_fill<<<1024, 256, 0, s>>>(w, per_layer * n_layer, 1234u);
+    __half* w = qwen3_weights(n_layer, s);
     float *x = nullptr, *nw = nullptr, *y = nullptr;
     CK(cudaMalloc(&x, ffn * 2 * sizeof(float)));
     CK(cudaMalloc(&nw, hidden * sizeof(float)));
@@ -956,6 +913,8 @@ int main(int argc, char** argv) {
         {"bal10x3", run_bal<10, 1, 3>, run_bal<10, 2, 3>},
         {"bal8x4", run_bal<8, 1, 4>, run_bal<8, 2, 4>},
         {"bal8x2r2", run_bal<8, 2, 2>, run_bal<8, 2, 2>},
+        // x staged by cp.async, every 16-byte copy of a thread in flight at once
+        {"bal8x2r2v", run_bal<8, 2, 2, false, true>, run_bal<8, 2, 2, false, true>},
         // balN: each warp's next item's first 4 units loaded before this item's reduction
         {"balN8x2r2", run_bal<8, 2, 2, true>, run_bal<8, 2, 2, true>},
         {"balN16r2", run_bal<16, 2, 1, true>, run_bal<16, 2, 1, true>},

@@ -1,0 +1,276 @@
+// Probe: Qwen3-4B's 144 decode matvecs (F16 weights, F32 activations; per layer q/k/v 6144 x 2560,
+// o 2560 x 4096, gate/up 19456 x 2560, down 2560 x 9728) as ONE persistent launch in which the
+// weights never wait for the activations: each SM's producer warp streams the SM's share of every
+// job's weight rows (one contiguous byte range a job) through a ring of shared-memory stages with
+// the copy engine (cp.async.bulk), running ahead into the next jobs while the SM's consumer warps
+// wait for the previous job's output (a per-job completion counter over all SMs, not a barrier
+// that holds the loads). DRAM stays busy across the job boundaries as long as the ring has room
+// (S stages of T bytes: ~5 us of an SM's share of the bandwidth at 10 x 16 KiB).
+//
+// The question: how close does a decode step's matvec chain come to one read of the same bytes
+// (1,593 us in one launch on the H200, probe_gemv_f16.cu) when the loads never stop at job
+// boundaries, against the production kernels' 144 PDL launches (bal8x2r2, 2,139 us)? The earlier
+// persistent probes (probe_gemv_f16.cu pers*) held a grid barrier and a few units a warp in flight
+// across it, and lost. Timing only: the products are summed per row in another order than the
+// production kernels (the bits differ); a check against a plain per-row reference over the first
+// jobs makes sure the sums are right.
+//
+// Measured (H200, thirty-fourth session, us a step of the 144 matvecs; the production launches
+// bal8x2r2 2,141-2,151, a read in the same launches 1,843-1,858, one read 1,592-1,630):
+// - every consumer warp on every tile (a 128-unit slice each, two warp sums a slice): 3,340-3,356
+//   at 4-11 stages, 3,568 with 12 consumer warps, 4,966 with 4. The stage count did not matter:
+//   each tile waited for one latency-bound pass of all the warps.
+// - a tile to one consumer warp in turn (below): 11 stages 2,372, 8 stages 2,525, 4 consumer warps
+//   3,163-3,167. Closer, still behind the launches; shared memory caps the ring at 11 stages of
+//   16 KiB beside down's 38 KiB of activations.
+// Nothing of it is in the backend (docs/internals-cuda.md).
+//
+// usage: probe_mega [layers, default 36] [stages, default 10] [consumer warps <= stages, default 8]
+// Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_mega.cu -o probe_mega
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "probe_common.cuh"
+#include "probe_f16_rows.cuh"
+
+constexpr int kTile = 16384;      // bytes a stage
+constexpr int kMaxStages = 12;
+constexpr int kMaxK = 9728;       // the widest input (down)
+constexpr int kMaxRowsSm = 160;   // rows of one job on one SM at most (gate/up: 19456 / 132 = 148)
+
+struct Job {
+    const __half* w;  // rows x k, row-major
+    int rows, k;
+    const float* x;   // k inputs (the previous job's output)
+    float* y;         // rows outputs
+};
+
+// Rows [r0, r1) of a job of `rows` rows on SM b of G.
+__device__ __forceinline__ void sm_rows(int rows, int b, int G, int& r0, int& r1) {
+    r0 = static_cast<int>(static_cast<int64_t>(rows) * b / G);
+    r1 = static_cast<int>(static_cast<int64_t>(rows) * (b + 1) / G);
+}
+
+// Block: warp 0's lane 0 produces, warps 1..C consume. done[j] counts the SMs that finished job j.
+template <int C>
+__global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n_jobs, int S, unsigned* done) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[kMaxStages], empty[kMaxStages];
+    __shared__ float acc[kMaxRowsSm];
+    unsigned char* ring = smem;
+    float* xs = reinterpret_cast<float*>(smem + static_cast<size_t>(S) * kTile);
+    const int G = gridDim.x, b = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(saddr(&full[s]), 1);
+            mbar_init(saddr(&empty[s]), 1);  // the one consumer warp of the tile
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    for (int i = threadIdx.x; i < kMaxRowsSm; i += blockDim.x) acc[i] = 0.0f;
+    __syncthreads();
+    if (warp == 0) {  // the producer: every job's byte range, tile by tile, as far ahead as the ring allows
+        if (lane != 0) return;
+        int it = 0;
+        for (int j = 0; j < n_jobs; ++j) {
+            const Job jb = jobs[j];
+            int r0, r1;
+            sm_rows(jb.rows, b, G, r0, r1);
+            const char* src = reinterpret_cast<const char*>(jb.w) + static_cast<int64_t>(r0) * jb.k * 2;
+            const int64_t bytes = static_cast<int64_t>(r1 - r0) * jb.k * 2;
+            for (int64_t off = 0; off < bytes; off += kTile, ++it) {
+                const int st = it % S;
+                mbar_wait(saddr(&empty[st]), static_cast<uint32_t>(((it / S) & 1) ^ 1));
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                const uint32_t n = static_cast<uint32_t>(bytes - off < kTile ? bytes - off : kTile);
+                bulk_load(saddr(ring + static_cast<size_t>(st) * kTile), src + off, n, saddr(&full[st]));
+            }
+        }
+        return;
+    }
+    // The consumers: tile it goes to consumer warp it % C (C tiles in work at once). Rows start at
+    // multiples of 32 units (every shape's row has a multiple of 32 units) and tiles at multiples
+    // of 1024, so a warp's 32 lanes always work in one row: each lane sums its units of the row,
+    // and at the row's end (or the tile's) one warp sum goes into the row's shared-memory total
+    // (atomic: a row's two pieces may sit in tiles of two warps).
+    const int cw = warp - 1;
+    constexpr int kCT = C * 32;
+    const int ct = threadIdx.x - 32;
+    int it = 0;
+    for (int j = 0; j < n_jobs; ++j) {
+        const Job jb = jobs[j];
+        int r0, r1;
+        sm_rows(jb.rows, b, G, r0, r1);
+        if (j > 0) {  // the previous job's output complete on every SM
+            if (ct == 0) {
+                unsigned v;
+                do {
+                    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(done + j - 1) : "memory");
+                } while (v < static_cast<unsigned>(G));
+            }
+            asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
+        }
+        for (int i = ct; i < jb.k / 4; i += kCT) {
+            reinterpret_cast<float4*>(xs)[i] = __ldcg(reinterpret_cast<const float4*>(jb.x) + i);
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
+        const int units_row = jb.k / 8;
+        const int64_t bytes = static_cast<int64_t>(r1 - r0) * jb.k * 2;
+        for (int64_t off = 0; off < bytes; off += kTile, ++it) {
+            if (it % C != cw) continue;
+            const int st = it % S;
+            mbar_wait(saddr(&full[st]), static_cast<uint32_t>((it / S) & 1));
+            const int n_units = static_cast<int>((bytes - off < kTile ? bytes - off : kTile) / 16);
+            const uint4* tile = reinterpret_cast<const uint4*>(ring + static_cast<size_t>(st) * kTile);
+            const int64_t g0 = off / 16;
+            int ra = static_cast<int>(g0 / units_row), col = static_cast<int>(g0 % units_row);
+            float pa = 0.0f;
+#pragma unroll 4
+            for (int i = 0; i < n_units; i += 32) {
+                pa = unit_fma(tile[i + lane], xs + (col + lane) * 8, pa);
+                col += 32;
+                if (col == units_row) {  // the row ends (warp-uniform)
+                    const float sum = warp_sum(pa);
+                    if (lane == 0) atomicAdd(&acc[ra], sum);
+                    pa = 0.0f;
+                    col = 0;
+                    ++ra;
+                }
+            }
+            if (col != 0) {  // the tile ends inside a row
+                const float sum = warp_sum(pa);
+                if (lane == 0) atomicAdd(&acc[ra], sum);
+            }
+            __syncwarp();
+            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[st])) : "memory");
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
+        for (int r = ct; r < r1 - r0; r += kCT) {
+            jb.y[r0 + r] = acc[r];
+            acc[r] = 0.0f;
+        }
+        __threadfence();
+        asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
+        if (ct == 0) atomicAdd(done + j, 1u);
+    }
+}
+
+// The reference: one warp a row, fp32 sums.
+__global__ void k_ref(Job j) {
+    const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= j.rows) return;
+    const uint4* w = reinterpret_cast<const uint4*>(j.w + static_cast<int64_t>(row) * j.k);
+    float a = 0.0f;
+    for (int u = lane; u < j.k / 8; u += 32) a = unit_fma(w[u], j.x + u * 8, a);
+    a = warp_sum(a);
+    if (lane == 0) j.y[row] = a;
+}
+
+template <int C>
+static void run(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, cudaStream_t s) {
+    const size_t smem = static_cast<size_t>(S) * kTile + kMaxK * sizeof(float);
+    static bool once = false;
+    if (!once) {
+        once = true;
+        CK(cudaFuncSetAttribute(k_mega<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        int per_sm = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_mega<C>, (C + 1) * 32, smem));
+        if (per_sm < 1) { printf("k_mega<%d>: does not fit an SM with %d stages\n", C, S); exit(1); }
+    }
+    CK(cudaMemsetAsync(done, 0, sizeof(unsigned) * n_jobs, s));
+    k_mega<C><<<G, (C + 1) * 32, smem, s>>>(d_jobs, n_jobs, S, done);
+    CK(cudaGetLastError());
+}
+
+int main(int argc, char** argv) {
+    const int n_layer = argc > 1 ? atoi(argv[1]) : 36;
+    const int S = argc > 2 ? atoi(argv[2]) : 10;
+    const int C = argc > 3 ? atoi(argv[3]) : 8;
+    if (S < 2 || S > kMaxStages) { printf("stages: 2..%d\n", kMaxStages); return 1; }
+    // A consumer warp may wait on its next tile's stage before the stage's previous fill has
+    // landed; with more warps than stages the parity it waits on would name that earlier phase.
+    if (C > S) { printf("consumer warps (%d) must not exceed the stages (%d)\n", C, S); return 1; }
+    const int hidden = kHidden, q = kQ, kv = kKV, ffn = kFfn;
+    const int64_t per_layer = kLayerHalves;
+    int G = 0;
+    CK(cudaDeviceGetAttribute(&G, cudaDevAttrMultiProcessorCount, 0));
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    __half* w = qwen3_weights(n_layer, s);
+    float* buf[2];
+    for (float*& p : buf) CK(cudaMalloc(&p, int64_t{2} * ffn * sizeof(float)));
+    {
+        std::vector<float> hx(2 * ffn);
+        for (size_t i = 0; i < hx.size(); ++i) hx[i] = 0.01f * static_cast<float>((i * 37) % 101) - 0.5f;
+        CK(cudaMemcpy(buf[0], hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+    }
+    // Jobs in order, ping-ponging between the buffers: job i reads buf[i % 2], writes buf[(i + 1) % 2].
+    std::vector<Job> jobs;
+    const __half* p = w;
+    const int shape[4][2] = {{q + 2 * kv, hidden}, {hidden, q}, {2 * ffn, hidden}, {hidden, ffn}};
+    for (int l = 0; l < n_layer; ++l) {
+        for (const auto& sh : shape) {
+            const int i = static_cast<int>(jobs.size());
+            jobs.push_back({p, sh[0], sh[1], buf[i % 2], buf[(i + 1) % 2]});
+            p += static_cast<int64_t>(sh[0]) * sh[1];
+        }
+    }
+    const int n_jobs = static_cast<int>(jobs.size());
+    Job* d_jobs = nullptr;
+    unsigned* done = nullptr;
+    CK(cudaMalloc(&d_jobs, sizeof(Job) * n_jobs));
+    CK(cudaMemcpy(d_jobs, jobs.data(), sizeof(Job) * n_jobs, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&done, sizeof(unsigned) * n_jobs));
+    auto launch = [&](int nj) {
+        switch (C) {
+            case 4: run<4>(d_jobs, nj, S, done, G, s); break;
+            case 8: run<8>(d_jobs, nj, S, done, G, s); break;
+            case 12: run<12>(d_jobs, nj, S, done, G, s); break;
+            default: printf("consumer warps: 4, 8 or 12\n"); exit(1);
+        }
+    };
+
+    // Check: the first 4 jobs against the reference (the same input, fresh buffers each way).
+    {
+        const int nj = 4;
+        std::vector<float> x0(2 * ffn);
+        CK(cudaMemcpy(x0.data(), buf[0], x0.size() * 4, cudaMemcpyDeviceToHost));
+        launch(nj);
+        CK(cudaStreamSynchronize(s));
+        std::vector<float> got(hidden);
+        CK(cudaMemcpy(got.data(), buf[nj % 2], hidden * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(buf[0], x0.data(), x0.size() * 4, cudaMemcpyHostToDevice));
+        for (int i = 0; i < nj; ++i) k_ref<<<(jobs[i].rows + 7) / 8, 256, 0, s>>>(jobs[i]);
+        CK(cudaStreamSynchronize(s));
+        std::vector<float> want(hidden);
+        CK(cudaMemcpy(want.data(), buf[nj % 2], hidden * 4, cudaMemcpyDeviceToHost));
+        double worst = 0.0, scale = 0.0;
+        for (int i = 0; i < hidden; ++i) {
+            worst = fmax(worst, fabs(static_cast<double>(got[i]) - want[i]));
+            scale = fmax(scale, fabs(static_cast<double>(want[i])));
+        }
+        printf("check over %d jobs: max |mega - ref| %.3g (outputs up to %.3g)%s\n", nj, worst, scale,
+               worst <= 1e-3 * scale + 1e-6 ? "" : "  MISMATCH");
+        CK(cudaMemcpy(buf[0], x0.data(), x0.size() * 4, cudaMemcpyHostToDevice));
+    }
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    launch(n_jobs);
+    CK(cudaStreamEndCapture(s, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 3; ++r) CK(cudaGraphLaunch(exec, s));
+    CK(cudaStreamSynchronize(s));
+    const double bytes = static_cast<double>(per_layer) * n_layer * 2;
+    const float ms = time_graph(exec, s, 20);
+    printf("mega (%d SMs, %d stages of %d KiB, %d consumer warps): %.1f us a step, %.2f TB/s over %.2f GB\n", G, S,
+           kTile / 1024, C, ms * 1e3, bytes / (ms * 1e-3) / 1e12, bytes / 1e9);
+    return 0;
+}
