@@ -22,10 +22,19 @@
 //   each tile waited for one latency-bound pass of all the warps.
 // - a tile to one consumer warp in turn (below): 11 stages 2,372, 8 stages 2,525, 4 consumer warps
 //   3,163-3,167. Closer, still behind the launches; shared memory caps the ring at 11 stages of
-//   16 KiB beside down's 38 KiB of activations.
+//   16 KiB beside down's 38 KiB of activations. With the guard against a fast warp passing a
+//   stage early (below) 2,405.
+// - What holds it back (11 stages, 8 consumer warps, the modes below, results wrong): without the
+//   wait for the previous job 2,302; without the arithmetic 1,914; without either 1,718 (4.23
+//   TB/s: the copy-engine ring streams about as fast as one plain read). So the consumers are the
+//   limit, not the ring or the dependencies: every 16-byte weight unit reads 32 bytes of x from
+//   shared memory (the lanes' x reads, 32 bytes apart, also conflict two-way), which nearly fills
+//   the SM's shared-memory bandwidth; the production kernels read x once for two rows. A consumer
+//   that reuses each x load for two or more rows is the next thing to try here.
 // Nothing of it is in the backend (docs/internals-cuda.md).
 //
 // usage: probe_mega [layers, default 36] [stages, default 10] [consumer warps <= stages, default 8]
+//                   [mode, default 0: 1 no wait for the previous job, 2 no arithmetic, 3 neither]
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_mega.cu -o probe_mega
 #include <cuda_fp16.h>
 
@@ -58,7 +67,9 @@ __device__ __forceinline__ void sm_rows(int rows, int b, int G, int& r0, int& r1
 
 // Block: warp 0's lane 0 produces, warps 1..C consume. done[j] counts the SMs that finished job j.
 template <int C>
-__global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n_jobs, int S, unsigned* done) {
+// mode (what to leave out, for timing only: results wrong): bit 0 the wait for the previous job,
+// bit 1 the arithmetic (a consumer releases each tile as soon as it has landed).
+__global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n_jobs, int S, unsigned* done, int mode) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[kMaxStages], empty[kMaxStages];
     __shared__ float acc[kMaxRowsSm];
@@ -107,7 +118,7 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n
         const Job jb = jobs[j];
         int r0, r1;
         sm_rows(jb.rows, b, G, r0, r1);
-        if (j > 0) {  // the previous job's output complete on every SM
+        if (j > 0 && !(mode & 1)) {  // the previous job's output complete on every SM
             if (ct == 0) {
                 unsigned v;
                 do {
@@ -125,8 +136,14 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n
         for (int64_t off = 0; off < bytes; off += kTile, ++it) {
             if (it % C != cw) continue;
             const int st = it % S;
+            // The stage's previous tile (it - S, another warp's) released first: its fill has
+            // landed then, so the parity below names this tile's fill and not that earlier phase
+            // (a fast warp would otherwise pass a stage whose previous fill is still in flight).
+            // It assumes the stage's tile before that (it - 2S) was released, which holds while no
+            // warp runs a whole ring ahead of the slowest; good enough for a timing probe.
+            if (it >= S) mbar_wait(saddr(&empty[st]), static_cast<uint32_t>(((it / S) - 1) & 1));
             mbar_wait(saddr(&full[st]), static_cast<uint32_t>((it / S) & 1));
-            const int n_units = static_cast<int>((bytes - off < kTile ? bytes - off : kTile) / 16);
+            const int n_units = mode & 2 ? 0 : static_cast<int>((bytes - off < kTile ? bytes - off : kTile) / 16);
             const uint4* tile = reinterpret_cast<const uint4*>(ring + static_cast<size_t>(st) * kTile);
             const int64_t g0 = off / 16;
             int ra = static_cast<int>(g0 / units_row), col = static_cast<int>(g0 % units_row);
@@ -173,7 +190,7 @@ __global__ void k_ref(Job j) {
 }
 
 template <int C>
-static void run(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, cudaStream_t s) {
+static void run(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, int mode, cudaStream_t s) {
     const size_t smem = static_cast<size_t>(S) * kTile + kMaxK * sizeof(float);
     static bool once = false;
     if (!once) {
@@ -184,7 +201,7 @@ static void run(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, cud
         if (per_sm < 1) { printf("k_mega<%d>: does not fit an SM with %d stages\n", C, S); exit(1); }
     }
     CK(cudaMemsetAsync(done, 0, sizeof(unsigned) * n_jobs, s));
-    k_mega<C><<<G, (C + 1) * 32, smem, s>>>(d_jobs, n_jobs, S, done);
+    k_mega<C><<<G, (C + 1) * 32, smem, s>>>(d_jobs, n_jobs, S, done, mode);
     CK(cudaGetLastError());
 }
 
@@ -192,9 +209,9 @@ int main(int argc, char** argv) {
     const int n_layer = argc > 1 ? atoi(argv[1]) : 36;
     const int S = argc > 2 ? atoi(argv[2]) : 10;
     const int C = argc > 3 ? atoi(argv[3]) : 8;
+    const int mode = argc > 4 ? atoi(argv[4]) : 0;
     if (S < 2 || S > kMaxStages) { printf("stages: 2..%d\n", kMaxStages); return 1; }
-    // A consumer warp may wait on its next tile's stage before the stage's previous fill has
-    // landed; with more warps than stages the parity it waits on would name that earlier phase.
+    // More consumer warps than stages would hold a stage's tile and the next one at once.
     if (C > S) { printf("consumer warps (%d) must not exceed the stages (%d)\n", C, S); return 1; }
     const int hidden = kHidden, q = kQ, kv = kKV, ffn = kFfn;
     const int64_t per_layer = kLayerHalves;
@@ -227,11 +244,11 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_jobs, sizeof(Job) * n_jobs));
     CK(cudaMemcpy(d_jobs, jobs.data(), sizeof(Job) * n_jobs, cudaMemcpyHostToDevice));
     CK(cudaMalloc(&done, sizeof(unsigned) * n_jobs));
-    auto launch = [&](int nj) {
+    auto launch = [&](int nj, int m) {
         switch (C) {
-            case 4: run<4>(d_jobs, nj, S, done, G, s); break;
-            case 8: run<8>(d_jobs, nj, S, done, G, s); break;
-            case 12: run<12>(d_jobs, nj, S, done, G, s); break;
+            case 4: run<4>(d_jobs, nj, S, done, G, m, s); break;
+            case 8: run<8>(d_jobs, nj, S, done, G, m, s); break;
+            case 12: run<12>(d_jobs, nj, S, done, G, m, s); break;
             default: printf("consumer warps: 4, 8 or 12\n"); exit(1);
         }
     };
@@ -241,7 +258,7 @@ int main(int argc, char** argv) {
         const int nj = 4;
         std::vector<float> x0(2 * ffn);
         CK(cudaMemcpy(x0.data(), buf[0], x0.size() * 4, cudaMemcpyDeviceToHost));
-        launch(nj);
+        launch(nj, 0);
         CK(cudaStreamSynchronize(s));
         std::vector<float> got(hidden);
         CK(cudaMemcpy(got.data(), buf[nj % 2], hidden * 4, cudaMemcpyDeviceToHost));
@@ -263,14 +280,14 @@ int main(int argc, char** argv) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    launch(n_jobs);
+    launch(n_jobs, mode);
     CK(cudaStreamEndCapture(s, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     for (int r = 0; r < 3; ++r) CK(cudaGraphLaunch(exec, s));
     CK(cudaStreamSynchronize(s));
     const double bytes = static_cast<double>(per_layer) * n_layer * 2;
     const float ms = time_graph(exec, s, 20);
-    printf("mega (%d SMs, %d stages of %d KiB, %d consumer warps): %.1f us a step, %.2f TB/s over %.2f GB\n", G, S,
-           kTile / 1024, C, ms * 1e3, bytes / (ms * 1e-3) / 1e12, bytes / 1e9);
+    printf("mega (%d SMs, %d stages of %d KiB, %d consumer warps, mode %d): %.1f us a step, %.2f TB/s over %.2f GB\n", G,
+           S, kTile / 1024, C, mode, ms * 1e3, bytes / (ms * 1e-3) / 1e12, bytes / 1e9);
     return 0;
 }
