@@ -29,12 +29,15 @@
 //   TB/s: the copy-engine ring streams about as fast as one plain read). So the consumers are the
 //   limit, not the ring or the dependencies: every 16-byte weight unit reads 32 bytes of x from
 //   shared memory (the lanes' x reads, 32 bytes apart, also conflict two-way), which nearly fills
-//   the SM's shared-memory bandwidth; the production kernels read x once for two rows. A consumer
-//   that reuses each x load for two or more rows is the next thing to try here.
+//   the SM's shared-memory bandwidth; the production kernels read x once for two rows.
+// - The row-group consumer (k_mega_rows, `rows`: x read once for 8 rows, the production order) was
+//   written at the end of that session, with no device time left: not yet run. Try first:
+//   probe_mega 36 22 8 0 rows; then modes 1-3 and 4 / 12 / 16 consumer warps.
 // Nothing of it is in the backend (docs/internals-cuda.md).
 //
 // usage: probe_mega [layers, default 36] [stages, default 10] [consumer warps <= stages, default 8]
 //                   [mode, default 0: 1 no wait for the previous job, 2 no arithmetic, 3 neither]
+//                   [consumer: tiles (default) or rows, the row-group consumer, up to 22 stages]
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_mega.cu -o probe_mega
 #include <cuda_fp16.h>
 
@@ -42,6 +45,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "probe_common.cuh"
@@ -65,6 +69,49 @@ __device__ __forceinline__ void sm_rows(int rows, int b, int G, int& r0, int& r1
     r1 = static_cast<int>(static_cast<int64_t>(rows) * (b + 1) / G);
 }
 
+// The ring's barriers: full[s] completes when stage s has landed (the producer's one arrival and
+// the copies' bytes), empty[s] when its one consumer warp has released it. Then the block syncs.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int S) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(saddr(&full[s]), 1);
+            mbar_init(saddr(&empty[s]), 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// The consumer warps (threads 32 .. 32 (C + 1) - 1) before job j: the previous job's output
+// complete on every SM (unless mode bit 0), then job j's input x in shared memory. Named barrier 1
+// holds the consumers only (the producer warp never waits on them).
+template <int C>
+__device__ __forceinline__ void job_input(const Job& jb, int j, const unsigned* done, int mode, float* xs) {
+    constexpr int kCT = C * 32;
+    const int ct = threadIdx.x - 32;
+    if (j > 0 && !(mode & 1)) {
+        if (ct == 0) {
+            unsigned v;
+            do {
+                asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(done + j - 1) : "memory");
+            } while (v < gridDim.x);
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
+    }
+    for (int i = ct; i < jb.k / 4; i += kCT) {
+        reinterpret_cast<float4*>(xs)[i] = __ldcg(reinterpret_cast<const float4*>(jb.x) + i);
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
+}
+
+// The consumers after job j: its outputs visible, then this SM counted in done[j].
+template <int C>
+__device__ __forceinline__ void job_done(int j, unsigned* done) {
+    __threadfence();
+    asm volatile("bar.sync 1, %0;" ::"r"(C * 32) : "memory");
+    if (threadIdx.x == 32) atomicAdd(done + j, 1u);
+}
+
 // Block: warp 0's lane 0 produces, warps 1..C consume. done[j] counts the SMs that finished job j.
 template <int C>
 // mode (what to leave out, for timing only: results wrong): bit 0 the wait for the previous job,
@@ -77,15 +124,8 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n
     float* xs = reinterpret_cast<float*>(smem + static_cast<size_t>(S) * kTile);
     const int G = gridDim.x, b = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < S; ++s) {
-            mbar_init(saddr(&full[s]), 1);
-            mbar_init(saddr(&empty[s]), 1);  // the one consumer warp of the tile
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
     for (int i = threadIdx.x; i < kMaxRowsSm; i += blockDim.x) acc[i] = 0.0f;
-    __syncthreads();
+    init_ring(full, empty, S);
     if (warp == 0) {  // the producer: every job's byte range, tile by tile, as far ahead as the ring allows
         if (lane != 0) return;
         int it = 0;
@@ -118,19 +158,7 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n
         const Job jb = jobs[j];
         int r0, r1;
         sm_rows(jb.rows, b, G, r0, r1);
-        if (j > 0 && !(mode & 1)) {  // the previous job's output complete on every SM
-            if (ct == 0) {
-                unsigned v;
-                do {
-                    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(done + j - 1) : "memory");
-                } while (v < static_cast<unsigned>(G));
-            }
-            asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
-        }
-        for (int i = ct; i < jb.k / 4; i += kCT) {
-            reinterpret_cast<float4*>(xs)[i] = __ldcg(reinterpret_cast<const float4*>(jb.x) + i);
-        }
-        asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
+        job_input<C>(jb, j, done, mode, xs);
         const int units_row = jb.k / 8;
         const int64_t bytes = static_cast<int64_t>(r1 - r0) * jb.k * 2;
         for (int64_t off = 0; off < bytes; off += kTile, ++it) {
@@ -165,16 +193,121 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n
                 if (lane == 0) atomicAdd(&acc[ra], sum);
             }
             __syncwarp();
-            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[st])) : "memory");
+            if (lane == 0) mbar_arrive(saddr(&empty[st]));
         }
         asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
         for (int r = ct; r < r1 - r0; r += kCT) {
             jb.y[r0 + r] = acc[r];
             acc[r] = 0.0f;
         }
-        __threadfence();
-        asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
-        if (ct == 0) atomicAdd(done + j, 1u);
+        job_done<C>(j, done);
+    }
+}
+
+// The row-group consumer ("rows"; not yet run on a GPU when written): rows go to SMs in groups
+// of kGroupRows, a stage holds a box of the group's kGroupRows rows x kBoxCols columns (a bulk copy
+// a row piece, one barrier), and a group's boxes, in column order, go to one consumer warp. Lane l
+// takes units l and l + 32 of each box for every row of the group, reading x once for all of them,
+// and carries each row's sum across the boxes, so every lane sums its units u = l (mod 32) in
+// increasing u and a row ends in warp_sum's tree: k_ref's order (and k_mul_mat's), checked bit for
+// bit. An SM's groups are taken C at a time (a wave); the producer issues a wave's boxes column by
+// column across its groups, so the wave's warps work side by side.
+constexpr int kGroupRows = 8;
+constexpr int kBoxCols = 512;                    // every K here is a multiple of it
+constexpr int kBox = kGroupRows * kBoxCols * 2;  // bytes a stage: 8 KiB
+constexpr int kMaxRowStages = 22;
+
+// Row groups [g0, g1) of a job of `rows` rows on SM b of G.
+__device__ __forceinline__ void sm_groups(int rows, int b, int G, int& g0, int& g1) {
+    const int n = rows / kGroupRows;
+    g0 = static_cast<int>(static_cast<int64_t>(n) * b / G);
+    g1 = static_cast<int>(static_cast<int64_t>(n) * (b + 1) / G);
+}
+
+template <int C>
+__global__ void __launch_bounds__((C + 1) * 32, 1)
+    k_mega_rows(const Job* jobs, int n_jobs, int S, unsigned* done, int mode) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[kMaxRowStages], empty[kMaxRowStages];
+    unsigned char* ring = smem;
+    float* xs = reinterpret_cast<float*>(smem + static_cast<size_t>(S) * kBox);
+    const int G = gridDim.x, b = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    init_ring(full, empty, S);
+    if (warp == 0) {  // the producer
+        if (lane != 0) return;
+        int it = 0;
+        for (int j = 0; j < n_jobs; ++j) {
+            const Job jb = jobs[j];
+            int g0, g1;
+            sm_groups(jb.rows, b, G, g0, g1);
+            const int nb = jb.k / kBoxCols;
+            const int64_t row_bytes = int64_t{jb.k} * 2;
+            for (int w0 = g0; w0 < g1; w0 += C) {
+                const int wn = g1 - w0 < C ? g1 - w0 : C;
+                for (int bx = 0; bx < nb; ++bx) {
+                    for (int gi = 0; gi < wn; ++gi, ++it) {
+                        const int st = it % S;
+                        mbar_wait(saddr(&empty[st]), static_cast<uint32_t>(((it / S) & 1) ^ 1));
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        const uint32_t bar = saddr(&full[st]);
+                        mbar_expect(bar, kBox);
+                        const char* src = reinterpret_cast<const char*>(jb.w) + (w0 + gi) * kGroupRows * row_bytes +
+                                          int64_t{bx} * kBoxCols * 2;
+                        for (int r = 0; r < kGroupRows; ++r) {
+                            bulk_copy(saddr(ring + static_cast<size_t>(st) * kBox + r * kBoxCols * 2), src + r * row_bytes,
+                                      kBoxCols * 2, bar);
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
+    const int cw = warp - 1;
+    int it = 0;
+    for (int j = 0; j < n_jobs; ++j) {
+        const Job jb = jobs[j];
+        job_input<C>(jb, j, done, mode, xs);
+        int g0, g1;
+        sm_groups(jb.rows, b, G, g0, g1);
+        const int nb = jb.k / kBoxCols;
+        for (int w0 = g0; w0 < g1; w0 += C) {
+            const int wn = g1 - w0 < C ? g1 - w0 : C;
+            if (cw < wn) {
+                float acc[kGroupRows] = {};
+                for (int bx = 0; bx < nb; ++bx) {
+                    const int mine = it + bx * wn + cw;
+                    const int st = mine % S;
+                    // The stage's previous box released first (see k_mega).
+                    if (mine >= S) mbar_wait(saddr(&empty[st]), static_cast<uint32_t>(((mine / S) - 1) & 1));
+                    mbar_wait(saddr(&full[st]), static_cast<uint32_t>((mine / S) & 1));
+                    if (!(mode & 2)) {
+                        const unsigned char* box = ring + static_cast<size_t>(st) * kBox;
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int u = lane + 32 * h;  // the unit in the box
+                            const float* xu = xs + (bx * (kBoxCols / 8) + u) * 8;
+                            const float4 xa = *reinterpret_cast<const float4*>(xu);
+                            const float4 xb = *reinterpret_cast<const float4*>(xu + 4);
+#pragma unroll
+                            for (int r = 0; r < kGroupRows; ++r) {
+                                acc[r] = unit_fma2(reinterpret_cast<const uint4*>(box + r * kBoxCols * 2)[u], xa, xb, acc[r]);
+                            }
+                        }
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(saddr(&empty[st]));
+                }
+#pragma unroll
+                for (int r = 0; r < kGroupRows; ++r) {
+                    const float sum = warp_sum(acc[r]);
+                    if (lane == 0) jb.y[(w0 + cw) * kGroupRows + r] = sum;
+                }
+            }
+            it += nb * wn;
+        }
+        job_done<C>(j, done);
     }
 }
 
@@ -189,20 +322,26 @@ __global__ void k_ref(Job j) {
     if (lane == 0) j.y[row] = a;
 }
 
+// One launch of kernel over n_jobs jobs on G SMs (a block each), S stages of stage_bytes.
+template <int C>
+static void run_kernel(void (*kernel)(const Job*, int, int, unsigned*, int), size_t stage_bytes, const Job* d_jobs,
+                       int n_jobs, int S, unsigned* done, int G, int mode, cudaStream_t s) {
+    const size_t smem = static_cast<size_t>(S) * stage_bytes + kMaxK * sizeof(float);
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, (C + 1) * 32, smem));
+    if (per_sm < 1) { printf("%d consumer warps and %d stages do not fit an SM\n", C, S); exit(1); }
+    CK(cudaMemsetAsync(done, 0, sizeof(unsigned) * n_jobs, s));
+    kernel<<<G, (C + 1) * 32, smem, s>>>(d_jobs, n_jobs, S, done, mode);
+    CK(cudaGetLastError());
+}
 template <int C>
 static void run(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, int mode, cudaStream_t s) {
-    const size_t smem = static_cast<size_t>(S) * kTile + kMaxK * sizeof(float);
-    static bool once = false;
-    if (!once) {
-        once = true;
-        CK(cudaFuncSetAttribute(k_mega<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-        int per_sm = 0;
-        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_mega<C>, (C + 1) * 32, smem));
-        if (per_sm < 1) { printf("k_mega<%d>: does not fit an SM with %d stages\n", C, S); exit(1); }
-    }
-    CK(cudaMemsetAsync(done, 0, sizeof(unsigned) * n_jobs, s));
-    k_mega<C><<<G, (C + 1) * 32, smem, s>>>(d_jobs, n_jobs, S, done, mode);
-    CK(cudaGetLastError());
+    run_kernel<C>(k_mega<C>, kTile, d_jobs, n_jobs, S, done, G, mode, s);
+}
+template <int C>
+static void run_rows(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, int mode, cudaStream_t s) {
+    run_kernel<C>(k_mega_rows<C>, kBox, d_jobs, n_jobs, S, done, G, mode, s);
 }
 
 int main(int argc, char** argv) {
@@ -210,7 +349,9 @@ int main(int argc, char** argv) {
     const int S = argc > 2 ? atoi(argv[2]) : 10;
     const int C = argc > 3 ? atoi(argv[3]) : 8;
     const int mode = argc > 4 ? atoi(argv[4]) : 0;
-    if (S < 2 || S > kMaxStages) { printf("stages: 2..%d\n", kMaxStages); return 1; }
+    const bool rows = argc > 5 && std::string(argv[5]) == "rows";  // the row-group consumer
+    const int max_stages = rows ? kMaxRowStages : kMaxStages;
+    if (S < 2 || S > max_stages) { printf("stages: 2..%d\n", max_stages); return 1; }
     // More consumer warps than stages would hold a stage's tile and the next one at once.
     if (C > S) { printf("consumer warps (%d) must not exceed the stages (%d)\n", C, S); return 1; }
     const int hidden = kHidden, q = kQ, kv = kKV, ffn = kFfn;
@@ -246,10 +387,11 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&done, sizeof(unsigned) * n_jobs));
     auto launch = [&](int nj, int m) {
         switch (C) {
-            case 4: run<4>(d_jobs, nj, S, done, G, m, s); break;
-            case 8: run<8>(d_jobs, nj, S, done, G, m, s); break;
-            case 12: run<12>(d_jobs, nj, S, done, G, m, s); break;
-            default: printf("consumer warps: 4, 8 or 12\n"); exit(1);
+            case 4: (rows ? run_rows<4> : run<4>)(d_jobs, nj, S, done, G, m, s); break;
+            case 8: (rows ? run_rows<8> : run<8>)(d_jobs, nj, S, done, G, m, s); break;
+            case 12: (rows ? run_rows<12> : run<12>)(d_jobs, nj, S, done, G, m, s); break;
+            case 16: (rows ? run_rows<16> : run<16>)(d_jobs, nj, S, done, G, m, s); break;
+            default: printf("consumer warps: 4, 8, 12 or 16\n"); exit(1);
         }
     };
 
@@ -272,8 +414,10 @@ int main(int argc, char** argv) {
             worst = fmax(worst, fabs(static_cast<double>(got[i]) - want[i]));
             scale = fmax(scale, fabs(static_cast<double>(want[i])));
         }
+        // The row-group consumer sums in the reference's order: equal bits. The tile consumer does not.
+        const bool ok = rows ? worst == 0.0 : worst <= 1e-3 * scale + 1e-6;
         printf("check over %d jobs: max |mega - ref| %.3g (outputs up to %.3g)%s\n", nj, worst, scale,
-               worst <= 1e-3 * scale + 1e-6 ? "" : "  MISMATCH");
+               ok ? (rows ? ", bits same" : "") : "  MISMATCH");
         CK(cudaMemcpy(buf[0], x0.data(), x0.size() * 4, cudaMemcpyHostToDevice));
     }
 
@@ -287,7 +431,8 @@ int main(int argc, char** argv) {
     CK(cudaStreamSynchronize(s));
     const double bytes = static_cast<double>(per_layer) * n_layer * 2;
     const float ms = time_graph(exec, s, 20);
-    printf("mega (%d SMs, %d stages of %d KiB, %d consumer warps, mode %d): %.1f us a step, %.2f TB/s over %.2f GB\n", G,
-           S, kTile / 1024, C, mode, ms * 1e3, bytes / (ms * 1e-3) / 1e12, bytes / 1e9);
+    printf("mega %s (%d SMs, %d stages of %d KiB, %d consumer warps, mode %d): %.1f us a step, %.2f TB/s over %.2f GB\n",
+           rows ? "rows" : "tiles", G, S, (rows ? kBox : kTile) / 1024, C, mode, ms * 1e3, bytes / (ms * 1e-3) / 1e12,
+           bytes / 1e9);
     return 0;
 }
