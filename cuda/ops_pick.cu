@@ -353,12 +353,23 @@ SplitScratchNeed pick_split_scratch(int64_t n, int64_t rows, int64_t k) {
     return need;
 }
 
+namespace {
+
+// The slices a launch takes: pick_slices', or 1 where the scratch is smaller than they need (the
+// backend sizes it by pick_split_scratch before a compute, so only a caller that did not would see
+// this).
+int64_t launch_slices(int64_t n, int64_t rows, int64_t k, const SplitScratch& scratch) {
+    const SplitScratchNeed need = pick_split_scratch(n, rows, k);
+    const bool fits = need.partial_floats <= scratch.partial_floats && need.n_counters <= scratch.n_counters;
+    return fits ? pick_slices(n, rows, k) : 1;
+}
+
+}  // namespace
+
 void launch_argmax(const TDesc& dst, const TDesc& a, const SplitScratch& scratch, cudaStream_t s) {
     const int64_t rows = a.nrows();
     if (rows == 0) return;
-    int64_t slices = pick_slices(a.ne[0], rows, 0);
-    const SplitScratchNeed need = pick_split_scratch(a.ne[0], rows, 0);
-    if (need.partial_floats > scratch.partial_floats || need.n_counters > scratch.n_counters) slices = 1;
+    const int64_t slices = launch_slices(a.ne[0], rows, 0, scratch);
     launch(k_argmax, dim3(static_cast<unsigned>(slices), static_cast<unsigned>(rows)), kArgmaxThreads, 0, s, dst, a,
            scratch.partial, scratch.counters);
 }
@@ -367,9 +378,7 @@ void launch_top_k(const TDesc& dst, const TDesc& a, const SplitScratch& scratch,
     const int64_t rows = a.nrows();
     if (rows == 0) return;
     const int64_t n = a.ne[0], k = dst.ne[0];
-    int64_t slices = pick_slices(n, rows, k);
-    const SplitScratchNeed need = pick_split_scratch(n, rows, k);
-    if (need.partial_floats > scratch.partial_floats || need.n_counters > scratch.n_counters) slices = 1;
+    const int64_t slices = launch_slices(n, rows, k, scratch);
     // Whole rows: chunks of at least 256 entries (whole warps). Slices: of a warp's 32 entries, so
     // a slice of kSliceMin entries still has k chunks.
     const int64_t chunk = slices > 1 ? top_k_chunk(n / slices, k, 32) : top_k_chunk(n, k, 256);
