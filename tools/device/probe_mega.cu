@@ -39,6 +39,7 @@
 //                   [mode, default 0: 1 no wait for the previous job, 2 no arithmetic, 3 neither]
 //                   [consumer: tiles (default) or rows, the row-group consumer, up to 22 stages]
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_mega.cu -o probe_mega
+#include <cuda.h>
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -61,6 +62,7 @@ struct Job {
     int rows, k;
     const float* x;   // k inputs (the previous job's output)
     float* y;         // rows outputs
+    const __half* wp; // the same weights packed box by box (k_pack), for the `packed` consumer
 };
 
 // Rows [r0, r1) of a job of `rows` rows on SM b of G.
@@ -215,7 +217,7 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) k_mega(const Job* jobs, int n
 constexpr int kGroupRows = 8;
 constexpr int kBoxCols = 512;                    // every K here is a multiple of it
 constexpr int kBox = kGroupRows * kBoxCols * 2;  // bytes a stage: 8 KiB
-constexpr int kMaxRowStages = 22;
+constexpr int kMaxRowStages = 26;
 
 // Row groups [g0, g1) of a job of `rows` rows on SM b of G.
 __device__ __forceinline__ void sm_groups(int rows, int b, int G, int& g0, int& g1) {
@@ -224,7 +226,124 @@ __device__ __forceinline__ void sm_groups(int rows, int b, int G, int& g0, int& 
     g1 = static_cast<int>(static_cast<int64_t>(n) * (b + 1) / G);
 }
 
-template <int C>
+// The packed layout: group g's box bx is kBox contiguous bytes, its rows one after the other, so
+// the producer issues one bulk copy a stage instead of kGroupRows (the weights repacked once).
+__global__ void k_pack(Job j) {
+    const int64_t n = int64_t{j.rows} * j.k;
+    const int nb = j.k / kBoxCols;
+    __half* out = const_cast<__half*>(j.wp);
+    for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+        const int64_t row = i / j.k;
+        const int col = static_cast<int>(i % j.k);
+        const int64_t g = row / kGroupRows;
+        const int r = static_cast<int>(row % kGroupRows), bx = col / kBoxCols, c = col % kBoxCols;
+        out[((g * nb + bx) * kGroupRows + r) * kBoxCols + c] = j.w[i];
+    }
+}
+
+// Where a stage's box comes from: kRowCopies one bulk copy a row piece from the row-major weights,
+// kPacked one bulk copy from the packed layout, kTensorMap two 2-D boxes (8 rows x 256 columns) of
+// the row-major weights through a tensor map (in shared memory [half][row][256 columns]).
+enum BoxSource { kRowCopies = 0, kPacked = 1, kTensorMap = 2 };
+
+__device__ __forceinline__ void tmap_box(uint32_t dst, const CUtensorMap* map, int col, int row, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(map), "r"(col), "r"(row), "r"(bar)
+        : "memory");
+}
+
+// The producer's part of one job on block b of G: the block's row groups, a wave of C groups at a
+// time, box by box in column order across the wave's groups. `it` counts stages over the jobs.
+template <int C, int Src>
+__device__ __forceinline__ void produce_rows(const Job& jb, const CUtensorMap* map, int b, int G, int S, int& it,
+                                             uint64_t* full, uint64_t* empty, unsigned char* ring) {
+    int g0, g1;
+    sm_groups(jb.rows, b, G, g0, g1);
+    const int nb = jb.k / kBoxCols;
+    const int64_t row_bytes = int64_t{jb.k} * 2;
+    for (int w0 = g0; w0 < g1; w0 += C) {
+        const int wn = g1 - w0 < C ? g1 - w0 : C;
+        for (int bx = 0; bx < nb; ++bx) {
+            for (int gi = 0; gi < wn; ++gi, ++it) {
+                const int st = it % S;
+                mbar_wait(saddr(&empty[st]), static_cast<uint32_t>(((it / S) & 1) ^ 1));
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                const uint32_t bar = saddr(&full[st]);
+                const uint32_t dst = saddr(ring + static_cast<size_t>(st) * kBox);
+                mbar_expect(bar, kBox);
+                if (Src == kPacked) {
+                    bulk_copy(dst, reinterpret_cast<const char*>(jb.wp) + (int64_t{w0 + gi} * nb + bx) * kBox, kBox, bar);
+                } else if (Src == kTensorMap) {
+                    for (int h = 0; h < 2; ++h) {
+                        tmap_box(dst + h * (kBox / 2), map, bx * kBoxCols + h * (kBoxCols / 2), (w0 + gi) * kGroupRows, bar);
+                    }
+                } else {
+                    const char* src = reinterpret_cast<const char*>(jb.w) + (w0 + gi) * kGroupRows * row_bytes +
+                                      int64_t{bx} * kBoxCols * 2;
+                    for (int r = 0; r < kGroupRows; ++r) {
+                        bulk_copy(dst + r * kBoxCols * 2, src + r * row_bytes, kBoxCols * 2, bar);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Unit u (0..63) of row r in a stage's box, by the box's layout.
+template <int Src>
+__device__ __forceinline__ uint4 box_unit(const unsigned char* box, int r, int u) {
+    if (Src == kTensorMap) return reinterpret_cast<const uint4*>(box + (u >> 5) * (kBox / 2) + r * kBoxCols)[u & 31];
+    return reinterpret_cast<const uint4*>(box + r * kBoxCols * 2)[u];
+}
+
+// Consumer warp cw's part of one job (x already in shared memory): lane l takes units l and l + 32
+// of each box for every row of its group, x read once for them all, each row's sum carried across
+// the boxes: k_mul_mat's order, so its bits.
+template <int C, int Src>
+__device__ __forceinline__ void consume_rows(const Job& jb, int b, int G, int S, int& it, int mode, const float* xs,
+                                             uint64_t* full, uint64_t* empty, const unsigned char* ring) {
+    const int cw = (threadIdx.x >> 5) - 1, lane = threadIdx.x & 31;
+    int g0, g1;
+    sm_groups(jb.rows, b, G, g0, g1);
+    const int nb = jb.k / kBoxCols;
+    for (int w0 = g0; w0 < g1; w0 += C) {
+        const int wn = g1 - w0 < C ? g1 - w0 : C;
+        if (cw < wn) {
+            float acc[kGroupRows] = {};
+            for (int bx = 0; bx < nb; ++bx) {
+                const int mine = it + bx * wn + cw;
+                const int st = mine % S;
+                // The stage's previous box released first (see k_mega).
+                if (mine >= S) mbar_wait(saddr(&empty[st]), static_cast<uint32_t>(((mine / S) - 1) & 1));
+                mbar_wait(saddr(&full[st]), static_cast<uint32_t>((mine / S) & 1));
+                if (!(mode & 2)) {
+                    const unsigned char* box = ring + static_cast<size_t>(st) * kBox;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int u = lane + 32 * h;  // the unit in the box
+                        const float* xu = xs + (bx * (kBoxCols / 8) + u) * 8;
+                        const float4 xa = *reinterpret_cast<const float4*>(xu);
+                        const float4 xb = *reinterpret_cast<const float4*>(xu + 4);
+#pragma unroll
+                        for (int r = 0; r < kGroupRows; ++r) acc[r] = unit_fma2(box_unit<Src>(box, r, u), xa, xb, acc[r]);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(saddr(&empty[st]));
+            }
+#pragma unroll
+            for (int r = 0; r < kGroupRows; ++r) {
+                const float sum = warp_sum(acc[r]);
+                if (lane == 0) jb.y[(w0 + cw) * kGroupRows + r] = sum;
+            }
+        }
+        it += nb * wn;
+    }
+}
+
+// Every job in one persistent launch (the row-group consumer).
+template <int C, int Src>
 __global__ void __launch_bounds__((C + 1) * 32, 1)
     k_mega_rows(const Job* jobs, int n_jobs, int S, unsigned* done, int mode) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -232,83 +351,50 @@ __global__ void __launch_bounds__((C + 1) * 32, 1)
     unsigned char* ring = smem;
     float* xs = reinterpret_cast<float*>(smem + static_cast<size_t>(S) * kBox);
     const int G = gridDim.x, b = blockIdx.x;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     init_ring(full, empty, S);
-    if (warp == 0) {  // the producer
-        if (lane != 0) return;
-        int it = 0;
-        for (int j = 0; j < n_jobs; ++j) {
-            const Job jb = jobs[j];
-            int g0, g1;
-            sm_groups(jb.rows, b, G, g0, g1);
-            const int nb = jb.k / kBoxCols;
-            const int64_t row_bytes = int64_t{jb.k} * 2;
-            for (int w0 = g0; w0 < g1; w0 += C) {
-                const int wn = g1 - w0 < C ? g1 - w0 : C;
-                for (int bx = 0; bx < nb; ++bx) {
-                    for (int gi = 0; gi < wn; ++gi, ++it) {
-                        const int st = it % S;
-                        mbar_wait(saddr(&empty[st]), static_cast<uint32_t>(((it / S) & 1) ^ 1));
-                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                        const uint32_t bar = saddr(&full[st]);
-                        mbar_expect(bar, kBox);
-                        const char* src = reinterpret_cast<const char*>(jb.w) + (w0 + gi) * kGroupRows * row_bytes +
-                                          int64_t{bx} * kBoxCols * 2;
-                        for (int r = 0; r < kGroupRows; ++r) {
-                            bulk_copy(saddr(ring + static_cast<size_t>(st) * kBox + r * kBoxCols * 2), src + r * row_bytes,
-                                      kBoxCols * 2, bar);
-                        }
-                    }
-                }
-            }
-        }
+    int it = 0;
+    if (threadIdx.x < 32) {  // the producer
+        if (threadIdx.x != 0) return;
+        for (int j = 0; j < n_jobs; ++j) produce_rows<C, Src>(jobs[j], nullptr, b, G, S, it, full, empty, ring);
         return;
     }
-    const int cw = warp - 1;
-    int it = 0;
     for (int j = 0; j < n_jobs; ++j) {
         const Job jb = jobs[j];
         job_input<C>(jb, j, done, mode, xs);
-        int g0, g1;
-        sm_groups(jb.rows, b, G, g0, g1);
-        const int nb = jb.k / kBoxCols;
-        for (int w0 = g0; w0 < g1; w0 += C) {
-            const int wn = g1 - w0 < C ? g1 - w0 : C;
-            if (cw < wn) {
-                float acc[kGroupRows] = {};
-                for (int bx = 0; bx < nb; ++bx) {
-                    const int mine = it + bx * wn + cw;
-                    const int st = mine % S;
-                    // The stage's previous box released first (see k_mega).
-                    if (mine >= S) mbar_wait(saddr(&empty[st]), static_cast<uint32_t>(((mine / S) - 1) & 1));
-                    mbar_wait(saddr(&full[st]), static_cast<uint32_t>((mine / S) & 1));
-                    if (!(mode & 2)) {
-                        const unsigned char* box = ring + static_cast<size_t>(st) * kBox;
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int u = lane + 32 * h;  // the unit in the box
-                            const float* xu = xs + (bx * (kBoxCols / 8) + u) * 8;
-                            const float4 xa = *reinterpret_cast<const float4*>(xu);
-                            const float4 xb = *reinterpret_cast<const float4*>(xu + 4);
-#pragma unroll
-                            for (int r = 0; r < kGroupRows; ++r) {
-                                acc[r] = unit_fma2(reinterpret_cast<const uint4*>(box + r * kBoxCols * 2)[u], xa, xb, acc[r]);
-                            }
-                        }
-                    }
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(saddr(&empty[st]));
-                }
-#pragma unroll
-                for (int r = 0; r < kGroupRows; ++r) {
-                    const float sum = warp_sum(acc[r]);
-                    if (lane == 0) jb.y[(w0 + cw) * kGroupRows + r] = sum;
-                }
-            }
-            it += nb * wn;
-        }
+        consume_rows<C, Src>(jb, b, G, S, it, mode, xs, full, empty, ring);
         job_done<C>(j, done);
     }
+}
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_go() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// One job a launch (PDL, as the backend launches its matvecs): the producer streams the block's
+// boxes from the start (weights are constant), filling the ring while the previous launch runs; the
+// consumers wait for it (griddepcontrol.wait) before reading x. The next launch is let in at once,
+// so its blocks sit beside this one's when shared memory allows two a SM.
+template <int C, int Src>
+__global__ void __launch_bounds__((C + 1) * 32, 2)
+    k_launch_rows(const Job jb, const __grid_constant__ CUtensorMap map, int S, int mode) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[kMaxRowStages], empty[kMaxRowStages];
+    unsigned char* ring = smem;
+    float* xs = reinterpret_cast<float*>(smem + static_cast<size_t>(S) * kBox);
+    const int G = gridDim.x, b = blockIdx.x;
+    pdl_go();
+    init_ring(full, empty, S);
+    int it = 0;
+    if (threadIdx.x < 32) {
+        if (threadIdx.x == 0) produce_rows<C, Src>(jb, &map, b, G, S, it, full, empty, ring);
+        return;
+    }
+    if (!(mode & 1)) pdl_wait();
+    constexpr int kCT = C * 32;
+    for (int i = threadIdx.x - 32; i < jb.k / 4; i += kCT) {
+        reinterpret_cast<float4*>(xs)[i] = __ldcg(reinterpret_cast<const float4*>(jb.x) + i);
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(kCT) : "memory");
+    consume_rows<C, Src>(jb, b, G, S, it, mode, xs, full, empty, ring);
 }
 
 // The reference: one warp a row, fp32 sums.
@@ -341,7 +427,55 @@ static void run(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, int
 }
 template <int C>
 static void run_rows(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, int mode, cudaStream_t s) {
-    run_kernel<C>(k_mega_rows<C>, kBox, d_jobs, n_jobs, S, done, G, mode, s);
+    run_kernel<C>(k_mega_rows<C, kRowCopies>, kBox, d_jobs, n_jobs, S, done, G, mode, s);
+}
+template <int C>
+static void run_packed(const Job* d_jobs, int n_jobs, int S, unsigned* done, int G, int mode, cudaStream_t s) {
+    run_kernel<C>(k_mega_rows<C, kPacked>, kBox, d_jobs, n_jobs, S, done, G, mode, s);
+}
+
+// cuTensorMapEncodeTiled from the driver through the runtime (no libcuda link).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+static CUtensorMap job_map(const Job& j) {
+    static EncodeTiled encode = [] {
+        void* f = nullptr;
+        cudaDriverEntryPointQueryResult q{};
+        CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+        return reinterpret_cast<EncodeTiled>(f);
+    }();
+    CUtensorMap map{};
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(j.k), static_cast<cuuint64_t>(j.rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(j.k) * 2};
+    const cuuint32_t box[2] = {kBoxCols / 2, kGroupRows}, estr[2] = {1, 1};
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<__half*>(j.w), dims, strides, box, estr,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) { printf("cuTensorMapEncodeTiled failed (%d)\n", static_cast<int>(r)); exit(1); }
+    return map;
+}
+
+// Jobs [0, n) one launch each (PDL), G blocks of C + 1 warps, S stages.
+template <int C, int Src>
+static void run_launches(const std::vector<Job>& jobs, const std::vector<CUtensorMap>& maps, int n, int S, int G, int mode,
+                         cudaStream_t s) {
+    auto kernel = k_launch_rows<C, Src>;
+    for (int i = 0; i < n; ++i) {
+        const size_t smem = static_cast<size_t>(S) * kBox + jobs[i].k * sizeof(float);
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(G);
+        cfg.blockDim = dim3((C + 1) * 32);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = s;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&cfg, kernel, jobs[i], maps[i], S, mode));
+    }
 }
 
 int main(int argc, char** argv) {
@@ -349,7 +483,11 @@ int main(int argc, char** argv) {
     const int S = argc > 2 ? atoi(argv[2]) : 10;
     const int C = argc > 3 ? atoi(argv[3]) : 8;
     const int mode = argc > 4 ? atoi(argv[4]) : 0;
-    const bool rows = argc > 5 && std::string(argv[5]) == "rows";  // the row-group consumer
+    const std::string consumer = argc > 5 ? argv[5] : "tiles";
+    // One launch a job (PDL): lrows / lpacked / ltmap, the row-group consumer's box sources.
+    const int per_launch = consumer == "lrows" ? kRowCopies : consumer == "lpacked" ? kPacked : consumer == "ltmap" ? kTensorMap : -1;
+    const bool packed = consumer == "packed" || consumer == "lpacked";  // the row-group consumer on packed weights
+    const bool rows = consumer == "rows" || packed || per_launch >= 0;  // the row-group consumer
     const int max_stages = rows ? kMaxRowStages : kMaxStages;
     if (S < 2 || S > max_stages) { printf("stages: 2..%d\n", max_stages); return 1; }
     // More consumer warps than stages would hold a stage's tile and the next one at once.
@@ -361,6 +499,8 @@ int main(int argc, char** argv) {
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     __half* w = qwen3_weights(n_layer, s);
+    __half* wp = nullptr;
+    if (packed) CK(cudaMalloc(&wp, per_layer * n_layer * sizeof(__half)));
     float* buf[2];
     for (float*& p : buf) CK(cudaMalloc(&p, int64_t{2} * ffn * sizeof(float)));
     {
@@ -375,22 +515,35 @@ int main(int argc, char** argv) {
     for (int l = 0; l < n_layer; ++l) {
         for (const auto& sh : shape) {
             const int i = static_cast<int>(jobs.size());
-            jobs.push_back({p, sh[0], sh[1], buf[i % 2], buf[(i + 1) % 2]});
+            jobs.push_back({p, sh[0], sh[1], buf[i % 2], buf[(i + 1) % 2], wp ? wp + (p - w) : nullptr});
+            if (wp) k_pack<<<1024, 256, 0, s>>>(jobs.back());
             p += static_cast<int64_t>(sh[0]) * sh[1];
         }
     }
     const int n_jobs = static_cast<int>(jobs.size());
+    std::vector<CUtensorMap> maps;
+    for (const Job& j : jobs) maps.push_back(job_map(j));
     Job* d_jobs = nullptr;
     unsigned* done = nullptr;
     CK(cudaMalloc(&d_jobs, sizeof(Job) * n_jobs));
     CK(cudaMemcpy(d_jobs, jobs.data(), sizeof(Job) * n_jobs, cudaMemcpyHostToDevice));
     CK(cudaMalloc(&done, sizeof(unsigned) * n_jobs));
     auto launch = [&](int nj, int m) {
+        if (per_launch >= 0) {
+            const int key = C * 4 + per_launch;
+            switch (key) {
+#define PROBE_CASE(c, src) case c * 4 + src: run_launches<c, src>(jobs, maps, nj, S, G, m, s); return;
+                PROBE_CASE(4, 0) PROBE_CASE(4, 1) PROBE_CASE(4, 2) PROBE_CASE(8, 0) PROBE_CASE(8, 1) PROBE_CASE(8, 2)
+                PROBE_CASE(12, 0) PROBE_CASE(12, 1) PROBE_CASE(12, 2) PROBE_CASE(16, 2)
+#undef PROBE_CASE
+                default: printf("consumer warps for one launch a job: 4, 8, 12 (16: ltmap)\n"); exit(1);
+            }
+        }
         switch (C) {
-            case 4: (rows ? run_rows<4> : run<4>)(d_jobs, nj, S, done, G, m, s); break;
-            case 8: (rows ? run_rows<8> : run<8>)(d_jobs, nj, S, done, G, m, s); break;
-            case 12: (rows ? run_rows<12> : run<12>)(d_jobs, nj, S, done, G, m, s); break;
-            case 16: (rows ? run_rows<16> : run<16>)(d_jobs, nj, S, done, G, m, s); break;
+            case 4: (packed ? run_packed<4> : rows ? run_rows<4> : run<4>)(d_jobs, nj, S, done, G, m, s); break;
+            case 8: (packed ? run_packed<8> : rows ? run_rows<8> : run<8>)(d_jobs, nj, S, done, G, m, s); break;
+            case 12: (packed ? run_packed<12> : rows ? run_rows<12> : run<12>)(d_jobs, nj, S, done, G, m, s); break;
+            case 16: (packed ? run_packed<16> : rows ? run_rows<16> : run<16>)(d_jobs, nj, S, done, G, m, s); break;
             default: printf("consumer warps: 4, 8, 12 or 16\n"); exit(1);
         }
     };
@@ -432,7 +585,7 @@ int main(int argc, char** argv) {
     const double bytes = static_cast<double>(per_layer) * n_layer * 2;
     const float ms = time_graph(exec, s, 20);
     printf("mega %s (%d SMs, %d stages of %d KiB, %d consumer warps, mode %d): %.1f us a step, %.2f TB/s over %.2f GB\n",
-           rows ? "rows" : "tiles", G, S, (rows ? kBox : kTile) / 1024, C, mode, ms * 1e3, bytes / (ms * 1e-3) / 1e12,
+           consumer.c_str(), G, S, (rows ? kBox : kTile) / 1024, C, mode, ms * 1e3, bytes / (ms * 1e-3) / 1e12,
            bytes / 1e9);
     return 0;
 }
