@@ -30,6 +30,9 @@ struct CudaGraphStats {
     // Launches (eager or captured) of a decode row's attention that ran its q/k RoPE and K/V store
     // too (cuda::DecodeRope): what tests check that the fusion happens where it should.
     uint64_t rope_attention_launches = 0;
+    // Launches (eager or captured) of the one-column row groups fed by the copy engine
+    // (k_mul_mat_rows_tma): what tests check that the kernel runs where it should.
+    uint64_t row_tma_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench
     // can split a step's wall time into the GPU's and the host's (plus the gaps between them).

@@ -35,6 +35,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/launch.cuh"
 #include "cuda/matmul_tc_wide.cuh"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace pyspec {
@@ -58,32 +59,6 @@ struct TmaMaps {
 };
 
 extern __shared__ unsigned char tma_smem[];
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Returns once the phase of the given parity has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nwait_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra wait_%=;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-// Box (c0, c1) of a 2-D tensor map into shared memory; the bytes count on mbarrier bar.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
 
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
     uint4 v;
@@ -255,41 +230,10 @@ __global__ void __launch_bounds__(kTThreads, kMinBlocks)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver (the runtime hands out its entry point; no libcuda link).
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiled encode_tiled() {
-    static const EncodeTiled fn = [] {
-        void* f = nullptr;
-        cudaDriverEntryPointQueryResult q{};
-#if CUDART_VERSION >= 12050
-        const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
-#else  // CUDA 12.0-12.4: the call without a version (deprecated since)
-        const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &q);
-#endif
-        if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
-            cudaGetLastError();
-            return static_cast<EncodeTiled>(nullptr);
-        }
-        return reinterpret_cast<EncodeTiled>(f);
-    }();
-    return fn;
-}
-
 // A 2-D map of `rows` rows of `cols` halves, `pitch` bytes apart, read in boxes of 64 halves x
 // box_rows rows into the 128-byte-swizzled layout; reads past either edge give zeros.
 void make_map(CUtensorMap* map, bool bf16, const void* base, int64_t cols, int64_t rows, int64_t pitch, int box_rows) {
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch)};
-    const cuuint32_t box[2] = {static_cast<cuuint32_t>(kTK), static_cast<cuuint32_t>(box_rows)};
-    const cuuint32_t estr[2] = {1, 1};
-    const CUresult r = encode_tiled()(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                                      const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) throw std::runtime_error("cuda backend: mul_mat (tensor cores): cuTensorMapEncodeTiled failed");
+    make_map_2d(map, bf16, base, cols, rows, pitch, kTK, box_rows, true);
 }
 
 // One launch configuration: 128 weight rows x BN columns, kStages stages.
@@ -355,7 +299,7 @@ void tma_choose(char forced, const MatmulPart* parts, int n_parts, int64_t r0, i
 }  // namespace
 
 bool wgmma_tma_ready() {
-    return wgmma_gemm_ready() && env_switch("PYSPEC_CUDA_WGMMA_TMA") != 0 && encode_tiled() != nullptr;
+    return wgmma_gemm_ready() && env_switch("PYSPEC_CUDA_WGMMA_TMA") != 0 && tensor_maps_available();
 }
 
 void wgmma_tma_gemm(bool bf16, char forced, const MatmulPart* parts, int n_parts, int64_t r0, int64_t r1, const char* a,

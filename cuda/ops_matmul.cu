@@ -20,6 +20,7 @@
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "cuda/matmul_tc_wide.cuh"
+#include "cuda/tma.cuh"
 
 namespace pyspec {
 namespace cuda {
@@ -599,6 +600,8 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
     }
 }
 
+#include "cuda/matmul_rows_tma.cuh"
+
 // Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
 // grid, or with PYSPEC_CUDA_ROW_BALANCE=0 the grid of one item a warp. pick(balanced, warps)
 // gives the kernel instantiation.
@@ -664,6 +667,23 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
     if (streams_rows<T, kVec>(k, m)) {
         if (gate.constant && up.constant) count_graph_event(GraphEvent::EarlyWeightLaunch);
+        if constexpr (T == DType::F16 || T == DType::BF16) {
+            Parts p{};  // the row groups' view: the gate's and the up's rows, SWIGLU into y
+            p.n = 1;
+            p.w[0] = static_cast<const char*>(gate.w);
+            p.w[1] = static_cast<const char*>(up.w);
+            p.rb[0] = static_cast<int64_t>(gate.row_bytes);
+            p.rb[1] = static_cast<int64_t>(up.row_bytes);
+            p.y[0] = y;
+            p.row0[1] = gate.n_rows;
+            p.norm_w = norm.w;
+            p.norm_eps = norm.eps;
+            p.early = gate.constant && up.constant;
+            Parts both = p;  // both maps' bases and pitches checked
+            both.n = 2;
+            both.row0[2] = 2 * gate.n_rows;
+            if (rows_tma_fits<true>(both, k)) return launch_rows_tma<T, true>(p, k, x, s);
+        }
         const auto pick = [&](auto balanced) {
             constexpr bool kB = decltype(balanced)::value;
             constexpr int kW = kB ? kBalWarps : kRowWarps;
@@ -718,6 +738,9 @@ template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
     if (streams_rows<T, kVec>(k, m)) {
         if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
+        if constexpr (T == DType::F16 || T == DType::BF16) {
+            if (rows_tma_fits<false>(p, k)) return launch_rows_tma<T, false>(p, k, x, s);
+        }
         const auto pick = [&](auto balanced) {
             constexpr bool kB = decltype(balanced)::value;
             constexpr int kW = kB ? kBalWarps : kRowWarps;

@@ -227,6 +227,43 @@ def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, m
                                atol=2e-2 * np.abs(gref).max())
 
 
+@real_gpu
+@pytest.mark.parametrize("tail", ["plain", "group", "glu", "residual"])
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_row_groups_through_the_copy_engine_give_the_row_streams_bits(dtype, tail, monkeypatch):
+    """One column over long 16-bit rows, every part whole groups of 8 rows and K whole stages (512
+    columns, 256 for gate/up), takes the row groups the copy engine feeds (k_mul_mat_rows_tma,
+    counted by row_tma_launches): its bits equal the row-streaming kernel's (PYSPEC_CUDA_ROW_TMA=0)
+    and the same row's in a batch of 5, plain (12,048 rows: two waves of groups on some blocks), for
+    a q/k/v-like group, gate/up with SwiGLU and one MUL_MAT with the residual (those three with
+    the norm prologue); and within rounding of the CPU."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    k = 1280 if tail == "glu" else 1536
+    _, x = mm_inputs(dtype, 8, k, 5, seed=90)
+    if tail == "plain":
+        stored, _ = mm_inputs(dtype, 12048, k, 1, seed=91)
+        build = lambda xs: matmul_build(stored, dtype, xs, 12048)  # noqa: E731
+    else:
+        rng = np.random.default_rng(92)
+        norm_w = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+        rows = {"group": [1024, 256, 256], "glu": [2048, 2048], "residual": [1536]}[tail]
+        weights = [(f"w{i}", mm_inputs(dtype, n, k, 1, seed=93 + i)[0], n) for i, n in enumerate(rows)]
+        build = lambda xs: norm_then_matmuls_build(dtype, xs, norm_w, weights, tail)  # noqa: E731
+    out, launches = {}, {}
+    for on in ("0", "1"):  # the kernel under test last: a graph replayed from the other run would show
+        monkeypatch.setenv("PYSPEC_CUDA_ROW_TMA", on)
+        core.reset_cuda_graph_stats()
+        out[on] = run_on(DEVICE, build(x[:1]))
+        launches[on] = core.cuda_graph_stats()["row_tma_launches"]
+    assert launches["1"] > 0 and launches["0"] == 0, launches
+    five = run_on(DEVICE, build(x))
+    ref = run_on("cpu", build(x[:1]))
+    for i, (a, b, f, r) in enumerate(zip(out["1"], out["0"], five, ref)):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}: row groups against row streams")
+        np.testing.assert_array_equal(a.reshape(-1), f.reshape(5, -1)[0], err_msg=f"output {i}: against M=5")
+        np.testing.assert_allclose(a, r, rtol=3e-2, atol=3e-2 * np.abs(r).max(), err_msg=f"output {i}")
+
+
 def norm_then_matmuls_build(dtype, x, norm_w, weights, tail, fetch_norm=False, eps=1e-5):
     """RMS_NORM(x, norm_w) read by MUL_MATs over the same activations: tail "group" (q/k/v-like
     weights of different rows, each fetched), "glu" (gate, up, then SWIGLU) or "residual" (one

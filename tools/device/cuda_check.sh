@@ -9,7 +9,8 @@
 # and wgmma, every row on tensor cores and every wide call on wgmma however
 # small: PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L, and noprefetch, no L2 prefetch before the PDL
 # wait: PYSPEC_CUDA_PREFETCH=0, and noearly, the decode attention without its early reads:
-# PYSPEC_CUDA_ATT_EARLY=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# PYSPEC_CUDA_ATT_EARLY=0, and rowtma, one-column MUL_MATs on the copy-engine row groups (opt-in):
+# PYSPEC_CUDA_ROW_TMA=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -59,6 +60,7 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     noprefetch) envs=(PYSPEC_CUDA_PREFETCH=0) ;;
     nosplit) envs=(PYSPEC_CUDA_COLUMN_SPLIT=0) ;;
     noearly) envs=(PYSPEC_CUDA_ATT_EARLY=0) ;;
+    rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -121,6 +123,8 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-long-h32kv8d128]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[noearly-neox_half-h6kv3d40]"
              "tests/test_cuda_ops.py::test_argmax_first_index_on_ties[151936-1]"
+             "tests/test_cuda_matmul.py::test_row_groups_through_the_copy_engine_give_the_row_streams_bits[F16-group]"
+             "tests/test_cuda_matmul.py::test_row_groups_through_the_copy_engine_give_the_row_streams_bits[BF16-glu]"
              "tests/test_cuda_ops.py::test_top_k_then_gather_equal_the_cpu[151936-64-1]")
   for tool in memcheck racecheck; do
     timeout 600 env PYSPEC_CUDA_GRAPHS=0 compute-sanitizer --tool $tool --error-exitcode 9 \

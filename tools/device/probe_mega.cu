@@ -30,14 +30,27 @@
 //   limit, not the ring or the dependencies: every 16-byte weight unit reads 32 bytes of x from
 //   shared memory (the lanes' x reads, 32 bytes apart, also conflict two-way), which nearly fills
 //   the SM's shared-memory bandwidth; the production kernels read x once for two rows.
-// - The row-group consumer (k_mega_rows, `rows`: x read once for 8 rows, the production order) was
-//   written at the end of that session, with no device time left: not yet run. Try first:
-//   probe_mega 36 22 8 0 rows; then modes 1-3 and 4 / 12 / 16 consumer warps.
+// - The row-group consumers (thirty-fifth session; x read once for 8 rows, each lane's units in
+//   k_mul_mat's order: every variant's check is bit for bit), us a step:
+//   - `rows` (a stage one bulk copy per row piece: 8 x 1 KiB from the row-major weights): 3,107-3,168
+//     at any consumer count, 3,047 with neither the wait nor the arithmetic: 1-KiB copies cap the
+//     copy engine at ~2.4 TB/s.
+//   - `packed` (the weights repacked so that a stage is one 8 KiB copy): 2,014 (1,959 in another
+//     run) at 22 stages; modes 1 / 2 / 3: 1,879 / 1,954 / 1,746.
+//   - One launch a job with PDL, as the backend launches (`lrows`, `lpacked`, `ltmap`): `ltmap`
+//     takes a stage as two 2-D boxes (8 rows x 256 columns) through a tensor map of the row-major
+//     weights, no repacking: 16 stages, 12 consumers 1,929-1,931, 8 consumers 1,944-1,950, 16
+//     consumers 1,985; 8 stages 4 consumers 2,065-2,070; in the same runs bal8x2r2 2,143-2,147, a
+//     read in the same launches 1,834, one read 1,598. Without the PDL wait 1,731; without it and
+//     the arithmetic 1,714 (4.24 TB/s). `lpacked` 2,113-2,143, `lrows` 3,310.
+//   - Built into the backend from `ltmap` (cuda/matmul_rows_tma.cuh, opt-in PYSPEC_CUDA_ROW_TMA=1):
+//     same bits, but Qwen3-4B tg128 315 t/s against 363 without (see docs/internals-cuda.md).
 // Nothing of it is in the backend (docs/internals-cuda.md).
 //
 // usage: probe_mega [layers, default 36] [stages, default 10] [consumer warps <= stages, default 8]
 //                   [mode, default 0: 1 no wait for the previous job, 2 no arithmetic, 3 neither]
-//                   [consumer: tiles (default) or rows, the row-group consumer, up to 22 stages]
+//                   [consumer: tiles (default); the row-group consumer (up to 26 stages) in one
+//                    persistent launch: rows, packed; one launch a job: lrows, lpacked, ltmap]
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_mega.cu -o probe_mega
 #include <cuda.h>
 #include <cuda_fp16.h>
