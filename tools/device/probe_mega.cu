@@ -51,6 +51,9 @@
 //                   [mode, default 0: 1 no wait for the previous job, 2 no arithmetic, 3 neither]
 //                   [consumer: tiles (default); the row-group consumer (up to 26 stages) in one
 //                    persistent launch: rows, packed; one launch a job: lrows, lpacked, ltmap]
+//                   [attention stand-in us after each q/k/v, one launch a job only, default 0]
+// mode bit 2 (one launch a job): the backend's PDL trigger, after the wait, not at the start.
+// Compare with: probe_gemv_f16 36 bal8x2r2 <the same stand-in us>
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a probe_mega.cu -o probe_mega
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -386,6 +389,8 @@ __device__ __forceinline__ void pdl_go() { asm volatile("griddepcontrol.launch_d
 // boxes from the start (weights are constant), filling the ring while the previous launch runs; the
 // consumers wait for it (griddepcontrol.wait) before reading x. The next launch is let in at once,
 // so its blocks sit beside this one's when shared memory allows two a SM.
+// mode bit 2: the backend's trigger (cuda/launch.cuh pdl_enter: the next launch let in only after
+// the wait) instead of one at the start.
 template <int C, int Src>
 __global__ void __launch_bounds__((C + 1) * 32, 2)
     k_launch_rows(const Job jb, const __grid_constant__ CUtensorMap map, int S, int mode) {
@@ -394,7 +399,7 @@ __global__ void __launch_bounds__((C + 1) * 32, 2)
     unsigned char* ring = smem;
     float* xs = reinterpret_cast<float*>(smem + static_cast<size_t>(S) * kBox);
     const int G = gridDim.x, b = blockIdx.x;
-    pdl_go();
+    if (!(mode & 4)) pdl_go();
     init_ring(full, empty, S);
     int it = 0;
     if (threadIdx.x < 32) {
@@ -402,6 +407,7 @@ __global__ void __launch_bounds__((C + 1) * 32, 2)
         return;
     }
     if (!(mode & 1)) pdl_wait();
+    if (mode & 4) pdl_go();
     constexpr int kCT = C * 32;
     for (int i = threadIdx.x - 32; i < jb.k / 4; i += kCT) {
         reinterpret_cast<float4*>(xs)[i] = __ldcg(reinterpret_cast<const float4*>(jb.x) + i);
@@ -469,6 +475,41 @@ static CUtensorMap job_map(const Job& j) {
     return map;
 }
 
+// A stand-in for a decode step's attention between q/k/v and o (as probe_gemv_f16.cu's k_att): 64
+// blocks holding an attention block's shared memory (135 KiB), busy for ns nanoseconds after the
+// PDL wait, so DRAM idles and the SMs they hold are full, as under the real attention.
+__global__ void k_att(int64_t ns) {
+    pdl_wait();
+    pdl_go();
+    int64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+constexpr int kAttBlocks = 64;
+constexpr size_t kAttSmem = 135 * 1024;
+static int64_t g_att_ns = 0;  // the stand-in's time after each q/k/v job (one launch a job only)
+
+static void launch_att(cudaStream_t s) {
+    static bool sized = false;
+    if (!sized) {
+        CK(cudaFuncSetAttribute(k_att, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kAttSmem)));
+        sized = true;
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(kAttBlocks);
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = kAttSmem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, k_att, g_att_ns));
+}
+
 // Jobs [0, n) one launch each (PDL), G blocks of C + 1 warps, S stages.
 template <int C, int Src>
 static void run_launches(const std::vector<Job>& jobs, const std::vector<CUtensorMap>& maps, int n, int S, int G, int mode,
@@ -488,6 +529,7 @@ static void run_launches(const std::vector<Job>& jobs, const std::vector<CUtenso
         cfg.attrs = attr;
         cfg.numAttrs = 1;
         CK(cudaLaunchKernelEx(&cfg, kernel, jobs[i], maps[i], S, mode));
+        if (g_att_ns && i % 4 == 0) launch_att(s);  // after q/k/v
     }
 }
 
@@ -498,6 +540,7 @@ int main(int argc, char** argv) {
     const int mode = argc > 4 ? atoi(argv[4]) : 0;
     const std::string consumer = argc > 5 ? argv[5] : "tiles";
     // One launch a job (PDL): lrows / lpacked / ltmap, the row-group consumer's box sources.
+    g_att_ns = argc > 6 ? static_cast<int64_t>(atof(argv[6]) * 1000) : 0;  // one launch a job only
     const int per_launch = consumer == "lrows" ? kRowCopies : consumer == "lpacked" ? kPacked : consumer == "ltmap" ? kTensorMap : -1;
     const bool packed = consumer == "packed" || consumer == "lpacked";  // the row-group consumer on packed weights
     const bool rows = consumer == "rows" || packed || per_launch >= 0;  // the row-group consumer
