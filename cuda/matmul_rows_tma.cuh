@@ -5,13 +5,13 @@
 //
 // How the bytes come. A block (one a SM) takes a contiguous share of the launch's row groups (8
 // rows, within one part). One thread of the block's first warp streams the share's weights through
-// a ring of kRowTmaStages shared-memory stages with the copy engine: a stage is two 2-D boxes of 8
-// rows x 256 columns (4 KiB each, one cp.async.bulk.tensor each) from the row-major weights, an
-// mbarrier a stage says when its bytes landed and another when its consumer is done with it. The
-// consumer warps take the share's groups kRowTmaConsumers at a time, each warp one group, walking
-// its stages in column order. Where the weights are constant (no node of the graph writes them,
-// MatmulPart::constant) the first kRowTmaStages stages are asked for before the PDL wait, so they
-// stream in while the kernel before still runs.
+// a ring of R::kStages shared-memory stages (RowTmaRing) with the copy engine: a stage is two 2-D
+// boxes of 8 rows x 256 columns (4 KiB each, one cp.async.bulk.tensor each) from the row-major
+// weights, an mbarrier a stage says when its bytes landed and another when its consumer is done
+// with it. The consumer warps take the share's groups R::kConsumers at a time, each warp one
+// group, walking its stages in column order. Where the weights are constant (no node of the graph
+// writes them, MatmulPart::constant) the first R::kStages stages are asked for before the PDL
+// wait, so they stream in while the kernel before still runs.
 //
 // Why the bits are k_mul_mat's. A plain stage holds 512 columns: units (8 values) 0-31 of the
 // group's rows in its first box, 32-63 in its second; lane l takes units l and l + 32 of every
@@ -36,12 +36,22 @@ constexpr int kRowTmaGroup = 8;                                    // rows a con
 constexpr int kRowTmaBoxCols = 256;                                // columns of a box (TMA's limit a dimension)
 constexpr uint32_t kRowTmaBox = kRowTmaGroup * kRowTmaBoxCols * 2;  // 4 KiB
 constexpr uint32_t kRowTmaStage = 2 * kRowTmaBox;
-constexpr int kRowTmaStages = 16;
-constexpr int kRowTmaConsumers = 11;                               // + the producer's warp: 12 warps,
-constexpr int kRowTmaThreads = (kRowTmaConsumers + 1) * 32;        // a multiple of the norm's 128 threads
-static_assert((kRowTmaStages & (kRowTmaStages - 1)) == 0, "slots and uses by mask and shift");
-static_assert(kRowTmaConsumers <= kRowTmaStages, "a wave's stages of one column box fit the ring");
-static_assert(kRowTmaThreads % kNormBlockThreads == 0, "every thread of the block takes part in stage_column");
+
+// A ring shape: kStages stages of kRowTmaStage bytes, kConsumers consumer warps besides the
+// producer's warp.
+template <int kStages_, int kConsumers_>
+struct RowTmaRing {
+    static constexpr int kStages = kStages_, kConsumers = kConsumers_, kThreads = (kConsumers + 1) * 32;
+    static_assert((kStages & (kStages - 1)) == 0, "slots and uses by mask and shift");
+    static_assert(kConsumers <= kStages, "a wave's stages of one column box fit the ring");
+    static_assert(kThreads % kNormBlockThreads == 0, "every thread of the block takes part in stage_column");
+};
+// The probe's best (128 KiB of ring: one block a SM) and a ring that leaves room for the decode
+// attention's 141 KB beside it (64 KiB; the probe, matvecs alone: 2,065-2,070 us at 4 consumers
+// against 1,929-1,931). PYSPEC_CUDA_ROW_TMA_STAGES=8 picks the second (A/B; written after the
+// thirty-fifth session's device time ran out: compiled, not yet run on a GPU).
+using RowTmaDeep = RowTmaRing<16, 11>;
+using RowTmaShallow = RowTmaRing<8, 7>;
 
 // The tensor maps of one launch: part j's rows (plain), or the gate's and the up's rows (SWIGLU).
 struct RowTmaMaps {
@@ -61,20 +71,21 @@ __device__ __forceinline__ void row_tma_groups(int n_groups, int& g0, int& g1) {
 }
 
 // The producer's walk over the block's share [g0, g1) of row groups (nb stages a group): groups go
-// kRowTmaConsumers at a time (a wave; only the last is short), a wave's stages in column order
-// across its groups, stage i into ring slot i % kRowTmaStages. It advances by additions only: one
+// R::kConsumers at a time (a wave; only the last is short), a wave's stages in column order
+// across its groups, stage i into ring slot i % R::kStages. It advances by additions only: one
 // thread issues every stage of the SM, one each ~250 ns at the SM's share of the bandwidth, and
 // with 64-bit divisions per stage it was the bottleneck (H200, tg128 of Qwen3-4B 361 -> 225 t/s).
+template <class R>
 struct RowTmaWalk {
     int w0, wn, gi, bx;  // the wave's first group and size; the stage's group in it and column box
-    int slot;            // the ring slot (i % kRowTmaStages)
-    uint32_t use;        // the slot's uses before this one (i / kRowTmaStages)
+    int slot;            // the ring slot (i % R::kStages)
+    uint32_t use;        // the slot's uses before this one (i / R::kStages)
     int nb, g1;
 
     __device__ __forceinline__ RowTmaWalk(int g0, int g1_, int nb_)
-        : w0(g0), wn(min(kRowTmaConsumers, g1_ - g0)), gi(0), bx(0), slot(0), use(0), nb(nb_), g1(g1_) {}
+        : w0(g0), wn(min(R::kConsumers, g1_ - g0)), gi(0), bx(0), slot(0), use(0), nb(nb_), g1(g1_) {}
     __device__ __forceinline__ void next() {
-        if (++slot == kRowTmaStages) {
+        if (++slot == R::kStages) {
             slot = 0;
             ++use;
         }
@@ -83,13 +94,13 @@ struct RowTmaWalk {
         if (++bx < nb) return;
         bx = 0;
         w0 += wn;
-        wn = min(kRowTmaConsumers, g1 - w0);
+        wn = min(R::kConsumers, g1 - w0);
     }
 };
 
 // The producer (one thread): the walk's next `count` stages into the ring.
-template <bool kGlu>
-__device__ __forceinline__ void row_tma_produce(const RowTmaMaps& maps, const Parts& p, RowTmaWalk& w, int count,
+template <bool kGlu, class R>
+__device__ __forceinline__ void row_tma_produce(const RowTmaMaps& maps, const Parts& p, RowTmaWalk<R>& w, int count,
                                                 unsigned char* ring, uint64_t* full, uint64_t* empty) {
     for (int n = 0; n < count; ++n, w.next()) {
         if (w.use > 0) mbar_wait(smem_addr(&empty[w.slot]), (w.use - 1) & 1);
@@ -129,11 +140,11 @@ __device__ __forceinline__ void row_tma_unit(W&& w, const float* xu, float* acc)
     }
 }
 
-template <DType T, bool kNorm, bool kGlu>
-__global__ void __launch_bounds__(kRowTmaThreads, 1)
+template <DType T, bool kNorm, bool kGlu, class R>
+__global__ void __launch_bounds__(R::kThreads, 1)
     k_mul_mat_rows_tma(const __grid_constant__ RowTmaMaps maps, Parts p, int64_t k, const float* x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    __shared__ __align__(8) uint64_t full[kRowTmaStages], empty[kRowTmaStages];
+    __shared__ __align__(8) uint64_t full[R::kStages], empty[R::kStages];
     // Dynamic shared memory: the activation column (stage_column's k floats), then the ring.
     unsigned char* ring = reinterpret_cast<unsigned char*>(
         (reinterpret_cast<uintptr_t>(normed_rows) + k * sizeof(float) + 127) & ~uintptr_t{127});
@@ -143,7 +154,7 @@ __global__ void __launch_bounds__(kRowTmaThreads, 1)
     row_tma_groups(static_cast<int>(p.row0[p.n] / kRowTmaGroup), g0, g1);
     const int n_stages = (g1 - g0) * nb;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < kRowTmaStages; ++s) {
+        for (int s = 0; s < R::kStages; ++s) {
             mbar_init(smem_addr(&full[s]), 1);   // the producer's expect_tx, then the copies' bytes
             mbar_init(smem_addr(&empty[s]), 1);  // the stage's consumer warp
         }
@@ -151,28 +162,28 @@ __global__ void __launch_bounds__(kRowTmaThreads, 1)
     }
     __syncthreads();
     // Constant weights: the ring's first fill goes out before the wait (no slot to free yet).
-    RowTmaWalk walk(g0, g1, nb);
-    const int ahead = p.early ? min(n_stages, kRowTmaStages) : 0;
-    if (threadIdx.x == 0) row_tma_produce<kGlu>(maps, p, walk, ahead, ring, full, empty);
+    RowTmaWalk<R> walk(g0, g1, nb);
+    const int ahead = p.early ? min(n_stages, R::kStages) : 0;
+    if (threadIdx.x == 0) row_tma_produce<kGlu, R>(maps, p, walk, ahead, ring, full, empty);
     pdl_enter();
-    const float* xs = stage_column<kNorm, kRowTmaThreads>(x, k, p.norm_w, p.norm_eps);  // every thread, once
+    const float* xs = stage_column<kNorm, R::kThreads>(x, k, p.norm_w, p.norm_eps);  // every thread, once
     if (warp == 0) {
-        if (lane == 0) row_tma_produce<kGlu>(maps, p, walk, n_stages - ahead, ring, full, empty);
+        if (lane == 0) row_tma_produce<kGlu, R>(maps, p, walk, n_stages - ahead, ring, full, empty);
         return;
     }
     const int cw = warp - 1;
     constexpr int kRows = kGlu ? 2 * kRowTmaGroup : kRowTmaGroup;
     unsigned it = 0;  // the block's stages before this wave
-    for (int w0 = g0; w0 < g1; w0 += kRowTmaConsumers) {
-        const int wn = min(kRowTmaConsumers, g1 - w0);
+    for (int w0 = g0; w0 < g1; w0 += R::kConsumers) {
+        const int wn = min(R::kConsumers, g1 - w0);
         if (cw < wn) {
             float acc[kRows];
 #pragma unroll
             for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
             unsigned mine = it + cw;  // the stage's index (its slot and use: a mask and a shift)
             for (int bx = 0; bx < nb; ++bx, mine += wn) {
-                const int st = static_cast<int>(mine % kRowTmaStages);
-                const uint32_t use = mine / kRowTmaStages;
+                const int st = static_cast<int>(mine % R::kStages);
+                const uint32_t use = mine / R::kStages;
                 // The stage's previous use released first, so the full barrier's parity is this use's.
                 if (use > 0) mbar_wait(smem_addr(&empty[st]), (use - 1) & 1);
                 mbar_wait(smem_addr(&full[st]), use & 1);
@@ -253,10 +264,10 @@ bool rows_tma_fits(const Parts& p, int64_t k) {
     return rows_tma_ready();
 }
 
-// The launch: one block a SM (fewer for fewer groups); maps[j] over p.w[j]'s rows (kGlu: p.w[0] the
-// gate's, p.w[1] the up's, each p.row0[1] rows).
-template <DType T, bool kGlu>
-void launch_rows_tma(const Parts& p, int64_t k, const float* x, cudaStream_t s) {
+// The launch with ring R: one block a SM (fewer for fewer groups); maps[j] over p.w[j]'s rows (kGlu:
+// p.w[0] the gate's, p.w[1] the up's, each p.row0[1] rows).
+template <DType T, bool kGlu, class R>
+void launch_rows_tma_ring(const Parts& p, int64_t k, const float* x, cudaStream_t s) {
     static_assert(T == DType::F16 || T == DType::BF16, "tensor maps of 16-bit floats");
     RowTmaMaps maps{};
     const int n_maps = kGlu ? 2 : p.n;
@@ -264,11 +275,12 @@ void launch_rows_tma(const Parts& p, int64_t k, const float* x, cudaStream_t s) 
         const int64_t rows = kGlu ? p.row0[1] : p.row0[j + 1] - p.row0[j];
         make_map_2d(&maps.m[j], T == DType::BF16, p.w[j], k, rows, p.rb[j], kRowTmaBoxCols, kRowTmaGroup, false);
     }
-    const size_t smem = static_cast<size_t>(k) * sizeof(float) + 128 + size_t{kRowTmaStages} * kRowTmaStage;
-    const auto kernel = p.norm_w ? k_mul_mat_rows_tma<T, true, kGlu> : k_mul_mat_rows_tma<T, false, kGlu>;
+    const size_t ring = size_t{R::kStages} * kRowTmaStage;
+    const size_t smem = static_cast<size_t>(k) * sizeof(float) + 128 + ring;
+    const auto kernel = p.norm_w ? k_mul_mat_rows_tma<T, true, kGlu, R> : k_mul_mat_rows_tma<T, false, kGlu, R>;
     static const bool sized = [&] {  // every instantiation asks for the widest K's room once
-        const int most = static_cast<int>(kMatmulNormMaxValues * sizeof(float) + 128 + size_t{kRowTmaStages} * kRowTmaStage);
-        for (auto kr : {k_mul_mat_rows_tma<T, true, kGlu>, k_mul_mat_rows_tma<T, false, kGlu>}) {
+        const int most = static_cast<int>(kMatmulNormMaxValues * sizeof(float) + 128 + ring);
+        for (auto kr : {k_mul_mat_rows_tma<T, true, kGlu, R>, k_mul_mat_rows_tma<T, false, kGlu, R>}) {
             check(cudaFuncSetAttribute(kr, cudaFuncAttributeMaxDynamicSharedMemorySize, most),
                   "mul_mat (row groups, TMA): cudaFuncSetAttribute");
         }
@@ -277,5 +289,12 @@ void launch_rows_tma(const Parts& p, int64_t k, const float* x, cudaStream_t s) 
     (void)sized;
     const int64_t groups = p.row0[p.n] / kRowTmaGroup;
     count_graph_event(GraphEvent::RowTmaLaunch);
-    launch(kernel, static_cast<unsigned>(std::min<int64_t>(tc::sm_count(), groups)), kRowTmaThreads, smem, s, maps, p, k, x);
+    launch(kernel, static_cast<unsigned>(std::min<int64_t>(tc::sm_count(), groups)), R::kThreads, smem, s, maps, p, k, x);
+}
+
+template <DType T, bool kGlu>
+void launch_rows_tma(const Parts& p, int64_t k, const float* x, cudaStream_t s) {
+    const char* v = std::getenv("PYSPEC_CUDA_ROW_TMA_STAGES");
+    if (v && std::string(v) == "8") return launch_rows_tma_ring<T, kGlu, RowTmaShallow>(p, k, x, s);
+    launch_rows_tma_ring<T, kGlu, RowTmaDeep>(p, k, x, s);
 }
