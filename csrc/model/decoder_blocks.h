@@ -24,4 +24,9 @@ int swiglu_ffn(Graph& g, const LayerWeights& w, int h, int64_t prompt_rows);
 // Final norm and output projection of the rows that want logits; sets dg.logits.
 void output_logits(DecoderGraph& dg, const Model& model, int x, const DecoderGraphParams& p);
 
+// The pre-norm decoder both architectures are: token embeddings, then per layer
+// x += attention(rms_norm(x)) and x += swiglu_ffn(rms_norm(x)), then output_logits. qk_norm: the
+// per-head RMSNorm of Q and K before RoPE (qwen3); the RoPE mode comes from the model.
+DecoderGraph pre_norm_decoder(const Model& model, const KvCacheView& kv, const DecoderGraphParams& p, bool qk_norm);
+
 }  // namespace pyspec
