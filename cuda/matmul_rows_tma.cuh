@@ -32,6 +32,8 @@
 // row-streaming kernels (10-38 KB) stay resident and load their first weights early, while these
 // blocks (~138 KB) can only start once the SM has emptied; the open question is written up in
 // docs/internals-cuda.md. So it is opt-in: PYSPEC_CUDA_ROW_TMA=1 (read at every launch).
+#pragma once
+
 constexpr int kRowTmaGroup = 8;                                    // rows a consumer warp carries
 constexpr int kRowTmaBoxCols = 256;                                // columns of a box (TMA's limit a dimension)
 constexpr uint32_t kRowTmaBox = kRowTmaGroup * kRowTmaBoxCols * 2;  // 4 KiB

@@ -1,0 +1,207 @@
+// The one-column kernels for long 16-bit rows (k_mul_mat_rows, k_mul_mat_glu_rows, and the
+// copy-engine variant in cuda/matmul_rows_tma.cuh). Part of ops_matmul.cu's translation unit
+// (included inside its anonymous namespace): they use that file's Parts, store, halves_unit, load_x
+// and norm_prologue.
+#pragma once
+
+// Long 16-bit float rows at M = 1 (decode of a model like Qwen3-4B F16: rows of 5-19 KiB, the
+// step bound by streaming its weights): blocks of kRowWarps warps, each warp two weight rows (two
+// consecutive rows, or the gate and up rows of k_mul_mat_glu_rows) in the order of every other
+// tile (a lane's units u = lane (mod 32) in increasing u, each unit's fmaf chain, then warp_sum's
+// xor tree), so the bits are k_mul_mat's. What differs is how the bytes come:
+// - the block stages its activation column in shared memory once (normalised when the norm is
+//   the prologue), one copy for 32 rows instead of every warp reading it through L1, whose loads
+//   (twice the weights' bytes) were what kept the old kernel from the weights' bandwidth;
+// - each lane loads its first kEarlyUnits units of both rows before the PDL wait, so they arrive
+//   while the kernel before still runs, where the weights are constant (MatmulPart::constant:
+//   no node of the graph writes them);
+// - weights are read past L1 (ld.global.nc.L1::no_allocate), which they would only pollute.
+// H200, a probe of Qwen3-4B's 144 decode matvecs in one graph (tools/device/probe_gemv_f16.cu):
+// 2,723-2,795 -> 2,354-2,382 us a step, against 1,830-1,870 for a plain read of the same bytes.
+// In the model the gain is smaller: tg128 300-306 -> 306-316 t/s (alternating runs).
+// PYSPEC_CUDA_ROW_STREAM=0 keeps k_mul_mat (A/B); the same bits either way.
+//
+// The grid is balanced (twenty-seventh session): 2 blocks of 8 warps a SM, block b taking the
+// contiguous items [n b / G, n (b + 1) / G) of the launch's n items (an item: a warp's two rows),
+// its warps round-robin over them. A grid of one item a warp (16 warps a block) left o's and
+// down's 1,280 items on 80 of the 132 SMs and ran gate/up's 9,728 in 1.15 waves, and its kernel
+// boundaries cost more (the next kernel's blocks wait for the SMs that hold the longest tail).
+// Same probe, both grids, two runs: 2,353-2,356 -> 2,152-2,157 us a step (q/k/v alone 357 -> 400,
+// o 261 -> 242, gate/up 1,000 -> 986, down 549 -> 525; the rest is the boundaries).
+// PYSPEC_CUDA_ROW_BALANCE=0 keeps the grid of one item a warp (A/B); the same bits either way.
+constexpr int kRowWarps = 16;        // the grid of one item a warp
+constexpr int kBalWarps = 8;         // the balanced grid
+constexpr int kBalBlocksPerSm = 2;
+constexpr int kEarlyUnits = 4;
+
+__device__ __forceinline__ uint4 ld_stream(const char* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// A lane's first kEarlyUnits units of two rows.
+__device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t units, int lane,
+                                           uint4 (&pre)[2][kEarlyUnits]) {
+#pragma unroll
+    for (int i = 0; i < kEarlyUnits; ++i) {
+        const int64_t u = lane + 32 * i;
+        if (u < units) {
+            pre[0][i] = ld_stream(wr[0] + u * 16);
+            pre[1][i] = ld_stream(wr[1] + u * 16);
+        }
+    }
+}
+
+// The block's activation column in shared memory, normalised (kNorm) or copied; every thread of
+// the block (kThreads) calls it.
+template <bool kNorm, int kThreads>
+__device__ __forceinline__ const float* stage_column(const float* x, int64_t k, const float* nw, float eps) {
+    if constexpr (kNorm) {
+        const float* xc[1] = {x};
+        norm_prologue<1, kThreads>(xc, k, nw, eps);
+        return xc[0];
+    } else {
+        float* hs = reinterpret_cast<float*>(normed_rows);
+        for (int64_t i = threadIdx.x; i < k; i += kThreads) hs[i] = x[i];
+        __syncthreads();
+        return hs;
+    }
+}
+
+// The items [first, end) of block blockIdx.x: an equal contiguous share of n items over the
+// grid (kBalanced), or kW items a block.
+template <bool kBalanced, int kW>
+__device__ __forceinline__ void block_items(int64_t n, int64_t& first, int64_t& end) {
+    const int64_t b = blockIdx.x;
+    if constexpr (kBalanced) {
+        first = n * b / gridDim.x;
+        end = n * (b + 1) / gridDim.x;
+    } else {
+        first = b * kW;
+        end = min(first + kW, n);
+    }
+}
+
+// Both rows' fmaf chains over the staged column (pre: the first units, when early).
+template <DType T>
+__device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const float* xs, int64_t k, int lane, bool early,
+                                            const uint4 (&pre)[2][kEarlyUnits], float (&acc)[2]) {
+    acc[0] = acc[1] = 0.0f;
+    const int64_t units = k / 8;
+    int64_t u = lane;
+    const auto unit = [&](const uint4 (&w)[2], int64_t uu) {
+        float xv[8];
+        load_x<true>(xs, uu * 8, uu * 8 + 4, xv);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float v[8];
+            halves_unit<T>(w[r], v);
+            float a = acc[r];
+#pragma unroll
+            for (int t = 0; t < 8; ++t) a = fmaf(v[t], xv[t], a);
+            acc[r] = a;
+        }
+    };
+    if (early) {
+#pragma unroll
+        for (int i = 0; i < kEarlyUnits; ++i, u += 32) {
+            if (u < units) unit({pre[0][i], pre[1][i]}, u);
+        }
+    }
+#pragma unroll 4
+    for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16), ld_stream(wr[1] + u * 16)}, u);
+}
+
+// k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
+// (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
+// first + w + kW, ... (block_items).
+template <DType T, bool kNorm, bool kBalanced, int kW>
+__global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
+    const int lane = threadIdx.x & 31;
+    const int64_t n_rows = p.row0[p.n];
+    int64_t item, end;
+    block_items<kBalanced, kW>((n_rows + 1) / 2, item, end);
+    item += threadIdx.x >> 5;
+    const char* wr[2];
+    const auto rows_of = [&](int64_t it) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int64_t row = min(2 * it + r, n_rows - 1);
+            const int j = part_of(p, row);
+            wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
+        }
+    };
+    const bool early = p.early && item < end;
+    uint4 pre[2][kEarlyUnits];
+    if (early) {
+        rows_of(item);
+        load_early(wr, k / 8, lane, pre);
+    }
+    pdl_enter();
+    const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
+    for (bool first = true; item < end; item += kW, first = false) {
+        if (!(first && early)) rows_of(item);
+        float acc[2];
+        stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float sum = warp_sum(acc[r]);
+            if (lane == 0 && 2 * item + r < n_rows) store(p, 2 * item + r, 0, sum);
+        }
+    }
+}
+
+// k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
+// silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
+template <DType T, bool kNorm, bool kBalanced, int kW>
+__global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
+                                                              int64_t n_rows, int64_t k, const float* x, float* y,
+                                                              const float* norm_w, float norm_eps, bool constant) {
+    const int lane = threadIdx.x & 31;
+    int64_t row, end;
+    block_items<kBalanced, kW>(n_rows, row, end);
+    row += threadIdx.x >> 5;
+    const bool early = constant && row < end;
+    uint4 pre[2][kEarlyUnits];
+    if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pre);
+    pdl_enter();
+    const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps);  // before any warp leaves
+    for (bool first = true; row < end; row += kW, first = false) {
+        const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
+        float acc[2];
+        stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
+        const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+        if (lane == 0) y[row] = silu_f(g) * u;
+    }
+}
+
+#include "cuda/matmul_rows_tma.cuh"  // the copy-engine variant (the same translation unit)
+
+// Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
+// grid, or with PYSPEC_CUDA_ROW_BALANCE=0 the grid of one item a warp. pick(balanced, warps)
+// gives the kernel instantiation.
+template <class Pick, class... Args>
+void launch_row_stream(Pick&& pick, int64_t n, int64_t k, cudaStream_t s, Args... args) {
+    static const bool balanced = env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0;
+    const size_t smem = k * sizeof(float);
+    if (balanced) {
+        const int64_t blocks = std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n);
+        return launch(pick(std::true_type{}), static_cast<unsigned>(std::max<int64_t>(1, blocks)), kBalWarps * 32, smem,
+                      s, args...);
+    }
+    launch(pick(std::false_type{}), grid_for(n, kRowWarps), kRowWarps * 32, smem, s, args...);
+}
+
+// Whether a launch of weight type T (kVec: 16-byte loads) takes the row-streaming kernels.
+template <DType T, bool kVec>
+bool streams_rows(int64_t k, int64_t m) {
+    static const bool enabled = env_switch("PYSPEC_CUDA_ROW_STREAM") != 0;
+    if constexpr ((T == DType::F16 || T == DType::BF16) && kVec) {
+        return enabled && m == 1 && static_cast<int64_t>(dtype_row_bytes(T, k)) > 1024 && k <= kMatmulNormMaxValues;
+    } else {
+        return false;
+    }
+}
