@@ -200,7 +200,7 @@ def test_swiglu_epilogue_gives_the_unfused_bits(dtype, monkeypatch):
 @pytest.mark.parametrize("balance", ["1", "0"])
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
 def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, monkeypatch):
-    """One column over many long 16-bit rows takes the row-streaming kernels (cuda/ops_matmul.cu),
+    """One column over many long 16-bit rows takes the row-streaming kernels (cuda/matmul_rows.cuh),
     whose balanced grid gives each warp several items (two rows, or a gate and an up row) once the
     rows outnumber 2 blocks x 8 warps a SM: every row of a plain MUL_MAT (an odd row count, so the
     last item's second row is a clamped read) and of the fused gate/up/SWIGLU equals, bit for bit,
