@@ -34,6 +34,21 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// pdl_enter's two halves, for a kernel that lets the next one be launched before it waits: still
+// only once every block of this grid has started (the trigger counts a grid's blocks), so the next
+// kernel's blocks never take room this grid needs, and they wait for this grid in their own
+// pdl_enter as before.
+__device__ __forceinline__ void pdl_let_next_in() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Whether launches use PDL: PYSPEC_CUDA_PDL (default on) and a GPU of compute capability 9.0+.
 bool pdl_enabled();
 

@@ -228,19 +228,21 @@ def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, m
 
 
 @real_gpu
-@pytest.mark.parametrize("stages", ["16", "8"])
+@pytest.mark.parametrize("ring", ["16", "8", "8-start"])
 @pytest.mark.parametrize("tail", ["plain", "group", "glu", "residual"])
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
-def test_row_groups_through_the_copy_engine_give_the_row_streams_bits(dtype, tail, stages, monkeypatch):
+def test_row_groups_through_the_copy_engine_give_the_row_streams_bits(dtype, tail, ring, monkeypatch):
     """One column over long 16-bit rows, every part whole groups of 8 rows and K whole stages (512
     columns, 256 for gate/up), takes the row groups the copy engine feeds (k_mul_mat_rows_tma,
     counted by row_tma_launches): its bits equal the row-streaming kernel's (PYSPEC_CUDA_ROW_TMA=0)
     and the same row's in a batch of 5, plain (12,048 rows: two waves of groups on some blocks), for
     a q/k/v-like group, gate/up with SwiGLU and one MUL_MAT with the residual (those three with
-    the norm prologue), with either ring (PYSPEC_CUDA_ROW_TMA_STAGES); and within rounding of the
-    CPU."""
+    the norm prologue), with either ring (PYSPEC_CUDA_ROW_TMA_STAGES) and the next launch let in
+    first (PYSPEC_CUDA_ROW_TMA_TRIGGER=start); and within rounding of the CPU."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    stages, _, trigger = ring.partition("-")
     monkeypatch.setenv("PYSPEC_CUDA_ROW_TMA_STAGES", stages)
+    monkeypatch.setenv("PYSPEC_CUDA_ROW_TMA_TRIGGER", trigger)
     k = 1280 if tail == "glu" else 1536
     _, x = mm_inputs(dtype, 8, k, 5, seed=90)
     if tail == "plain":
