@@ -1,13 +1,21 @@
 // Device helpers of the F16 matvec probes (probe_gemv_f16.cu, probe_mega.cu): a warp's sum, a
 // 16-byte unit of eight F16 weights against eight F32 activations in the production order, and
-// the mbarrier / bulk-copy (copy engine) primitives that fill shared-memory stages.
+// the bulk-copy (copy engine) primitives that fill shared-memory stages (the mbarriers and the
+// tensor-map copy are the backend's, cuda/tma.cuh).
 #pragma once
 
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include "../../cuda/tma.cuh"  // the backend's mbarrier and 2-D tensor-map copy (header-only device parts)
 #include "probe_common.cuh"
+
+using pyspec::cuda::mbar_arrive;
+using pyspec::cuda::mbar_expect_tx;
+using pyspec::cuda::mbar_init;
+using pyspec::cuda::mbar_wait;
+using pyspec::cuda::tma_load_2d;
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -32,21 +40,6 @@ __device__ __forceinline__ float unit_fma(uint4 w, const float* xu, float acc) {
     return unit_fma2(w, *reinterpret_cast<const float4*>(xu), *reinterpret_cast<const float4*>(xu + 4), acc);
 }
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nwait_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra wait_%=;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-// The barrier's arrival, expecting `bytes` more bytes of bulk copies before its phase completes.
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 // One bulk copy global -> shared whose bytes count on the barrier.
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
@@ -55,11 +48,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 }
 // One bulk copy that alone completes the barrier's phase.
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    mbar_expect(bar, bytes);
+    mbar_expect_tx(bar, bytes);
     bulk_copy(dst, src, bytes, bar);
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 // One 16-byte copy global -> shared by cp.async (in flight until the thread's wait_group).
 __device__ __forceinline__ void cp16(void* dst, const void* src) {

@@ -70,12 +70,11 @@
 
 #include "probe_common.cuh"
 #include "probe_f16_rows.cuh"
+#include "probe_pdl.cuh"
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_go() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 template <int kHint>
 __device__ __forceinline__ uint4 ldw(const uint4* p) {
@@ -709,21 +708,6 @@ static void launch_pers(const Job* d_jobs, int n, unsigned* bar, cudaStream_t s)
 }
 
 template <typename K, typename... A>
-static void launch_pdl_block(K kernel, unsigned grid, unsigned block, size_t smem, cudaStream_t s, A... args) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(block);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
-template <typename K, typename... A>
 static void launch_pdl(K kernel, unsigned grid, size_t smem, cudaStream_t s, A... args) {
     launch_pdl_block(kernel, grid, kThreads, smem, s, args...);
 }
@@ -834,20 +818,6 @@ struct Variant {
     void (*list)(const Job*, int, unsigned*, cudaStream_t) = nullptr;  // one launch for a job list
 };
 
-// A stand-in for a decode step's attention between q/k/v and o: a few blocks holding an attention
-// block's shared memory, busy for ns nanoseconds after the PDL wait (which lets o's blocks in), so
-// DRAM idles as it does under the real attention.
-__global__ void k_att(int64_t ns) {
-    pdl_wait();
-    pdl_go();
-    int64_t t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < ns);
-}
-constexpr int kAttBlocks = 64;
-constexpr size_t kAttSmem = 135 * 1024;
 
 int main(int argc, char** argv) {
     const int n_layer = argc > 1 ? atoi(argv[1]) : 36;
@@ -975,10 +945,10 @@ int main(int argc, char** argv) {
     out_of(run_base<1>, layers[0].down, ref_d);
     const char* only = argc > 2 ? argv[2] : nullptr;  // a comma-separated list of variants
     if (att_ns) {  // the stand-ins alone, to subtract
-        CK(cudaFuncSetAttribute(k_att, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttSmem));
+        size_att();
         cudaGraph_t g;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        for (int l = 0; l < n_layer; ++l) launch_pdl_block(k_att, kAttBlocks, 256, kAttSmem, s, att_ns);
+        for (int l = 0; l < n_layer; ++l) launch_att(att_ns, s);
         CK(cudaStreamEndCapture(s, &g));
         cudaGraphExec_t exec;
         CK(cudaGraphInstantiate(&exec, g, 0));
@@ -1016,7 +986,7 @@ int main(int argc, char** argv) {
             for (const Layer& L : (v.list ? std::vector<Layer>{} : layers)) {
                 const bool read = v.r1 == run_read;
                 if (kind == 0 || kind == 1) { v.r1(L.qkv, s); kb += double(L.qkv.rows) * L.qkv.k * 2; }
-                if (att_ns && (kind == 0 || kind == 2)) launch_pdl_block(k_att, kAttBlocks, 256, kAttSmem, s, att_ns);
+                if (att_ns && (kind == 0 || kind == 2)) launch_att(att_ns, s);
                 if (kind == 0 || kind == 2) { (v.ro ? v.ro : v.r1)(L.o, s); kb += double(L.o.rows) * L.o.k * 2; }
                 if (kind == 0 || kind == 3) { (read ? v.r1 : v.r2)(L.gu, s); kb += double(L.gu.rows) * L.gu.k * 2; }
                 if (kind == 0 || kind == 4) { v.r1(L.down, s); kb += double(L.down.rows) * L.down.k * 2; }

@@ -67,6 +67,7 @@
 
 #include "probe_common.cuh"
 #include "probe_f16_rows.cuh"
+#include "probe_pdl.cuh"
 
 constexpr int kTile = 16384;      // bytes a stage
 constexpr int kMaxStages = 12;
@@ -262,13 +263,6 @@ __global__ void k_pack(Job j) {
 // the row-major weights through a tensor map (in shared memory [half][row][256 columns]).
 enum BoxSource { kRowCopies = 0, kPacked = 1, kTensorMap = 2 };
 
-__device__ __forceinline__ void tmap_box(uint32_t dst, const CUtensorMap* map, int col, int row, uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-        "l"(map), "r"(col), "r"(row), "r"(bar)
-        : "memory");
-}
-
 // The producer's part of one job on block b of G: the block's row groups, a wave of C groups at a
 // time, box by box in column order across the wave's groups. `it` counts stages over the jobs.
 template <int C, int Src>
@@ -287,12 +281,12 @@ __device__ __forceinline__ void produce_rows(const Job& jb, const CUtensorMap* m
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 const uint32_t bar = saddr(&full[st]);
                 const uint32_t dst = saddr(ring + static_cast<size_t>(st) * kBox);
-                mbar_expect(bar, kBox);
+                mbar_expect_tx(bar, kBox);
                 if (Src == kPacked) {
                     bulk_copy(dst, reinterpret_cast<const char*>(jb.wp) + (int64_t{w0 + gi} * nb + bx) * kBox, kBox, bar);
                 } else if (Src == kTensorMap) {
                     for (int h = 0; h < 2; ++h) {
-                        tmap_box(dst + h * (kBox / 2), map, bx * kBoxCols + h * (kBoxCols / 2), (w0 + gi) * kGroupRows, bar);
+                        tma_load_2d(dst + h * (kBox / 2), map, bx * kBoxCols + h * (kBoxCols / 2), (w0 + gi) * kGroupRows, bar);
                     }
                 } else {
                     const char* src = reinterpret_cast<const char*>(jb.w) + (w0 + gi) * kGroupRows * row_bytes +
@@ -382,8 +376,6 @@ __global__ void __launch_bounds__((C + 1) * 32, 1)
     }
 }
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_go() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // One job a launch (PDL, as the backend launches its matvecs): the producer streams the block's
 // boxes from the start (weights are constant), filling the ring while the previous launch runs; the
@@ -475,40 +467,7 @@ static CUtensorMap job_map(const Job& j) {
     return map;
 }
 
-// A stand-in for a decode step's attention between q/k/v and o (as probe_gemv_f16.cu's k_att): 64
-// blocks holding an attention block's shared memory (135 KiB), busy for ns nanoseconds after the
-// PDL wait, so DRAM idles and the SMs they hold are full, as under the real attention.
-__global__ void k_att(int64_t ns) {
-    pdl_wait();
-    pdl_go();
-    int64_t t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < ns);
-}
-constexpr int kAttBlocks = 64;
-constexpr size_t kAttSmem = 135 * 1024;
-static int64_t g_att_ns = 0;  // the stand-in's time after each q/k/v job (one launch a job only)
-
-static void launch_att(cudaStream_t s) {
-    static bool sized = false;
-    if (!sized) {
-        CK(cudaFuncSetAttribute(k_att, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kAttSmem)));
-        sized = true;
-    }
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(kAttBlocks);
-    cfg.blockDim = dim3(256);
-    cfg.dynamicSmemBytes = kAttSmem;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, k_att, g_att_ns));
-}
+static int64_t g_att_ns = 0;  // the attention stand-in's time after each q/k/v job (one launch a job only)
 
 // Jobs [0, n) one launch each (PDL), G blocks of C + 1 warps, S stages.
 template <int C, int Src>
@@ -518,18 +477,8 @@ static void run_launches(const std::vector<Job>& jobs, const std::vector<CUtenso
     for (int i = 0; i < n; ++i) {
         const size_t smem = static_cast<size_t>(S) * kBox + jobs[i].k * sizeof(float);
         CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(G);
-        cfg.blockDim = dim3((C + 1) * 32);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = s;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CK(cudaLaunchKernelEx(&cfg, kernel, jobs[i], maps[i], S, mode));
-        if (g_att_ns && i % 4 == 0) launch_att(s);  // after q/k/v
+        launch_pdl_block(kernel, G, (C + 1) * 32, smem, s, jobs[i], maps[i], S, mode);
+        if (g_att_ns && i % 4 == 0) launch_att(g_att_ns, s);  // after q/k/v
     }
 }
 
@@ -541,6 +490,7 @@ int main(int argc, char** argv) {
     const std::string consumer = argc > 5 ? argv[5] : "tiles";
     // One launch a job (PDL): lrows / lpacked / ltmap, the row-group consumer's box sources.
     g_att_ns = argc > 6 ? static_cast<int64_t>(atof(argv[6]) * 1000) : 0;  // one launch a job only
+    if (g_att_ns) size_att();
     const int per_launch = consumer == "lrows" ? kRowCopies : consumer == "lpacked" ? kPacked : consumer == "ltmap" ? kTensorMap : -1;
     const bool packed = consumer == "packed" || consumer == "lpacked";  // the row-group consumer on packed weights
     const bool rows = consumer == "rows" || packed || per_launch >= 0;  // the row-group consumer
