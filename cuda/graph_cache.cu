@@ -147,7 +147,8 @@ inline bool for_each_key_word(const Graph& g, Sink&& sink) {
     // setting is never replayed under another.
     if (!sink(static_cast<uint64_t>(matmul_tc_setting() + 1) | (matmul_fusion_enabled() ? 4u : 0u) |
               (attention_tiled_enabled() ? 8u : 0u) | (pdl_enabled() ? 16u : 0u) |
-              (attention_tc_enabled() ? 32u : 0u) | (attention_rope_enabled() ? 64u : 0u))) {
+              (attention_tc_enabled() ? 32u : 0u) | (attention_rope_enabled() ? 64u : 0u) |
+              static_cast<uint64_t>(matmul_row_tma_setting()) << 7)) {
         return false;
     }
     for (int id = 0; id < n; ++id) {

@@ -211,6 +211,13 @@ inline bool matmul_fusion_enabled() { return env_switch("PYSPEC_CUDA_FUSE") != 0
 // weight rows and K segment, a whole group per launch), which returns false where the rows'
 // alignment does not suit it or the scratch is too small.
 int matmul_tc_setting();
+// The copy-engine row groups for one-column 16-bit MUL_MATs (cuda/matmul_rows_tma.cuh), read from
+// the environment at each compute and part of the CUDA graphs' key: 0 off (the default;
+// PYSPEC_CUDA_ROW_TMA=1 turns them on), else kRowTmaOn plus kRowTmaShallow for the 8-stage ring
+// (PYSPEC_CUDA_ROW_TMA_STAGES=8) and kRowTmaTriggerFirst for the next launch let in before the
+// wait (PYSPEC_CUDA_ROW_TMA_TRIGGER=start).
+constexpr int kRowTmaOn = 1, kRowTmaShallow = 2, kRowTmaTriggerFirst = 4;
+int matmul_row_tma_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.
 SplitScratchNeed matmul_tc_narrow_scratch(DType wtype, int64_t k, int64_t rows, int64_t m);

@@ -27,5 +27,18 @@ bool pdl_enabled() { return env_switch("PYSPEC_CUDA_PDL") != 0 && device_has_pdl
 
 bool prefetch_enabled() { return env_switch("PYSPEC_CUDA_PREFETCH") != 0; }
 
+bool flag_kernel_writes_one(void (*flag)(int*)) {
+    int* out = nullptr;
+    int v = 0;
+    if (cudaMalloc(&out, sizeof(int)) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    flag<<<1, 1>>>(out);
+    const bool ok = cudaGetLastError() == cudaSuccess && cudaMemcpy(&v, out, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+    cudaFree(out);
+    return ok && v == 1;
+}
+
 }  // namespace cuda
 }  // namespace pyspec

@@ -49,6 +49,11 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Runs flag<<<1, 1>>>(out) and says whether it wrote 1: the tiny kernels that report whether
+// this build has a kernel's code for the running GPU (an architecture guard compiled in, not the
+// PTX of an older one JIT-compiled). Call it outside stream capture (it allocates and copies).
+bool flag_kernel_writes_one(void (*flag)(int*));
+
 // Whether launches use PDL: PYSPEC_CUDA_PDL (default on) and a GPU of compute capability 9.0+.
 bool pdl_enabled();
 

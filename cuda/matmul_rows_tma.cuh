@@ -237,25 +237,11 @@ __global__ void k_rows_tma_built(int* out) {
 #endif
 }
 
-// Whether launches may take k_mul_mat_rows_tma: PYSPEC_CUDA_ROW_TMA=1 (off by default, see above;
-// read at every launch, so a test can compare both kernels in one process), the kernel built for
-// this GPU, and a driver with tensor maps.
+// Whether launches may take k_mul_mat_rows_tma: matmul_row_tma_setting() on (off by default, see
+// above), the kernel built for this GPU, and a driver with tensor maps.
 bool rows_tma_ready() {
-    if (env_switch("PYSPEC_CUDA_ROW_TMA") != 1) return false;
-    static const bool ready = [] {
-        if (!tensor_maps_available()) return false;
-        int* flag = nullptr;
-        int v = 0;
-        if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) {
-            cudaGetLastError();
-            return false;
-        }
-        k_rows_tma_built<<<1, 1>>>(flag);
-        const bool ok = cudaGetLastError() == cudaSuccess &&
-                        cudaMemcpy(&v, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
-        cudaFree(flag);
-        return ok && v == 1;
-    }();
+    if (!(matmul_row_tma_setting() & kRowTmaOn)) return false;
+    static const bool ready = tensor_maps_available() && flag_kernel_writes_one(k_rows_tma_built);
     return ready;
 }
 
@@ -296,17 +282,15 @@ void launch_rows_tma_ring(const Parts& p, int64_t k, const float* x, cudaStream_
     (void)sized;
     const int64_t groups = p.row0[p.n] / kRowTmaGroup;
     count_graph_event(GraphEvent::RowTmaLaunch);
-    // PYSPEC_CUDA_ROW_TMA_TRIGGER=start lets the next kernel be launched as soon as every block has
-    // started, as the probe did (A/B; written after the thirty-fifth session's device time ran out).
-    const char* trig = std::getenv("PYSPEC_CUDA_ROW_TMA_TRIGGER");
-    const bool trigger_first = trig && std::string(trig) == "start";
+    // kRowTmaTriggerFirst lets the next kernel be launched as soon as every block has started, as
+    // the probe did (A/B; written after the thirty-fifth session's device time ran out).
+    const bool trigger_first = (matmul_row_tma_setting() & kRowTmaTriggerFirst) != 0;
     launch(kernel, static_cast<unsigned>(std::min<int64_t>(tc::sm_count(), groups)), R::kThreads, smem, s, maps, p, k, x,
            trigger_first);
 }
 
 template <DType T, bool kGlu>
 void launch_rows_tma(const Parts& p, int64_t k, const float* x, cudaStream_t s) {
-    const char* v = std::getenv("PYSPEC_CUDA_ROW_TMA_STAGES");
-    if (v && std::string(v) == "8") return launch_rows_tma_ring<T, kGlu, RowTmaShallow>(p, k, x, s);
+    if (matmul_row_tma_setting() & kRowTmaShallow) return launch_rows_tma_ring<T, kGlu, RowTmaShallow>(p, k, x, s);
     launch_rows_tma_ring<T, kGlu, RowTmaDeep>(p, k, x, s);
 }

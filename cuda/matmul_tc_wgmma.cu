@@ -323,13 +323,7 @@ bool wgmma_gemm_ready() {
             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess || major != 9 || minor != 0) {
             return false;
         }
-        int* flag = nullptr;
-        int v = 0;
-        if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
-        k_wgmma_built<<<1, 1>>>(flag);
-        const bool ok = cudaGetLastError() == cudaSuccess && cudaMemcpy(&v, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
-        cudaFree(flag);
-        return ok && v == 1;
+        return flag_kernel_writes_one(k_wgmma_built);
     }();
     return built && env_switch("PYSPEC_CUDA_WGMMA") != 0;
 }

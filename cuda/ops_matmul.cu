@@ -614,6 +614,14 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
            with_weight_type(t, false, [](auto, auto) {});
 }
 
+int matmul_row_tma_setting() {
+    if (env_switch("PYSPEC_CUDA_ROW_TMA") != 1) return 0;
+    const char* stages = std::getenv("PYSPEC_CUDA_ROW_TMA_STAGES");
+    const char* trigger = std::getenv("PYSPEC_CUDA_ROW_TMA_TRIGGER");
+    return kRowTmaOn | (stages && std::string(stages) == "8" ? kRowTmaShallow : 0) |
+           (trigger && std::string(trigger) == "start" ? kRowTmaTriggerFirst : 0);
+}
+
 bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs,
                        int64_t m, int64_t prompt_cols, TcRows rows, float* y, int64_t ys, cudaStream_t s,
                        const MatmulNorm* norm) {
