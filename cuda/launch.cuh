@@ -25,19 +25,10 @@
 namespace pyspec {
 namespace cuda {
 
-// Waits for the previous kernel in the stream (a no-op when it was not launched with PDL or on
-// GPUs before compute capability 9.0), then allows the next one to be launched.
-__device__ __forceinline__ void pdl_enter() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// pdl_enter's two halves, for a kernel that lets the next one be launched before it waits: still
-// only once every block of this grid has started (the trigger counts a grid's blocks), so the next
-// kernel's blocks never take room this grid needs, and they wait for this grid in their own
-// pdl_enter as before.
+// pdl_enter's two halves (alone: for a kernel that lets the next one be launched before it waits,
+// still only once every block of this grid has started, since the trigger counts a grid's blocks:
+// the next kernel's blocks never take room this grid needs, and wait for this grid in their own
+// pdl_enter as before).
 __device__ __forceinline__ void pdl_let_next_in() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -47,6 +38,13 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// Waits for the previous kernel in the stream (a no-op when it was not launched with PDL or on
+// GPUs before compute capability 9.0), then allows the next one to be launched.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_let_next_in();
 }
 
 // Runs flag<<<1, 1>>>(out) and says whether it wrote 1: the tiny kernels that report whether

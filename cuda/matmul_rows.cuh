@@ -85,6 +85,23 @@ __device__ __forceinline__ void block_items(int64_t n, int64_t& first, int64_t& 
     }
 }
 
+// kRows rows' sums of one 16-bit unit: w(r) row r's 16 bytes, xu the unit's 8 activations; each
+// row's 8 products go onto its accumulator in order t = 0..7 (the fmaf chain of every tile).
+template <DType T, int kRows, class W>
+__device__ __forceinline__ void rows_unit_fma(W&& w, const float* xu, float* acc) {
+    float xv[8];
+    load_x<true>(xu, 0, 4, xv);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        float v[8];
+        halves_unit<T>(w(r), v);
+        float a = acc[r];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) a = fmaf(v[t], xv[t], a);
+        acc[r] = a;
+    }
+}
+
 // Both rows' fmaf chains over the staged column (pre: the first units, when early).
 template <DType T>
 __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const float* xs, int64_t k, int lane, bool early,
@@ -93,17 +110,7 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
     const int64_t units = k / 8;
     int64_t u = lane;
     const auto unit = [&](const uint4 (&w)[2], int64_t uu) {
-        float xv[8];
-        load_x<true>(xs, uu * 8, uu * 8 + 4, xv);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float v[8];
-            halves_unit<T>(w[r], v);
-            float a = acc[r];
-#pragma unroll
-            for (int t = 0; t < 8; ++t) a = fmaf(v[t], xv[t], a);
-            acc[r] = a;
-        }
+        rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + uu * 8, acc);
     };
     if (early) {
 #pragma unroll

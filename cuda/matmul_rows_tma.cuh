@@ -125,23 +125,6 @@ __device__ __forceinline__ void row_tma_produce(const RowTmaMaps& maps, const Pa
     }
 }
 
-// kRows rows' sums of one unit: w(r) the row's unit, xu the unit's 8 activations (the fmaf chain
-// of every other tile).
-template <DType T, int kRows, class W>
-__device__ __forceinline__ void row_tma_unit(W&& w, const float* xu, float* acc) {
-    float xv[8];
-    load_x<true>(xu, 0, 4, xv);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        float v[8];
-        halves_unit<T>(w(r), v);
-        float a = acc[r];
-#pragma unroll
-        for (int t = 0; t < 8; ++t) a = fmaf(v[t], xv[t], a);
-        acc[r] = a;
-    }
-}
-
 template <DType T, bool kNorm, bool kGlu, class R>
 __global__ void __launch_bounds__(R::kThreads, 1)
     k_mul_mat_rows_tma(const __grid_constant__ RowTmaMaps maps, Parts p, int64_t k, const float* x, bool trigger_first) {
@@ -200,12 +183,12 @@ __global__ void __launch_bounds__(R::kThreads, 1)
                 };
                 if constexpr (kGlu) {
                     const float* xu = xs + (bx * (kRowTmaBoxCols / 8) + lane) * 8;
-                    row_tma_unit<T, kRows>([&](int r) { return unit_of(r / kRowTmaGroup, r % kRowTmaGroup); }, xu, acc);
+                    rows_unit_fma<T, kRows>([&](int r) { return unit_of(r / kRowTmaGroup, r % kRowTmaGroup); }, xu, acc);
                 } else {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const float* xu = xs + (bx * (2 * kRowTmaBoxCols / 8) + h * 32 + lane) * 8;
-                        row_tma_unit<T, kRows>([&](int r) { return unit_of(h, r); }, xu, acc);
+                        rows_unit_fma<T, kRows>([&](int r) { return unit_of(h, r); }, xu, acc);
                     }
                 }
                 __syncwarp();
