@@ -86,6 +86,7 @@ int CudaBackend::run_mul_mat_group(const Graph& g, int id, int norm) {
         run_node(g, id);
         return id;
     }
+    if (norm >= 0) cuda::count_graph_event(cuda::GraphEvent::NormPrologueLaunch);
     if (parts.size() == 1) {
         const int add = residual_add_after(g, id, act, parts[0]);
         if (add >= 0) last = add;

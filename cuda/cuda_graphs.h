@@ -33,6 +33,9 @@ struct CudaGraphStats {
     // Launches (eager or captured) of the one-column row groups fed by the copy engine
     // (k_mul_mat_rows_tma): what tests check that the kernel runs where it should.
     uint64_t row_tma_launches = 0;
+    // Launches (eager or captured) of a MUL_MAT group that ran the RMS_NORM before it as its
+    // prologue: what tests check that the fusion they compare against the nodes run apart happens.
+    uint64_t norm_prologue_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench
     // can split a step's wall time into the GPU's and the host's (plus the gaps between them).

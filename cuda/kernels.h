@@ -215,8 +215,11 @@ int matmul_tc_setting();
 // the environment at each compute and part of the CUDA graphs' key: 0 off (the default;
 // PYSPEC_CUDA_ROW_TMA=1 turns them on), else kRowTmaOn plus kRowTmaShallow for the 8-stage ring
 // (PYSPEC_CUDA_ROW_TMA_STAGES=8) and kRowTmaTriggerFirst for the next launch let in before the
-// wait (PYSPEC_CUDA_ROW_TMA_TRIGGER=start).
+// wait (PYSPEC_CUDA_ROW_TMA_TRIGGER=start). PYSPEC_CUDA_ROW_TMA_KINDS narrows which MUL_MATs take
+// them, for A/B (any of n: with the norm prologue, e.g. q/k/v; g: gate/up SWIGLU; p: the others,
+// e.g. o, down, the output head; default all): a kind left out sets its kRowTmaSkip* bit.
 constexpr int kRowTmaOn = 1, kRowTmaShallow = 2, kRowTmaTriggerFirst = 4;
+constexpr int kRowTmaSkipNorm = 8, kRowTmaSkipGlu = 16, kRowTmaSkipPlain = 32;
 int matmul_row_tma_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

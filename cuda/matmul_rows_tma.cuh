@@ -31,7 +31,10 @@
 // attention (141 KB of shared memory) and the other kernels between the matvecs, beside which the
 // row-streaming kernels (10-38 KB) stay resident and load their first weights early, while these
 // blocks (~138 KB) can only start once the SM has emptied; the open question is written up in
-// docs/internals-cuda.md. So it is opt-in: PYSPEC_CUDA_ROW_TMA=1 (read at every launch).
+// docs/internals-cuda.md. Thirty-sixth session: neither ring, neither trigger and no register cap
+// fixed it; every kind of MUL_MAT loses alone (PYSPEC_CUDA_ROW_TMA_KINDS), o and down most, whose
+// 320 groups leave 2-3 busy consumer warps a SM (ncu, each alone: o 13.3 against 9.5 us). So it is
+// opt-in: PYSPEC_CUDA_ROW_TMA=1 (read at every launch).
 #pragma once
 
 constexpr int kRowTmaGroup = 8;                                    // rows a consumer warp carries
@@ -233,6 +236,8 @@ bool rows_tma_ready() {
 template <bool kGlu>
 bool rows_tma_fits(const Parts& p, int64_t k) {
     if (k % row_tma_stage_cols<kGlu>() != 0) return false;
+    const int kind = kGlu ? kRowTmaSkipGlu : p.norm_w ? kRowTmaSkipNorm : kRowTmaSkipPlain;
+    if (matmul_row_tma_setting() & kind) return false;
     for (int j = 0; j < p.n; ++j) {
         const int64_t rows = p.row0[j + 1] - p.row0[j];
         if (rows % kRowTmaGroup != 0 || reinterpret_cast<uintptr_t>(p.w[j]) % 16 != 0 || p.rb[j] % 16 != 0) return false;

@@ -618,8 +618,12 @@ int matmul_row_tma_setting() {
     if (env_switch("PYSPEC_CUDA_ROW_TMA") != 1) return 0;
     const char* stages = std::getenv("PYSPEC_CUDA_ROW_TMA_STAGES");
     const char* trigger = std::getenv("PYSPEC_CUDA_ROW_TMA_TRIGGER");
+    const char* kinds_env = std::getenv("PYSPEC_CUDA_ROW_TMA_KINDS");
+    const std::string kinds = kinds_env && *kinds_env ? kinds_env : "ngp";
+    const auto skip = [&](char kind, int bit) { return kinds.find(kind) == std::string::npos ? bit : 0; };
     return kRowTmaOn | (stages && std::string(stages) == "8" ? kRowTmaShallow : 0) |
-           (trigger && std::string(trigger) == "start" ? kRowTmaTriggerFirst : 0);
+           (trigger && std::string(trigger) == "start" ? kRowTmaTriggerFirst : 0) | skip('n', kRowTmaSkipNorm) |
+           skip('g', kRowTmaSkipGlu) | skip('p', kRowTmaSkipPlain);
 }
 
 bool launch_matmul_glu(DType t, const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs,

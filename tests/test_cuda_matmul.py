@@ -254,19 +254,53 @@ def test_row_groups_through_the_copy_engine_give_the_row_streams_bits(dtype, tai
         rows = {"group": [1024, 256, 256], "glu": [2048, 2048], "residual": [1536]}[tail]
         weights = [(f"w{i}", mm_inputs(dtype, n, k, 1, seed=93 + i)[0], n) for i, n in enumerate(rows)]
         build = lambda xs: norm_then_matmuls_build(dtype, xs, norm_w, weights, tail)  # noqa: E731
-    out, launches = {}, {}
+    out, launches, prologues = {}, {}, {}
     for on in ("0", "1"):  # the kernel under test last: a graph replayed from the other run would show
         monkeypatch.setenv("PYSPEC_CUDA_ROW_TMA", on)
         core.reset_cuda_graph_stats()
         out[on] = run_on(DEVICE, build(x[:1]))
         launches[on] = core.cuda_graph_stats()["row_tma_launches"]
+        prologues[on] = core.cuda_graph_stats()["norm_prologue_launches"]
     assert launches["1"] > 0 and launches["0"] == 0, launches
+    assert (prologues["1"] > 0) == (tail != "plain"), prologues
     five = run_on(DEVICE, build(x))
     ref = run_on("cpu", build(x[:1]))
     for i, (a, b, f, r) in enumerate(zip(out["1"], out["0"], five, ref)):
         np.testing.assert_array_equal(a, b, err_msg=f"output {i}: row groups against row streams")
         np.testing.assert_array_equal(a.reshape(-1), f.reshape(5, -1)[0], err_msg=f"output {i}: against M=5")
         np.testing.assert_allclose(a, r, rtol=3e-2, atol=3e-2 * np.abs(r).max(), err_msg=f"output {i}")
+
+
+@real_gpu
+@pytest.mark.parametrize("tail", ["plain", "group", "glu"])
+def test_row_group_kinds_pick_which_matmuls_take_them(tail, monkeypatch):
+    """PYSPEC_CUDA_ROW_TMA_KINDS (with PYSPEC_CUDA_ROW_TMA=1) narrows the copy-engine row groups
+    to some kinds of MUL_MAT, for A/B in the model: n those with the norm prologue (q/k/v), g
+    gate/up with SwiGLU, p the rest (o, down, the output head). A kind named takes them, a kind
+    left out keeps the row-streaming kernel: counted by row_tma_launches, the same bits either way."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    monkeypatch.setenv("PYSPEC_CUDA_ROW_TMA", "1")
+    mine = {"plain": "p", "group": "n", "glu": "g"}[tail]
+    k = 1024
+    _, x = mm_inputs("F16", 8, k, 1, seed=95)
+    if tail == "plain":
+        stored, _ = mm_inputs("F16", 1024, k, 1, seed=96)
+        build = lambda: matmul_build(stored, "F16", x, 1024)  # noqa: E731
+    else:
+        norm_w = (1.0 + 0.3 * np.random.default_rng(97).standard_normal(k)).astype(np.float32)
+        rows = [512, 128, 128] if tail == "group" else [512, 512]
+        weights = [(f"w{i}", mm_inputs("F16", n, k, 1, seed=98 + i)[0], n) for i, n in enumerate(rows)]
+        build = lambda: norm_then_matmuls_build("F16", x, norm_w, weights, tail)  # noqa: E731
+    out, launches = {}, {}
+    for kinds in ("ngp".replace(mine, ""), mine):
+        monkeypatch.setenv("PYSPEC_CUDA_ROW_TMA_KINDS", kinds)
+        core.reset_cuda_graph_stats()
+        out[kinds] = run_on(DEVICE, build())
+        launches[kinds] = core.cuda_graph_stats()["row_tma_launches"]
+    others = "ngp".replace(mine, "")
+    assert launches[mine] > 0 and launches[others] == 0, launches
+    for i, (a, b) in enumerate(zip(out[mine], out[others])):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
 
 
 def norm_then_matmuls_build(dtype, x, norm_w, weights, tail, fetch_norm=False, eps=1e-5):
@@ -328,7 +362,11 @@ def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
         for m in (1, 2, 3, 4, 5):
             b = norm_then_matmuls_build(dtype, x[:m], norm_w, weights, tail.split()[0],
                                         fetch_norm=tail == "norm fetched")
+            core.reset_cuda_graph_stats()
             out[fuse, m] = run_on(DEVICE, b)
+            if DEVICE == "cuda":  # the prologue ran where it should (the comparison is not vacuous)
+                ran = core.cuda_graph_stats()["norm_prologue_launches"] > 0
+                assert ran == (fuse == "1" and m <= 4 and tail != "norm fetched"), (fuse, m)
     for m in (1, 2, 3, 4):
         for i, (a, b) in enumerate(zip(out["1", m], out["0", m])):
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}, M={m}, fused against apart")

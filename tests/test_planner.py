@@ -459,6 +459,45 @@ def test_sources_outlive_a_fusable_next_node():
     assert core.make_plan(g, 64).offsets[other] == core.make_plan(g, 64).offsets[act]
 
 
+def test_norm_input_outlives_the_matmuls_that_take_the_norm_as_prologue():
+    """An RMS_NORM read by the MUL_MATs right after it: the CUDA backend runs the norm inside their
+    launch, which reads the norm's input while it stores the products, and stores the node after
+    them (residual ADD, SWIGLU) as the epilogue. So neither the products nor that node may share
+    bytes with the norm's input, even where the input dies at the norm (the final norm before the
+    output head). Without the rule the first product took the input's bytes."""
+    def norm_then(tail):
+        g = core.Graph()
+        x = g.input("F32", [64, 1], "x")
+        h = g.add_node("RMS_NORM", "F32", [64, 1], [x, g.external("F32", [64], "nw")], "h")
+        n_mm = {"group": 3, "glu": 2, "residual": 1, "head": 1}[tail]
+        mms = [g.add_node("MUL_MAT", "F32", [64, 1], [g.external("F32", [64, 64], f"w{i}"), h], f"mm{i}")
+               for i in range(n_mm)]
+        if tail == "glu":
+            outs = [g.add_node("SWIGLU", "F32", [64, 1], mms, "glu")]
+        elif tail == "residual":
+            outs = [g.add_node("ADD", "F32", [64, 1], [mms[0], g.input("F32", [64, 1], "r")], "add")]
+        else:
+            outs = mms
+        for t in outs:
+            g.set_output(t)
+        return g, x, mms, outs
+
+    for tail in ("group", "glu", "residual", "head"):
+        g, x, mms, outs = norm_then(tail)
+        plan = core.make_plan(g, 64)
+        for t in mms + outs:
+            assert not _overlap(plan, g, t, x), (tail, g.name(t))
+        assert py_check(g, plan) == []
+    # a node after the norm that is not one of its MUL_MATs may take the input's bytes as before
+    g = core.Graph()
+    x = g.input("F32", [64], "x")
+    h = g.add_node("RMS_NORM", "F32", [64], [x, g.external("F32", [64], "nw")], "h")
+    y = g.add_node("SILU", "F32", [64], [h], "y")
+    g.set_output(y)
+    plan = core.make_plan(g, 64)
+    assert plan.offsets[y] == plan.offsets[x]
+
+
 def test_decode_attention_chain_stays_live_through_the_attention():
     """A single-row ATTENTION over a ROPE's q and the K/V SET_ROWS before it (a decode step's layer):
     CUDA runs the q/k ROPEs, the SET_ROWS and the ATTENTION as one launch, which reads the ROPEs'

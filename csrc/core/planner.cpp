@@ -133,6 +133,34 @@ Liveness analyse(const Graph& g) {
             if (g[rows].op == Op::ROPE) keep_rope(rows);
         }
     }
+    // An RMS_NORM read by the MUL_MATs right after it (they share its output as activations: q/k/v,
+    // gate/up, or one): the CUDA backend runs the norm as their launch's prologue at decode widths,
+    // reading the norm's input while it stores the products, and the node consuming the products
+    // (the residual ADD, the SWIGLU) as its epilogue. So the norm's sources stay live through the
+    // last MUL_MAT and that node. Without the rule a norm input that died at the norm (the final
+    // norm before the output head; a test graph's input) lent its bytes to the products, and the
+    // prologue had to be skipped.
+    const auto next_computed = [&g, n](int i) {
+        int j = i + 1;
+        while (j < n && (g[j].op == Op::NONE || g[j].op == Op::VIEW)) ++j;
+        return j;
+    };
+    for (int i = 0; i < n; ++i) {
+        if (g[i].op != Op::RMS_NORM) continue;
+        const int first = next_computed(i);
+        if (first >= n || g[first].op != Op::MUL_MAT || g[first].src[1] != i) continue;
+        int members[8];
+        const int n_members = matmuls_sharing_activations(g, first, members, 8);
+        int through = members[n_members - 1];
+        const int after = next_computed(through);
+        if (after < n) {
+            for (int s : g[after].src) {
+                const int r = s >= 0 ? lv.root[static_cast<size_t>(s)] : -1;
+                if (std::find(members, members + n_members, r) != members + n_members) through = after;
+            }
+        }
+        use_sources(i, through);
+    }
     for (int i = 0; i < n; ++i) {
         if (g[i].has(kOutput | kPinned)) lv.last[lv.root[i]] = kForever;
     }

@@ -117,6 +117,9 @@ def main(argv=None) -> int:
                          "reasons, occupancy, launch) of the first --detail-count launches whose kernel "
                          "name matches REGEX, e.g. 'k_mul_mat_tc_narrow_f'")
     ap.add_argument("--detail-count", type=int, default=2)
+    ap.add_argument("--launches", type=int, default=0, metavar="N",
+                    help="also list the step's first N launches in order, each with its grid size and time "
+                         "(which call of a kernel is slow: the q/k/v, o, gate/up or down of a layer)")
     args = ap.parse_args(argv)
     if args.dry_run:
         run_step(args.model, args.step, gpu=False, context=args.context)
@@ -140,14 +143,18 @@ def main(argv=None) -> int:
         return res.returncode
     cmd = ["ncu", "--clock-control", "none", "--cache-control", "all" if args.flush_caches else "none",
            "--profile-from-start", "off", "--metrics",
-           "gpu__time_duration.sum", "--csv", "--print-units", "base"] + step
+           "gpu__time_duration.sum,launch__grid_size", "--csv", "--print-units", "base"] + step
     res = subprocess.run(cmd, env=dict(os.environ, **{INNER: "1"}), capture_output=True, text=True)
     rows = [line for line in res.stdout.splitlines() if line.startswith('"')]
     if res.returncode != 0 or not rows:
         print(res.stdout[-3000:], res.stderr[-3000:], sep="\n", file=sys.stderr)
         return 1
     per = defaultdict(lambda: [0, 0.0])
+    launches = defaultdict(dict)  # launch id -> name, metrics
     for rec in csv.DictReader(io.StringIO("\n".join(rows))):
+        launch = launches[rec.get("ID", "")]
+        launch["name"] = short_name(rec["Kernel Name"])
+        launch[rec.get("Metric Name")] = rec["Metric Value"].replace(",", "")
         if rec.get("Metric Name") != "gpu__time_duration.sum":
             continue
         k = per[short_name(rec["Kernel Name"])]
@@ -160,6 +167,9 @@ def main(argv=None) -> int:
           f"(ncu, each kernel alone)")
     for name, (calls, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:args.top]:
         print(f"  {us:9.1f} us  {calls:5d} x {us / calls:7.2f} us  {100 * us / total:5.1f}%  {name[:90]}")
+    for i, launch in enumerate(list(launches.values())[:args.launches]):
+        us = float(launch.get("gpu__time_duration.sum", "nan")) * 1e-3
+        print(f"  #{i:<4d} {us:8.2f} us  grid {launch.get('launch__grid_size', '?'):>6}  {launch['name'][:90]}")
     return 0
 
 
