@@ -31,7 +31,7 @@
 // attention (141 KB of shared memory) and the other kernels between the matvecs, beside which the
 // row-streaming kernels (10-38 KB) stay resident and load their first weights early, while these
 // blocks (~138 KB) can only start once the SM has emptied; the open question is written up in
-// docs/internals-cuda.md. Thirty-sixth session: neither ring, neither trigger and no register cap
+// docs/cuda-probes.md. Thirty-sixth session: neither ring, neither trigger and no register cap
 // fixed it; every kind of MUL_MAT loses alone (PYSPEC_CUDA_ROW_TMA_KINDS), o and down most, whose
 // 320 groups leave 2-3 busy consumer warps a SM (ncu, each alone: o 13.3 against 9.5 us). So it is
 // opt-in: PYSPEC_CUDA_ROW_TMA=1 (read at every launch).

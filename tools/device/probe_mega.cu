@@ -44,8 +44,8 @@
 //     read in the same launches 1,834, one read 1,598. Without the PDL wait 1,731; without it and
 //     the arithmetic 1,714 (4.24 TB/s). `lpacked` 2,113-2,143, `lrows` 3,310.
 //   - Built into the backend from `ltmap` (cuda/matmul_rows_tma.cuh, opt-in PYSPEC_CUDA_ROW_TMA=1):
-//     same bits, but Qwen3-4B tg128 315 t/s against 363 without (see docs/internals-cuda.md).
-// Nothing of it is in the backend (docs/internals-cuda.md).
+//     same bits, but Qwen3-4B tg128 315 t/s against 363 without (see docs/cuda-probes.md).
+// Nothing else of it is in the backend (docs/cuda-probes.md).
 //
 // usage: probe_mega [layers, default 36] [stages, default 10] [consumer warps <= stages, default 8]
 //                   [mode, default 0: 1 no wait for the previous job, 2 no arithmetic, 3 neither]
