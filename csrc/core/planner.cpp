@@ -85,10 +85,14 @@ Liveness analyse(const Graph& g) {
     // K/V SET_ROWS, q/k RMS_NORM: one launch runs both jobs). The second node's output must not
     // share bytes with what the first still reads; without this rule it often took the slot the
     // first node's dying sources had just freed, and the fusion had to be skipped.
-    for (int i = 0; i < n; ++i) {
-        if (g[i].op == Op::NONE || g[i].is_view()) continue;
+    const auto next_computed = [&g, n](int i) {
         int j = i + 1;
         while (j < n && (g[j].op == Op::NONE || g[j].is_view())) ++j;
+        return j;
+    };
+    for (int i = 0; i < n; ++i) {
+        if (g[i].op == Op::NONE || g[i].is_view()) continue;
+        const int j = next_computed(i);
         if (j >= n) continue;
         bool fusable = false;
         if (g[i].op == Op::MUL_MAT) {
@@ -140,16 +144,11 @@ Liveness analyse(const Graph& g) {
     // last MUL_MAT and that node. Without the rule a norm input that died at the norm (the final
     // norm before the output head; a test graph's input) lent its bytes to the products, and the
     // prologue had to be skipped.
-    const auto next_computed = [&g, n](int i) {
-        int j = i + 1;
-        while (j < n && (g[j].op == Op::NONE || g[j].op == Op::VIEW)) ++j;
-        return j;
-    };
     for (int i = 0; i < n; ++i) {
         if (g[i].op != Op::RMS_NORM) continue;
         const int first = next_computed(i);
         if (first >= n || g[first].op != Op::MUL_MAT || g[first].src[1] != i) continue;
-        int members[8];
+        int members[8];  // more than any backend groups
         const int n_members = matmuls_sharing_activations(g, first, members, 8);
         int through = members[n_members - 1];
         const int after = next_computed(through);
