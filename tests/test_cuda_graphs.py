@@ -308,6 +308,35 @@ def test_prefetch_before_the_wait_gives_the_same_bits(model_dir, monkeypatch, ar
     same_bits_either_way(model_dir, monkeypatch, arch, wt, "PYSPEC_CUDA_PREFETCH")
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the row groups and graph counters need the GPU")
+@needs_switch
+def test_graphs_captured_under_one_row_group_setting_are_never_replayed_under_another(tmp_path, monkeypatch):
+    """A graph's key holds the launch choices read from the environment at each compute, the
+    copy-engine row groups' setting among them (matmul_row_tma_setting()): a decode step captured
+    with them on is not replayed once they are off; that setting captures its own graph, and
+    turning them on again replays the first one. A model whose one-row MUL_MATs all fit the row
+    groups (F16, K of 1024 and 2048, whole groups of 8 rows)."""
+    tm = write_tiny_model(tmp_path / "rows.gguf", "qwen3", "F16", seed=7, n_vocab=256, n_embd=1024, n_layer=1,
+                          n_head=8, n_head_kv=2, head_dim=128, n_ff=2048)
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    ctx = pyspec.Context(pyspec.Model(str(tm.path), n_threads=2), n_ctx=256, n_seq_max=1, n_batch=32, backend="cuda")
+    ctx.decode(list(range(1, 9)))
+    pos, seen, logits = 8, [], []
+    with graphs(True):
+        for on in ("1", "0", "1"):
+            monkeypatch.setenv("PYSPEC_CUDA_ROW_TMA", on)
+            _core.reset_cuda_graph_stats()
+            for _ in range(3):  # eager (first sighting), captured, replayed
+                logits.append(ctx.decode([5], positions=[pos]).logits)
+                pos += 1
+            seen.append(stats())
+    first, off, again = seen
+    assert first["captures"] == 1 and first["row_tma_launches"] > 0, first
+    assert off["captures"] == 1 and off["row_tma_launches"] == 0, off  # not the first graph replayed
+    assert again["captures"] == 0 and again["replays"] == 3 and again["row_tma_launches"] == 0, again
+    assert all(np.isfinite(x).all() for x in logits)
+
+
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     from test_speculative import Pairs
