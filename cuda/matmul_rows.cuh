@@ -153,11 +153,11 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
         if (!(first && early)) rows_of(item);
         float acc[2];
         stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float sum = warp_sum(acc[r]);
-            if (lane == 0 && 2 * item + r < n_rows) store(p, 2 * item + r, 0, sum);
-        }
+        // Every lane holds both sums (warp_sum's xor tree gives each lane the same bits); lane r
+        // stores row r, so the two residual reads of o and down (each a round trip to L2 on the
+        // launch's tail) go out together rather than one after the other.
+        const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);
+        if (lane < 2 && 2 * item + lane < n_rows) store(p, 2 * item + lane, 0, lane == 0 ? s0 : s1);
     }
 }
 

@@ -198,14 +198,25 @@ __global__ void __launch_bounds__(R::kThreads, 1)
                 if (lane == 0) mbar_arrive(smem_addr(&empty[st]));
             }
             const int64_t row0 = int64_t{w0 + cw} * kRowTmaGroup;
+            // Every lane holds every row's sum (warp_sum's xor tree gives each lane the same
+            // bits); lane r stores row r, so a group's 8 residual reads (o, down) go out together
+            // rather than as 8 round trips to L2 in a row on the launch's tail.
+            float out = 0.0f;
 #pragma unroll
             for (int r = 0; r < kRowTmaGroup; ++r) {
                 if constexpr (kGlu) {
                     const float g = warp_sum(acc[r]), u = warp_sum(acc[kRowTmaGroup + r]);
-                    if (lane == 0) p.y[0][row0 + r] = silu_f(g) * u;
+                    if (lane == r) out = silu_f(g) * u;
                 } else {
                     const float sum = warp_sum(acc[r]);
-                    if (lane == 0) store(p, row0 + r, 0, sum);
+                    if (lane == r) out = sum;
+                }
+            }
+            if (lane < kRowTmaGroup) {
+                if constexpr (kGlu) {
+                    p.y[0][row0 + lane] = out;
+                } else {
+                    store(p, row0 + lane, 0, out);
                 }
             }
         }
