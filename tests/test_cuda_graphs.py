@@ -40,7 +40,7 @@ from pyspec import _core
 from tiny_models import write_tiny_model
 
 from conftest import drain, run_requests, subprocess_env  # noqa: E402
-from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu  # noqa: E402
+from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu, real_gpu  # noqa: E402
 
 HAS_SWITCH = hasattr(_core, "set_cuda_graphs")
 needs_switch = pytest.mark.skipif(
@@ -308,7 +308,7 @@ def test_prefetch_before_the_wait_gives_the_same_bits(model_dir, monkeypatch, ar
     same_bits_either_way(model_dir, monkeypatch, arch, wt, "PYSPEC_CUDA_PREFETCH")
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the row groups and graph counters need the GPU")
+@real_gpu
 @needs_switch
 def test_graphs_captured_under_one_row_group_setting_are_never_replayed_under_another(tmp_path, monkeypatch):
     """A graph's key holds the launch choices read from the environment at each compute, the
