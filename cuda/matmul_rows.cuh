@@ -42,6 +42,33 @@ __device__ __forceinline__ uint4 ld_stream(const char* p) {
     return r;
 }
 
+// kStagedUnits more of a lane's first units of both rows (units kEarlyUnits .. + kStagedUnits),
+// copied before the PDL wait into shared memory by cp.async where registers have no room: in a
+// launch with the norm prologue the weight stream otherwise stops while the block reads x, sums
+// its squares and scales it (two barriers and three rounds to L2), and these copies keep DRAM busy
+// through it. Each lane reads back only what it copied itself, in the same unit order, so the bits
+// do not change. The area follows the staged column: [warp][row][kStagedUnits][32 lanes].
+constexpr int kStagedUnits = 4;
+constexpr size_t kStagedBytesPerWarp = 2 * kStagedUnits * 32 * 16;
+
+__device__ __forceinline__ uint4* staged_units_area(int64_t k) {
+    return reinterpret_cast<uint4*>(reinterpret_cast<float*>(normed_rows) + k) +
+           static_cast<size_t>(threadIdx.x >> 5) * (2 * kStagedUnits * 32);
+}
+
+__device__ __forceinline__ void stage_units(const char* const (&wr)[2], int64_t units, int lane, uint4* area) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int i = 0; i < kStagedUnits; ++i) {
+            const int64_t u = lane + 32 * (kEarlyUnits + i);
+            const bool ok = u < units;
+            cp_async<16>(area + (r * kStagedUnits + i) * 32 + lane, ok ? wr[r] + u * 16 : wr[r], ok);
+        }
+    }
+    cp_async_commit();
+}
+
 // A lane's first kEarlyUnits units of two rows.
 __device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t units, int lane,
                                            uint4 (&pre)[2][kEarlyUnits]) {
@@ -102,10 +129,11 @@ __device__ __forceinline__ void rows_unit_fma(W&& w, const float* xu, float* acc
     }
 }
 
-// Both rows' fmaf chains over the staged column (pre: the first units, when early).
-template <DType T>
+// Both rows' fmaf chains over the staged column (pre: the first units, when early; kStaged: the
+// next kStagedUnits from area, when it is not null).
+template <DType T, bool kStaged = false>
 __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const float* xs, int64_t k, int lane, bool early,
-                                            const uint4 (&pre)[2][kEarlyUnits], float (&acc)[2]) {
+                                            const uint4 (&pre)[2][kEarlyUnits], const uint4* area, float (&acc)[2]) {
     acc[0] = acc[1] = 0.0f;
     const int64_t units = k / 8;
     int64_t u = lane;
@@ -117,6 +145,13 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
         for (int i = 0; i < kEarlyUnits; ++i, u += 32) {
             if (u < units) unit({pre[0][i], pre[1][i]}, u);
         }
+        if (kStaged && area) {
+            cp_async_wait<0>();
+#pragma unroll
+            for (int i = 0; i < kStagedUnits; ++i, u += 32) {
+                if (u < units) unit({area[i * 32 + lane], area[(kStagedUnits + i) * 32 + lane]}, u);
+            }
+        }
     }
 #pragma unroll 4
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16), ld_stream(wr[1] + u * 16)}, u);
@@ -125,8 +160,9 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
 // k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
 // (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
 // first + w + kW, ... (block_items).
-template <DType T, bool kNorm, bool kBalanced, int kW>
+template <DType T, bool kNorm, bool kBalanced, int kW, bool kStaged = false>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
+    static_assert(!kStaged || (kNorm && kBalanced), "units are staged in the balanced norm-prologue launches");
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     int64_t item, end;
@@ -143,16 +179,21 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     };
     const bool early = p.early && item < end;
     uint4 pre[2][kEarlyUnits];
+    uint4* area = nullptr;
     if (early) {
         rows_of(item);
         load_early(wr, k / 8, lane, pre);
+        if constexpr (kStaged) {
+            area = staged_units_area(k);
+            stage_units(wr, k / 8, lane, area);
+        }
     }
     pdl_enter();
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item);
         float acc[2];
-        stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
+        stream_rows<T, kStaged>(wr, xs, k, lane, first && early, pre, first ? area : nullptr, acc);
         // Every lane holds both sums (warp_sum's xor tree gives each lane the same bits); lane r
         // stores row r, so the two residual reads of o and down (each a round trip to L2 on the
         // launch's tail) go out together rather than one after the other.
@@ -163,23 +204,32 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
 
 // k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
 // silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
-template <DType T, bool kNorm, bool kBalanced, int kW>
+template <DType T, bool kNorm, bool kBalanced, int kW, bool kStaged = false>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant) {
+    static_assert(!kStaged || (kNorm && kBalanced), "units are staged in the balanced norm-prologue launches");
     const int lane = threadIdx.x & 31;
     int64_t row, end;
     block_items<kBalanced, kW>(n_rows, row, end);
     row += threadIdx.x >> 5;
     const bool early = constant && row < end;
     uint4 pre[2][kEarlyUnits];
-    if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pre);
+    uint4* area = nullptr;
+    if (early) {
+        const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
+        load_early(wr, k / 8, lane, pre);
+        if constexpr (kStaged) {
+            area = staged_units_area(k);
+            stage_units(wr, k / 8, lane, area);
+        }
+    }
     pdl_enter();
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps);  // before any warp leaves
     for (bool first = true; row < end; row += kW, first = false) {
         const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
         float acc[2];
-        stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
+        stream_rows<T, kStaged>(wr, xs, k, lane, first && early, pre, first ? area : nullptr, acc);
         const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
         if (lane == 0) y[row] = silu_f(g) * u;
     }
@@ -187,14 +237,29 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 
 #include "cuda/matmul_rows_tma.cuh"  // the copy-engine variant (the same translation unit)
 
-// Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
-// grid, or with PYSPEC_CUDA_ROW_BALANCE=0 the grid of one item a warp. pick(balanced, warps)
-// gives the kernel instantiation.
-template <class Pick, class... Args>
-void launch_row_stream(Pick&& pick, int64_t n, int64_t k, cudaStream_t s, Args... args) {
+// Whether the row-streaming kernels take the balanced grid (PYSPEC_CUDA_ROW_BALANCE=0: the grid of
+// one item a warp, for A/B).
+inline bool row_grid_balanced() {
     static const bool balanced = env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0;
-    const size_t smem = k * sizeof(float);
-    if (balanced) {
+    return balanced;
+}
+
+// Whether a norm-prologue launch over K = k stages kStagedUnits units a row in shared memory:
+// PYSPEC_CUDA_ROW_STAGED=1 (opt-in: not yet measured against the default in alternating runs;
+// the same bits either way), the balanced grid, and the column and the area within the 48 KiB a
+// kernel gets unasked.
+inline bool row_units_staged(int64_t k) {
+    static const bool enabled = env_switch("PYSPEC_CUDA_ROW_STAGED") == 1;
+    return enabled && row_grid_balanced() && k * sizeof(float) + kBalWarps * kStagedBytesPerWarp <= 48 * 1024;
+}
+
+// Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
+// grid, or the grid of one item a warp. pick(balanced) gives the kernel instantiation; extra_smem
+// is the bytes after the column (the staged units' area).
+template <class Pick, class... Args>
+void launch_row_stream(Pick&& pick, int64_t n, int64_t k, size_t extra_smem, cudaStream_t s, Args... args) {
+    const size_t smem = k * sizeof(float) + extra_smem;
+    if (row_grid_balanced()) {
         const int64_t blocks = std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n);
         return launch(pick(std::true_type{}), static_cast<unsigned>(std::max<int64_t>(1, blocks)), kBalWarps * 32, smem,
                       s, args...);

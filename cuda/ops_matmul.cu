@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/async_copy.cuh"
 #include "cuda/graph_cache.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
@@ -484,15 +485,19 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
             both.row0[2] = 2 * gate.n_rows;
             if (rows_tma_fits<true>(both, k)) return launch_rows_tma<T, true>(p, k, x, s);
         }
+        const bool staged = norm.w && gate.constant && up.constant && row_units_staged(k);
         const auto pick = [&](auto balanced) {
             constexpr bool kB = decltype(balanced)::value;
             constexpr int kW = kB ? kBalWarps : kRowWarps;
+            if constexpr (kB) {
+                if (staged) return k_mul_mat_glu_rows<T, true, kB, kW, true>;
+            }
             return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
         };
-        return launch_row_stream(pick, gate.n_rows, k, s, static_cast<const char*>(gate.w),
-                                 static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
-                                 static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps,
-                                 gate.constant && up.constant);
+        return launch_row_stream(pick, gate.n_rows, k, staged ? kBalWarps * kStagedBytesPerWarp : 0, s,
+                                 static_cast<const char*>(gate.w), static_cast<const char*>(up.w),
+                                 static_cast<int64_t>(gate.row_bytes), static_cast<int64_t>(up.row_bytes), gate.n_rows,
+                                 k, x, y, norm.w, norm.eps, gate.constant && up.constant);
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (tile == 1 && m > 1) {
@@ -541,12 +546,17 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
         if constexpr (T == DType::F16 || T == DType::BF16) {
             if (rows_tma_fits<false>(p, k)) return launch_rows_tma<T, false>(p, k, x, s);
         }
+        const bool staged = p.norm_w && p.early && row_units_staged(k);
         const auto pick = [&](auto balanced) {
             constexpr bool kB = decltype(balanced)::value;
             constexpr int kW = kB ? kBalWarps : kRowWarps;
+            if constexpr (kB) {
+                if (staged) return k_mul_mat_rows<T, true, kB, kW, true>;
+            }
             return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
         };
-        return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, s, p, k, x);
+        return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, staged ? kBalWarps * kStagedBytesPerWarp : 0, s, p, k,
+                                 x);
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (p.norm_w) {
