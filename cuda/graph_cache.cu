@@ -18,7 +18,7 @@ namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
-    g_rope_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_timed_replays{0}, g_replay_gpu_ns{0};
+    g_rope_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_staged_feed{0}, g_whole_feed{0}, g_timed_replays{0}, g_replay_gpu_ns{0};
 
 }  // namespace
 
@@ -46,6 +46,8 @@ CudaGraphStats cuda_graph_stats() {
     s.rope_attention_launches = g_rope_attention.load();
     s.row_tma_launches = g_row_tma.load();
     s.norm_prologue_launches = g_norm_prologue.load();
+    s.staged_feed_launches = g_staged_feed.load();
+    s.whole_feed_launches = g_whole_feed.load();
     s.timed_replays = g_timed_replays.load();
     s.replay_gpu_ns = g_replay_gpu_ns.load();
     return s;
@@ -61,6 +63,8 @@ void reset_cuda_graph_stats() {
     g_rope_attention = 0;
     g_row_tma = 0;
     g_norm_prologue = 0;
+    g_staged_feed = 0;
+    g_whole_feed = 0;
     g_timed_replays = 0;
     g_replay_gpu_ns = 0;
 }
@@ -78,6 +82,8 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::RopeAttentionLaunch: ++g_rope_attention; break;
         case GraphEvent::RowTmaLaunch: ++g_row_tma; break;
         case GraphEvent::NormPrologueLaunch: ++g_norm_prologue; break;
+        case GraphEvent::StagedFeedLaunch: ++g_staged_feed; break;
+        case GraphEvent::WholeFeedLaunch: ++g_whole_feed; break;
     }
 }
 
@@ -151,7 +157,8 @@ inline bool for_each_key_word(const Graph& g, Sink&& sink) {
     if (!sink(static_cast<uint64_t>(matmul_tc_setting() + 1) | (matmul_fusion_enabled() ? 4u : 0u) |
               (attention_tiled_enabled() ? 8u : 0u) | (pdl_enabled() ? 16u : 0u) |
               (attention_tc_enabled() ? 32u : 0u) | (attention_rope_enabled() ? 64u : 0u) |
-              static_cast<uint64_t>(matmul_row_tma_setting()) << 7)) {
+              static_cast<uint64_t>(matmul_row_tma_setting()) << 7 |
+              static_cast<uint64_t>(matmul_row_stream_setting()) << 16)) {
         return false;
     }
     for (int id = 0; id < n; ++id) {

@@ -42,33 +42,6 @@ __device__ __forceinline__ uint4 ld_stream(const char* p) {
     return r;
 }
 
-// kStagedUnits more of a lane's first units of both rows (units kEarlyUnits .. + kStagedUnits),
-// copied before the PDL wait into shared memory by cp.async where registers have no room: in a
-// launch with the norm prologue the weight stream otherwise stops while the block reads x, sums
-// its squares and scales it (two barriers and three rounds to L2), and these copies keep DRAM busy
-// through it. Each lane reads back only what it copied itself, in the same unit order, so the bits
-// do not change. The area follows the staged column: [warp][row][kStagedUnits][32 lanes].
-constexpr int kStagedUnits = 4;
-constexpr size_t kStagedBytesPerWarp = 2 * kStagedUnits * 32 * 16;
-
-__device__ __forceinline__ uint4* staged_units_area(int64_t k) {
-    return reinterpret_cast<uint4*>(reinterpret_cast<float*>(normed_rows) + k) +
-           static_cast<size_t>(threadIdx.x >> 5) * (2 * kStagedUnits * 32);
-}
-
-__device__ __forceinline__ void stage_units(const char* const (&wr)[2], int64_t units, int lane, uint4* area) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int i = 0; i < kStagedUnits; ++i) {
-            const int64_t u = lane + 32 * (kEarlyUnits + i);
-            const bool ok = u < units;
-            cp_async<16>(area + (r * kStagedUnits + i) * 32 + lane, ok ? wr[r] + u * 16 : wr[r], ok);
-        }
-    }
-    cp_async_commit();
-}
-
 // A lane's first kEarlyUnits units of two rows.
 __device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t units, int lane,
                                            uint4 (&pre)[2][kEarlyUnits]) {
@@ -129,40 +102,134 @@ __device__ __forceinline__ void rows_unit_fma(W&& w, const float* xu, float* acc
     }
 }
 
-// Both rows' fmaf chains over the staged column (pre: the first units, when early; kStaged: the
-// next kStagedUnits from area, when it is not null).
-template <DType T, bool kStaged = false>
-__device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const float* xs, int64_t k, int lane, bool early,
-                                            const uint4 (&pre)[2][kEarlyUnits], const uint4* area, float (&acc)[2]) {
-    acc[0] = acc[1] = 0.0f;
-    const int64_t units = k / 8;
-    int64_t u = lane;
-    const auto unit = [&](const uint4 (&w)[2], int64_t uu) {
-        rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + uu * 8, acc);
-    };
-    if (early) {
+// How a warp's two rows reach their fmaf chains: a kernel's Feed. Every feed sums a lane's units
+// u = lane (mod 32) in increasing u, each unit's fmaf chain as rows_unit_fma has it, so the bits
+// are the same in all; what differs is when the bytes are asked for. A feed's early() runs before
+// the PDL wait where the weights are constant (MatmulPart::constant), for the warp's first item;
+// sum() gives both rows' sums over the staged column xs, from what early() asked for when
+// from_early (the first item), else asking for all of it itself.
+
+// Units [u, u + 32 N) of both rows from a[r][i], while u < units (u advances by 32 a unit).
+template <DType T, int N>
+__device__ __forceinline__ void sum_units(const uint4 (&a)[2][N], const float* xs, int64_t units, int64_t& u,
+                                          float (&acc)[2]) {
 #pragma unroll
-        for (int i = 0; i < kEarlyUnits; ++i, u += 32) {
-            if (u < units) unit({pre[0][i], pre[1][i]}, u);
+    for (int i = 0; i < N; ++i, u += 32) {
+        if (u < units) rows_unit_fma<T, 2>([&](int r) { return a[r][i]; }, xs + u * 8, acc);
+    }
+}
+
+// The rest of both rows, from unit u on, streamed in batches of 4 units.
+template <DType T>
+__device__ __forceinline__ void stream_rest(const char* const (&wr)[2], const float* xs, int64_t units, int64_t u,
+                                            float (&acc)[2]) {
+#pragma unroll 4
+    for (; u < units; u += 32) {
+        const uint4 w[2] = {ld_stream(wr[0] + u * 16), ld_stream(wr[1] + u * 16)};
+        rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + u * 8, acc);
+    }
+}
+
+// The default: the first kEarlyUnits units in registers, the rest streamed.
+struct StreamedFeed {
+    static constexpr size_t kSmemPerWarp = 0;
+    uint4 pre[2][kEarlyUnits];
+    __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
+        load_early(wr, units, lane, pre);
+    }
+    template <DType T>
+    __device__ __forceinline__ void sum(const char* const (&wr)[2], const float* xs, int64_t units, int lane,
+                                        bool from_early, float (&acc)[2]) {
+        acc[0] = acc[1] = 0.0f;
+        int64_t u = lane;
+        if (from_early) sum_units<T>(pre, xs, units, u, acc);
+        stream_rest<T>(wr, xs, units, u, acc);
+    }
+};
+
+// Opt-in (PYSPEC_CUDA_ROW_STAGED=1, the norm-prologue launches): as StreamedFeed, and the next
+// kStagedUnits units of both rows copied before the wait into shared memory by cp.async, where
+// registers have no room. In a launch with the norm prologue the weight stream otherwise stops
+// while the block reads x, sums its squares and scales it (two barriers and three rounds to L2).
+// Each lane reads back only what it copied. The area follows the staged column:
+// [warp][row][kStagedUnits][32 lanes].
+constexpr int kStagedUnits = 4;
+struct StagedFeed {
+    static constexpr size_t kSmemPerWarp = 2 * kStagedUnits * 32 * 16;
+    uint4 pre[2][kEarlyUnits];
+    uint4* area = nullptr;
+    __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
+        load_early(wr, units, lane, pre);
+        area = reinterpret_cast<uint4*>(reinterpret_cast<float*>(normed_rows) + units * 8) +
+               static_cast<size_t>(threadIdx.x >> 5) * (2 * kStagedUnits * 32);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int i = 0; i < kStagedUnits; ++i) {
+                const int64_t u = lane + 32 * (kEarlyUnits + i);
+                const bool ok = u < units;
+                cp_async<16>(area + (r * kStagedUnits + i) * 32 + lane, ok ? wr[r] + u * 16 : wr[r], ok);
+            }
         }
-        if (kStaged && area) {
+        cp_async_commit();
+    }
+    template <DType T>
+    __device__ __forceinline__ void sum(const char* const (&wr)[2], const float* xs, int64_t units, int lane,
+                                        bool from_early, float (&acc)[2]) {
+        acc[0] = acc[1] = 0.0f;
+        int64_t u = lane;
+        if (from_early) {
+            sum_units<T>(pre, xs, units, u, acc);
             cp_async_wait<0>();
 #pragma unroll
             for (int i = 0; i < kStagedUnits; ++i, u += 32) {
-                if (u < units) unit({area[i * 32 + lane], area[(kStagedUnits + i) * 32 + lane]}, u);
+                if (u < units) {
+                    const uint4 w[2] = {area[i * 32 + lane], area[(kStagedUnits + i) * 32 + lane]};
+                    rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + u * 8, acc);
+                }
+            }
+        }
+        stream_rest<T>(wr, xs, units, u, acc);
+    }
+};
+
+// Opt-in (PYSPEC_CUDA_ROW_WHOLE=1), rows of at most kWholeUnits units a lane (K <= 2560 for
+// 16-bit weights, Qwen3-4B's q/k/v and gate/up): every unit of both rows asked for at once, into
+// registers, before the PDL wait for the first item. StreamedFeed has 8 loads in flight a warp,
+// so an item of 2 x 10 units takes three rounds to DRAM after the wait (and the norm prologue),
+// and a second item three more: ncu puts q/k/v (1.45 items a warp) 8 us and gate/up 7 us above
+// their bytes at the head's streaming rate. Here the first item needs no round after the wait
+// and every later one a single round.
+constexpr int kWholeUnits = 10;
+constexpr int64_t kWholeMaxUnits = 32 * kWholeUnits;
+struct WholeFeed {
+    static constexpr size_t kSmemPerWarp = 0;
+    uint4 w[2][kWholeUnits];
+    __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
+#pragma unroll
+        for (int i = 0; i < kWholeUnits; ++i) {
+            const int64_t u = lane + 32 * i;
+            if (u < units) {
+                w[0][i] = ld_stream(wr[0] + u * 16);
+                w[1][i] = ld_stream(wr[1] + u * 16);
             }
         }
     }
-#pragma unroll 4
-    for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16), ld_stream(wr[1] + u * 16)}, u);
-}
+    template <DType T>
+    __device__ __forceinline__ void sum(const char* const (&wr)[2], const float* xs, int64_t units, int lane,
+                                        bool from_early, float (&acc)[2]) {
+        if (!from_early) early(wr, units, lane);
+        acc[0] = acc[1] = 0.0f;
+        int64_t u = lane;
+        sum_units<T>(w, xs, units, u, acc);
+    }
+};
 
 // k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
 // (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
 // first + w + kW, ... (block_items).
-template <DType T, bool kNorm, bool kBalanced, int kW, bool kStaged = false>
+template <DType T, bool kNorm, bool kBalanced, int kW, class Feed = StreamedFeed>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
-    static_assert(!kStaged || (kNorm && kBalanced), "units are staged in the balanced norm-prologue launches");
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     int64_t item, end;
@@ -178,22 +245,17 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
         }
     };
     const bool early = p.early && item < end;
-    uint4 pre[2][kEarlyUnits];
-    uint4* area = nullptr;
+    Feed feed;
     if (early) {
         rows_of(item);
-        load_early(wr, k / 8, lane, pre);
-        if constexpr (kStaged) {
-            area = staged_units_area(k);
-            stage_units(wr, k / 8, lane, area);
-        }
+        feed.early(wr, k / 8, lane);
     }
     pdl_enter();
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item);
         float acc[2];
-        stream_rows<T, kStaged>(wr, xs, k, lane, first && early, pre, first ? area : nullptr, acc);
+        feed.template sum<T>(wr, xs, k / 8, lane, first && early, acc);
         // Every lane holds both sums (warp_sum's xor tree gives each lane the same bits); lane r
         // stores row r, so the two residual reads of o and down (each a round trip to L2 on the
         // launch's tail) go out together rather than one after the other.
@@ -204,32 +266,23 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
 
 // k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
 // silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
-template <DType T, bool kNorm, bool kBalanced, int kW, bool kStaged = false>
+template <DType T, bool kNorm, bool kBalanced, int kW, class Feed = StreamedFeed>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant) {
-    static_assert(!kStaged || (kNorm && kBalanced), "units are staged in the balanced norm-prologue launches");
     const int lane = threadIdx.x & 31;
     int64_t row, end;
     block_items<kBalanced, kW>(n_rows, row, end);
     row += threadIdx.x >> 5;
     const bool early = constant && row < end;
-    uint4 pre[2][kEarlyUnits];
-    uint4* area = nullptr;
-    if (early) {
-        const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
-        load_early(wr, k / 8, lane, pre);
-        if constexpr (kStaged) {
-            area = staged_units_area(k);
-            stage_units(wr, k / 8, lane, area);
-        }
-    }
+    Feed feed;
+    if (early) feed.early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane);
     pdl_enter();
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps);  // before any warp leaves
     for (bool first = true; row < end; row += kW, first = false) {
         const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
         float acc[2];
-        stream_rows<T, kStaged>(wr, xs, k, lane, first && early, pre, first ? area : nullptr, acc);
+        feed.template sum<T>(wr, xs, k / 8, lane, first && early, acc);
         const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
         if (lane == 0) y[row] = silu_f(g) * u;
     }
@@ -239,19 +292,30 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 
 // Whether the row-streaming kernels take the balanced grid (PYSPEC_CUDA_ROW_BALANCE=0: the grid of
 // one item a warp, for A/B).
-inline bool row_grid_balanced() {
-    static const bool balanced = env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0;
-    return balanced;
+inline bool row_grid_balanced() { return (matmul_row_stream_setting() & kRowBalanced) != 0; }
+
+// The feed of a norm-prologue launch over K = k (the others stream; matmul_row_stream_setting):
+// WholeFeed where a lane holds the rows' units, StagedFeed where the column and the area fit the
+// 48 KiB a kernel gets unasked; both opt-in, the balanced grid only, the same bits as the default.
+enum class RowFeed { Streamed, Staged, Whole };
+inline RowFeed row_feed(int64_t k) {
+    const int setting = matmul_row_stream_setting();
+    if (!(setting & kRowBalanced)) return RowFeed::Streamed;
+    if ((setting & kRowWhole) && k / 8 <= kWholeMaxUnits) return RowFeed::Whole;
+    if ((setting & kRowStaged) && k * sizeof(float) + kBalWarps * StagedFeed::kSmemPerWarp <= 48 * 1024) {
+        return RowFeed::Staged;
+    }
+    return RowFeed::Streamed;
 }
 
-// Whether a norm-prologue launch over K = k stages kStagedUnits units a row in shared memory:
-// PYSPEC_CUDA_ROW_STAGED=1 (opt-in: not yet measured against the default in alternating runs;
-// the same bits either way), the balanced grid, and the column and the area within the 48 KiB a
-// kernel gets unasked.
-inline bool row_units_staged(int64_t k) {
-    static const bool enabled = env_switch("PYSPEC_CUDA_ROW_STAGED") == 1;
-    return enabled && row_grid_balanced() && k * sizeof(float) + kBalWarps * kStagedBytesPerWarp <= 48 * 1024;
+// Counts the opt-in feeds' launches (cuda_graph_stats), so tests know the feed they compare ran.
+inline void count_row_feed(RowFeed feed) {
+    if (feed == RowFeed::Staged) count_graph_event(GraphEvent::StagedFeedLaunch);
+    if (feed == RowFeed::Whole) count_graph_event(GraphEvent::WholeFeedLaunch);
 }
+
+// The shared memory a balanced block of that feed asks for after its column.
+inline size_t row_feed_smem(RowFeed feed) { return feed == RowFeed::Staged ? kBalWarps * StagedFeed::kSmemPerWarp : 0; }
 
 // Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
 // grid, or the grid of one item a warp. pick(balanced) gives the kernel instantiation; extra_smem
@@ -267,11 +331,16 @@ void launch_row_stream(Pick&& pick, int64_t n, int64_t k, size_t extra_smem, cud
     launch(pick(std::false_type{}), grid_for(n, kRowWarps), kRowWarps * 32, smem, s, args...);
 }
 
+// The weight types the row-streaming kernels are built for (16-bit floats, 16-byte loads): only
+// those launches instantiate them.
+template <DType T, bool kVec>
+constexpr bool kRowStreamType = (T == DType::F16 || T == DType::BF16) && kVec;
+
 // Whether a launch of weight type T (kVec: 16-byte loads) takes the row-streaming kernels.
 template <DType T, bool kVec>
 bool streams_rows(int64_t k, int64_t m) {
     static const bool enabled = env_switch("PYSPEC_CUDA_ROW_STREAM") != 0;
-    if constexpr ((T == DType::F16 || T == DType::BF16) && kVec) {
+    if constexpr (kRowStreamType<T, kVec>) {
         return enabled && m == 1 && static_cast<int64_t>(dtype_row_bytes(T, k)) > 1024 && k <= kMatmulNormMaxValues;
     } else {
         return false;

@@ -466,9 +466,9 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
-    if (streams_rows<T, kVec>(k, m)) {
-        if (gate.constant && up.constant) count_graph_event(GraphEvent::EarlyWeightLaunch);
-        if constexpr (T == DType::F16 || T == DType::BF16) {
+    if constexpr (kRowStreamType<T, kVec>) {
+        if (streams_rows<T, kVec>(k, m)) {
+            if (gate.constant && up.constant) count_graph_event(GraphEvent::EarlyWeightLaunch);
             Parts p{};  // the row groups' view: the gate's and the up's rows, SWIGLU into y
             p.n = 1;
             p.w[0] = static_cast<const char*>(gate.w);
@@ -484,20 +484,22 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
             both.n = 2;
             both.row0[2] = 2 * gate.n_rows;
             if (rows_tma_fits<true>(both, k)) return launch_rows_tma<T, true>(p, k, x, s);
+            const RowFeed feed = norm.w && gate.constant && up.constant ? row_feed(k) : RowFeed::Streamed;
+            count_row_feed(feed);
+            const auto pick = [&](auto balanced) {
+                constexpr bool kB = decltype(balanced)::value;
+                constexpr int kW = kB ? kBalWarps : kRowWarps;
+                if constexpr (kB) {
+                    if (feed == RowFeed::Staged) return k_mul_mat_glu_rows<T, true, kB, kW, StagedFeed>;
+                    if (feed == RowFeed::Whole) return k_mul_mat_glu_rows<T, true, kB, kW, WholeFeed>;
+                }
+                return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
+            };
+            return launch_row_stream(pick, gate.n_rows, k, row_feed_smem(feed), s, static_cast<const char*>(gate.w),
+                                     static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
+                                     static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps,
+                                     gate.constant && up.constant);
         }
-        const bool staged = norm.w && gate.constant && up.constant && row_units_staged(k);
-        const auto pick = [&](auto balanced) {
-            constexpr bool kB = decltype(balanced)::value;
-            constexpr int kW = kB ? kBalWarps : kRowWarps;
-            if constexpr (kB) {
-                if (staged) return k_mul_mat_glu_rows<T, true, kB, kW, true>;
-            }
-            return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
-        };
-        return launch_row_stream(pick, gate.n_rows, k, staged ? kBalWarps * kStagedBytesPerWarp : 0, s,
-                                 static_cast<const char*>(gate.w), static_cast<const char*>(up.w),
-                                 static_cast<int64_t>(gate.row_bytes), static_cast<int64_t>(up.row_bytes), gate.n_rows,
-                                 k, x, y, norm.w, norm.eps, gate.constant && up.constant);
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (tile == 1 && m > 1) {
@@ -541,22 +543,23 @@ static_assert(kMatmulNormMaxM == 4, "k_mul_mat's and k_mul_mat_glu's norm prolog
 
 template <DType T, bool kVec>
 void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
-    if (streams_rows<T, kVec>(k, m)) {
-        if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
-        if constexpr (T == DType::F16 || T == DType::BF16) {
+    if constexpr (kRowStreamType<T, kVec>) {
+        if (streams_rows<T, kVec>(k, m)) {
+            if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
             if (rows_tma_fits<false>(p, k)) return launch_rows_tma<T, false>(p, k, x, s);
+            const RowFeed feed = p.norm_w && p.early ? row_feed(k) : RowFeed::Streamed;
+            count_row_feed(feed);
+            const auto pick = [&](auto balanced) {
+                constexpr bool kB = decltype(balanced)::value;
+                constexpr int kW = kB ? kBalWarps : kRowWarps;
+                if constexpr (kB) {
+                    if (feed == RowFeed::Staged) return k_mul_mat_rows<T, true, kB, kW, StagedFeed>;
+                    if (feed == RowFeed::Whole) return k_mul_mat_rows<T, true, kB, kW, WholeFeed>;
+                }
+                return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
+            };
+            return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, row_feed_smem(feed), s, p, k, x);
         }
-        const bool staged = p.norm_w && p.early && row_units_staged(k);
-        const auto pick = [&](auto balanced) {
-            constexpr bool kB = decltype(balanced)::value;
-            constexpr int kW = kB ? kBalWarps : kRowWarps;
-            if constexpr (kB) {
-                if (staged) return k_mul_mat_rows<T, true, kB, kW, true>;
-            }
-            return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
-        };
-        return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, staged ? kBalWarps * kStagedBytesPerWarp : 0, s, p, k,
-                                 x);
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
     if (p.norm_w) {
@@ -622,6 +625,12 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
     return enabled && m >= 1 && m <= kMatmulNormMaxM && fits && (rows == TcRows::None || (rows == TcRows::Prompt && prompt_cols == 0)) &&
            !(float_weights(t) && k % 8 != 0) && k % dtype_block_size(t) == 0 &&
            with_weight_type(t, false, [](auto, auto) {});
+}
+
+int matmul_row_stream_setting() {
+    return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
+           (env_switch("PYSPEC_CUDA_ROW_STAGED") == 1 ? kRowStaged : 0) |
+           (env_switch("PYSPEC_CUDA_ROW_WHOLE") == 1 ? kRowWhole : 0);
 }
 
 int matmul_row_tma_setting() {

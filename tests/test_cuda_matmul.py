@@ -379,6 +379,40 @@ def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * np.abs(b).max())
 
 
+@real_gpu
+@pytest.mark.parametrize("k", [2560, 1448])
+@pytest.mark.parametrize("tail", ["group", "glu", "residual"])
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_row_feeds_give_the_streamed_bits(dtype, tail, k, monkeypatch):
+    """The row-streaming kernels' opt-in feeds for one-column launches with the norm prologue
+    (cuda/matmul_rows.cuh: StagedFeed, PYSPEC_CUDA_ROW_STAGED=1, the next units copied into shared
+    memory before the PDL wait; WholeFeed, PYSPEC_CUDA_ROW_WHOLE=1, every unit of an item asked
+    for at once) only change when the weights are asked for: a q/k/v-like group, gate/up with the
+    SwiGLU epilogue and one MUL_MAT with the residual give the default feed's bits, with more
+    items than warps (a warp's second item asks for its own bytes), at Qwen3-4B's K (10 units a
+    lane) and at a K whose lanes hold 5 or 6 units (the feeds' tails cut short). The counters
+    show each feed ran, so the comparison is not of the default with itself."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    rng = np.random.default_rng(43)
+    norm_w = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    rows = {"group": [2400, 1200, 1100], "glu": [2300, 2300], "residual": [4300]}[tail]
+    weights = [(f"w{i}", mm_inputs(dtype, n, k, 1, seed=80 + i)[0], n) for i, n in enumerate(rows)]
+    _, x = mm_inputs(dtype, 8, k, 1, seed=90)
+    x *= 3.0
+    out = {}
+    for feed in ("streamed", "staged", "whole"):
+        monkeypatch.setenv("PYSPEC_CUDA_ROW_STAGED", "1" if feed == "staged" else "0")
+        monkeypatch.setenv("PYSPEC_CUDA_ROW_WHOLE", "1" if feed == "whole" else "0")
+        core.reset_cuda_graph_stats()
+        out[feed] = run_on(DEVICE, norm_then_matmuls_build(dtype, x, norm_w, weights, tail))
+        st = core.cuda_graph_stats()
+        assert st["norm_prologue_launches"] > 0, feed
+        assert (st["staged_feed_launches"] > 0, st["whole_feed_launches"] > 0) == (feed == "staged", feed == "whole")
+    for feed in ("staged", "whole"):
+        for i, (a, b) in enumerate(zip(out[feed], out["streamed"])):
+            np.testing.assert_array_equal(a, b, err_msg=f"output {i}, {feed} feed against the streamed one")
+
+
 @gpu
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):

@@ -11,7 +11,8 @@
 # wait: PYSPEC_CUDA_PREFETCH=0, and noearly, the decode attention without its early reads:
 # PYSPEC_CUDA_ATT_EARLY=0, and rowtma, one-column MUL_MATs on the copy-engine row groups (opt-in):
 # PYSPEC_CUDA_ROW_TMA=1, and staged, the norm-prologue row kernels' next units copied into shared
-# memory before the PDL wait (opt-in): PYSPEC_CUDA_ROW_STAGED=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# memory before the PDL wait (opt-in): PYSPEC_CUDA_ROW_STAGED=1, and whole, their rows' units all
+# asked for at once where K <= 2560 (opt-in): PYSPEC_CUDA_ROW_WHOLE=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -63,6 +64,7 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     noearly) envs=(PYSPEC_CUDA_ATT_EARLY=0) ;;
     rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
     staged) envs=(PYSPEC_CUDA_ROW_STAGED=1) ;;
+    whole) envs=(PYSPEC_CUDA_ROW_WHOLE=1) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
