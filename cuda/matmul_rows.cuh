@@ -42,15 +42,15 @@ __device__ __forceinline__ uint4 ld_stream(const char* p) {
     return r;
 }
 
-// A lane's first kEarlyUnits units of two rows.
-__device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t units, int lane,
-                                           uint4 (&pre)[2][kEarlyUnits]) {
+// A lane's first N units of two rows, into registers.
+template <int N>
+__device__ __forceinline__ void load_units(const char* const (&wr)[2], int64_t units, int lane, uint4 (&out)[2][N]) {
 #pragma unroll
-    for (int i = 0; i < kEarlyUnits; ++i) {
+    for (int i = 0; i < N; ++i) {
         const int64_t u = lane + 32 * i;
         if (u < units) {
-            pre[0][i] = ld_stream(wr[0] + u * 16);
-            pre[1][i] = ld_stream(wr[1] + u * 16);
+            out[0][i] = ld_stream(wr[0] + u * 16);
+            out[1][i] = ld_stream(wr[1] + u * 16);
         }
     }
 }
@@ -135,7 +135,7 @@ struct StreamedFeed {
     static constexpr size_t kSmemPerWarp = 0;
     uint4 pre[2][kEarlyUnits];
     __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
-        load_early(wr, units, lane, pre);
+        load_units(wr, units, lane, pre);
     }
     template <DType T>
     __device__ __forceinline__ void sum(const char* const (&wr)[2], const float* xs, int64_t units, int lane,
@@ -159,7 +159,7 @@ struct StagedFeed {
     uint4 pre[2][kEarlyUnits];
     uint4* area = nullptr;
     __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
-        load_early(wr, units, lane, pre);
+        load_units(wr, units, lane, pre);
         area = reinterpret_cast<uint4*>(reinterpret_cast<float*>(normed_rows) + units * 8) +
                static_cast<size_t>(threadIdx.x >> 5) * (2 * kStagedUnits * 32);
 #pragma unroll
@@ -206,14 +206,7 @@ struct WholeFeed {
     static constexpr size_t kSmemPerWarp = 0;
     uint4 w[2][kWholeUnits];
     __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
-#pragma unroll
-        for (int i = 0; i < kWholeUnits; ++i) {
-            const int64_t u = lane + 32 * i;
-            if (u < units) {
-                w[0][i] = ld_stream(wr[0] + u * 16);
-                w[1][i] = ld_stream(wr[1] + u * 16);
-            }
-        }
+        load_units(wr, units, lane, w);
     }
     template <DType T>
     __device__ __forceinline__ void sum(const char* const (&wr)[2], const float* xs, int64_t units, int lane,
