@@ -13,9 +13,20 @@
 #     SPEC_BENCH=/tmp/smol.gguf DRAFTER=build/drafter/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf \
 #     bash tools/device/ab_switch.sh
 #
+#   SETTINGS="default PYSPEC_CUDA_ROW_WHOLE=1 PYSPEC_CUDA_ROW_STAGED=1" MODELS=qwen3 ROUNDS=3 \
+#     bash tools/device/ab_switch.sh     # several switches alternating in the same rounds
+#
 # MODELS: smollm2 (Q4_1, 135M shapes) and/or qwen3 (F16, 4B shapes; its file takes ~30 s to make).
+# SETTINGS: NAME=VALUE assignments (or "default", the environment as is) compared instead of VAR's
+# VALUES.
 set -u
-var=${VAR:?VAR=the environment switch to compare}
+if [ -n "${SETTINGS:-}" ]; then
+  settings=$SETTINGS
+else
+  var=${VAR:?VAR=the environment switch to compare, or SETTINGS=...}
+  settings=""
+  for v in ${VALUES:-1 0}; do settings="$settings $var=$v"; done
+fi
 out=${OUT:-device-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -36,15 +47,17 @@ for m in ${MODELS:-smollm2}; do
   paths+=("$dir/$preset.gguf")
 done
 for r in $(seq 1 "${ROUNDS:-2}"); do
-  for v in ${VALUES:-1 0}; do
-    echo "== $var=$v (round $r)"
+  for setting in $settings; do
+    echo "== $setting (round $r)"
+    assign=()
+    [ "$setting" != default ] && assign=("$setting")
     for p in "${paths[@]}"; do
       # shellcheck disable=SC2086
-      env "$var=$v" timeout 240 python3 bench/bench_cuda.py "$p" --only "${ONLY:-tg128}" --repeats "${REPEATS:-2}" \
-        ${BENCH_ARGS:-} 2>&1 | tee -a "$out/ab-bench.log" | grep -E "tg128 |par64 "
+      env ${assign[@]+"${assign[@]}"} timeout 240 python3 bench/bench_cuda.py "$p" --only "${ONLY:-tg128}" \
+        --repeats "${REPEATS:-2}" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/ab-bench.log" | grep -E "tg128 |par64 "
     done
     if [ -n "${SPEC_BENCH:-}" ]; then
-      env "$var=$v" timeout 240 python3 bench/bench_drafter.py --model "$SPEC_BENCH" -ngl all \
+      env ${assign[@]+"${assign[@]}"} timeout 240 python3 bench/bench_drafter.py --model "$SPEC_BENCH" -ngl all \
         --drafter "${DRAFTER:-pyspec/data/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf}" --draft-n-max "${SPEC_N_MAX:-2}" \
         --modes greedy --sets "${SPEC_SETS:-chat,code}" --repeats 1 2>&1 | tee -a "$out/ab-drafter.log" |
         grep -E "^wall|^greedy"
