@@ -42,15 +42,15 @@ __device__ __forceinline__ uint4 ld_stream(const char* p) {
     return r;
 }
 
-// A lane's first N units of two rows, into registers.
-template <int N>
-__device__ __forceinline__ void load_units(const char* const (&wr)[2], int64_t units, int lane, uint4 (&out)[2][N]) {
+// A lane's first N units of R rows, into registers.
+template <int R, int N>
+__device__ __forceinline__ void load_units(const char* const (&wr)[R], int64_t units, int lane, uint4 (&out)[R][N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const int64_t u = lane + 32 * i;
         if (u < units) {
-            out[0][i] = ld_stream(wr[0] + u * 16);
-            out[1][i] = ld_stream(wr[1] + u * 16);
+#pragma unroll
+            for (int r = 0; r < R; ++r) out[r][i] = ld_stream(wr[r] + u * 16);
         }
     }
 }
@@ -102,20 +102,21 @@ __device__ __forceinline__ void rows_unit_fma(W&& w, const float* xu, float* acc
     }
 }
 
-// How a warp's two rows reach their fmaf chains: a kernel's Feed. Every feed sums a lane's units
-// u = lane (mod 32) in increasing u, each unit's fmaf chain as rows_unit_fma has it, so the bits
-// are the same in all; what differs is when the bytes are asked for. A feed's early() runs before
-// the PDL wait where the weights are constant (MatmulPart::constant), for the warp's first item;
-// sum() gives both rows' sums over the staged column xs, from what early() asked for when
-// from_early (the first item), else asking for all of it itself.
+// How a warp's item (kRows rows) reaches their fmaf chains: a kernel's Feed. Every feed sums a
+// lane's units u = lane (mod 32) in increasing u, each unit's fmaf chain as rows_unit_fma has it,
+// so the bits are the same in all; what differs is when the bytes are asked for, and how many rows
+// an item has. A feed's early() runs before the PDL wait where the weights are constant
+// (MatmulPart::constant), for the warp's first item; sum() gives the rows' sums over the staged
+// column xs, from what early() asked for when from_early (the first item), else asking for all of
+// it itself.
 
-// Units [u, u + 32 N) of both rows from a[r][i], while u < units (u advances by 32 a unit).
-template <DType T, int N>
-__device__ __forceinline__ void sum_units(const uint4 (&a)[2][N], const float* xs, int64_t units, int64_t& u,
-                                          float (&acc)[2]) {
+// Units [u, u + 32 N) of R rows from a[r][i], while u < units (u advances by 32 a unit).
+template <DType T, int R, int N>
+__device__ __forceinline__ void sum_units(const uint4 (&a)[R][N], const float* xs, int64_t units, int64_t& u,
+                                          float (&acc)[R]) {
 #pragma unroll
     for (int i = 0; i < N; ++i, u += 32) {
-        if (u < units) rows_unit_fma<T, 2>([&](int r) { return a[r][i]; }, xs + u * 8, acc);
+        if (u < units) rows_unit_fma<T, R>([&](int r) { return a[r][i]; }, xs + u * 8, acc);
     }
 }
 
@@ -132,6 +133,7 @@ __device__ __forceinline__ void stream_rest(const char* const (&wr)[2], const fl
 
 // The default: the first kEarlyUnits units in registers, the rest streamed.
 struct StreamedFeed {
+    static constexpr int kRows = 2;
     static constexpr size_t kSmemPerWarp = 0;
     uint4 pre[2][kEarlyUnits];
     __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
@@ -155,6 +157,7 @@ struct StreamedFeed {
 // [warp][row][kStagedUnits][32 lanes].
 constexpr int kStagedUnits = 4;
 struct StagedFeed {
+    static constexpr int kRows = 2;
     static constexpr size_t kSmemPerWarp = 2 * kStagedUnits * 32 * 16;
     uint4 pre[2][kEarlyUnits];
     uint4* area = nullptr;
@@ -193,46 +196,55 @@ struct StagedFeed {
     }
 };
 
-// Opt-in (PYSPEC_CUDA_ROW_WHOLE=1), rows of at most kWholeUnits units a lane (K <= 2560 for
-// 16-bit weights, Qwen3-4B's q/k/v and gate/up): every unit of both rows asked for at once, into
-// registers, before the PDL wait for the first item. StreamedFeed has 8 loads in flight a warp,
-// so an item of 2 x 10 units takes three rounds to DRAM after the wait (and the norm prologue),
-// and a second item three more: ncu puts q/k/v (1.45 items a warp) 8 us and gate/up 7 us above
-// their bytes at the head's streaming rate. Here the first item needs no round after the wait
-// and every later one a single round.
-constexpr int kWholeUnits = 10;
-constexpr int64_t kWholeMaxUnits = 32 * kWholeUnits;
+// Opt-in, every unit of an item's R rows asked for at once, into registers, before the PDL wait
+// for the first item, where a lane's share of a row is at most N units:
+// - WholeFeed<2, 10> (PYSPEC_CUDA_ROW_WHOLE=1, the norm-prologue launches, K <= 2560: Qwen3-4B's
+//   q/k/v, gate/up and head). StreamedFeed has 8 loads in flight a warp, so an item of 2 x 10
+//   units takes three rounds to DRAM after the wait (and the norm prologue), and a second item
+//   three more: ncu puts q/k/v (1.45 items a warp) 8 us and gate/up 7 us above their bytes at the
+//   head's streaming rate. Here the first item needs no round after the wait and every later one
+//   a single round.
+// - WholeFeed<1, 16> (PYSPEC_CUDA_ROW_ONE=1, the launches without it, K <= 4096: Qwen3-4B's o):
+//   one row an item, so o's 2,560 rows spread over the 2,112 warps of the balanced grid (two-row
+//   items leave 832 of them idle) and each warp's first row needs no round after the wait.
+template <int R, int N>
 struct WholeFeed {
+    static constexpr int kRows = R;
+    static constexpr int64_t kMaxUnits = 32 * N;
     static constexpr size_t kSmemPerWarp = 0;
-    uint4 w[2][kWholeUnits];
-    __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
+    uint4 w[R][N];
+    __device__ __forceinline__ void early(const char* const (&wr)[R], int64_t units, int lane) {
         load_units(wr, units, lane, w);
     }
     template <DType T>
-    __device__ __forceinline__ void sum(const char* const (&wr)[2], const float* xs, int64_t units, int lane,
-                                        bool from_early, float (&acc)[2]) {
+    __device__ __forceinline__ void sum(const char* const (&wr)[R], const float* xs, int64_t units, int lane,
+                                        bool from_early, float (&acc)[R]) {
         if (!from_early) early(wr, units, lane);
-        acc[0] = acc[1] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
         int64_t u = lane;
         sum_units<T>(w, xs, units, u, acc);
     }
 };
+using WholePairFeed = WholeFeed<2, 10>;  // the norm-prologue launches
+using WholeRowFeed = WholeFeed<1, 16>;   // the others
 
-// k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
-// (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
-// first + w + kW, ... (block_items).
+// k_mul_mat's one-column case for long 16-bit rows: item i is the global rows R i .. R i + R - 1
+// (R = Feed::kRows, 2 but for WholeRowFeed; clamped to the last, as k_mul_mat reads them); warp w
+// of a block takes its items first + w, first + w + kW, ... (block_items).
 template <DType T, bool kNorm, bool kBalanced, int kW, class Feed = StreamedFeed>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
+    constexpr int R = Feed::kRows;
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     int64_t item, end;
-    block_items<kBalanced, kW>((n_rows + 1) / 2, item, end);
+    block_items<kBalanced, kW>((n_rows + R - 1) / R, item, end);
     item += threadIdx.x >> 5;
-    const char* wr[2];
+    const char* wr[R];
     const auto rows_of = [&](int64_t it) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int64_t row = min(2 * it + r, n_rows - 1);
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = min(R * it + r, n_rows - 1);
             const int j = part_of(p, row);
             wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
         }
@@ -247,13 +259,19 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item);
-        float acc[2];
+        float acc[R];
         feed.template sum<T>(wr, xs, k / 8, lane, first && early, acc);
-        // Every lane holds both sums (warp_sum's xor tree gives each lane the same bits); lane r
-        // stores row r, so the two residual reads of o and down (each a round trip to L2 on the
-        // launch's tail) go out together rather than one after the other.
-        const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);
-        if (lane < 2 && 2 * item + lane < n_rows) store(p, 2 * item + lane, 0, lane == 0 ? s0 : s1);
+        // Every lane holds every row's sum (warp_sum's xor tree gives each lane the same bits);
+        // lane r stores row r, so the two residual reads of o and down (each a round trip to L2
+        // on the launch's tail) go out together rather than one after the other.
+        if constexpr (R == 2) {
+            const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);
+            if (lane < 2 && 2 * item + lane < n_rows) store(p, 2 * item + lane, 0, lane == 0 ? s0 : s1);
+        } else {
+            static_assert(R == 1, "items of one or two rows");
+            const float s0 = warp_sum(acc[0]);
+            if (lane == 0) store(p, item, 0, s0);
+        }
     }
 }
 
@@ -263,6 +281,7 @@ template <DType T, bool kNorm, bool kBalanced, int kW, class Feed = StreamedFeed
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant) {
+    static_assert(Feed::kRows == 2, "an item is a gate row and an up row");
     const int lane = threadIdx.x & 31;
     int64_t row, end;
     block_items<kBalanced, kW>(n_rows, row, end);
@@ -287,24 +306,33 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 // one item a warp, for A/B).
 inline bool row_grid_balanced() { return (matmul_row_stream_setting() & kRowBalanced) != 0; }
 
-// The feed of a norm-prologue launch over K = k (the others stream; matmul_row_stream_setting):
-// WholeFeed where a lane holds the rows' units, StagedFeed where the column and the area fit the
+// The feed of a norm-prologue launch over K = k (matmul_row_stream_setting): WholePairFeed where
+// a lane holds the rows' units, StagedFeed where the column and the area fit the
 // 48 KiB a kernel gets unasked; both opt-in, the balanced grid only, the same bits as the default.
-enum class RowFeed { Streamed, Staged, Whole };
+enum class RowFeed { Streamed, Staged, WholePair, WholeRow };
 inline RowFeed row_feed(int64_t k) {
     const int setting = matmul_row_stream_setting();
     if (!(setting & kRowBalanced)) return RowFeed::Streamed;
-    if ((setting & kRowWhole) && k / 8 <= kWholeMaxUnits) return RowFeed::Whole;
+    if ((setting & kRowWhole) && k / 8 <= WholePairFeed::kMaxUnits) return RowFeed::WholePair;
     if ((setting & kRowStaged) && k * sizeof(float) + kBalWarps * StagedFeed::kSmemPerWarp <= 48 * 1024) {
         return RowFeed::Staged;
     }
     return RowFeed::Streamed;
 }
 
+// The feed of a launch without the norm prologue: WholeRowFeed with PYSPEC_CUDA_ROW_ONE=1 (opt-in)
+// where a lane's share of a row fits it, on the balanced grid.
+inline RowFeed row_feed_plain(int64_t k) {
+    const int setting = matmul_row_stream_setting();
+    const bool one = (setting & kRowBalanced) && (setting & kRowOne) && k / 8 <= WholeRowFeed::kMaxUnits;
+    return one ? RowFeed::WholeRow : RowFeed::Streamed;
+}
+
 // Counts the opt-in feeds' launches (cuda_graph_stats), so tests know the feed they compare ran.
 inline void count_row_feed(RowFeed feed) {
     if (feed == RowFeed::Staged) count_graph_event(GraphEvent::StagedFeedLaunch);
-    if (feed == RowFeed::Whole) count_graph_event(GraphEvent::WholeFeedLaunch);
+    if (feed == RowFeed::WholePair) count_graph_event(GraphEvent::WholeFeedLaunch);
+    if (feed == RowFeed::WholeRow) count_graph_event(GraphEvent::OneRowFeedLaunch);
 }
 
 // The shared memory a balanced block of that feed asks for after its column.

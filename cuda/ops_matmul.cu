@@ -491,7 +491,7 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
                 constexpr int kW = kB ? kBalWarps : kRowWarps;
                 if constexpr (kB) {
                     if (feed == RowFeed::Staged) return k_mul_mat_glu_rows<T, true, kB, kW, StagedFeed>;
-                    if (feed == RowFeed::Whole) return k_mul_mat_glu_rows<T, true, kB, kW, WholeFeed>;
+                    if (feed == RowFeed::WholePair) return k_mul_mat_glu_rows<T, true, kB, kW, WholePairFeed>;
                 }
                 return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
             };
@@ -547,18 +547,21 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
         if (streams_rows<T, kVec>(k, m)) {
             if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
             if (rows_tma_fits<false>(p, k)) return launch_rows_tma<T, false>(p, k, x, s);
-            const RowFeed feed = p.norm_w && p.early ? row_feed(k) : RowFeed::Streamed;
+            const RowFeed feed = !p.early ? RowFeed::Streamed : p.norm_w ? row_feed(k) : row_feed_plain(k);
             count_row_feed(feed);
             const auto pick = [&](auto balanced) {
                 constexpr bool kB = decltype(balanced)::value;
                 constexpr int kW = kB ? kBalWarps : kRowWarps;
                 if constexpr (kB) {
                     if (feed == RowFeed::Staged) return k_mul_mat_rows<T, true, kB, kW, StagedFeed>;
-                    if (feed == RowFeed::Whole) return k_mul_mat_rows<T, true, kB, kW, WholeFeed>;
+                    if (feed == RowFeed::WholePair) return k_mul_mat_rows<T, true, kB, kW, WholePairFeed>;
+                    if (feed == RowFeed::WholeRow) return k_mul_mat_rows<T, false, kB, kW, WholeRowFeed>;
                 }
                 return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
             };
-            return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, row_feed_smem(feed), s, p, k, x);
+            const int64_t rows_an_item = feed == RowFeed::WholeRow ? 1 : 2;
+            return launch_row_stream(pick, (p.row0[p.n] + rows_an_item - 1) / rows_an_item, k, row_feed_smem(feed), s,
+                                     p, k, x);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
@@ -630,7 +633,8 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
 int matmul_row_stream_setting() {
     return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
            (env_switch("PYSPEC_CUDA_ROW_STAGED") == 1 ? kRowStaged : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_WHOLE") == 1 ? kRowWhole : 0);
+           (env_switch("PYSPEC_CUDA_ROW_WHOLE") == 1 ? kRowWhole : 0) |
+           (env_switch("PYSPEC_CUDA_ROW_ONE") == 1 ? kRowOne : 0);
 }
 
 int matmul_row_tma_setting() {

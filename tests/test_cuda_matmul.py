@@ -413,6 +413,45 @@ def test_row_feeds_give_the_streamed_bits(dtype, tail, k, monkeypatch):
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}, {feed} feed against the streamed one")
 
 
+@real_gpu
+@pytest.mark.parametrize("k", [4096, 1448])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_one_row_feed_gives_the_streamed_bits(dtype, residual, k, monkeypatch):
+    """The opt-in one-row items of the row-streaming kernels for one-column launches without the
+    norm prologue (cuda/matmul_rows.cuh WholeRowFeed, PYSPEC_CUDA_ROW_ONE=1: a warp's item is one
+    row, all its units asked for at once) give the default two-row items' bits, with and without
+    the residual epilogue, at Qwen3-4B's o (K = 4096, 16 units a lane) and at a K whose lanes hold
+    5 or 6 units, over more rows than warps (an odd count: the last item of the two-row grid
+    reads its second row clamped). The counter shows the feed ran."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    n_rows = 4301
+    stored, x = mm_inputs(dtype, n_rows, k, 1, seed=95)
+    add = np.random.default_rng(96).standard_normal((1, n_rows)).astype(np.float32)
+
+    def build():
+        g = core.Graph()
+        tx = g.input("F32", [k, 1], "x")
+        tw = g.external(dtype, [k, n_rows], "w")
+        y = cpu.node(g, "MUL_MAT", "F32", [n_rows, 1], [tw, tx])
+        feeds = {tx: x, tw: stored}
+        if residual:
+            tr = g.input("F32", [n_rows, 1], "residual")
+            feeds[tr] = add
+            y = cpu.node(g, "ADD", "F32", [n_rows, 1], [y, tr])
+        return g, feeds, [y]
+
+    out = {}
+    for one in ("0", "1"):
+        monkeypatch.setenv("PYSPEC_CUDA_ROW_ONE", one)
+        core.reset_cuda_graph_stats()
+        (out[one],) = run_on(DEVICE, build)
+        assert (core.cuda_graph_stats()["one_row_feed_launches"] > 0) == (one == "1")
+    np.testing.assert_array_equal(out["1"], out["0"])
+    (ref,) = run_on("cpu", build)
+    np.testing.assert_allclose(out["1"], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
 @gpu
 @pytest.mark.parametrize("dtype", ALL_W)
 def test_mul_mat_rows_are_batch_invariant(dtype, mm_path):

@@ -17,8 +17,8 @@
 #     bash tools/device/ab_switch.sh     # several switches alternating in the same rounds
 #
 # MODELS: smollm2 (Q4_1, 135M shapes) and/or qwen3 (F16, 4B shapes; its file takes ~30 s to make).
-# SETTINGS: NAME=VALUE assignments (or "default", the environment as is) compared instead of VAR's
-# VALUES.
+# SETTINGS: settings compared instead of VAR's VALUES, each NAME=VALUE assignments joined by commas
+# (PYSPEC_CUDA_ROW_WHOLE=1,PYSPEC_CUDA_ROW_ONE=1), or "default", the environment as is.
 set -u
 if [ -n "${SETTINGS:-}" ]; then
   settings=$SETTINGS
@@ -50,7 +50,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   for setting in $settings; do
     echo "== $setting (round $r)"
     assign=()
-    [ "$setting" != default ] && assign=("$setting")
+    [ "$setting" != default ] && IFS=, read -ra assign <<< "$setting"
     for p in "${paths[@]}"; do
       # shellcheck disable=SC2086
       env ${assign[@]+"${assign[@]}"} timeout 240 python3 bench/bench_cuda.py "$p" --only "${ONLY:-tg128}" \
