@@ -120,34 +120,44 @@ __device__ __forceinline__ void sum_units(const uint4 (&a)[R][N], const float* x
     }
 }
 
-// The rest of both rows, from unit u on, streamed in batches of 4 units.
-template <DType T>
-__device__ __forceinline__ void stream_rest(const char* const (&wr)[2], const float* xs, int64_t units, int64_t u,
-                                            float (&acc)[2]) {
-#pragma unroll 4
+// The rest of R rows, from unit u on, streamed in batches of kBatch units (kBatch R loads in
+// flight a lane).
+template <DType T, int R = 2, int kBatch = 4>
+__device__ __forceinline__ void stream_rest(const char* const (&wr)[R], const float* xs, int64_t units, int64_t u,
+                                            float (&acc)[R]) {
+#pragma unroll kBatch
     for (; u < units; u += 32) {
-        const uint4 w[2] = {ld_stream(wr[0] + u * 16), ld_stream(wr[1] + u * 16)};
-        rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + u * 8, acc);
+        uint4 w[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) w[r] = ld_stream(wr[r] + u * 16);
+        rows_unit_fma<T, R>([&](int r) { return w[r]; }, xs + u * 8, acc);
     }
 }
 
-// The default: the first kEarlyUnits units in registers, the rest streamed.
+// The first kEarlyUnits units in registers, the rest streamed: StreamedFeed<> is the default (two
+// rows an item, 4 units a batch); StreamedRowFeed (PYSPEC_CUDA_ROW_ONE=1, the launches without the
+// norm prologue whose rows are too long for WholeRowFeed: Qwen3-4B's down) takes one row an item
+// in batches of 8, so each warp keeps as many loads in flight over half the bytes, and down's
+// 2,560 rows keep every warp of the balanced grid busy.
+template <int R = 2, int kBatch = 4>
 struct StreamedFeed {
-    static constexpr int kRows = 2;
+    static constexpr int kRows = R;
     static constexpr size_t kSmemPerWarp = 0;
-    uint4 pre[2][kEarlyUnits];
-    __device__ __forceinline__ void early(const char* const (&wr)[2], int64_t units, int lane) {
+    uint4 pre[R][kEarlyUnits];
+    __device__ __forceinline__ void early(const char* const (&wr)[R], int64_t units, int lane) {
         load_units(wr, units, lane, pre);
     }
     template <DType T>
-    __device__ __forceinline__ void sum(const char* const (&wr)[2], const float* xs, int64_t units, int lane,
-                                        bool from_early, float (&acc)[2]) {
-        acc[0] = acc[1] = 0.0f;
+    __device__ __forceinline__ void sum(const char* const (&wr)[R], const float* xs, int64_t units, int lane,
+                                        bool from_early, float (&acc)[R]) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
         int64_t u = lane;
         if (from_early) sum_units<T>(pre, xs, units, u, acc);
-        stream_rest<T>(wr, xs, units, u, acc);
+        stream_rest<T, R, kBatch>(wr, xs, units, u, acc);
     }
 };
+using StreamedRowFeed = StreamedFeed<1, 8>;
 
 // Opt-in (PYSPEC_CUDA_ROW_STAGED=1, the norm-prologue launches): as StreamedFeed, and the next
 // kStagedUnits units of both rows copied before the wait into shared memory by cp.async, where
@@ -230,9 +240,9 @@ using WholePairFeed = WholeFeed<2, 10>;  // the norm-prologue launches
 using WholeRowFeed = WholeFeed<1, 16>;   // the others
 
 // k_mul_mat's one-column case for long 16-bit rows: item i is the global rows R i .. R i + R - 1
-// (R = Feed::kRows, 2 but for WholeRowFeed; clamped to the last, as k_mul_mat reads them); warp w
+// (R = Feed::kRows, 2 but for the one-row feeds; clamped to the last, as k_mul_mat reads them); warp w
 // of a block takes its items first + w, first + w + kW, ... (block_items).
-template <DType T, bool kNorm, bool kBalanced, int kW, class Feed = StreamedFeed>
+template <DType T, bool kNorm, bool kBalanced, int kW, class Feed = StreamedFeed<>>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     constexpr int R = Feed::kRows;
     const int lane = threadIdx.x & 31;
@@ -277,7 +287,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
 
 // k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
 // silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
-template <DType T, bool kNorm, bool kBalanced, int kW, class Feed = StreamedFeed>
+template <DType T, bool kNorm, bool kBalanced, int kW, class Feed = StreamedFeed<>>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant) {
@@ -309,7 +319,7 @@ inline bool row_grid_balanced() { return (matmul_row_stream_setting() & kRowBala
 // The feed of a norm-prologue launch over K = k (matmul_row_stream_setting): WholePairFeed where
 // a lane holds the rows' units, StagedFeed where the column and the area fit the
 // 48 KiB a kernel gets unasked; both opt-in, the balanced grid only, the same bits as the default.
-enum class RowFeed { Streamed, Staged, WholePair, WholeRow };
+enum class RowFeed { Streamed, Staged, WholePair, WholeRow, StreamedRow };
 inline RowFeed row_feed(int64_t k) {
     const int setting = matmul_row_stream_setting();
     if (!(setting & kRowBalanced)) return RowFeed::Streamed;
@@ -320,19 +330,20 @@ inline RowFeed row_feed(int64_t k) {
     return RowFeed::Streamed;
 }
 
-// The feed of a launch without the norm prologue: WholeRowFeed with PYSPEC_CUDA_ROW_ONE=1 (opt-in)
-// where a lane's share of a row fits it, on the balanced grid.
+// The feed of a launch without the norm prologue: with PYSPEC_CUDA_ROW_ONE=1 (opt-in) on the
+// balanced grid one row an item, WholeRowFeed where a lane's share of a row fits it, else
+// StreamedRowFeed.
 inline RowFeed row_feed_plain(int64_t k) {
     const int setting = matmul_row_stream_setting();
-    const bool one = (setting & kRowBalanced) && (setting & kRowOne) && k / 8 <= WholeRowFeed::kMaxUnits;
-    return one ? RowFeed::WholeRow : RowFeed::Streamed;
+    if (!(setting & kRowBalanced) || !(setting & kRowOne)) return RowFeed::Streamed;
+    return k / 8 <= WholeRowFeed::kMaxUnits ? RowFeed::WholeRow : RowFeed::StreamedRow;
 }
 
 // Counts the opt-in feeds' launches (cuda_graph_stats), so tests know the feed they compare ran.
 inline void count_row_feed(RowFeed feed) {
     if (feed == RowFeed::Staged) count_graph_event(GraphEvent::StagedFeedLaunch);
     if (feed == RowFeed::WholePair) count_graph_event(GraphEvent::WholeFeedLaunch);
-    if (feed == RowFeed::WholeRow) count_graph_event(GraphEvent::OneRowFeedLaunch);
+    if (feed == RowFeed::WholeRow || feed == RowFeed::StreamedRow) count_graph_event(GraphEvent::OneRowFeedLaunch);
 }
 
 // The shared memory a balanced block of that feed asks for after its column.

@@ -556,10 +556,11 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
                     if (feed == RowFeed::Staged) return k_mul_mat_rows<T, true, kB, kW, StagedFeed>;
                     if (feed == RowFeed::WholePair) return k_mul_mat_rows<T, true, kB, kW, WholePairFeed>;
                     if (feed == RowFeed::WholeRow) return k_mul_mat_rows<T, false, kB, kW, WholeRowFeed>;
+                    if (feed == RowFeed::StreamedRow) return k_mul_mat_rows<T, false, kB, kW, StreamedRowFeed>;
                 }
                 return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
             };
-            const int64_t rows_an_item = feed == RowFeed::WholeRow ? 1 : 2;
+            const int64_t rows_an_item = feed == RowFeed::WholeRow || feed == RowFeed::StreamedRow ? 1 : 2;
             return launch_row_stream(pick, (p.row0[p.n] + rows_an_item - 1) / rows_an_item, k, row_feed_smem(feed), s,
                                      p, k, x);
         }

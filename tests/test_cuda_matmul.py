@@ -414,16 +414,17 @@ def test_row_feeds_give_the_streamed_bits(dtype, tail, k, monkeypatch):
 
 
 @real_gpu
-@pytest.mark.parametrize("k", [4096, 1448])
+@pytest.mark.parametrize("k", [4096, 1448, 4808])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
 def test_one_row_feed_gives_the_streamed_bits(dtype, residual, k, monkeypatch):
     """The opt-in one-row items of the row-streaming kernels for one-column launches without the
-    norm prologue (cuda/matmul_rows.cuh WholeRowFeed, PYSPEC_CUDA_ROW_ONE=1: a warp's item is one
-    row, all its units asked for at once) give the default two-row items' bits, with and without
-    the residual epilogue, at Qwen3-4B's o (K = 4096, 16 units a lane) and at a K whose lanes hold
-    5 or 6 units, over more rows than warps (an odd count: the last item of the two-row grid
-    reads its second row clamped). The counter shows the feed ran."""
+    norm prologue (cuda/matmul_rows.cuh, PYSPEC_CUDA_ROW_ONE=1: WholeRowFeed, all of a row's units
+    asked for at once, up to K = 4096; StreamedRowFeed, streamed in batches of 8, beyond) give the
+    default two-row items' bits, with and without the residual epilogue, at Qwen3-4B's o (K =
+    4096, 16 units a lane), at a K whose lanes hold 5 or 6 units and at one past WholeRowFeed (18
+    or 19 units a lane), over more rows than warps (an odd count: the last item of the two-row
+    grid reads its second row clamped). The counter shows a one-row feed ran."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
     n_rows = 4301
     stored, x = mm_inputs(dtype, n_rows, k, 1, seed=95)
