@@ -312,16 +312,14 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 
 #include "cuda/matmul_rows_tma.cuh"  // the copy-engine variant (the same translation unit)
 
-// Whether the row-streaming kernels take the balanced grid (PYSPEC_CUDA_ROW_BALANCE=0: the grid of
-// one item a warp, for A/B).
-inline bool row_grid_balanced() { return (matmul_row_stream_setting() & kRowBalanced) != 0; }
+// The launch sites read matmul_row_stream_setting() once a launch and hand it to what follows:
+// kRowBalanced picks the balanced grid (PYSPEC_CUDA_ROW_BALANCE=0: one item a warp, for A/B).
 
-// The feed of a norm-prologue launch over K = k (matmul_row_stream_setting): WholePairFeed where
+// The feed of a norm-prologue launch over K = k under setting: WholePairFeed where
 // a lane holds the rows' units, StagedFeed where the column and the area fit the
 // 48 KiB a kernel gets unasked; both opt-in, the balanced grid only, the same bits as the default.
 enum class RowFeed { Streamed, Staged, WholePair, WholeRow, StreamedRow };
-inline RowFeed row_feed(int64_t k) {
-    const int setting = matmul_row_stream_setting();
+inline RowFeed row_feed(int64_t k, int setting) {
     if (!(setting & kRowBalanced)) return RowFeed::Streamed;
     if ((setting & kRowWhole) && k / 8 <= WholePairFeed::kMaxUnits) return RowFeed::WholePair;
     if ((setting & kRowStaged) && k * sizeof(float) + kBalWarps * StagedFeed::kSmemPerWarp <= 48 * 1024) {
@@ -333,8 +331,7 @@ inline RowFeed row_feed(int64_t k) {
 // The feed of a launch without the norm prologue: with PYSPEC_CUDA_ROW_ONE=1 (opt-in) on the
 // balanced grid one row an item, WholeRowFeed where a lane's share of a row fits it, else
 // StreamedRowFeed.
-inline RowFeed row_feed_plain(int64_t k) {
-    const int setting = matmul_row_stream_setting();
+inline RowFeed row_feed_plain(int64_t k, int setting) {
     if (!(setting & kRowBalanced) || !(setting & kRowOne)) return RowFeed::Streamed;
     return k / 8 <= WholeRowFeed::kMaxUnits ? RowFeed::WholeRow : RowFeed::StreamedRow;
 }
@@ -350,12 +347,13 @@ inline void count_row_feed(RowFeed feed) {
 inline size_t row_feed_smem(RowFeed feed) { return feed == RowFeed::Staged ? kBalWarps * StagedFeed::kSmemPerWarp : 0; }
 
 // Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
-// grid, or the grid of one item a warp. pick(balanced) gives the kernel instantiation; extra_smem
-// is the bytes after the column (the staged units' area).
+// grid (setting & kRowBalanced), or the grid of one item a warp. pick(balanced) gives the kernel
+// instantiation; extra_smem is the bytes after the column (the staged units' area).
 template <class Pick, class... Args>
-void launch_row_stream(Pick&& pick, int64_t n, int64_t k, size_t extra_smem, cudaStream_t s, Args... args) {
+void launch_row_stream(Pick&& pick, int64_t n, int64_t k, size_t extra_smem, int setting, cudaStream_t s,
+                       Args... args) {
     const size_t smem = k * sizeof(float) + extra_smem;
-    if (row_grid_balanced()) {
+    if (setting & kRowBalanced) {
         const int64_t blocks = std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n);
         return launch(pick(std::true_type{}), static_cast<unsigned>(std::max<int64_t>(1, blocks)), kBalWarps * 32, smem,
                       s, args...);
