@@ -36,12 +36,6 @@ struct CudaGraphStats {
     // Launches (eager or captured) of a MUL_MAT group that ran the RMS_NORM before it as its
     // prologue: what tests check that the fusion they compare against the nodes run apart happens.
     uint64_t norm_prologue_launches = 0;
-    // Launches (eager or captured) of the row-streaming kernels with the opt-in StagedFeed,
-    // WholePairFeed or WholeRowFeed (cuda/matmul_rows.cuh): what tests check that the feed they
-    // compare ran.
-    uint64_t staged_feed_launches = 0;
-    uint64_t whole_feed_launches = 0;
-    uint64_t one_row_feed_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench
     // can split a step's wall time into the GPU's and the host's (plus the gaps between them).

@@ -18,8 +18,7 @@ namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
-    g_rope_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_staged_feed{0}, g_whole_feed{0}, g_one_row_feed{0},
-    g_timed_replays{0}, g_replay_gpu_ns{0};
+    g_rope_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_timed_replays{0}, g_replay_gpu_ns{0};
 
 }  // namespace
 
@@ -47,9 +46,6 @@ CudaGraphStats cuda_graph_stats() {
     s.rope_attention_launches = g_rope_attention.load();
     s.row_tma_launches = g_row_tma.load();
     s.norm_prologue_launches = g_norm_prologue.load();
-    s.staged_feed_launches = g_staged_feed.load();
-    s.whole_feed_launches = g_whole_feed.load();
-    s.one_row_feed_launches = g_one_row_feed.load();
     s.timed_replays = g_timed_replays.load();
     s.replay_gpu_ns = g_replay_gpu_ns.load();
     return s;
@@ -65,9 +61,6 @@ void reset_cuda_graph_stats() {
     g_rope_attention = 0;
     g_row_tma = 0;
     g_norm_prologue = 0;
-    g_staged_feed = 0;
-    g_whole_feed = 0;
-    g_one_row_feed = 0;
     g_timed_replays = 0;
     g_replay_gpu_ns = 0;
 }
@@ -85,9 +78,6 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::RopeAttentionLaunch: ++g_rope_attention; break;
         case GraphEvent::RowTmaLaunch: ++g_row_tma; break;
         case GraphEvent::NormPrologueLaunch: ++g_norm_prologue; break;
-        case GraphEvent::StagedFeedLaunch: ++g_staged_feed; break;
-        case GraphEvent::WholeFeedLaunch: ++g_whole_feed; break;
-        case GraphEvent::OneRowFeedLaunch: ++g_one_row_feed; break;
     }
 }
 

@@ -221,13 +221,10 @@ int matmul_tc_setting();
 constexpr int kRowTmaOn = 1, kRowTmaShallow = 2, kRowTmaTriggerFirst = 4;
 constexpr int kRowTmaSkipNorm = 8, kRowTmaSkipGlu = 16, kRowTmaSkipPlain = 32;
 int matmul_row_tma_setting();
-// The row-streaming kernels' grid and feeds (cuda/matmul_rows.cuh), read from the environment at
-// each compute and part of the CUDA graphs' key: kRowBalanced for the balanced grid (the default;
-// PYSPEC_CUDA_ROW_BALANCE=0 gives one item a warp), kRowStaged and kRowWhole for the opt-in feeds
-// of the norm-prologue launches (PYSPEC_CUDA_ROW_STAGED=1, PYSPEC_CUDA_ROW_WHOLE=1), kRowOne for
-// the opt-in one-row items of the others (PYSPEC_CUDA_ROW_ONE=1). Every setting gives the same
-// bits.
-constexpr int kRowBalanced = 1, kRowStaged = 2, kRowWhole = 4, kRowOne = 8;
+// The row-streaming kernels' grid (cuda/matmul_rows.cuh), read from the environment at each
+// compute and part of the CUDA graphs' key: kRowBalanced for the balanced grid (the default;
+// PYSPEC_CUDA_ROW_BALANCE=0 gives one item a warp). Both grids give the same bits.
+constexpr int kRowBalanced = 1;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

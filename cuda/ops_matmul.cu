@@ -16,7 +16,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/async_copy.cuh"
 #include "cuda/graph_cache.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
@@ -484,19 +483,12 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
             both.n = 2;
             both.row0[2] = 2 * gate.n_rows;
             if (rows_tma_fits<true>(both, k)) return launch_rows_tma<T, true>(p, k, x, s);
-            const int setting = matmul_row_stream_setting();
-            const RowFeed feed = norm.w && gate.constant && up.constant ? row_feed(k, setting) : RowFeed::Streamed;
-            count_row_feed(feed);
             const auto pick = [&](auto balanced) {
                 constexpr bool kB = decltype(balanced)::value;
                 constexpr int kW = kB ? kBalWarps : kRowWarps;
-                if constexpr (kB) {
-                    if (feed == RowFeed::Staged) return k_mul_mat_glu_rows<T, true, kB, kW, StagedFeed>;
-                    if (feed == RowFeed::WholePair) return k_mul_mat_glu_rows<T, true, kB, kW, WholePairFeed>;
-                }
                 return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
             };
-            return launch_row_stream(pick, gate.n_rows, k, row_feed_smem(feed), setting, s,
+            return launch_row_stream(pick, gate.n_rows, k, matmul_row_stream_setting(), s,
                                      static_cast<const char*>(gate.w), static_cast<const char*>(up.w),
                                      static_cast<int64_t>(gate.row_bytes), static_cast<int64_t>(up.row_bytes),
                                      gate.n_rows, k, x, y, norm.w, norm.eps, gate.constant && up.constant);
@@ -548,25 +540,12 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
         if (streams_rows<T, kVec>(k, m)) {
             if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
             if (rows_tma_fits<false>(p, k)) return launch_rows_tma<T, false>(p, k, x, s);
-            const int setting = matmul_row_stream_setting();
-            const RowFeed feed = !p.early   ? RowFeed::Streamed
-                                 : p.norm_w ? row_feed(k, setting)
-                                            : row_feed_plain(k, setting);
-            count_row_feed(feed);
             const auto pick = [&](auto balanced) {
                 constexpr bool kB = decltype(balanced)::value;
                 constexpr int kW = kB ? kBalWarps : kRowWarps;
-                if constexpr (kB) {
-                    if (feed == RowFeed::Staged) return k_mul_mat_rows<T, true, kB, kW, StagedFeed>;
-                    if (feed == RowFeed::WholePair) return k_mul_mat_rows<T, true, kB, kW, WholePairFeed>;
-                    if (feed == RowFeed::WholeRow) return k_mul_mat_rows<T, false, kB, kW, WholeRowFeed>;
-                    if (feed == RowFeed::StreamedRow) return k_mul_mat_rows<T, false, kB, kW, StreamedRowFeed>;
-                }
                 return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
             };
-            const int64_t rows_an_item = feed == RowFeed::WholeRow || feed == RowFeed::StreamedRow ? 1 : 2;
-            return launch_row_stream(pick, (p.row0[p.n] + rows_an_item - 1) / rows_an_item, k, row_feed_smem(feed),
-                                     setting, s, p, k, x);
+            return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, matmul_row_stream_setting(), s, p, k, x);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
@@ -635,12 +614,7 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
            with_weight_type(t, false, [](auto, auto) {});
 }
 
-int matmul_row_stream_setting() {
-    return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_STAGED") == 1 ? kRowStaged : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_WHOLE") == 1 ? kRowWhole : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_ONE") == 1 ? kRowOne : 0);
-}
+int matmul_row_stream_setting() { return env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0; }
 
 int matmul_row_tma_setting() {
     if (env_switch("PYSPEC_CUDA_ROW_TMA") != 1) return 0;

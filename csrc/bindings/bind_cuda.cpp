@@ -43,9 +43,6 @@ void bind_cuda(py::module_& m) {
             d["rope_attention_launches"] = s.rope_attention_launches;
             d["row_tma_launches"] = s.row_tma_launches;
             d["norm_prologue_launches"] = s.norm_prologue_launches;
-            d["staged_feed_launches"] = s.staged_feed_launches;
-            d["whole_feed_launches"] = s.whole_feed_launches;
-            d["one_row_feed_launches"] = s.one_row_feed_launches;
             d["timed_replays"] = s.timed_replays;
             d["replay_gpu_ns"] = s.replay_gpu_ns;
             return d;
@@ -55,10 +52,7 @@ void bind_cuda(py::module_& m) {
         "(MUL_MAT launches that load weights before waiting for the kernel before them), "
         "rope_attention_launches (decode attention launches that ran the row's RoPE and K/V store too), "
         "row_tma_launches (one-column MUL_MAT launches of row groups fed by the copy engine), "
-        "norm_prologue_launches (MUL_MAT group launches that ran the RMS_NORM before them), "
-        "staged_feed_launches, whole_feed_launches and one_row_feed_launches (row-streaming launches "
-        "with the opt-in feeds), "
-        "timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
+        "norm_prologue_launches (MUL_MAT group launches that ran the RMS_NORM before them), timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
 }
 

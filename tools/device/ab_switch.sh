@@ -13,12 +13,12 @@
 #     SPEC_BENCH=/tmp/smol.gguf DRAFTER=build/drafter/SmolLM2-135M-Instruct-DSpark.Q4_1.gguf \
 #     bash tools/device/ab_switch.sh
 #
-#   SETTINGS="default PYSPEC_CUDA_ROW_WHOLE=1 PYSPEC_CUDA_ROW_STAGED=1" MODELS=qwen3 ROUNDS=3 \
+#   SETTINGS="default PYSPEC_CUDA_PREFETCH=0 PYSPEC_CUDA_ROW_TMA=1" MODELS=qwen3 ROUNDS=3 \
 #     bash tools/device/ab_switch.sh     # several switches alternating in the same rounds
 #
 # MODELS: smollm2 (Q4_1, 135M shapes) and/or qwen3 (F16, 4B shapes; its file takes ~30 s to make).
 # SETTINGS: settings compared instead of VAR's VALUES, each NAME=VALUE assignments joined by commas
-# (PYSPEC_CUDA_ROW_WHOLE=1,PYSPEC_CUDA_ROW_ONE=1), or "default", the environment as is.
+# (PYSPEC_CUDA_ROW_TMA=1,PYSPEC_CUDA_ROW_TMA_STAGES=8), or "default", the environment as is.
 set -u
 if [ -n "${SETTINGS:-}" ]; then
   settings=$SETTINGS

@@ -10,10 +10,7 @@
 # small: PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L, and noprefetch, no L2 prefetch before the PDL
 # wait: PYSPEC_CUDA_PREFETCH=0, and noearly, the decode attention without its early reads:
 # PYSPEC_CUDA_ATT_EARLY=0, and rowtma, one-column MUL_MATs on the copy-engine row groups (opt-in):
-# PYSPEC_CUDA_ROW_TMA=1, and staged, the norm-prologue row kernels' next units copied into shared
-# memory before the PDL wait (opt-in): PYSPEC_CUDA_ROW_STAGED=1, and whole, their rows' units all
-# asked for at once where K <= 2560 (opt-in): PYSPEC_CUDA_ROW_WHOLE=1, and one, one-row items for
-# the launches without the norm prologue where K <= 4096 (opt-in): PYSPEC_CUDA_ROW_ONE=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# PYSPEC_CUDA_ROW_TMA=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -64,9 +61,6 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     nosplit) envs=(PYSPEC_CUDA_COLUMN_SPLIT=0) ;;
     noearly) envs=(PYSPEC_CUDA_ATT_EARLY=0) ;;
     rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
-    staged) envs=(PYSPEC_CUDA_ROW_STAGED=1) ;;
-    whole) envs=(PYSPEC_CUDA_ROW_WHOLE=1) ;;
-    one) envs=(PYSPEC_CUDA_ROW_ONE=1) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
