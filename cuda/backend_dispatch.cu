@@ -268,6 +268,9 @@ int CudaBackend::run_rope_store_attention(const Graph& g, int a, int b, int nq, 
     rope.cells = reinterpret_cast<const int32_t*>(dptr(g, g[c].src[2]));
     rope.factors = ra.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, ra.src[2])) : nullptr;
     rope.early = cuda::env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 && is_leaf(g, att.src[3]) && is_leaf(g, att.src[4]);
+    rope.early_copies = rope.early && cuda::env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 &&
+                        written_only_by(g, g[c].src[0], c, d) && written_only_by(g, g[d].src[0], c, d);
+    rope.let_next_in_first = cuda::env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0;
     rope.n_rot = ra.iparams[0];
     rope.neox = ra.iparams[1] == 2 ? 1 : 0;
     rope.base = ra.fparams[0];
@@ -276,6 +279,16 @@ int CudaBackend::run_rope_store_attention(const Graph& g, int a, int b, int nq, 
         desc(g, e), desc(g, c), desc(g, d), desc(g, att.src[3]), reinterpret_cast<const int32_t*>(dptr(g, att.src[4])),
         att.iparams[0], att.fparams[0], rope, scratch_, err_, stream_);
     return launched ? e : -1;
+}
+
+bool CudaBackend::written_only_by(const Graph& g, int id, int w0, int w1) {
+    const Span t = span(g, id);
+    for (int j = 0; j < g.size(); ++j) {
+        const Op op = g[j].op;
+        if (j == w0 || j == w1 || op == Op::NONE || op == Op::VIEW) continue;
+        if (overlaps(span(g, j), t)) return false;
+    }
+    return true;
 }
 
 CudaBackend::Span CudaBackend::span(const Graph& g, int id) {

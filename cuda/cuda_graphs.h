@@ -30,6 +30,9 @@ struct CudaGraphStats {
     // Launches (eager or captured) of a decode row's attention that ran its q/k RoPE and K/V store
     // too (cuda::DecodeRope): what tests check that the fusion happens where it should.
     uint64_t rope_attention_launches = 0;
+    // Of those, the launches that copied their first page's cache cells before the PDL wait
+    // (DecodeRope::early_copies): what tests check to know the early copies ran, or were refused.
+    uint64_t early_copy_attention_launches = 0;
     // Launches (eager or captured) of the one-column row groups fed by the copy engine
     // (k_mul_mat_rows_tma): what tests check that the kernel runs where it should.
     uint64_t row_tma_launches = 0;

@@ -18,7 +18,8 @@ namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
-    g_rope_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_timed_replays{0}, g_replay_gpu_ns{0};
+    g_rope_attention{0}, g_early_copy_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_timed_replays{0},
+    g_replay_gpu_ns{0};
 
 }  // namespace
 
@@ -44,6 +45,7 @@ CudaGraphStats cuda_graph_stats() {
     s.live = g_live.load();
     s.early_weight_launches = g_early.load();
     s.rope_attention_launches = g_rope_attention.load();
+    s.early_copy_attention_launches = g_early_copy_attention.load();
     s.row_tma_launches = g_row_tma.load();
     s.norm_prologue_launches = g_norm_prologue.load();
     s.timed_replays = g_timed_replays.load();
@@ -59,6 +61,7 @@ void reset_cuda_graph_stats() {
     g_evictions = 0;
     g_early = 0;
     g_rope_attention = 0;
+    g_early_copy_attention = 0;
     g_row_tma = 0;
     g_norm_prologue = 0;
     g_timed_replays = 0;
@@ -76,6 +79,7 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::Eviction: ++g_evictions; break;
         case GraphEvent::EarlyWeightLaunch: ++g_early; break;
         case GraphEvent::RopeAttentionLaunch: ++g_rope_attention; break;
+        case GraphEvent::EarlyCopyAttentionLaunch: ++g_early_copy_attention; break;
         case GraphEvent::RowTmaLaunch: ++g_row_tma; break;
         case GraphEvent::NormPrologueLaunch: ++g_norm_prologue; break;
     }

@@ -126,6 +126,18 @@ struct DecodeRope {
     // and after the wait it requests all the prologue's inputs in one round. The same bits either
     // way.
     bool early = false;
+    // With early: the first page's K/V copies go out before the PDL wait as well, where no node of
+    // the graph but this launch's SET_ROWS pair writes the caches (the backend checks), so every
+    // cell but the new one (left out of the copies) was written by kernels that have completed
+    // (docs/internals-cuda.md). PYSPEC_CUDA_ATT_EARLY_COPY=0 turns it off. The same bits either way.
+    bool early_copies = false;
+    // The next kernel (the o projection) let in before this launch's PDL wait rather than after it,
+    // so its blocks load their first weights while this one waits and copies; it still waits for
+    // this whole grid before it reads anything a kernel writes (cuda/launch.cuh).
+    // PYSPEC_CUDA_ATT_LET_IN_FIRST=0 turns it off. H200 tg128, two alternating rounds: with the
+    // early copies, Qwen3-4B 363.5 -> 366.0-366.2 t/s (the copies alone lost 0.7% by delaying
+    // o's start), SmolLM2 1,621 -> 1,662-1,664 (docs/internals-cuda.md).
+    bool let_next_in_first = false;
 };
 bool attention_rope_enabled();
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,

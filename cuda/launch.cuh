@@ -9,8 +9,10 @@
 // Safe by construction: every kernel calls pdl_enter() before it reads or writes any memory a
 // kernel writes (so no read-after-write or write-after-read hazard with the previous kernel); the
 // only accesses some make before it are L2 prefetches, which are hints (prefetch_enabled), reads
-// of host-written inputs (an attention row's first cell) to aim them, and loads of weights that no
-// node of the graph writes (MatmulPart::constant, the row-streaming MUL_MATs), and a kernel only
+// of host-written inputs (an attention row's first cell) to aim them, loads of weights that no
+// node of the graph writes (MatmulPart::constant, the row-streaming MUL_MATs), and a decode
+// attention's copies of cache cells that no node of the graph but its own fused SET_ROWS pair
+// writes, the cell those write left out (DecodeRope::early_copies), and a kernel only
 // completes after its wait returned, so waiting on the
 // previous kernel also waits on everything before it. pdl_enter() then lets the next kernel be
 // launched: its blocks only become resident once every block of this grid has started, so they

@@ -283,7 +283,18 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             live_first = __ballot_sync(0xffffffffu, mj_first != -INFINITY);
         }
     }
-    pdl_enter();
+    // kRope with rope.early_copies: the first page's copies go out before the wait too (below).
+    const bool copy_early = kRope && rope.early_copies;
+    const bool let_in_first = kRope && rope.let_next_in_first;
+    if (let_in_first) pdl_let_next_in();
+    const auto enter = [&] {
+        if (let_in_first) {
+            pdl_wait();
+        } else {
+            pdl_enter();
+        }
+    };
+    if (!copy_early) enter();
     // kRope: every block runs the prologue (it stores the new rows), here or after its first copies.
     const auto prologue = [&] {
         if constexpr (kRope) new_cell = rope_prologue(rope, q, kc, vc, n_kv_head, new_cell, s_cs, s_x, s_q, s_new, err);
@@ -301,6 +312,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const int64_t g_first = c_first / kWarps, g_last = c_last >= 0 ? c_last / kWarps : -1;
     const bool bad = b0 < 0 || b0 + span > n_cells;
     if (bad || (split && g_last < 0)) {  // (a split row has cells: splits())
+        if (copy_early) enter();
         prologue();
         if (blockIdx.z == 0) {
             if (bad && threadIdx.x == 0) atomicOr(err, kErrAttentionSpan);
@@ -311,6 +323,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     int64_t g = g_first + blockIdx.z;
     const int64_t g_end = split ? g : g_last;  // the block's last page (none: an empty row's zeros)
     if (split && g > g_last) {                 // past the row's pages
+        if (copy_early) enter();
         prologue();
         return;
     }
@@ -344,6 +357,9 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
 
     const int64_t g_start = g;
     stage_page(g, 0, live_first);  // in flight while q arrives (or is rotated: the new cell is left out of it)
+    // With early copies they went out before the wait: the cells are ones no node of the graph
+    // but this launch writes (DecodeRope::early_copies), and the new one is left out.
+    if (copy_early) enter();
     if constexpr (kRope) {
         prologue();
     } else {
@@ -560,6 +576,7 @@ bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, con
         return false;
     }
     count_graph_event(GraphEvent::RopeAttentionLaunch);
+    if (rope.early_copies) count_graph_event(GraphEvent::EarlyCopyAttentionLaunch);
     if (hd <= 64) {
         launch_split_or_walk<2, true>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, rope, s);
     } else {

@@ -453,12 +453,13 @@ def test_rope_and_kv_store_as_one_launch(cache_dtype, mode, monkeypatch):
             run_on(DEVICE, build_for(bad))
 
 
+ROPE_ATTENTION_CASES = ["short", "middle", "long", "neox_half", "factors", "q_kept", "qk_norm", "cache_written"]
 
 
 @real_gpu
 @pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (6, 3, 40)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
-@pytest.mark.parametrize("case", ["short", "middle", "long", "neox_half", "factors", "q_kept", "qk_norm"])
-@pytest.mark.parametrize("early", ["1", "0"], ids=["", "noearly"])
+@pytest.mark.parametrize("case", ROPE_ATTENTION_CASES)
+@pytest.mark.parametrize("early", ["1", "0", "nocopy"], ids=["", "noearly", "nocopy"])
 def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, early):
     """A decode row's q/k ROPE, K/V SET_ROWS and ATTENTION (a decoder layer's order) run as one
     launch of the staged attention kernel (cuda::DecodeRope): the attention's output, the rotated q
@@ -467,14 +468,21 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
     row with the new cell last; the new cell in the middle of the span; a row long enough to be
     split over blocks (the register-K variant for 128-wide heads); neox with half the dims rotated
     (the unrotated tail); frequency factors; q's input fetched too; per-head q/k RMS_NORMs before the
-    ROPEs (Qwen3's), which the launch runs too. Masked cells hold NaN in both caches. Each case both
-    with the early reads (the default: the mask read before the PDL wait, masked cells not copied,
-    the prologue's inputs read in one round) and without them (PYSPEC_CUDA_ATT_EARLY=0)."""
-    monkeypatch.setenv("PYSPEC_CUDA_ATT_EARLY", early)
+    ROPEs (Qwen3's), which the launch runs too; another SET_ROWS into the K cache earlier in the
+    graph (a cell the row reads), which must keep the first page's copies after the PDL wait.
+    Masked cells hold NaN in both caches. Each case with the early reads (the default: the mask
+    read and the first page's cache cells copied before the PDL wait, masked cells not copied, the
+    prologue's inputs read in one round, and the next kernel let in before the wait), with them but
+    the copies and the next kernel's start after the wait (PYSPEC_CUDA_ATT_EARLY_COPY=0,
+    PYSPEC_CUDA_ATT_LET_IN_FIRST=0), and without them (PYSPEC_CUDA_ATT_EARLY=0); the counter
+    early_copy_attention_launches says whether the copies went out early."""
+    monkeypatch.setenv("PYSPEC_CUDA_ATT_EARLY", "0" if early == "0" else "1")
+    monkeypatch.setenv("PYSPEC_CUDA_ATT_EARLY_COPY", "0" if early == "nocopy" else "1")
+    monkeypatch.setenv("PYSPEC_CUDA_ATT_LET_IN_FIRST", "0" if early == "nocopy" else "1")
     if any(os.environ.get(v) == "0" for v in ("PYSPEC_CUDA_FUSE", "PYSPEC_CUDA_ATT_STAGED", "PYSPEC_CUDA_ATT_ROPE")):
         pytest.skip("the launch is off (PYSPEC_CUDA_FUSE, PYSPEC_CUDA_ATT_STAGED or PYSPEC_CUDA_ATT_ROPE is 0)")
     n_q, n_kv, hd = heads
-    rng = np.random.default_rng(100 * ["short", "middle", "long", "neox_half", "factors", "q_kept", "qk_norm"].index(case) + hd)
+    rng = np.random.default_rng(100 * ROPE_ATTENTION_CASES.index(case) + hd)
     n_cells = 1300
     mode = 2 if case == "neox_half" else 0
     n_rot = hd // 2 if case == "neox_half" else hd
@@ -493,6 +501,9 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
     mask = np.zeros((1, span), np.float32)
     mask[0, rng.random(span) < 0.1] = NEG_INF
     mask[0, new_cell - kv_base] = 0.0
+    written_cell = kv_base + 1  # "cache_written": the cell the earlier SET_ROWS writes, visible
+    mask[0, written_cell - kv_base] = 0.0
+    written_row = rng.standard_normal((1, width)).astype(np.float32)
     # Masked cells hold NaN: they must not reach the output (the launch does not even copy them).
     masked = kv_base + np.flatnonzero(mask[0] == NEG_INF)
     k_all[masked] = cpu.encode(np.full((masked.size, width), np.nan), "F16")
@@ -508,6 +519,12 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
             tc = g.input("I32", [1], "cells")
             tm = g.input("F32", [span, 1], "mask")
             tb = g.input("I32", [1], "kv_base")
+            kc = g.external("F16", [width, n_cells], "k_cache")
+            vc = g.external("F16", [width, n_cells], "v_cache")
+            extra = []
+            if case == "cache_written":
+                tw, tcw = g.input("F32", [width, 1], "written_row"), g.input("I32", [1], "written_cell")
+                extra = [g.set_rows(kc, tw, tcw)]
             srcs = [tp]
             if case == "factors":
                 srcs.append(g.input("F32", [n_rot // 2], "factors"))
@@ -518,8 +535,6 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
                 xk = cpu.node(g, "RMS_NORM", "F32", [hd, n_kv, 1], [tk, twk], [], [1e-6])
             rq = cpu.node(g, "ROPE", "F32", [hd, n_q, 1], [xq] + srcs, [n_rot, mode], [10000.0, 1.0])
             rk = cpu.node(g, "ROPE", "F32", [hd, n_kv, 1], [xk] + srcs, [n_rot, mode], [10000.0, 1.0])
-            kc = g.external("F16", [width, n_cells], "k_cache")
-            vc = g.external("F16", [width, n_cells], "v_cache")
             ks = g.set_rows(kc, g.reshape(rk, [width, 1]), tc)
             vs = g.set_rows(vc, tv, tc)
             att = cpu.node(g, "ATTENTION", "F32", [hd, n_q, 1], [rq, ks, vs, tm, tb], [n_kv], [hd ** -0.5])
@@ -529,17 +544,21 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
                 feeds[srcs[1]] = factors
             if case == "qk_norm":
                 feeds[twq], feeds[twk] = norm_w
-            return g, feeds, [att, rq, rk, ks, vs] + ([tq] if case == "q_kept" else [])
+            if extra:
+                feeds[tw], feeds[tcw] = written_row, np.array([written_cell], np.int32)
+            return g, feeds, [att, rq, rk, ks, vs] + ([tq] if case == "q_kept" else []) + extra
         return build
 
     cells = np.array([new_cell], np.int32)
-    out, launches = {}, {}
+    out, launches, copies = {}, {}, {}
     for fused in ("1", "0"):
         monkeypatch.setenv("PYSPEC_CUDA_ATT_ROPE", fused)
         core.reset_cuda_graph_stats()
         out[fused] = run_on(DEVICE, build_for(cells))
         launches[fused] = core.cuda_graph_stats()["rope_attention_launches"]
+        copies[fused] = core.cuda_graph_stats()["early_copy_attention_launches"]
     assert launches["1"] > 0 and launches["0"] == 0, launches
+    assert (copies["1"] > 0) == (early == "1" and case != "cache_written") and copies["0"] == 0, copies
     for a, b, what in zip(out["1"], out["0"], ("attention", "q", "k", "k cache", "v cache")):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), what
     # And against the CPU, whose angles may differ from the device's in the last bit (so may the

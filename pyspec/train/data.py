@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-import torch
 from tqdm.auto import tqdm
 
 # Many phrasings per snippet: prompts from separate sessions (different --seed) then rarely
@@ -598,6 +597,8 @@ def _generate(target, tokenizer, prompts, seq_len: int, device, batch: int, seed
               greedy_fraction: float, temperature: float, progress: bool,
               deadline: Optional[float], generator=None) -> Tuple[List[List[int]], List[int]]:
     """The target's continuations of prompts, in the prompts' order."""
+    import torch  # here, so the prompt makers above work without torch (tools/shrink_draft_vocab.py)
+
     from .target import generate
     rng = random.Random(seed + 1)
     # Similar prompt lengths in a batch waste less padding.

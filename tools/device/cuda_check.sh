@@ -9,7 +9,9 @@
 # and wgmma, every row on tensor cores and every wide call on wgmma however
 # small: PYSPEC_CUDA_TC=1 PYSPEC_CUDA_WGMMA_CFG=L, and noprefetch, no L2 prefetch before the PDL
 # wait: PYSPEC_CUDA_PREFETCH=0, and noearly, the decode attention without its early reads:
-# PYSPEC_CUDA_ATT_EARLY=0, and rowtma, one-column MUL_MATs on the copy-engine row groups (opt-in):
+# PYSPEC_CUDA_ATT_EARLY=0, and nocopy, its first cache cells copied and the next kernel let in after
+# its PDL wait: PYSPEC_CUDA_ATT_EARLY_COPY=0 PYSPEC_CUDA_ATT_LET_IN_FIRST=0, and rowtma, one-column
+# MUL_MATs on the copy-engine row groups (opt-in):
 # PYSPEC_CUDA_ROW_TMA=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
@@ -60,6 +62,7 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     noprefetch) envs=(PYSPEC_CUDA_PREFETCH=0) ;;
     nosplit) envs=(PYSPEC_CUDA_COLUMN_SPLIT=0) ;;
     noearly) envs=(PYSPEC_CUDA_ATT_EARLY=0) ;;
+    nocopy) envs=(PYSPEC_CUDA_ATT_EARLY_COPY=0 PYSPEC_CUDA_ATT_LET_IN_FIRST=0) ;;
     rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
   esac
   # shellcheck disable=SC2086
@@ -121,6 +124,7 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-short-h9kv3d64]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-long-h32kv8d128]"
+             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-cache_written-h32kv8d128]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[noearly-neox_half-h6kv3d40]"
              "tests/test_cuda_ops.py::test_argmax_first_index_on_ties[151936-1]"
              "tests/test_cuda_matmul.py::test_row_groups_through_the_copy_engine_give_the_row_streams_bits[F16-group-16]"
