@@ -269,7 +269,7 @@ int CudaBackend::run_rope_store_attention(const Graph& g, int a, int b, int nq, 
     rope.factors = ra.src[2] >= 0 ? reinterpret_cast<const float*>(dptr(g, ra.src[2])) : nullptr;
     rope.early = cuda::env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 && is_leaf(g, att.src[3]) && is_leaf(g, att.src[4]);
     rope.early_copies = rope.early && cuda::env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 &&
-                        written_only_by(g, g[c].src[0], c, d) && written_only_by(g, g[d].src[0], c, d);
+                        written_only_by(g, g[c].src[0], g[d].src[0], c, d);
     rope.let_next_in_first = cuda::env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0;
     rope.n_rot = ra.iparams[0];
     rope.neox = ra.iparams[1] == 2 ? 1 : 0;
@@ -281,12 +281,13 @@ int CudaBackend::run_rope_store_attention(const Graph& g, int a, int b, int nq, 
     return launched ? e : -1;
 }
 
-bool CudaBackend::written_only_by(const Graph& g, int id, int w0, int w1) {
-    const Span t = span(g, id);
+bool CudaBackend::written_only_by(const Graph& g, int id0, int id1, int w0, int w1) {
+    const Span t0 = span(g, id0), t1 = span(g, id1);
     for (int j = 0; j < g.size(); ++j) {
         const Op op = g[j].op;
         if (j == w0 || j == w1 || op == Op::NONE || op == Op::VIEW) continue;
-        if (overlaps(span(g, j), t)) return false;
+        const Span s = span(g, j);
+        if (overlaps(s, t0) || overlaps(s, t1)) return false;
     }
     return true;
 }

@@ -222,11 +222,11 @@ private:
     // are ordered by the stream.
     bool constant(const Graph& g, int id);
 
-    // Whether no computing node of the graph but w0 and w1 writes tensor id's memory (a decode
-    // attention's caches, which only its own fused SET_ROWS pair may write: then the launch may
-    // copy their old cells before its PDL wait). A pass over the graph, for the 1-row launches of
-    // an eager run or a capture.
-    bool written_only_by(const Graph& g, int id, int w0, int w1);
+    // Whether no computing node of the graph but w0 and w1 writes the memory of tensors id0 and id1
+    // (a decode attention's K and V caches, which only its own fused SET_ROWS pair may write: then
+    // the launch may copy their old cells before its PDL wait). One pass over the graph, for the
+    // 1-row launches of an eager run or a capture.
+    bool written_only_by(const Graph& g, int id0, int id1, int w0, int w1);
 
     // How many nodes read each tensor (as a source or as a view's base), for run_mul_mat_group.
     void count_uses(const Graph& g);
