@@ -275,9 +275,24 @@ int CudaBackend::run_rope_store_attention(const Graph& g, int a, int b, int nq, 
     rope.neox = ra.iparams[1] == 2 ? 1 : 0;
     rope.base = ra.fparams[0];
     rope.fscale = ra.fparams[1];
+    // The step's angles: stored by its first such launch, read by the later ones with the same
+    // positions (a graph leaf: the same values all compute) and frequencies.
+    StoredAngles these;
+    these.valid = true;
+    these.pos = rope.pos;
+    these.factors = rope.factors;
+    these.n_rot = rope.n_rot;
+    these.base = rope.base;
+    these.fscale = rope.fscale;
+    if (cuda::attention_angles_enabled() && rope.n_rot <= kMaxRopeAngles) {
+        if (!rope_angles_) check(cudaMalloc(&rope_angles_, kMaxRopeAngles * sizeof(float)), "rope angles: cudaMalloc");
+        rope.angles = rope_angles_;
+        rope.angles_stored = stored_angles_ == these;
+    }
     const bool launched = cuda::launch_attention_rope(
         desc(g, e), desc(g, c), desc(g, d), desc(g, att.src[3]), reinterpret_cast<const int32_t*>(dptr(g, att.src[4])),
         att.iparams[0], att.fparams[0], rope, scratch_, err_, stream_);
+    if (launched && rope.angles && !rope.angles_stored) stored_angles_ = these;
     return launched ? e : -1;
 }
 

@@ -88,6 +88,7 @@ CudaBackend::~CudaBackend() {
     if (scratch_.partial) cudaFree(scratch_.partial);
     if (scratch_.counters) cudaFree(scratch_.counters);
     if (scratch_.halves) cudaFree(scratch_.halves);
+    if (rope_angles_) cudaFree(rope_angles_);
     if (err_) cudaFree(err_);
     if (err_host_) cudaFreeHost(err_host_);
     if (staging_) cudaFreeHost(staging_);
@@ -533,6 +534,7 @@ void CudaBackend::run_profiled(Graph& graph) {
 template <typename BeforeOp>
 void CudaBackend::run_ops(Graph& graph, BeforeOp before) {
     mark_written(graph);
+    stored_angles_ = StoredAngles{};  // a table stored by another compute is not this one's
     const bool fuse = cuda::matmul_fusion_enabled();
     if (fuse) count_uses(graph);
     for (int id = 0; id < graph.size(); ++id) {

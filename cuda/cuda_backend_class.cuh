@@ -320,6 +320,23 @@ private:
     cuda::GraphCache graphs_;                                      // instantiated graphs by key
     std::vector<uint64_t> key_;                                    // the key of this compute
     bool capture_failure_logged_ = false;
+    // The decode RoPE's angle table (cuda::DecodeRope::angles, kMaxRopeAngles floats, made at first
+    // use) and what the table holds in this compute: the positions and frequencies of the launch
+    // that stored it, valid from that launch to the end of the compute (run_ops clears it).
+    static constexpr int kMaxRopeAngles = 256;
+    float* rope_angles_ = nullptr;
+    struct StoredAngles {
+        bool valid = false;
+        const int32_t* pos = nullptr;
+        const float* factors = nullptr;
+        int n_rot = 0;
+        double base = 0.0, fscale = 0.0;
+        bool operator==(const StoredAngles& o) const {
+            return valid == o.valid && pos == o.pos && factors == o.factors && n_rot == o.n_rot && base == o.base &&
+                   fscale == o.fscale;
+        }
+    };
+    StoredAngles stored_angles_;
     bool profiling_ = false;
     std::vector<cudaEvent_t> events_;                              // reused by run_profiled
     std::vector<double> op_seconds_ = std::vector<double>(static_cast<size_t>(Op::COUNT), 0.0);

@@ -33,6 +33,9 @@ struct CudaGraphStats {
     // Of those, the launches that copied their first page's cache cells before the PDL wait
     // (DecodeRope::early_copies): what tests check to know the early copies ran, or were refused.
     uint64_t early_copy_attention_launches = 0;
+    // Of those, the launches that read the step's RoPE angles stored by its first one
+    // (DecodeRope::angles_stored) instead of computing them.
+    uint64_t stored_angles_attention_launches = 0;
     // Launches (eager or captured) of the one-column row groups fed by the copy engine
     // (k_mul_mat_rows_tma): what tests check that the kernel runs where it should.
     uint64_t row_tma_launches = 0;

@@ -18,7 +18,7 @@ namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
-    g_rope_attention{0}, g_early_copy_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_timed_replays{0},
+    g_rope_attention{0}, g_early_copy_attention{0}, g_stored_angles_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_timed_replays{0},
     g_replay_gpu_ns{0};
 
 }  // namespace
@@ -46,6 +46,7 @@ CudaGraphStats cuda_graph_stats() {
     s.early_weight_launches = g_early.load();
     s.rope_attention_launches = g_rope_attention.load();
     s.early_copy_attention_launches = g_early_copy_attention.load();
+    s.stored_angles_attention_launches = g_stored_angles_attention.load();
     s.row_tma_launches = g_row_tma.load();
     s.norm_prologue_launches = g_norm_prologue.load();
     s.timed_replays = g_timed_replays.load();
@@ -62,6 +63,7 @@ void reset_cuda_graph_stats() {
     g_early = 0;
     g_rope_attention = 0;
     g_early_copy_attention = 0;
+    g_stored_angles_attention = 0;
     g_row_tma = 0;
     g_norm_prologue = 0;
     g_timed_replays = 0;
@@ -80,6 +82,7 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::EarlyWeightLaunch: ++g_early; break;
         case GraphEvent::RopeAttentionLaunch: ++g_rope_attention; break;
         case GraphEvent::EarlyCopyAttentionLaunch: ++g_early_copy_attention; break;
+        case GraphEvent::StoredAnglesAttentionLaunch: ++g_stored_angles_attention; break;
         case GraphEvent::RowTmaLaunch: ++g_row_tma; break;
         case GraphEvent::NormPrologueLaunch: ++g_norm_prologue; break;
     }
@@ -156,7 +159,8 @@ inline bool for_each_key_word(const Graph& g, Sink&& sink) {
               (attention_tiled_enabled() ? 8u : 0u) | (pdl_enabled() ? 16u : 0u) |
               (attention_tc_enabled() ? 32u : 0u) | (attention_rope_enabled() ? 64u : 0u) |
               static_cast<uint64_t>(matmul_row_tma_setting()) << 7 |
-              static_cast<uint64_t>(matmul_row_stream_setting()) << 16)) {
+              static_cast<uint64_t>(matmul_row_stream_setting()) << 16 |
+              static_cast<uint64_t>(attention_rope_setting()) << 32)) {
         return false;
     }
     for (int id = 0; id < n; ++id) {

@@ -138,8 +138,22 @@ struct DecodeRope {
     // early copies, Qwen3-4B 363.5 -> 366.0-366.2 t/s (the copies alone lost 0.7% by delaying
     // o's start), SmolLM2 1,621 -> 1,662-1,664 (docs/internals-cuda.md).
     bool let_next_in_first = false;
+    // The position's angles are the same for every layer of a step, and computing them (in double,
+    // as the CPU does) took ~2.5 us of each launch's start (H200, Qwen3-4B decode, globaltimer
+    // stamps). So the step's first launch computes them and its block (0, 0, 0) stores them into
+    // angles (n_rot floats: cos, then sin, as s_cs holds them) after its PDL wait; the later
+    // launches of the compute with the same positions and frequencies (angles_stored) read them in
+    // the same round as the prologue's other inputs, after theirs, when every kernel before has
+    // completed. The same values either way. PYSPEC_CUDA_ATT_ANGLES=0 turns it off.
+    float* angles = nullptr;
+    bool angles_stored = false;
 };
 bool attention_rope_enabled();
+// The decode attention's angle table (DecodeRope::angles): on unless PYSPEC_CUDA_ATT_ANGLES=0.
+bool attention_angles_enabled();
+// The decode attention's launch choices read at each compute (PYSPEC_CUDA_ATT_EARLY,
+// _EARLY_COPY, _LET_IN_FIRST, _ANGLES), as bits for the CUDA graphs' key.
+int attention_rope_setting();
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,
                            int n_kv_head, float scale, const DecodeRope& rope, const SplitScratch& scratch,
                            unsigned* err, cudaStream_t s);

@@ -44,23 +44,44 @@ constexpr int kKPad = 8;  // halves after each staged K row: the lanes' 16-byte 
 // Two stages where they fit the shared memory comfortably (head_dim <= 64), else one.
 constexpr int stages_for(int nc) { return nc <= 2 ? 2 : 1; }
 
-// Shared memory: q [hd] floats; the warps' states acc [kWarps][hd] and (m, l) [kWarps][2] floats;
-// with the row's RoPE (DecodeRope), its angles [hd] floats, the q and k heads as read and their
-// norms' weights [4][hd] floats, and the new cell's K and V rows [2][hd] halves; per warp and
-// stage, K [32][hd + kKPad] (unless each lane holds its K row in registers) and V [32][hd] halves.
+// Shared memory: q [hd] floats; the warps' states acc [kWarps][hd] and (m, l) [kWarps][2] floats,
+// and their chunks' weights p [kWarps][kChunk] floats; with the row's RoPE (DecodeRope), its
+// angles [hd] floats, the q and k heads as read and their norms' weights [4][hd] floats, the
+// first page's mask window [2 * kPageCells] floats, and the new cell's K and V rows [2][hd] halves;
+// per warp and stage, K [32][hd + kKPad] (unless each lane holds its K row in registers) and V
+// [32][hd] halves.
 inline size_t staged_smem_bytes(int hd, int stages, bool reg_k, bool rope) {
-    const size_t floats = static_cast<size_t>(hd) + static_cast<size_t>(kWarps) * hd + 2 * kWarps + (rope ? 5 * hd : 0);
+    const size_t floats = static_cast<size_t>(hd) + static_cast<size_t>(kWarps) * hd + 2 * kWarps + kWarps * kChunk +
+                          (rope ? 5 * hd + 2 * kPageCells : 0);
     const size_t stage = static_cast<size_t>(kChunk) * (reg_k ? hd : 2 * hd + kKPad) * sizeof(uint16_t);
     return floats * sizeof(float) + (rope ? 2 * static_cast<size_t>(hd) * sizeof(uint16_t) : 0) +
            static_cast<size_t>(kWarps) * stages * stage;
 }
 
+// The NC halves at p (4- or 8-byte aligned) as floats.
+template <int NC>
+__device__ __forceinline__ void load_halves(const uint16_t* p, float (&v)[NC]) {
+    static_assert(NC == 2 || NC == 4, "a lane's dims: 2 or 4 halves");
+    if constexpr (NC == 4) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(p);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+        v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+    } else {
+        const uint32_t raw = *reinterpret_cast<const uint32_t*>(p);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+        v[0] = a.x, v[1] = a.y;
+    }
+}
+
 // Scores and folds warp's chunk ch (staged in sk / sv) from the empty state into (m, l, acc).
 // k_unit(d0): the 16 bytes of this lane's K row at head dim d0 (from shared memory or registers).
+// acc[c] is head dim NC * lane + c (the lane's NC consecutive dims: one 4- or 8-byte load a V row);
+// s_p: the warp's kChunk floats of shared memory, where the cells' weights are passed.
 template <int NC, typename KUnit>
-__device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* sv, const float* s_q, int hd, int lane,
-                                                  bool in_span, float mj, float scale, float& m, float& l,
-                                                  float (&acc)[NC]) {
+__device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* sv, const float* s_q, float* s_p,
+                                                  int hd, int lane, bool in_span, float mj, float scale, float& m,
+                                                  float& l, float (&acc)[NC]) {
     float s = -INFINITY;
     if (in_span && mj != -INFINITY) {
         float dot = 0.0f;
@@ -81,34 +102,46 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] *= corr;
     // V rows in cell order. A row with p = 0 adds nothing (a select, not a branch, so the unrolled
-    // loop can issue its shuffles and loads ahead; its value may be anything).
-#pragma unroll 8
-    for (int i = 0; i < kChunk; ++i) {
-        const float pi = __shfl_sync(0xffffffffu, p, i);
+    // loop can issue its loads ahead; its value may be anything). The weights come four at a time
+    // from shared memory, and each row's NC values in one load: with a shuffle and NC 2-byte loads
+    // a row, this loop took ~2.4 us of a Qwen3-4B decode launch's ~10 (H200, globaltimer stamps).
+    // Each dim's chain is the same fmaf sequence either way: the same bits.
+    s_p[lane] = p;
+    __syncwarp();
+    if (NC * lane < hd) {
+        const uint16_t* vr = sv + NC * lane;
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const int d = lane + 32 * c;
-            if (d < hd) {
-                const float t = fmaf(pi, h2f(sv[i * hd + d]), acc[c]);
-                acc[c] = pi != 0.0f ? t : acc[c];
+        for (int i0 = 0; i0 < kChunk; i0 += 4) {
+            const float4 p4 = *reinterpret_cast<const float4*>(s_p + i0);
+            const float pv[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v[NC];
+                load_halves<NC>(vr + (i0 + e) * hd, v);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    const float t = fmaf(pv[e], v[c], acc[c]);
+                    acc[c] = pv[e] != 0.0f ? t : acc[c];
+                }
             }
         }
     }
 }
 
-// kRope's prologue, after the PDL wait (the angles in s_cs): this block's q head rotated into s_q,
-// and its kv head's new K row (rotated) and V row, as F16, into s_new ([K: hd][V: hd]), every value
-// as the RoPE kernel and SET_ROWS compute it. Block z = 0 of each q head also writes what the ROPE
-// of q writes for it, and block z = 0 of each kv head's first q head what the ROPE of k and the two
-// SET_ROWS write for that kv head. Returns the new cell, or -1 when it lies outside the cache (the
-// error bit is set and nothing is stored, as SET_ROWS does).
+// kRope's prologue, after the PDL wait (the angles in s_cs, or read here from the step's table):
+// this block's q head rotated into s_q, and its kv head's new K row (rotated) and V row, as F16,
+// into s_new ([K: hd][V: hd]), every value as the RoPE kernel and SET_ROWS compute it. Block z = 0
+// of each q head also writes what the ROPE of q writes for it, and block z = 0 of each kv head's
+// first q head what the ROPE of k and the two SET_ROWS write for that kv head. Returns the new
+// cell, or -1 when it lies outside the cache (the error bit is set and nothing is stored, as
+// SET_ROWS does).
 // With rope.early every global value it reads (q's and k's heads, the norms' weights, the V row)
 // is requested in one round, into s_x ([q | k | q weights | k weights], hd floats each) and s_new:
 // one L2 round trip on the launch's critical path instead of three (the norms' reads, the
 // rotation's, V's). The norms then read their inputs from shared memory in the same order, so the
 // bits are the same.
 __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const TDesc& q, const TDesc& kc,
-                                                 const TDesc& vc, int n_kv_head, int64_t cell, const float* s_cs,
+                                                 const TDesc& vc, int n_kv_head, int64_t cell, float* s_cs,
                                                  float* s_x, float* s_q, uint16_t* s_new, unsigned* err) {
     const int hd = static_cast<int>(q.ne[0]), h = blockIdx.x;
     const int group = static_cast<int>(q.ne[1]) / n_kv_head, kvh = h / group;
@@ -128,8 +161,11 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
         if (cv) cv[d] = v;
     };
     const bool one_round = rope.early;
+    // With rope.angles_stored the angles come from the step's first launch, in this same round.
+    const bool read_angles = rope.angles_stored;
     if (one_round) {
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            if (read_angles && d < rope.n_rot) s_cs[d] = rope.angles[d];
             s_x[d] = xq[d];
             s_x[hd + d] = xk[d];
             if (rope.q_norm) {
@@ -139,6 +175,8 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
             store_v(d);
         }
         __syncthreads();  // the heads as read
+    } else if (read_angles) {
+        for (int d = threadIdx.x; d < rope.n_rot; d += blockDim.x) s_cs[d] = rope.angles[d];
     }
     // The q/k norms' scales (warp 0: q's head, warp 1: k's), with the norm kernel's reduction, from
     // shared memory (one round) or, as before, from global memory: the same values in the same
@@ -151,6 +189,11 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
         if (lane == 0) s_scale[warp] = sc;
     }
     __syncthreads();  // the angles and the scales
+    // The step's first launch stores its angles for the others (after its PDL wait: every launch
+    // that read the table before has completed).
+    if (rope.angles && !read_angles && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        for (int d = threadIdx.x; d < rope.n_rot; d += blockDim.x) rope.angles[d] = s_cs[d];
+    }
     // Element i of q's / k's head as the ROPE reads it: the norm's output, x * scale * w.
     const auto qv = [&](int i) {
         const float x = one_round ? s_x[i] : xq[i];
@@ -258,9 +301,11 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     float* s_q = reinterpret_cast<float*>(smem);
     float* s_acc = s_q + hd;                      // [kWarps][hd]
     float* s_ml = s_acc + kWarps * hd;            // [kWarps][2]
-    float* s_cs = s_ml + 2 * kWarps;              // kRope: the angles [hd]
+    float* s_p = s_ml + 2 * kWarps;               // [kWarps][kChunk]: the chunks' weights
+    float* s_cs = s_p + kWarps * kChunk;          // kRope: the angles [hd]
     float* s_x = s_cs + (kRope ? hd : 0);         // kRope: the heads and weights as read [4][hd]
-    uint16_t* s_new = reinterpret_cast<uint16_t*>(s_x + (kRope ? 4 * hd : 0));  // kRope: the new K, V rows
+    float* s_mwin = s_x + (kRope ? 4 * hd : 0);   // kRope: the first page's mask window [2 * kPageCells]
+    uint16_t* s_new = reinterpret_cast<uint16_t*>(s_mwin + (kRope ? 2 * kPageCells : 0));  // kRope: the new K, V rows
     int64_t new_cell = -1;  // kRope: the cache row this launch writes, staged from s_new instead
     // kRope with rope.early: this lane's mask value in the block's first page (-inf outside the
     // span) and the warp's cells there that are not masked, read before the wait.
@@ -268,18 +313,30 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     uint32_t live_first = ~0u;  // the rows of the first page's chunk worth staging (all: unknown)
     if constexpr (kRope) {
         // Graph leaves (launch_attention_rope's caller checks), so read before the PDL wait: the
-        // double-precision angles overlap the kernel before.
+        // double-precision angles overlap the kernel before (where no earlier launch of the step
+        // stored them: rope.angles_stored).
         new_cell = rope.cells[0];
-        rope_angles(rope.pos[0], rope.factors, rope.n_rot, rope.base, rope.fscale, s_cs, threadIdx.x, blockDim.x);
+        if (!rope.angles_stored) {
+            rope_angles(rope.pos[0], rope.factors, rope.n_rot, rope.base, rope.fscale, s_cs, threadIdx.x, blockDim.x);
+        }
         if (rope.early) {
             // The mask row too: a decode step's mask covers a whole page span (256 cells a graph)
             // while the row sees fewer, so the masked rows are not copied at all (a masked cell's
-            // K is never read and its V is weighted by a p of 0, dropped by a select).
+            // K is never read and its V is weighted by a p of 0, dropped by a select). The mask
+            // indices of block z's first page lie in (256 z - 256, 256 z + 256) whatever the base
+            // (the page starts at most 255 cells before it), so that window is read together with
+            // the base instead of after it: one round trip before the copies go out, not two.
+            const int64_t w0 = static_cast<int64_t>(blockIdx.z) * kPageCells - kPageCells;
+            const float* mrow = reinterpret_cast<const float*>(mask.data + blockIdx.y * mask.nb[1]);
+            for (int t = threadIdx.x; t < 2 * kPageCells; t += blockDim.x) {
+                const int64_t jj = w0 + t;
+                s_mwin[t] = jj >= 0 && jj < mask.ne[0] ? mrow[jj] : -INFINITY;
+            }
             const FirstChunk f = first_chunk(base, mask, warp);
             const int64_t j = f.ch * kChunk + lane - f.b0;
             const bool in_span = f.in_span && j >= 0 && j < f.span;
-            const float* mrow = reinterpret_cast<const float*>(mask.data + blockIdx.y * mask.nb[1]);
-            if (in_span) mj_first = mrow[j];
+            __syncthreads();  // the window
+            if (in_span) mj_first = s_mwin[j - w0];
             live_first = __ballot_sync(0xffffffffu, mj_first != -INFINITY);
         }
     }
@@ -415,19 +472,20 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
         if (active) {
             const uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
             const uint16_t* kr = sk + lane * ks;
+            float* sp = s_p + warp * kChunk;
             if constexpr (kRegK) {
-                fold_staged_chunk<NC>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, hd, lane, in_span,
-                                      mj, scale, m, l, acc);
+                fold_staged_chunk<NC>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, sp, hd, lane,
+                                      in_span, mj, scale, m, l, acc);
             } else {
                 fold_staged_chunk<NC>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
-                                      sk + kChunk * ks, s_q, hd, lane, in_span, mj, scale, m, l, acc);
+                                      sk + kChunk * ks, s_q, sp, hd, lane, in_span, mj, scale, m, l, acc);
             }
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
         if (S == 1) stage_page(g + 1, 0, ~0u);
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-            const int d = lane + 32 * c;
+            const int d = NC * lane + c;
             if (d < hd) s_acc[warp * hd + d] = acc[c];
         }
         if (lane == 0) {
@@ -560,6 +618,13 @@ void launch_attention_staged(const TDesc& dst, const TDesc& q, const TDesc& k, c
 
 bool attention_rope_enabled() { return env_switch("PYSPEC_CUDA_ATT_ROPE") != 0; }
 
+bool attention_angles_enabled() { return env_switch("PYSPEC_CUDA_ATT_ANGLES") != 0; }
+
+int attention_rope_setting() {
+    return (env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 ? 1 : 0) | (env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 ? 2 : 0) |
+           (env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0 ? 4 : 0) | (attention_angles_enabled() ? 8 : 0);
+}
+
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,
                            int n_kv_head, float scale, const DecodeRope& rope, const SplitScratch& scratch,
                            unsigned* err, cudaStream_t s) {
@@ -577,6 +642,7 @@ bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, con
     }
     count_graph_event(GraphEvent::RopeAttentionLaunch);
     if (rope.early_copies) count_graph_event(GraphEvent::EarlyCopyAttentionLaunch);
+    if (rope.angles_stored) count_graph_event(GraphEvent::StoredAnglesAttentionLaunch);
     if (hd <= 64) {
         launch_split_or_walk<2, true>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, rope, s);
     } else {

@@ -574,3 +574,77 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
         monkeypatch.setenv("PYSPEC_CUDA_ATT_ROPE", fused)
         with pytest.raises(RuntimeError, match="out of range"):
             run_on(DEVICE, build_for(bad))
+
+
+@real_gpu
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+def test_decode_attentions_of_a_step_share_its_angles(monkeypatch, heads):
+    """The fused decode attentions of one compute with the same positions and frequencies compute
+    the RoPE angles once: the first launch stores them (cuda::DecodeRope::angles) and the later ones
+    read them (stored_angles_attention_launches counts those). Four layers: the first two over the
+    same positions, the third with frequency factors (its own angles, which it stores), the fourth
+    like the first two again (it must compute them again: the table now holds the third's). Every
+    output and cache is the bits of the table off (PYSPEC_CUDA_ATT_ANGLES=0) and of the nodes run
+    apart (PYSPEC_CUDA_ATT_ROPE=0), and a second graph at other positions (a new compute) gets its
+    own angles, not the first one's."""
+    if any(os.environ.get(v) == "0" for v in ("PYSPEC_CUDA_FUSE", "PYSPEC_CUDA_ATT_STAGED", "PYSPEC_CUDA_ATT_ROPE")):
+        pytest.skip("the launch is off (PYSPEC_CUDA_FUSE, PYSPEC_CUDA_ATT_STAGED or PYSPEC_CUDA_ATT_ROPE is 0)")
+    n_q, n_kv, hd = heads
+    rng = np.random.default_rng(7 + hd)
+    n_cells, span, kv_base, n_layers = 300, 40, 3, 4
+    width = hd * n_kv
+    new_cell = kv_base + span - 1
+    mask = np.zeros((1, span), np.float32)
+    factors = (1.0 + rng.random(hd // 2)).astype(np.float32)
+    layers = [dict(q=rng.standard_normal((1, n_q, hd)).astype(np.float32),
+                   k=rng.standard_normal((1, n_kv, hd)).astype(np.float32),
+                   v=rng.standard_normal((1, width)).astype(np.float32),
+                   k_all=cpu.encode(rng.standard_normal((n_cells, width)), "F16"),
+                   v_all=cpu.encode(rng.standard_normal((n_cells, width)), "F16")) for _ in range(n_layers)]
+
+    def build_at(position):
+        def build():
+            g = core.Graph()
+            tp = g.input("I32", [1], "pos")
+            tc = g.input("I32", [1], "cells")
+            tm = g.input("F32", [span, 1], "mask")
+            tb = g.input("I32", [1], "kv_base")
+            tf = g.input("F32", [hd // 2], "factors")
+            feeds = {tp: np.array([position], np.int32), tc: np.array([new_cell], np.int32), tm: mask,
+                     tb: np.array([kv_base], np.int32), tf: factors}
+            fetch = []
+            for i, layer in enumerate(layers):
+                tq = g.input("F32", [hd, n_q, 1], f"q{i}")
+                tk = g.input("F32", [hd, n_kv, 1], f"k{i}")
+                tv = g.input("F32", [width, 1], f"v{i}")
+                kc = g.external("F16", [width, n_cells], f"k_cache{i}")
+                vc = g.external("F16", [width, n_cells], f"v_cache{i}")
+                srcs = [tp, tf] if i == 2 else [tp]
+                rq = cpu.node(g, "ROPE", "F32", [hd, n_q, 1], [tq] + srcs, [hd, 2], [10000.0, 1.0])
+                rk = cpu.node(g, "ROPE", "F32", [hd, n_kv, 1], [tk] + srcs, [hd, 2], [10000.0, 1.0])
+                ks = g.set_rows(kc, g.reshape(rk, [width, 1]), tc)
+                vs = g.set_rows(vc, tv, tc)
+                att = cpu.node(g, "ATTENTION", "F32", [hd, n_q, 1], [rq, ks, vs, tm, tb], [n_kv], [hd ** -0.5])
+                feeds.update({tq: layer["q"], tk: layer["k"], tv: layer["v"], kc: layer["k_all"], vc: layer["v_all"]})
+                fetch += [att, rq, rk, ks, vs]
+            return g, feeds, fetch
+        return build
+
+    for position in (span + 2, 9000):
+        out, stored, fused_launches = {}, {}, {}
+        for setting, env in (("table", {"PYSPEC_CUDA_ATT_ANGLES": "1", "PYSPEC_CUDA_ATT_ROPE": "1"}),
+                             ("no table", {"PYSPEC_CUDA_ATT_ANGLES": "0", "PYSPEC_CUDA_ATT_ROPE": "1"}),
+                             ("apart", {"PYSPEC_CUDA_ATT_ANGLES": "1", "PYSPEC_CUDA_ATT_ROPE": "0"})):
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            core.reset_cuda_graph_stats()
+            out[setting] = run_on(DEVICE, build_at(position))
+            stats = core.cuda_graph_stats()
+            stored[setting] = stats["stored_angles_attention_launches"]
+            fused_launches[setting] = stats["rope_attention_launches"]
+        assert fused_launches == {"table": n_layers, "no table": n_layers, "apart": 0}, fused_launches
+        assert stored == {"table": 1, "no table": 0, "apart": 0}, stored
+        for setting in ("no table", "apart"):
+            for i, (a, b) in enumerate(zip(out["table"], out[setting])):
+                what = f"layer {i // 5} {('attention', 'q', 'k', 'k cache', 'v cache')[i % 5]} against {setting}"
+                assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), what
