@@ -250,7 +250,9 @@ int matmul_row_tma_setting();
 // The row-streaming kernels' grid (cuda/matmul_rows.cuh), read from the environment at each
 // compute and part of the CUDA graphs' key: kRowBalanced for the balanced grid (the default;
 // PYSPEC_CUDA_ROW_BALANCE=0 gives one item a warp). Both grids give the same bits.
-constexpr int kRowBalanced = 1;
+// kRowEvictFirst (PYSPEC_CUDA_L2_EVICT_FIRST=1; off by default until the H200 has measured it):
+// their weight loads mark the lines L2 evict-first (weight_policy). A cache hint: the same bits.
+constexpr int kRowBalanced = 1, kRowEvictFirst = 2;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

@@ -36,23 +36,37 @@ constexpr int kBalWarps = 8;         // the balanced grid
 constexpr int kBalBlocksPerSm = 2;
 constexpr int kEarlyUnits = 4;
 
-__device__ __forceinline__ uint4 ld_stream(const char* p) {
+// The L2 policy of a launch's weight loads (Parts::evict_first, kRowEvictFirst): evict_first
+// marks the weights' lines as the first to go, so the step's small, re-read data (the KV cache,
+// norm weights, the graph's inputs, the activations) is not pushed out of L2 by the ~8 GB of
+// weights a Qwen3-4B step streams through it once each; evict_normal is what a plain load does.
+__device__ __forceinline__ uint64_t weight_policy(bool evict_first) {
+    uint64_t pol;
+    if (evict_first) {
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    } else {
+        asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+    }
+    return pol;
+}
+
+__device__ __forceinline__ uint4 ld_stream(const char* p, uint64_t pol) {
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
+                 : "l"(p), "l"(pol));
     return r;
 }
 
 // A lane's first kEarlyUnits units of two rows.
-__device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t units, int lane,
+__device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t units, int lane, uint64_t pol,
                                            uint4 (&pre)[2][kEarlyUnits]) {
 #pragma unroll
     for (int i = 0; i < kEarlyUnits; ++i) {
         const int64_t u = lane + 32 * i;
         if (u < units) {
-            pre[0][i] = ld_stream(wr[0] + u * 16);
-            pre[1][i] = ld_stream(wr[1] + u * 16);
+            pre[0][i] = ld_stream(wr[0] + u * 16, pol);
+            pre[1][i] = ld_stream(wr[1] + u * 16, pol);
         }
     }
 }
@@ -107,7 +121,7 @@ __device__ __forceinline__ void rows_unit_fma(W&& w, const float* xu, float* acc
 // Both rows' fmaf chains over the staged column (pre: the first units, when early).
 template <DType T>
 __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const float* xs, int64_t k, int lane, bool early,
-                                            const uint4 (&pre)[2][kEarlyUnits], float (&acc)[2]) {
+                                            const uint4 (&pre)[2][kEarlyUnits], uint64_t pol, float (&acc)[2]) {
     acc[0] = acc[1] = 0.0f;
     const int64_t units = k / 8;
     int64_t u = lane;
@@ -121,7 +135,7 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
         }
     }
 #pragma unroll 4
-    for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16), ld_stream(wr[1] + u * 16)}, u);
+    for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
 // k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
@@ -144,17 +158,18 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
         }
     };
     const bool early = p.early && item < end;
+    const uint64_t pol = weight_policy(p.evict_first);
     uint4 pre[2][kEarlyUnits];
     if (early) {
         rows_of(item);
-        load_early(wr, k / 8, lane, pre);
+        load_early(wr, k / 8, lane, pol, pre);
     }
     pdl_enter();
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item);
         float acc[2];
-        stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
+        stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
         // Every lane holds both sums (warp_sum's xor tree gives each lane the same bits); lane r
         // stores row r, so the two residual reads of o and down (each a round trip to L2 on the
         // launch's tail) go out together rather than one after the other.
@@ -168,20 +183,22 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
 template <DType T, bool kNorm, bool kBalanced, int kW>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
-                                                              const float* norm_w, float norm_eps, bool constant) {
+                                                              const float* norm_w, float norm_eps, bool constant,
+                                                              bool evict_first) {
     const int lane = threadIdx.x & 31;
     int64_t row, end;
     block_items<kBalanced, kW>(n_rows, row, end);
     row += threadIdx.x >> 5;
     const bool early = constant && row < end;
+    const uint64_t pol = weight_policy(evict_first);
     uint4 pre[2][kEarlyUnits];
-    if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pre);
+    if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pol, pre);
     pdl_enter();
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps);  // before any warp leaves
     for (bool first = true; row < end; row += kW, first = false) {
         const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
         float acc[2];
-        stream_rows<T>(wr, xs, k, lane, first && early, pre, acc);
+        stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
         const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
         if (lane == 0) y[row] = silu_f(g) * u;
     }

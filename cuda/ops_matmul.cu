@@ -167,6 +167,7 @@ struct Parts {
     float norm_eps;
     bool prefetch;        // prefetch_enabled() (cuda/launch.cuh)
     bool early;           // every part's weights MatmulPart::constant (k_mul_mat_rows)
+    bool evict_first;     // the weight loads L2 evict-first (k_mul_mat_rows: kRowEvictFirst)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -488,10 +489,11 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
                 constexpr int kW = kB ? kBalWarps : kRowWarps;
                 return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
             };
-            return launch_row_stream(pick, gate.n_rows, k, matmul_row_stream_setting(), s,
-                                     static_cast<const char*>(gate.w), static_cast<const char*>(up.w),
-                                     static_cast<int64_t>(gate.row_bytes), static_cast<int64_t>(up.row_bytes),
-                                     gate.n_rows, k, x, y, norm.w, norm.eps, gate.constant && up.constant);
+            const int setting = matmul_row_stream_setting();
+            return launch_row_stream(pick, gate.n_rows, k, setting, s, static_cast<const char*>(gate.w),
+                                     static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
+                                     static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps,
+                                     gate.constant && up.constant, (setting & kRowEvictFirst) != 0);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
@@ -545,7 +547,10 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
                 constexpr int kW = kB ? kBalWarps : kRowWarps;
                 return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
             };
-            return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, matmul_row_stream_setting(), s, p, k, x);
+            const int setting = matmul_row_stream_setting();
+            Parts ps = p;
+            ps.evict_first = (setting & kRowEvictFirst) != 0;
+            return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, setting, s, ps, k, x);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
@@ -614,7 +619,10 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
            with_weight_type(t, false, [](auto, auto) {});
 }
 
-int matmul_row_stream_setting() { return env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0; }
+int matmul_row_stream_setting() {
+    return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
+           (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") == 1 ? kRowEvictFirst : 0);
+}
 
 int matmul_row_tma_setting() {
     if (env_switch("PYSPEC_CUDA_ROW_TMA") != 1) return 0;

@@ -12,7 +12,8 @@
 # PYSPEC_CUDA_ATT_EARLY=0, and nocopy, its first cache cells copied and the next kernel let in after
 # its PDL wait: PYSPEC_CUDA_ATT_EARLY_COPY=0 PYSPEC_CUDA_ATT_LET_IN_FIRST=0, and rowtma, one-column
 # MUL_MATs on the copy-engine row groups (opt-in):
-# PYSPEC_CUDA_ROW_TMA=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# PYSPEC_CUDA_ROW_TMA=1, and evict, the row streams' weight loads L2 evict-first (opt-in):
+# PYSPEC_CUDA_L2_EVICT_FIRST=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -64,6 +65,7 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     noearly) envs=(PYSPEC_CUDA_ATT_EARLY=0) ;;
     nocopy) envs=(PYSPEC_CUDA_ATT_EARLY_COPY=0 PYSPEC_CUDA_ATT_LET_IN_FIRST=0) ;;
     rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
+    evict) envs=(PYSPEC_CUDA_L2_EVICT_FIRST=1) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
