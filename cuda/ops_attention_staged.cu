@@ -33,6 +33,7 @@
 #include "cuda/graph_cache.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
+#include "cuda/phase_stamps.cuh"
 #include "cuda/rope_common.cuh"
 
 namespace pyspec {
@@ -40,6 +41,7 @@ namespace cuda {
 namespace {
 
 constexpr int kKPad = 8;  // halves after each staged K row: the lanes' 16-byte row reads hit distinct banks
+[[maybe_unused]] constexpr int kPhaseSlots = 9;  // PHASE_STAMP slots 0-8 (the diagnostic build's timeline)
 
 // Two stages where they fit the shared memory comfortably (head_dim <= 64), else one.
 constexpr int stages_for(int nc) { return nc <= 2 ? 2 : 1; }
@@ -97,8 +99,10 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
         }
         s = fmaf(dot, scale, mj);
     }
+    PHASE_STAMP(5, s);
     float p, corr;
     if (!fold_chunk(s, m, l, p, corr)) return;  // nothing unmasked in the chunk (warp-uniform)
+    PHASE_STAMP(6, p);
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] *= corr;
     // V rows in cell order. A row with p = 0 adds nothing (a select, not a branch, so the unrolled
@@ -126,6 +130,7 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
             }
         }
     }
+    PHASE_STAMP(7, acc[0]);
 }
 
 // kRope's prologue, after the PDL wait (the angles in s_cs, or read here from the step's table):
@@ -285,6 +290,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     // from the cache only after the wait (the previous kernel may be writing the newest one); a
     // prefetch is a hint that changes no value. base holds host-written positions.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    PHASE_STAMP(0, 0);  // the diagnostic build's timeline (cuda/phase_stamps.cuh): 0 the block's start
     if (prefetch) {
         const FirstChunk f = first_chunk(base, mask, warp);
         const int64_t cell = f.ch * kChunk + lane;
@@ -345,11 +351,13 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const bool let_in_first = kRope && rope.let_next_in_first;
     if (let_in_first) pdl_let_next_in();
     const auto enter = [&] {
+        PHASE_STAMP(1, live_first);  // what comes before the wait done
         if (let_in_first) {
             pdl_wait();
         } else {
             pdl_enter();
         }
+        PHASE_STAMP(2, 0);
     };
     if (!copy_early) enter();
     // kRope: every block runs the prologue (it stores the new rows), here or after its first copies.
@@ -375,6 +383,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             if (bad && threadIdx.x == 0) atomicOr(err, kErrAttentionSpan);
             for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = 0.0f;
         }
+        PHASE_REPORT("attention_staged", kPhaseSlots);
         return;
     }
     int64_t g = g_first + blockIdx.z;
@@ -382,6 +391,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     if (split && g > g_last) {                 // past the row's pages
         if (copy_early) enter();
         prologue();
+        PHASE_REPORT("attention_staged", kPhaseSlots);
         return;
     }
 
@@ -424,6 +434,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
         for (int d = threadIdx.x; d < hd; d += blockDim.x) s_q[d] = qr[d];
     }
     __syncthreads();
+    PHASE_STAMP(3, s_q[0]);  // the prologue done
     const float* mrow = reinterpret_cast<const float*>(mask.data + r * mask.nb[1]);
 
     // The row's running state (pages combined in order): thread d holds element d (hd <= 256).
@@ -453,6 +464,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             cp_async_wait<0>();
         }
         __syncwarp();
+        PHASE_STAMP(4, 0);  // the chunk's copies landed (then 5-7 in fold_staged_chunk)
         if constexpr (kRope) {
             // The new cell's rows into its slot (its copy was left out), by the warp that reads them.
             const int64_t i = new_cell - ch * kChunk;
@@ -505,8 +517,13 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
         } else if (g_first == g_last) {
             // The row's only page: combining it into the empty row state would give exactly its
             // accumulator (never -0: page_acc starts from +0) and l; skip that and a barrier.
-            if (threadIdx.x < hd) o[threadIdx.x] = page_acc(pw, threadIdx.x, acc_of) * row_scale(pw.l);
+            if (threadIdx.x < hd) {
+                const float out = page_acc(pw, threadIdx.x, acc_of) * row_scale(pw.l);
+                o[threadIdx.x] = out;
+                PHASE_STAMP(8, out);  // the output stored
+            }
             cp_async_wait<0>();
+            PHASE_REPORT("attention_staged", kPhaseSlots);
             return;
         } else {
             float fa, fb;
@@ -526,7 +543,10 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
         const unsigned n_pages = static_cast<unsigned>(g_last - g_first + 1);
         if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1u) == n_pages - 1;
         __syncthreads();
-        if (!s_last) return;
+        if (!s_last) {
+            PHASE_REPORT("attention_staged", kPhaseSlots);
+            return;
+        }
         __threadfence();
         for (unsigned z = 0; z < n_pages; ++z) {
             const float* slot = part + (static_cast<size_t>(h) * gridDim.z + z) * (2 + hd);
@@ -537,7 +557,12 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
         }
         if (threadIdx.x == 0) counters[h] = 0;  // zero again for the next launch
     }
-    if (threadIdx.x < hd) o[threadIdx.x] = acc_row * row_scale(l_row);
+    if (threadIdx.x < hd) {
+        const float out = acc_row * row_scale(l_row);
+        o[threadIdx.x] = out;
+        PHASE_STAMP(8, out);
+    }
+    PHASE_REPORT("attention_staged", kPhaseSlots);
 }
 
 // Pages a row of span cells can touch (it need not start at a page boundary).
@@ -554,6 +579,7 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
     // largest head dim of this instantiation.
     static std::once_flag once;
     std::call_once(once, [] {
+        PHASE_CONFIGURE();
         check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK, kRope>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(staged_smem_bytes(32 * NC, S, kRegK, kRope))),
               "attention (staged): cudaFuncSetAttribute");

@@ -1,0 +1,116 @@
+// A diagnostic: when a kernel's phases happen, inside the launch, while the step runs in its graph
+// (tools/device/phase_stamps.py). step_trace.py gives each launch's start and end in the
+// pipeline and ncu each kernel alone; neither says which part of a latency-bound launch (the
+// decode attention: its wait, its loads, its reductions) holds the step. Compiled in only with
+// -DPYSPEC_CUDA_PHASE_STAMPS (the CMake option PYSPEC_CUDA_PHASE_STAMPS=ON); otherwise the macros
+// are empty and the kernels are as they were.
+//
+// PHASE_STAMP(slot, dep): thread 0 of each of the first kBlocks blocks records %globaltimer once
+// `dep` has been computed. dep is an operand of the timer read, so the compiler cannot move the
+// read ahead of the work that produces dep (a stamp without one may be taken before a plain load
+// or fmaf it follows in the source, which made an earlier, hand-made version of these stamps put
+// the decode attention's K dot after its softmax). PHASE_REPORT(name, n_slots), on every path out
+// of the kernel: the grid's last block to report prints, for the launches selected by
+// PYSPEC_CUDA_PHASE_EVERY / _AT / _FROM / _COUNT (the launch index i with i % EVERY == AT and
+// FROM <= i / EVERY < FROM + COUNT: e.g. one layer's launch in steps FROM..FROM+COUNT-1), each
+// slot's earliest and latest stamp over the blocks in ns from the earliest slot-0 stamp ("-" for a
+// slot no block reached, e.g. a fold its warp had no cells for), then clears the stamps.
+#pragma once
+
+#ifdef PYSPEC_CUDA_PHASE_STAMPS
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace pyspec {
+namespace cuda {
+namespace phase_stamps {
+
+constexpr int kSlots = 12, kBlocks = 64;
+
+// Each translation unit has its own (static, and the CUDA build has no relocatable device code).
+static __device__ unsigned long long g_at[kBlocks][kSlots];
+static __device__ unsigned g_reported, g_launch;
+static __device__ int g_select[4] = {1, 0, 0, 0};  // every, at, from, count
+
+template <class T>
+__device__ __forceinline__ unsigned bits_of(T v) {
+    unsigned u = 0;
+    memcpy(&u, &v, sizeof(v) < sizeof(u) ? sizeof(v) : sizeof(u));
+    return u;
+}
+
+template <class T>
+__device__ __forceinline__ void stamp(int slot, T dep) {
+    const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x != 0 || block >= kBlocks || slot >= kSlots) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(bits_of(dep)));
+    g_at[block][slot] = t;
+}
+
+__device__ inline void report(const char* name, int n_slots) {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    __threadfence();
+    const unsigned n = gridDim.x * gridDim.y * gridDim.z;
+    if (atomicAdd(&g_reported, 1u) != n - 1) return;
+    g_reported = 0;
+    const int i = static_cast<int>(atomicAdd(&g_launch, 1u));
+    const int every = g_select[0] > 0 ? g_select[0] : 1, step = i / every;
+    const unsigned blocks = n < kBlocks ? n : kBlocks;
+    __threadfence();
+    if (i % every == g_select[1] && step >= g_select[2] && step < g_select[2] + g_select[3]) {
+        unsigned long long t0 = ~0ull;
+        for (unsigned b = 0; b < blocks; ++b) {
+            const unsigned long long t = __ldcg(&g_at[b][0]);
+            if (t != 0) t0 = min(t0, t);
+        }
+        printf("PHASES %s launch %d step %d:", name, i, step);
+        for (int s = 0; s < n_slots && s < kSlots; ++s) {
+            long long lo = 1ll << 62, hi = -(1ll << 62);
+            for (unsigned b = 0; b < blocks; ++b) {
+                const unsigned long long t = __ldcg(&g_at[b][s]);
+                if (t == 0) continue;
+                const long long v = static_cast<long long>(t - t0);
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+            }
+            if (hi < lo) {
+                printf(" %d:-", s);
+            } else {
+                printf(" %d:%lld..%lld", s, lo, hi);
+            }
+        }
+        printf("\n");
+    }
+    for (unsigned b = 0; b < blocks; ++b) {
+        for (int s = 0; s < kSlots; ++s) g_at[b][s] = 0;
+    }
+}
+
+// The launch selection from the environment, into this translation unit's copy (host; once a
+// kernel, before its first launch).
+inline void configure() {
+    int sel[4] = {1, 0, 0, 0};
+    const char* names[4] = {"PYSPEC_CUDA_PHASE_EVERY", "PYSPEC_CUDA_PHASE_AT", "PYSPEC_CUDA_PHASE_FROM",
+                            "PYSPEC_CUDA_PHASE_COUNT"};
+    for (int i = 0; i < 4; ++i) {
+        if (const char* v = std::getenv(names[i])) sel[i] = std::atoi(v);
+    }
+    cudaMemcpyToSymbol(g_select, sel, sizeof(sel));
+}
+
+}  // namespace phase_stamps
+}  // namespace cuda
+}  // namespace pyspec
+
+#define PHASE_STAMP(slot, dep) ::pyspec::cuda::phase_stamps::stamp(slot, dep)
+#define PHASE_REPORT(name, n_slots) ::pyspec::cuda::phase_stamps::report(name, n_slots)
+#define PHASE_CONFIGURE() ::pyspec::cuda::phase_stamps::configure()
+#else
+#define PHASE_STAMP(slot, dep) ((void)0)
+#define PHASE_REPORT(name, n_slots) ((void)0)
+#define PHASE_CONFIGURE() ((void)0)
+#endif
