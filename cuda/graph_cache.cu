@@ -18,8 +18,8 @@ namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
-    g_rope_attention{0}, g_early_copy_attention{0}, g_stored_angles_attention{0}, g_row_tma{0}, g_norm_prologue{0}, g_timed_replays{0},
-    g_replay_gpu_ns{0};
+    g_rope_attention{0}, g_early_copy_attention{0}, g_stored_angles_attention{0}, g_row_tma{0}, g_norm_prologue{0},
+    g_timed_replays{0}, g_replay_gpu_ns{0};
 
 }  // namespace
 

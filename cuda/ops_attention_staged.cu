@@ -647,7 +647,8 @@ bool attention_rope_enabled() { return env_switch("PYSPEC_CUDA_ATT_ROPE") != 0; 
 bool attention_angles_enabled() { return env_switch("PYSPEC_CUDA_ATT_ANGLES") != 0; }
 
 int attention_rope_setting() {
-    return (env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 ? 1 : 0) | (env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 ? 2 : 0) |
+    return (env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 ? 1 : 0) |
+           (env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 ? 2 : 0) |
            (env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0 ? 4 : 0) | (attention_angles_enabled() ? 8 : 0);
 }
 
