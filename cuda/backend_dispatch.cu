@@ -73,6 +73,7 @@ int CudaBackend::run_mul_mat_group(const Graph& g, int id, int norm) {
         act_id = g[norm].src[0];
         nn.w = reinterpret_cast<const float*>(dptr(g, g[norm].src[1]));
         nn.eps = g[norm].fparams[0];
+        nn.constant = constant(g, g[norm].src[1]);
         pn = &nn;
     }
     const Span act = span(g, act_id);

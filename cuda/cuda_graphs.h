@@ -42,6 +42,9 @@ struct CudaGraphStats {
     // Launches (eager or captured) of a MUL_MAT group that ran the RMS_NORM before it as its
     // prologue: what tests check that the fusion they compare against the nodes run apart happens.
     uint64_t norm_prologue_launches = 0;
+    // Of those, the row-streaming launches that copied the norm's weights into shared memory
+    // before the PDL wait (PYSPEC_CUDA_NORM_EARLY=1, stage_norm_weights).
+    uint64_t early_norm_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench
     // can split a step's wall time into the GPU's and the host's (plus the gaps between them).

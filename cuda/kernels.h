@@ -197,6 +197,7 @@ bool matmul_add_epilogue(DType wtype, int64_t k, TcRows rows);
 struct MatmulNorm {
     const float* w = nullptr;  // the norm's weights (required)
     float eps = 0.0f;
+    bool constant = false;     // no node of the graph writes w: it may be read before the PDL wait
 };
 constexpr int64_t kMatmulNormMaxM = 4;
 // The normalised columns a block holds in shared memory: one column in up to 48 KB; the tiles of 2
@@ -252,7 +253,10 @@ int matmul_row_tma_setting();
 // PYSPEC_CUDA_ROW_BALANCE=0 gives one item a warp). Both grids give the same bits.
 // kRowEvictFirst (PYSPEC_CUDA_L2_EVICT_FIRST=1; off by default until the H200 has measured it):
 // their weight loads mark the lines L2 evict-first (weight_policy). A cache hint: the same bits.
-constexpr int kRowBalanced = 1, kRowEvictFirst = 2;
+// kRowNormEarly (PYSPEC_CUDA_NORM_EARLY=1; off by default until measured): a norm prologue's
+// weights, where constant, are copied into shared memory before the PDL wait
+// (stage_norm_weights). The same values: the same bits.
+constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

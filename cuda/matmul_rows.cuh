@@ -71,13 +71,28 @@ __device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t u
     }
 }
 
+// The norm's weights copied into shared memory after the column (k floats on), by cp.async before
+// the PDL wait, where no node of the graph writes them (kRowNormEarly): the prologue then scales
+// with them from there instead of loading them from global memory after its sums, a round trip
+// to DRAM (the weights are read once a step) queued behind the launch's own early weight loads.
+// The same values, so the same bits. nw and k: 16-byte aligned and a multiple of 4 (the caller
+// checks).
+template <int kThreads>
+__device__ __forceinline__ void stage_norm_weights(const float* nw, int64_t k) {
+    float* s_nw = reinterpret_cast<float*>(normed_rows) + k;
+    for (int64_t i = 4 * static_cast<int64_t>(threadIdx.x); i < k; i += 4 * kThreads) cp_async<16>(s_nw + i, nw + i, true);
+    cp_async_commit();
+}
+
 // The block's activation column in shared memory, normalised (kNorm) or copied; every thread of
-// the block (kThreads) calls it.
+// the block (kThreads) calls it. nw_staged: the norm's weights were staged (stage_norm_weights).
 template <bool kNorm, int kThreads>
-__device__ __forceinline__ const float* stage_column(const float* x, int64_t k, const float* nw, float eps) {
+__device__ __forceinline__ const float* stage_column(const float* x, int64_t k, const float* nw, float eps,
+                                                     bool nw_staged = false) {
     if constexpr (kNorm) {
         const float* xc[1] = {x};
-        norm_prologue<1, kThreads>(xc, k, nw, eps);
+        const float* w = nw_staged ? reinterpret_cast<const float*>(normed_rows) + k : nw;
+        norm_prologue<1, kThreads>(xc, k, w, eps, nw_staged);
         return xc[0];
     } else {
         float* hs = reinterpret_cast<float*>(normed_rows);
@@ -159,13 +174,16 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     };
     const bool early = p.early && item < end;
     const uint64_t pol = weight_policy(p.evict_first);
+    if constexpr (kNorm) {
+        if (p.norm_early) stage_norm_weights<kW * 32>(p.norm_w, k);  // ahead of the weights' loads
+    }
     uint4 pre[2][kEarlyUnits];
     if (early) {
         rows_of(item);
         load_early(wr, k / 8, lane, pol, pre);
     }
     pdl_enter();
-    const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps);  // before any warp leaves
+    const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item);
         float acc[2];
@@ -184,17 +202,20 @@ template <DType T, bool kNorm, bool kBalanced, int kW>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant,
-                                                              bool evict_first) {
+                                                              bool evict_first, bool norm_early) {
     const int lane = threadIdx.x & 31;
     int64_t row, end;
     block_items<kBalanced, kW>(n_rows, row, end);
     row += threadIdx.x >> 5;
     const bool early = constant && row < end;
     const uint64_t pol = weight_policy(evict_first);
+    if constexpr (kNorm) {
+        if (norm_early) stage_norm_weights<kW * 32>(norm_w, k);  // ahead of the weights' loads
+    }
     uint4 pre[2][kEarlyUnits];
     if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pol, pre);
     pdl_enter();
-    const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps);  // before any warp leaves
+    const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps, norm_early);  // before any warp leaves
     for (bool first = true; row < end; row += kW, first = false) {
         const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
         float acc[2];
@@ -210,9 +231,11 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 // grid where setting (matmul_row_stream_setting(), read once a launch by the launch site) has
 // kRowBalanced, else (PYSPEC_CUDA_ROW_BALANCE=0, for A/B) the grid of one item a warp.
 // pick(balanced) gives the kernel instantiation.
+// norm_staged: the launch stages its norm's weights too (k more floats of shared memory).
 template <class Pick, class... Args>
-void launch_row_stream(Pick&& pick, int64_t n, int64_t k, int setting, cudaStream_t s, Args... args) {
-    const size_t smem = k * sizeof(float);
+void launch_row_stream(Pick&& pick, int64_t n, int64_t k, int setting, bool norm_staged, cudaStream_t s,
+                       Args... args) {
+    const size_t smem = (norm_staged ? 2 : 1) * k * sizeof(float);
     if (setting & kRowBalanced) {
         const int64_t blocks = std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n);
         return launch(pick(std::true_type{}), static_cast<unsigned>(std::max<int64_t>(1, blocks)), kBalWarps * 32, smem,

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/async_copy.cuh"
 #include "cuda/graph_cache.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
@@ -168,6 +169,8 @@ struct Parts {
     bool prefetch;        // prefetch_enabled() (cuda/launch.cuh)
     bool early;           // every part's weights MatmulPart::constant (k_mul_mat_rows)
     bool evict_first;     // the weight loads L2 evict-first (k_mul_mat_rows: kRowEvictFirst)
+    bool norm_constant;   // MatmulNorm::constant
+    bool norm_early;      // norm_w staged before the PDL wait (k_mul_mat_rows: stage_norm_weights)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -251,13 +254,20 @@ __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const flo
 // order by row length, then x * scale * w), and points xc at those rows; every thread of the block
 // (kThreads, at least the long-row order's kNormBlockThreads) must call it. Long rows are summed
 // by the block's first kNormBlockThreads threads in that order; all of them scale.
+// nw_staged: nw is shared memory this thread's cp.async copies are filling (stage_norm_weights,
+// before the PDL wait), waited for here.
 extern __shared__ float4 normed_rows[];  // C * k floats
 
 template <int C, int kThreads = kWarps * 32>
-__device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, const float* nw, float eps) {
+__device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, const float* nw, float eps,
+                                              bool nw_staged = false) {
     static_assert(kThreads % kNormBlockThreads == 0, "the norm prologue sums in the norm kernel's order");
     float* hs = reinterpret_cast<float*>(normed_rows);
     const int tid = threadIdx.x, lane = tid & 31;
+    if (nw_staged && k <= kWarpNormMax) {  // (longer rows wait at the barrier after their sums)
+        cp_async_wait<0>();
+        __syncthreads();
+    }
     if (k > kWarpNormMax) {
         __shared__ float sums[C][kNormBlockThreads / 32];
         // A wider block first copies the columns with all its threads (one round of loads each
@@ -285,6 +295,7 @@ __device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, 
                 if (lane == 0) sums[c][tid >> 5] = acc;
             }
         }
+        if (nw_staged) cp_async_wait<0>();
         __syncthreads();
 #pragma unroll
         for (int c = 0; c < C; ++c) {
@@ -463,6 +474,14 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
     }
 }
 
+// Whether a row-streaming launch stages its norm's weights (stage_norm_weights): asked for by the
+// setting, the weights constant, 16-byte aligned and whole 16-byte units, and the column and the
+// weights within the 48 KB of shared memory a launch has without asking.
+inline bool stages_norm_weights(int setting, const float* nw, bool constant, int64_t k) {
+    return (setting & kRowNormEarly) && nw && constant && reinterpret_cast<uintptr_t>(nw) % 16 == 0 && k % 4 == 0 &&
+           2 * k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
+}
+
 template <DType T, bool kVec>
 void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
@@ -490,10 +509,12 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
                 return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
             };
             const int setting = matmul_row_stream_setting();
-            return launch_row_stream(pick, gate.n_rows, k, setting, s, static_cast<const char*>(gate.w),
+            const bool staged = stages_norm_weights(setting, norm.w, norm.constant, k);
+            if (staged) count_graph_event(GraphEvent::EarlyNormLaunch);
+            return launch_row_stream(pick, gate.n_rows, k, setting, staged, s, static_cast<const char*>(gate.w),
                                      static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
                                      static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps,
-                                     gate.constant && up.constant, (setting & kRowEvictFirst) != 0);
+                                     gate.constant && up.constant, (setting & kRowEvictFirst) != 0, staged);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
@@ -550,7 +571,9 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             const int setting = matmul_row_stream_setting();
             Parts ps = p;
             ps.evict_first = (setting & kRowEvictFirst) != 0;
-            return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, setting, s, ps, k, x);
+            ps.norm_early = stages_norm_weights(setting, p.norm_w, p.norm_constant, k);
+            if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
+            return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, setting, ps.norm_early, s, ps, k, x);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
@@ -621,7 +644,8 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
 
 int matmul_row_stream_setting() {
     return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
-           (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") == 1 ? kRowEvictFirst : 0);
+           (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") == 1 ? kRowEvictFirst : 0) |
+           (env_switch("PYSPEC_CUDA_NORM_EARLY") == 1 ? kRowNormEarly : 0);
 }
 
 int matmul_row_tma_setting() {
@@ -709,6 +733,7 @@ void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, cons
     if (p.row0[n_parts] == 0) return;
     p.norm_w = norm ? norm->w : nullptr;
     p.norm_eps = norm ? norm->eps : 0.0f;
+    p.norm_constant = norm && norm->constant;
     int64_t longest_row = 0;
     for (int j = 0; j < n_parts; ++j) longest_row = std::max(longest_row, static_cast<int64_t>(parts[j].row_bytes));
     p.prefetch = prefetch_weights(longest_row);

@@ -11,6 +11,8 @@ rows are compared bit for bit alone and in batches. Shared pieces: tests/cuda_op
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -339,15 +341,19 @@ def norm_then_matmuls_build(dtype, x, norm_w, weights, tail, fetch_norm=False, e
 
 
 @gpu
+@pytest.mark.parametrize("early", ["0", "1"], ids=["", "norm_early"])
 @pytest.mark.parametrize("tail", ["group", "glu", "residual", "norm fetched"])
 @pytest.mark.parametrize("dtype", ALL_W)
-def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
+def test_norm_prologue_gives_the_unfused_bits(dtype, tail, early, monkeypatch):
     """An RMS_NORM whose only readers are the MUL_MATs right after it runs inside their launch at
     M = 1 to 4 (decode, verify, draft blocks; the kernel normalises the norm's inputs as the norm
     kernel does, M = 3 in a tile of 4): the bits of the nodes run apart (PYSPEC_CUDA_FUSE=0) for a
     q/k/v-like group, gate/up with the SwiGLU epilogue and one MUL_MAT with the residual epilogue,
     each row equal to the same row inside a batch (M = 5, no prologue), and where the norm's output
-    is fetched (it must then be stored: no prologue)."""
+    is fetched (it must then be stored: no prologue). Each way also with the norm's weights copied
+    into shared memory before the PDL wait (PYSPEC_CUDA_NORM_EARLY=1: the row-streaming launches,
+    16-bit weights at M = 1, counted by early_norm_launches)."""
+    monkeypatch.setenv("PYSPEC_CUDA_NORM_EARLY", early)
     k = 576
     rng = np.random.default_rng(41)
     norm_w = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
@@ -359,6 +365,7 @@ def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
     _, x = mm_inputs(dtype, 8, k, 5, seed=70)
     x *= 3.0
     out = {}
+    staged_any = False
     for fuse in ("1", "0"):
         monkeypatch.setenv("PYSPEC_CUDA_FUSE", fuse)
         for m in (1, 2, 3, 4, 5):
@@ -369,6 +376,15 @@ def test_norm_prologue_gives_the_unfused_bits(dtype, tail, monkeypatch):
             if DEVICE == "cuda":  # the prologue ran where it should (the comparison is not vacuous)
                 ran = core.cuda_graph_stats()["norm_prologue_launches"] > 0
                 assert ran == (fuse == "1" and m <= 4 and tail != "norm fetched"), (fuse, m)
+                staged = core.cuda_graph_stats()["early_norm_launches"] > 0
+                assert not staged or (ran and early == "1" and m == 1), (fuse, m)
+                staged_any = staged_any or staged
+    # The row-streaming kernels take 16-bit weights' M = 1 unless the environment sends rows elsewhere.
+    rows_stream = DEVICE == "cuda" and dtype in ("F16", "BF16") and tail != "norm fetched" and all(
+        os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_TC", "1"), ("PYSPEC_CUDA_ROW_STREAM", "0"),
+                                                ("PYSPEC_CUDA_ROW_TMA", "1")))
+    if early == "1" and rows_stream:
+        assert staged_any, "no launch staged the norm's weights"
     for m in (1, 2, 3, 4):
         for i, (a, b) in enumerate(zip(out["1", m], out["0", m])):
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}, M={m}, fused against apart")

@@ -13,7 +13,8 @@
 # its PDL wait: PYSPEC_CUDA_ATT_EARLY_COPY=0 PYSPEC_CUDA_ATT_LET_IN_FIRST=0, and rowtma, one-column
 # MUL_MATs on the copy-engine row groups (opt-in):
 # PYSPEC_CUDA_ROW_TMA=1, and evict, the row streams' weight loads L2 evict-first (opt-in):
-# PYSPEC_CUDA_L2_EVICT_FIRST=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# PYSPEC_CUDA_L2_EVICT_FIRST=1, and normearly, their norm prologue's weights copied before the PDL
+# wait (opt-in): PYSPEC_CUDA_NORM_EARLY=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -66,6 +67,7 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     nocopy) envs=(PYSPEC_CUDA_ATT_EARLY_COPY=0 PYSPEC_CUDA_ATT_LET_IN_FIRST=0) ;;
     rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
     evict) envs=(PYSPEC_CUDA_L2_EVICT_FIRST=1) ;;
+    normearly) envs=(PYSPEC_CUDA_NORM_EARLY=1) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
