@@ -464,7 +464,9 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             cp_async_wait<0>();
         }
         __syncwarp();
-        PHASE_STAMP(4, 0);  // the chunk's copies landed (then 5-7 in fold_staged_chunk)
+        // The chunk's copies landed (then 5-7 in fold_staged_chunk): tied to a value the copies
+        // wrote, as the timer read alone may be scheduled ahead of the wait for them.
+        PHASE_STAMP(4, s_stage[static_cast<size_t>(st) * kChunk * (ks + hd) + kChunk * ks + lane]);
         if constexpr (kRope) {
             // The new cell's rows into its slot (its copy was left out), by the warp that reads them.
             const int64_t i = new_cell - ch * kChunk;
