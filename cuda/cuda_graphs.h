@@ -36,6 +36,8 @@ struct CudaGraphStats {
     // Of those, the launches that read the step's RoPE angles stored by its first one
     // (DecodeRope::angles_stored) instead of computing them.
     uint64_t stored_angles_attention_launches = 0;
+    // Of those, the launches with the K dot and V rows rolled (PYSPEC_CUDA_ATT_ROLLED=1).
+    uint64_t rolled_attention_launches = 0;
     // Launches (eager or captured) of the one-column row groups fed by the copy engine
     // (k_mul_mat_rows_tma): what tests check that the kernel runs where it should.
     uint64_t row_tma_launches = 0;

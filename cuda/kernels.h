@@ -151,8 +151,12 @@ struct DecodeRope {
 bool attention_rope_enabled();
 // The decode attention's angle table (DecodeRope::angles): on unless PYSPEC_CUDA_ATT_ANGLES=0.
 bool attention_angles_enabled();
+// The decode attention's K dot and V rows as loops rather than unrolled (k_attention_staged's
+// kRolled, the walking launch of a decode row with its RoPE): on with PYSPEC_CUDA_ATT_ROLLED=1,
+// off by default until the H200 has measured it. The same bits.
+bool attention_rolled_enabled();
 // The decode attention's launch choices read at each compute (PYSPEC_CUDA_ATT_EARLY,
-// _EARLY_COPY, _LET_IN_FIRST, _ANGLES), as bits for the CUDA graphs' key.
+// _EARLY_COPY, _LET_IN_FIRST, _ANGLES, _ROLLED), as bits for the CUDA graphs' key.
 int attention_rope_setting();
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,
                            int n_kv_head, float scale, const DecodeRope& rope, const SplitScratch& scratch,

@@ -80,7 +80,14 @@ __device__ __forceinline__ void load_halves(const uint16_t* p, float (&v)[NC]) {
 // k_unit(d0): the 16 bytes of this lane's K row at head dim d0 (from shared memory or registers).
 // acc[c] is head dim NC * lane + c (the lane's NC consecutive dims: one 4- or 8-byte load a V row);
 // s_p: the warp's kChunk floats of shared memory, where the cells' weights are passed.
-template <int NC, typename KUnit>
+// kRolled (K staged in shared memory only; PYSPEC_CUDA_ATT_ROLLED=1, an experiment): the K dot and
+// the V rows as loops rather than unrolled. A decode launch runs this once a block: unrolled, it is
+// ~600 instructions (129 FFMA, 128 HADD2 and 62 LDS for the dot; as many FFMA and HADD2 and 40
+// LDS for the V rows, sm_90a), each fetched once, and the stamps put the fold at ~3.3 us (~6,500
+// cycles) with its copies landed: if instruction fetch is what bounds it, the loops' few dozen
+// instructions fetched once and then run from the instruction cache should be faster. The same
+// operations in the same order: the same bits.
+template <int NC, bool kRolled, typename KUnit>
 __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* sv, const float* s_q, float* s_p,
                                                   int hd, int lane, bool in_span, float mj, float scale, float& m,
                                                   float& l, float (&acc)[NC]) {
@@ -89,7 +96,7 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
         float dot = 0.0f;
         // Bounded by the instantiation's widest head so the loop unrolls (smem loads hoisted ahead
         // of the fmaf chain); the chain itself runs d = 0 .. hd-1 as everywhere.
-#pragma unroll
+#pragma unroll(kRolled ? 1 : 4 * NC)
         for (int d0 = 0; d0 < 32 * NC; d0 += 8) {
             if (d0 >= hd) break;
             const uint4 raw = k_unit(d0);
@@ -114,7 +121,7 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
     __syncwarp();
     if (NC * lane < hd) {
         const uint16_t* vr = sv + NC * lane;
-#pragma unroll
+#pragma unroll(kRolled ? 1 : kChunk / 4)
         for (int i0 = 0; i0 < kChunk; i0 += 4) {
             const float4 p4 = *reinterpret_cast<const float4*>(s_p + i0);
             const float pv[4] = {p4.x, p4.y, p4.z, p4.w};
@@ -280,7 +287,7 @@ __device__ inline FirstChunk first_chunk(const int32_t* base, const TDesc& mask,
 // kRope (a decode row's DecodeRope, one row): the block computes its q head, and the new cell's K
 // and V rows of its kv head, from the RoPE's inputs (rope_prologue), and stages those in place of
 // the cell's cache row, which this launch itself writes.
-template <int NC, int S, bool kRegK, bool kRope>
+template <int NC, int S, bool kRegK, bool kRope, bool kRolled = false>
 __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask, const int32_t* base, int n_kv_head,
                        float scale, float* part, unsigned* counters, unsigned* err, bool prefetch,
@@ -487,12 +494,12 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             const uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
             const uint16_t* kr = sk + lane * ks;
             float* sp = s_p + warp * kChunk;
-            if constexpr (kRegK) {
-                fold_staged_chunk<NC>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, sp, hd, lane,
-                                      in_span, mj, scale, m, l, acc);
+            if constexpr (kRegK) {  // (kreg's index must be known at compile time: never rolled)
+                fold_staged_chunk<NC, false>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, sp, hd,
+                                             lane, in_span, mj, scale, m, l, acc);
             } else {
-                fold_staged_chunk<NC>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
-                                      sk + kChunk * ks, s_q, sp, hd, lane, in_span, mj, scale, m, l, acc);
+                fold_staged_chunk<NC, kRolled>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
+                                               sk + kChunk * ks, s_q, sp, hd, lane, in_span, mj, scale, m, l, acc);
             }
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
@@ -573,7 +580,7 @@ inline int64_t pages_touched_max(int64_t span) { return span > 0 ? (span + kPage
 // One row over more than two pages splits (a page per block); two are walked by one block as fast.
 inline bool splits(int64_t rows, int64_t span) { return rows == 1 && pages_touched_max(span) > 2; }
 
-template <int NC, int S, bool kRegK, bool kRope>
+template <int NC, int S, bool kRegK, bool kRope, bool kRolled = false>
 void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                const int32_t* base, int n_kv_head, float scale, unsigned z, float* part, unsigned* counters,
                unsigned* err, const DecodeRope& rope, cudaStream_t s) {
@@ -582,12 +589,13 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
     static std::once_flag once;
     std::call_once(once, [] {
         PHASE_CONFIGURE();
-        check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK, kRope>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK, kRope, kRolled>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(staged_smem_bytes(32 * NC, S, kRegK, kRope))),
               "attention (staged): cudaFuncSetAttribute");
     });
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]), z);
-    launch(k_attention_staged<NC, S, kRegK, kRope>, grid, kWarps * 32,
+    launch(k_attention_staged<NC, S, kRegK, kRope, kRolled>, grid, kWarps * 32,
            staged_smem_bytes(static_cast<int>(q.ne[0]), S, kRegK, kRope), s, dst, q, k, v, mask, base, n_kv_head,
            scale, part, counters, err, prefetch_enabled(), rope);
 }
@@ -605,6 +613,12 @@ void launch_split_or_walk(const TDesc& dst, const TDesc& q, const TDesc& k, cons
         launch_nc<NC, 1, (NC > 2), kRope>(dst, q, k, v, mask, base, n_kv_head, scale,
                                           static_cast<unsigned>(pages_touched_max(mask.ne[0])), scratch.partial,
                                           scratch.counters, err, rope, s);
+    } else if (kRope && attention_rolled_enabled()) {  // (instantiated for the decode rows' launch only)
+        if constexpr (kRope) {
+            count_graph_event(GraphEvent::RolledAttentionLaunch);
+            launch_nc<NC, stages_for(NC), false, kRope, true>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr,
+                                                              nullptr, err, rope, s);
+        }
     } else {
         launch_nc<NC, stages_for(NC), false, kRope>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr, nullptr,
                                                     err, rope, s);
@@ -648,10 +662,13 @@ bool attention_rope_enabled() { return env_switch("PYSPEC_CUDA_ATT_ROPE") != 0; 
 
 bool attention_angles_enabled() { return env_switch("PYSPEC_CUDA_ATT_ANGLES") != 0; }
 
+bool attention_rolled_enabled() { return env_switch("PYSPEC_CUDA_ATT_ROLLED") == 1; }
+
 int attention_rope_setting() {
     return (env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 ? 1 : 0) |
            (env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 ? 2 : 0) |
-           (env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0 ? 4 : 0) | (attention_angles_enabled() ? 8 : 0);
+           (env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0 ? 4 : 0) | (attention_angles_enabled() ? 8 : 0) |
+           (attention_rolled_enabled() ? 16 : 0);
 }
 
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,

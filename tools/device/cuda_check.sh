@@ -14,7 +14,8 @@
 # MUL_MATs on the copy-engine row groups (opt-in):
 # PYSPEC_CUDA_ROW_TMA=1, and evict, the row streams' weight loads L2 evict-first (opt-in):
 # PYSPEC_CUDA_L2_EVICT_FIRST=1, and normearly, their norm prologue's weights copied before the PDL
-# wait (opt-in): PYSPEC_CUDA_NORM_EARLY=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# wait (opt-in): PYSPEC_CUDA_NORM_EARLY=1, and rolled, the decode attention's K dot and V rows as
+# loops (opt-in): PYSPEC_CUDA_ATT_ROLLED=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -68,6 +69,7 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
     evict) envs=(PYSPEC_CUDA_L2_EVICT_FIRST=1) ;;
     normearly) envs=(PYSPEC_CUDA_NORM_EARLY=1) ;;
+    rolled) envs=(PYSPEC_CUDA_ATT_ROLLED=1) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
