@@ -474,11 +474,14 @@ void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
     }
 }
 
+// Whether p (nullptr: nothing to load) allows 16-byte loads.
+bool aligned16(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Whether a row-streaming launch stages its norm's weights (stage_norm_weights): asked for by the
 // setting, the weights constant, 16-byte aligned and whole 16-byte units, and the column and the
 // weights within the 48 KB of shared memory a launch has without asking.
 inline bool stages_norm_weights(int setting, const float* nw, bool constant, int64_t k) {
-    return (setting & kRowNormEarly) && nw && constant && reinterpret_cast<uintptr_t>(nw) % 16 == 0 && k % 4 == 0 &&
+    return (setting & kRowNormEarly) && nw && constant && aligned16(nw) && k % 4 == 0 &&
            2 * k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
 }
 
@@ -601,8 +604,6 @@ bool sixteen_byte_loads(DType t, const float* x, int64_t xs, const MatmulPart* p
     return vec;
 }
 
-// Whether p (nullptr: nothing to load) allows 16-byte loads.
-bool aligned16(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Calls f(integral_constant<DType, t>, bool_constant<vec>) for the CUDA-core kernels' weight
 // types, the 16-byte-load choice being a template parameter too; false for any other type.
