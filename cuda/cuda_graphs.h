@@ -36,16 +36,16 @@ struct CudaGraphStats {
     // Of those, the launches that read the step's RoPE angles stored by its first one
     // (DecodeRope::angles_stored) instead of computing them.
     uint64_t stored_angles_attention_launches = 0;
-    // Of those, the launches with the K dot and V rows rolled (PYSPEC_CUDA_ATT_ROLLED=1).
-    uint64_t rolled_attention_launches = 0;
     // Launches (eager or captured) of the one-column row groups fed by the copy engine
     // (k_mul_mat_rows_tma): what tests check that the kernel runs where it should.
     uint64_t row_tma_launches = 0;
     // Launches (eager or captured) of a MUL_MAT group that ran the RMS_NORM before it as its
     // prologue: what tests check that the fusion they compare against the nodes run apart happens.
     uint64_t norm_prologue_launches = 0;
-    // Of those, the row-streaming launches that copied the norm's weights into shared memory
-    // before the PDL wait (PYSPEC_CUDA_NORM_EARLY=1, stage_norm_weights).
+    // Launches that copied a norm's weights into shared memory before the PDL wait: of those, the
+    // row-streaming ones (stage_norm_weights; PYSPEC_CUDA_NORM_EARLY=0 turns it off), and the
+    // decode attention launches with Qwen3's q/k norms (DecodeRope::norms_early;
+    // PYSPEC_CUDA_ATT_NORM_EARLY=0).
     uint64_t early_norm_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench

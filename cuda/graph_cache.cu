@@ -18,8 +18,7 @@ namespace {
 
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
-    g_rope_attention{0}, g_early_copy_attention{0}, g_stored_angles_attention{0}, g_rolled_attention{0},
-    g_row_tma{0}, g_norm_prologue{0},
+    g_rope_attention{0}, g_early_copy_attention{0}, g_stored_angles_attention{0}, g_row_tma{0}, g_norm_prologue{0},
     g_early_norm{0}, g_timed_replays{0}, g_replay_gpu_ns{0};
 
 }  // namespace
@@ -48,7 +47,6 @@ CudaGraphStats cuda_graph_stats() {
     s.rope_attention_launches = g_rope_attention.load();
     s.early_copy_attention_launches = g_early_copy_attention.load();
     s.stored_angles_attention_launches = g_stored_angles_attention.load();
-    s.rolled_attention_launches = g_rolled_attention.load();
     s.row_tma_launches = g_row_tma.load();
     s.norm_prologue_launches = g_norm_prologue.load();
     s.early_norm_launches = g_early_norm.load();
@@ -67,7 +65,6 @@ void reset_cuda_graph_stats() {
     g_rope_attention = 0;
     g_early_copy_attention = 0;
     g_stored_angles_attention = 0;
-    g_rolled_attention = 0;
     g_row_tma = 0;
     g_norm_prologue = 0;
     g_early_norm = 0;
@@ -88,7 +85,6 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::RopeAttentionLaunch: ++g_rope_attention; break;
         case GraphEvent::EarlyCopyAttentionLaunch: ++g_early_copy_attention; break;
         case GraphEvent::StoredAnglesAttentionLaunch: ++g_stored_angles_attention; break;
-        case GraphEvent::RolledAttentionLaunch: ++g_rolled_attention; break;
         case GraphEvent::RowTmaLaunch: ++g_row_tma; break;
         case GraphEvent::NormPrologueLaunch: ++g_norm_prologue; break;
         case GraphEvent::EarlyNormLaunch: ++g_early_norm; break;

@@ -80,14 +80,7 @@ __device__ __forceinline__ void load_halves(const uint16_t* p, float (&v)[NC]) {
 // k_unit(d0): the 16 bytes of this lane's K row at head dim d0 (from shared memory or registers).
 // acc[c] is head dim NC * lane + c (the lane's NC consecutive dims: one 4- or 8-byte load a V row);
 // s_p: the warp's kChunk floats of shared memory, where the cells' weights are passed.
-// kRolled (K staged in shared memory only; PYSPEC_CUDA_ATT_ROLLED=1, an experiment): the K dot and
-// the V rows as loops rather than unrolled. A decode launch runs this once a block: unrolled, it is
-// ~600 instructions (129 FFMA, 128 HADD2 and 62 LDS for the dot; as many FFMA and HADD2 and 40
-// LDS for the V rows, sm_90a), each fetched once, and the stamps put the fold at ~3.3 us (~6,500
-// cycles) with its copies landed: if instruction fetch is what bounds it, the loops' few dozen
-// instructions fetched once and then run from the instruction cache should be faster. The same
-// operations in the same order: the same bits.
-template <int NC, bool kRolled, typename KUnit>
+template <int NC, typename KUnit>
 __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* sv, const float* s_q, float* s_p,
                                                   int hd, int lane, bool in_span, float mj, float scale, float& m,
                                                   float& l, float (&acc)[NC]) {
@@ -95,8 +88,10 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
     if (in_span && mj != -INFINITY) {
         float dot = 0.0f;
         // Bounded by the instantiation's widest head so the loop unrolls (smem loads hoisted ahead
-        // of the fmaf chain); the chain itself runs d = 0 .. hd-1 as everywhere.
-#pragma unroll(kRolled ? 1 : 4 * NC)
+        // of the fmaf chain); the chain itself runs d = 0 .. hd-1 as everywhere. (The counts here and
+        // for the V rows are written out: with a bare `#pragma unroll` ptxas spilled 8 bytes in the
+        // split rope variant, <4, 1, true, true>, at its 128-register bound.)
+#pragma unroll(4 * NC)
         for (int d0 = 0; d0 < 32 * NC; d0 += 8) {
             if (d0 >= hd) break;
             const uint4 raw = k_unit(d0);
@@ -121,7 +116,7 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
     __syncwarp();
     if (NC * lane < hd) {
         const uint16_t* vr = sv + NC * lane;
-#pragma unroll(kRolled ? 1 : kChunk / 4)
+#pragma unroll(kChunk / 4)
         for (int i0 = 0; i0 < kChunk; i0 += 4) {
             const float4 p4 = *reinterpret_cast<const float4*>(s_p + i0);
             const float pv[4] = {p4.x, p4.y, p4.z, p4.w};
@@ -180,12 +175,16 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
             if (read_angles && d < rope.n_rot) s_cs[d] = rope.angles[d];
             s_x[d] = xq[d];
             s_x[hd + d] = xk[d];
-            if (rope.q_norm) {
+            if (rope.q_norm && !rope.norms_early) {
                 s_x[2 * hd + d] = rope.q_norm[d];
                 s_x[3 * hd + d] = rope.k_norm[d];
             }
             store_v(d);
         }
+        // With rope.norms_early the norms' weights were copied before the wait, a cp.async group
+        // of their own, followed by the first page's group (the paths without a page wait for
+        // every group before they call this).
+        if (rope.norms_early) cp_async_wait<1>();
         __syncthreads();  // the heads as read
     } else if (read_angles) {
         for (int d = threadIdx.x; d < rope.n_rot; d += blockDim.x) s_cs[d] = rope.angles[d];
@@ -287,7 +286,7 @@ __device__ inline FirstChunk first_chunk(const int32_t* base, const TDesc& mask,
 // kRope (a decode row's DecodeRope, one row): the block computes its q head, and the new cell's K
 // and V rows of its kv head, from the RoPE's inputs (rope_prologue), and stages those in place of
 // the cell's cache row, which this launch itself writes.
-template <int NC, int S, bool kRegK, bool kRope, bool kRolled = false>
+template <int NC, int S, bool kRegK, bool kRope>
 __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     k_attention_staged(TDesc dst, TDesc q, TDesc kc, TDesc vc, TDesc mask, const int32_t* base, int n_kv_head,
                        float scale, float* part, unsigned* counters, unsigned* err, bool prefetch,
@@ -352,6 +351,20 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             if (in_span) mj_first = s_mwin[j - w0];
             live_first = __ballot_sync(0xffffffffu, mj_first != -INFINITY);
         }
+        if (rope.norms_early) {
+            // The q/k norms' weights (graph leaves, 16-byte aligned, hd a multiple of 4: the
+            // backend checks) copied into s_x's weight rows now rather than requested after the
+            // wait, where that read went to DRAM behind the next kernel's early weight loads
+            // (it is let in first). Their own group, ahead of the first page's. One 16-byte unit a
+            // thread: 2 * hd / 4 <= 128 units (hd <= kWarpNormMax) for 256 threads.
+            const int u = threadIdx.x, units = hd / 4;
+            if (u < 2 * units) {
+                const bool is_k = u >= units;
+                const int d = (is_k ? u - units : u) * 4;
+                cp_async<16>(s_x + (is_k ? 3 : 2) * hd + d, (is_k ? rope.k_norm : rope.q_norm) + d, true);
+            }
+            cp_async_commit();
+        }
     }
     // kRope with rope.early_copies: the first page's copies go out before the wait too (below).
     const bool copy_early = kRope && rope.early_copies;
@@ -385,6 +398,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const bool bad = b0 < 0 || b0 + span > n_cells;
     if (bad || (split && g_last < 0)) {  // (a split row has cells: splits())
         if (copy_early) enter();
+        cp_async_wait<0>();  // the norms' weights (rope.norms_early), with no page group after them
         prologue();
         if (blockIdx.z == 0) {
             if (bad && threadIdx.x == 0) atomicOr(err, kErrAttentionSpan);
@@ -397,6 +411,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const int64_t g_end = split ? g : g_last;  // the block's last page (none: an empty row's zeros)
     if (split && g > g_last) {                 // past the row's pages
         if (copy_early) enter();
+        cp_async_wait<0>();  // the norms' weights (rope.norms_early), with no page group after them
         prologue();
         PHASE_REPORT("attention_staged", kPhaseSlots);
         return;
@@ -494,12 +509,12 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             const uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
             const uint16_t* kr = sk + lane * ks;
             float* sp = s_p + warp * kChunk;
-            if constexpr (kRegK) {  // (kreg's index must be known at compile time: never rolled)
-                fold_staged_chunk<NC, false>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, sp, hd,
-                                             lane, in_span, mj, scale, m, l, acc);
+            if constexpr (kRegK) {
+                fold_staged_chunk<NC>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, sp, hd, lane,
+                                      in_span, mj, scale, m, l, acc);
             } else {
-                fold_staged_chunk<NC, kRolled>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
-                                               sk + kChunk * ks, s_q, sp, hd, lane, in_span, mj, scale, m, l, acc);
+                fold_staged_chunk<NC>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
+                                      sk + kChunk * ks, s_q, sp, hd, lane, in_span, mj, scale, m, l, acc);
             }
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
@@ -580,7 +595,7 @@ inline int64_t pages_touched_max(int64_t span) { return span > 0 ? (span + kPage
 // One row over more than two pages splits (a page per block); two are walked by one block as fast.
 inline bool splits(int64_t rows, int64_t span) { return rows == 1 && pages_touched_max(span) > 2; }
 
-template <int NC, int S, bool kRegK, bool kRope, bool kRolled = false>
+template <int NC, int S, bool kRegK, bool kRope>
 void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v, const TDesc& mask,
                const int32_t* base, int n_kv_head, float scale, unsigned z, float* part, unsigned* counters,
                unsigned* err, const DecodeRope& rope, cudaStream_t s) {
@@ -589,13 +604,12 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
     static std::once_flag once;
     std::call_once(once, [] {
         PHASE_CONFIGURE();
-        check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK, kRope, kRolled>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+        check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK, kRope>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(staged_smem_bytes(32 * NC, S, kRegK, kRope))),
               "attention (staged): cudaFuncSetAttribute");
     });
     const dim3 grid(static_cast<unsigned>(q.ne[1]), static_cast<unsigned>(q.ne[2]), z);
-    launch(k_attention_staged<NC, S, kRegK, kRope, kRolled>, grid, kWarps * 32,
+    launch(k_attention_staged<NC, S, kRegK, kRope>, grid, kWarps * 32,
            staged_smem_bytes(static_cast<int>(q.ne[0]), S, kRegK, kRope), s, dst, q, k, v, mask, base, n_kv_head,
            scale, part, counters, err, prefetch_enabled(), rope);
 }
@@ -613,12 +627,6 @@ void launch_split_or_walk(const TDesc& dst, const TDesc& q, const TDesc& k, cons
         launch_nc<NC, 1, (NC > 2), kRope>(dst, q, k, v, mask, base, n_kv_head, scale,
                                           static_cast<unsigned>(pages_touched_max(mask.ne[0])), scratch.partial,
                                           scratch.counters, err, rope, s);
-    } else if (kRope && attention_rolled_enabled()) {  // (instantiated for the decode rows' launch only)
-        if constexpr (kRope) {
-            count_graph_event(GraphEvent::RolledAttentionLaunch);
-            launch_nc<NC, stages_for(NC), false, kRope, true>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr,
-                                                              nullptr, err, rope, s);
-        }
     } else {
         launch_nc<NC, stages_for(NC), false, kRope>(dst, q, k, v, mask, base, n_kv_head, scale, 1, nullptr, nullptr,
                                                     err, rope, s);
@@ -662,13 +670,11 @@ bool attention_rope_enabled() { return env_switch("PYSPEC_CUDA_ATT_ROPE") != 0; 
 
 bool attention_angles_enabled() { return env_switch("PYSPEC_CUDA_ATT_ANGLES") != 0; }
 
-bool attention_rolled_enabled() { return env_switch("PYSPEC_CUDA_ATT_ROLLED") == 1; }
-
 int attention_rope_setting() {
     return (env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 ? 1 : 0) |
            (env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 ? 2 : 0) |
            (env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0 ? 4 : 0) | (attention_angles_enabled() ? 8 : 0) |
-           (attention_rolled_enabled() ? 16 : 0);
+           (env_switch("PYSPEC_CUDA_ATT_NORM_EARLY") != 0 ? 16 : 0);
 }
 
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,
@@ -683,12 +689,15 @@ bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, con
         rope.k_dst.ne[1] != n_kv_head || rope.v_src.dtype != DType::F32 || rope.v_src.ne[0] != hd * n_kv_head ||
         rope.v_src.nb[0] != 4 || k.ne[0] != hd * n_kv_head || v.ne[0] != hd * n_kv_head || rope.n_rot < 0 ||
         rope.n_rot > hd || rope.n_rot % 2 != 0 || mask.ne[0] / kPageCells + 2 > 65535 ||
-        (rope.q_norm == nullptr) != (rope.k_norm == nullptr) || (rope.q_norm && hd > kWarpNormMax)) {
+        (rope.q_norm == nullptr) != (rope.k_norm == nullptr) || (rope.q_norm && hd > kWarpNormMax) ||
+        (rope.norms_early && (!rope.early || !rope.q_norm || hd % 4 != 0 || !aligned16(rope.q_norm) ||
+                              !aligned16(rope.k_norm)))) {
         return false;
     }
     count_graph_event(GraphEvent::RopeAttentionLaunch);
     if (rope.early_copies) count_graph_event(GraphEvent::EarlyCopyAttentionLaunch);
     if (rope.angles_stored) count_graph_event(GraphEvent::StoredAnglesAttentionLaunch);
+    if (rope.norms_early) count_graph_event(GraphEvent::EarlyNormLaunch);
     if (hd <= 64) {
         launch_split_or_walk<2, true>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, rope, s);
     } else {

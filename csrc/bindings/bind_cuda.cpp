@@ -43,7 +43,6 @@ void bind_cuda(py::module_& m) {
             d["rope_attention_launches"] = s.rope_attention_launches;
             d["early_copy_attention_launches"] = s.early_copy_attention_launches;
             d["stored_angles_attention_launches"] = s.stored_angles_attention_launches;
-            d["rolled_attention_launches"] = s.rolled_attention_launches;
             d["row_tma_launches"] = s.row_tma_launches;
             d["norm_prologue_launches"] = s.norm_prologue_launches;
             d["early_norm_launches"] = s.early_norm_launches;
@@ -57,10 +56,10 @@ void bind_cuda(py::module_& m) {
         "rope_attention_launches (decode attention launches that ran the row's RoPE and K/V store too), "
         "early_copy_attention_launches (those that copied their first cache cells before the PDL wait), "
         "stored_angles_attention_launches (those that read the step's RoPE angles stored by its first one), "
-        "rolled_attention_launches (those with the K dot and V rows rolled, PYSPEC_CUDA_ATT_ROLLED=1), "
         "row_tma_launches (one-column MUL_MAT launches of row groups fed by the copy engine), "
         "norm_prologue_launches (MUL_MAT group launches that ran the RMS_NORM before them), "
-        "early_norm_launches (those that copied the norm's weights before the PDL wait), timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
+        "early_norm_launches (launches that copied a norm's weights before the PDL wait: those MUL_MAT groups, and "
+        "decode attention launches with the q/k norms), timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
 }
 

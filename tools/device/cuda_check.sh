@@ -12,10 +12,10 @@
 # PYSPEC_CUDA_ATT_EARLY=0, and nocopy, its first cache cells copied and the next kernel let in after
 # its PDL wait: PYSPEC_CUDA_ATT_EARLY_COPY=0 PYSPEC_CUDA_ATT_LET_IN_FIRST=0, and rowtma, one-column
 # MUL_MATs on the copy-engine row groups (opt-in):
-# PYSPEC_CUDA_ROW_TMA=1, and evict, the row streams' weight loads L2 evict-first (opt-in):
-# PYSPEC_CUDA_L2_EVICT_FIRST=1, and normearly, their norm prologue's weights copied before the PDL
-# wait (opt-in): PYSPEC_CUDA_NORM_EARLY=1, and rolled, the decode attention's K dot and V rows as
-# loops (opt-in): PYSPEC_CUDA_ATT_ROLLED=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# PYSPEC_CUDA_ROW_TMA=1, and noevict, the row streams' weight loads without the L2 evict-first
+# hint: PYSPEC_CUDA_L2_EVICT_FIRST=0, and latenorm, the norms' weights (the row streams' norm
+# prologue, the decode attention's q/k norms) read after the PDL wait, not copied before it:
+# PYSPEC_CUDA_NORM_EARLY=0 PYSPEC_CUDA_ATT_NORM_EARLY=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -67,9 +67,8 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     noearly) envs=(PYSPEC_CUDA_ATT_EARLY=0) ;;
     nocopy) envs=(PYSPEC_CUDA_ATT_EARLY_COPY=0 PYSPEC_CUDA_ATT_LET_IN_FIRST=0) ;;
     rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
-    evict) envs=(PYSPEC_CUDA_L2_EVICT_FIRST=1) ;;
-    normearly) envs=(PYSPEC_CUDA_NORM_EARLY=1) ;;
-    rolled) envs=(PYSPEC_CUDA_ATT_ROLLED=1) ;;
+    noevict) envs=(PYSPEC_CUDA_L2_EVICT_FIRST=0) ;;
+    latenorm) envs=(PYSPEC_CUDA_NORM_EARLY=0 PYSPEC_CUDA_ATT_NORM_EARLY=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -126,14 +125,16 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[BF16-2560-M-tma]"
              "tests/test_cuda_matmul.py::test_wgmma_gemm_gives_the_mma_sync_bits[F16-576-L-cp.async]"
              "tests/test_cuda_models.py::test_prompt_rows_with_logits_keep_their_bits_in_any_batch[qwen3]"
-             "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group]"
-             "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu]"
+             "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group-norm_early]"
+             "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[BF16-glu-norm_early]"
+             "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu-]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-short-h9kv3d64]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-long-h32kv8d128]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-cache_written-h32kv8d128]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[noearly-neox_half-h6kv3d40]"
              "tests/test_cuda_attention.py::test_decode_attentions_of_a_step_share_its_angles[h32kv8d128]"
-             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[rolled-middle-h32kv8d128]"
+             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-qk_norm-h32kv8d128]"
+             "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[nocopy-qk_norm-h6kv3d40]"
              "tests/test_cuda_ops.py::test_argmax_first_index_on_ties[151936-1]"
              "tests/test_cuda_matmul.py::test_row_groups_through_the_copy_engine_give_the_row_streams_bits[F16-group-16]"
              "tests/test_cuda_matmul.py::test_row_groups_through_the_copy_engine_give_the_row_streams_bits[BF16-glu-8-start]"
