@@ -272,9 +272,6 @@ int CudaBackend::run_rope_store_attention(const Graph& g, int a, int b, int nq, 
     rope.early_copies = rope.early && cuda::env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 &&
                         written_only_by(g, g[c].src[0], g[d].src[0], c, d);
     rope.let_next_in_first = cuda::env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0;
-    rope.norms_early = rope.early && norms && cuda::env_switch("PYSPEC_CUDA_ATT_NORM_EARLY") != 0 &&
-                       constant(g, g[nq].src[1]) && constant(g, g[nk].src[1]) && ra.ne[0] % 4 == 0 &&
-                       cuda::aligned16(rope.q_norm) && cuda::aligned16(rope.k_norm);
     rope.n_rot = ra.iparams[0];
     rope.neox = ra.iparams[1] == 2 ? 1 : 0;
     rope.base = ra.fparams[0];

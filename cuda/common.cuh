@@ -28,9 +28,6 @@ inline int env_switch(const char* name) {
     return -1;
 }
 
-// Whether p (nullptr: nothing to load) allows 16-byte loads and cp.async copies.
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // What a kernel needs of a tensor: its device address, type, shape and byte strides.
 struct TDesc {
     char* data;

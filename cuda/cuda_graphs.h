@@ -42,10 +42,8 @@ struct CudaGraphStats {
     // Launches (eager or captured) of a MUL_MAT group that ran the RMS_NORM before it as its
     // prologue: what tests check that the fusion they compare against the nodes run apart happens.
     uint64_t norm_prologue_launches = 0;
-    // Launches that copied a norm's weights into shared memory before the PDL wait: of those, the
-    // row-streaming ones (stage_norm_weights; PYSPEC_CUDA_NORM_EARLY=0 turns it off), and the
-    // decode attention launches with Qwen3's q/k norms (DecodeRope::norms_early;
-    // PYSPEC_CUDA_ATT_NORM_EARLY=0).
+    // Of those, the row-streaming launches that copied the norm's weights into shared memory
+    // before the PDL wait (stage_norm_weights; PYSPEC_CUDA_NORM_EARLY=0 turns it off).
     uint64_t early_norm_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench

@@ -147,19 +147,12 @@ struct DecodeRope {
     // completed. The same values either way. PYSPEC_CUDA_ATT_ANGLES=0 turns it off.
     float* angles = nullptr;
     bool angles_stored = false;
-    // With early and the q/k norms: their weights are graph leaves, so each block copies them into
-    // shared memory before its PDL wait (cp.async) instead of reading them in the prologue's round
-    // after it. That read went to DRAM (the weights are read once a step) and queued behind the o
-    // projection's early weight loads, let in first. Needs hd % 4 == 0 and 16-byte aligned
-    // weights. PYSPEC_CUDA_ATT_NORM_EARLY=0 turns it off; counted in early_norm_launches. The same
-    // values either way.
-    bool norms_early = false;
 };
 bool attention_rope_enabled();
 // The decode attention's angle table (DecodeRope::angles): on unless PYSPEC_CUDA_ATT_ANGLES=0.
 bool attention_angles_enabled();
 // The decode attention's launch choices read at each compute (PYSPEC_CUDA_ATT_EARLY,
-// _EARLY_COPY, _LET_IN_FIRST, _ANGLES, _NORM_EARLY), as bits for the CUDA graphs' key.
+// _EARLY_COPY, _LET_IN_FIRST, _ANGLES), as bits for the CUDA graphs' key.
 int attention_rope_setting();
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,
                            int n_kv_head, float scale, const DecodeRope& rope, const SplitScratch& scratch,
@@ -262,8 +255,7 @@ int matmul_row_tma_setting();
 // weight loads mark the lines L2 evict-first (weight_policy). A cache hint: the same bits.
 // kRowNormEarly (on unless PYSPEC_CUDA_NORM_EARLY=0; H200 Qwen3-4B tg128 +6.3%): a norm
 // prologue's weights, where constant, are copied into shared memory before the PDL wait
-// (stage_norm_weights), by the row streams and by the other types' one-column tiles. The same
-// values: the same bits.
+// (stage_norm_weights). The same values: the same bits.
 constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)

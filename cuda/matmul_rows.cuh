@@ -71,6 +71,19 @@ __device__ __forceinline__ void load_early(const char* const (&wr)[2], int64_t u
     }
 }
 
+// The norm's weights copied into shared memory after the column (k floats on), by cp.async before
+// the PDL wait, where no node of the graph writes them (kRowNormEarly): the prologue then scales
+// with them from there instead of loading them from global memory after its sums, a round trip
+// to DRAM (the weights are read once a step) queued behind the launch's own early weight loads.
+// The same values, so the same bits. nw and k: 16-byte aligned and a multiple of 4 (the caller
+// checks).
+template <int kThreads>
+__device__ __forceinline__ void stage_norm_weights(const float* nw, int64_t k) {
+    float* s_nw = reinterpret_cast<float*>(normed_rows) + k;
+    for (int64_t i = 4 * static_cast<int64_t>(threadIdx.x); i < k; i += 4 * kThreads) cp_async<16>(s_nw + i, nw + i, true);
+    cp_async_commit();
+}
+
 // The block's activation column in shared memory, normalised (kNorm) or copied; every thread of
 // the block (kThreads) calls it. nw_staged: the norm's weights were staged (stage_norm_weights).
 template <bool kNorm, int kThreads>

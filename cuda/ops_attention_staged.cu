@@ -175,16 +175,12 @@ __device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const T
             if (read_angles && d < rope.n_rot) s_cs[d] = rope.angles[d];
             s_x[d] = xq[d];
             s_x[hd + d] = xk[d];
-            if (rope.q_norm && !rope.norms_early) {
+            if (rope.q_norm) {
                 s_x[2 * hd + d] = rope.q_norm[d];
                 s_x[3 * hd + d] = rope.k_norm[d];
             }
             store_v(d);
         }
-        // With rope.norms_early the norms' weights were copied before the wait, a cp.async group
-        // of their own, followed by the first page's group (the paths without a page wait for
-        // every group before they call this).
-        if (rope.norms_early) cp_async_wait<1>();
         __syncthreads();  // the heads as read
     } else if (read_angles) {
         for (int d = threadIdx.x; d < rope.n_rot; d += blockDim.x) s_cs[d] = rope.angles[d];
@@ -351,20 +347,6 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             if (in_span) mj_first = s_mwin[j - w0];
             live_first = __ballot_sync(0xffffffffu, mj_first != -INFINITY);
         }
-        if (rope.norms_early) {
-            // The q/k norms' weights (graph leaves, 16-byte aligned, hd a multiple of 4: the
-            // backend checks) copied into s_x's weight rows now rather than requested after the
-            // wait, where that read went to DRAM behind the next kernel's early weight loads
-            // (it is let in first). Their own group, ahead of the first page's. One 16-byte unit a
-            // thread: 2 * hd / 4 <= 128 units (hd <= kWarpNormMax) for 256 threads.
-            const int u = threadIdx.x, units = hd / 4;
-            if (u < 2 * units) {
-                const bool is_k = u >= units;
-                const int d = (is_k ? u - units : u) * 4;
-                cp_async<16>(s_x + (is_k ? 3 : 2) * hd + d, (is_k ? rope.k_norm : rope.q_norm) + d, true);
-            }
-            cp_async_commit();
-        }
     }
     // kRope with rope.early_copies: the first page's copies go out before the wait too (below).
     const bool copy_early = kRope && rope.early_copies;
@@ -398,7 +380,6 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const bool bad = b0 < 0 || b0 + span > n_cells;
     if (bad || (split && g_last < 0)) {  // (a split row has cells: splits())
         if (copy_early) enter();
-        cp_async_wait<0>();  // the norms' weights (rope.norms_early), with no page group after them
         prologue();
         if (blockIdx.z == 0) {
             if (bad && threadIdx.x == 0) atomicOr(err, kErrAttentionSpan);
@@ -411,7 +392,6 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const int64_t g_end = split ? g : g_last;  // the block's last page (none: an empty row's zeros)
     if (split && g > g_last) {                 // past the row's pages
         if (copy_early) enter();
-        cp_async_wait<0>();  // the norms' weights (rope.norms_early), with no page group after them
         prologue();
         PHASE_REPORT("attention_staged", kPhaseSlots);
         return;
@@ -673,8 +653,7 @@ bool attention_angles_enabled() { return env_switch("PYSPEC_CUDA_ATT_ANGLES") !=
 int attention_rope_setting() {
     return (env_switch("PYSPEC_CUDA_ATT_EARLY") != 0 ? 1 : 0) |
            (env_switch("PYSPEC_CUDA_ATT_EARLY_COPY") != 0 ? 2 : 0) |
-           (env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0 ? 4 : 0) | (attention_angles_enabled() ? 8 : 0) |
-           (env_switch("PYSPEC_CUDA_ATT_NORM_EARLY") != 0 ? 16 : 0);
+           (env_switch("PYSPEC_CUDA_ATT_LET_IN_FIRST") != 0 ? 4 : 0) | (attention_angles_enabled() ? 8 : 0);
 }
 
 bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, const TDesc& mask, const int32_t* base,
@@ -689,15 +668,12 @@ bool launch_attention_rope(const TDesc& dst, const TDesc& k, const TDesc& v, con
         rope.k_dst.ne[1] != n_kv_head || rope.v_src.dtype != DType::F32 || rope.v_src.ne[0] != hd * n_kv_head ||
         rope.v_src.nb[0] != 4 || k.ne[0] != hd * n_kv_head || v.ne[0] != hd * n_kv_head || rope.n_rot < 0 ||
         rope.n_rot > hd || rope.n_rot % 2 != 0 || mask.ne[0] / kPageCells + 2 > 65535 ||
-        (rope.q_norm == nullptr) != (rope.k_norm == nullptr) || (rope.q_norm && hd > kWarpNormMax) ||
-        (rope.norms_early && (!rope.early || !rope.q_norm || hd % 4 != 0 || !aligned16(rope.q_norm) ||
-                              !aligned16(rope.k_norm)))) {
+        (rope.q_norm == nullptr) != (rope.k_norm == nullptr) || (rope.q_norm && hd > kWarpNormMax)) {
         return false;
     }
     count_graph_event(GraphEvent::RopeAttentionLaunch);
     if (rope.early_copies) count_graph_event(GraphEvent::EarlyCopyAttentionLaunch);
     if (rope.angles_stored) count_graph_event(GraphEvent::StoredAnglesAttentionLaunch);
-    if (rope.norms_early) count_graph_event(GraphEvent::EarlyNormLaunch);
     if (hd <= 64) {
         launch_split_or_walk<2, true>(dst, q, k, v, mask, base, n_kv_head, scale, scratch, err, rope, s);
     } else {

@@ -170,8 +170,7 @@ struct Parts {
     bool early;           // every part's weights MatmulPart::constant (k_mul_mat_rows)
     bool evict_first;     // the weight loads L2 evict-first (k_mul_mat_rows: kRowEvictFirst)
     bool norm_constant;   // MatmulNorm::constant
-    bool norm_early;      // norm_w staged before the PDL wait (stage_norm_weights: k_mul_mat_rows, and
-                          // k_mul_mat's one-column tiles)
+    bool norm_early;      // norm_w staged before the PDL wait (k_mul_mat_rows: stage_norm_weights)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -315,19 +314,6 @@ __device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, 
     for (int c = 0; c < C; ++c) xc[c] = hs + c * k;
 }
 
-// The norm's weights copied into shared memory after one column (k floats on), by cp.async before
-// the PDL wait, where no node of the graph writes them (kRowNormEarly): the prologue then scales
-// with them from there instead of loading them from global memory after its sums, a round trip
-// to DRAM (the weights are read once a step) queued behind the launch's own early weight loads.
-// The same values, so the same bits. nw and k: 16-byte aligned and a multiple of 4 (the caller
-// checks).
-template <int kThreads>
-__device__ __forceinline__ void stage_norm_weights(const float* nw, int64_t k) {
-    float* s_nw = reinterpret_cast<float*>(normed_rows) + k;
-    for (int64_t i = 4 * static_cast<int64_t>(threadIdx.x); i < k; i += 4 * kThreads) cp_async<16>(s_nw + i, nw + i, true);
-    cp_async_commit();
-}
-
 // Block (blockIdx.x, blockIdx.y) computes columns [C * blockIdx.x, + C) of the global weight rows
 // row_base + [R * kWarps * blockIdx.y, + R * kWarps); warp w of it R rows from
 // row_base + R * (kWarps * blockIdx.y + w). Rows and columns past the ends are clamped to the last
@@ -339,10 +325,6 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_ba
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     const int64_t r0 = row_base + (static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5)) * R;
-    // One column's norm weights staged ahead of the weights' prefetch (p.norm_early: the caller
-    // checks kRowNormEarly and what stage_norm_weights needs).
-    const bool nw_staged = kNorm && C == 1 && p.norm_early;
-    if (nw_staged) stage_norm_weights<kWarps * 32>(p.norm_w, k);
     // The small-M tiles (decode, verify, draft blocks), where latency is the cost; one column tile asks.
     if constexpr (R == 1) {
         if (p.prefetch && blockIdx.x == 0) prefetch_weight_rows<R>(p, r0, lane);
@@ -352,10 +334,7 @@ __global__ void __launch_bounds__(kWarps * 32) k_mul_mat(Parts p, int64_t row_ba
     const float* xc[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
-    if constexpr (kNorm) {  // before any warp leaves
-        const float* nw = nw_staged ? reinterpret_cast<const float*>(normed_rows) + k : p.norm_w;
-        norm_prologue<C>(xc, k, nw, p.norm_eps, nw_staged);
-    }
+    if constexpr (kNorm) norm_prologue<C>(xc, k, p.norm_w, p.norm_eps);  // before any warp leaves
     if (r0 >= n_rows) return;
     const char* wr[R];
 #pragma unroll
@@ -435,11 +414,9 @@ template <DType T, bool kVec, int C, bool kNorm, bool kSplit = false>
 __global__ void __launch_bounds__(kWarps * 32, kSplit ? kGluSplitBlocksPerSm : 1)
     k_mul_mat_glu(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u, int64_t n_rows, int64_t row_base,
                   int64_t k, const float* x, int64_t x_stride, int64_t m, float* y, int64_t y_stride,
-                  const float* norm_w, float norm_eps, bool prefetch, bool norm_early) {
+                  const float* norm_w, float norm_eps, bool prefetch) {
     const int lane = threadIdx.x & 31;
     const int64_t row = row_base + static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5);
-    const bool nw_staged = kNorm && C == 1 && norm_early;  // as k_mul_mat
-    if (nw_staged) stage_norm_weights<kWarps * 32>(norm_w, k);
     if (prefetch && blockIdx.x == 0 && row < n_rows) {  // as k_mul_mat, before the wait
         prefetch_row(wg + row * rb_g, rb_g, lane);
         prefetch_row(wu + row * rb_u, rb_u, lane);
@@ -449,10 +426,7 @@ __global__ void __launch_bounds__(kWarps * 32, kSplit ? kGluSplitBlocksPerSm : 1
     const float* xc[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) xc[c] = x + min(c0 + c, m - 1) * x_stride;
-    if constexpr (kNorm) {  // before any warp leaves
-        const float* nw = nw_staged ? reinterpret_cast<const float*>(normed_rows) + k : norm_w;
-        norm_prologue<C>(xc, k, nw, norm_eps, nw_staged);
-    }
+    if constexpr (kNorm) norm_prologue<C>(xc, k, norm_w, norm_eps);  // before any warp leaves
     if (row >= n_rows) return;
     const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
     float acc[2][C];
@@ -485,30 +459,30 @@ int64_t small_tile(DType t, int64_t k, int64_t m) {
     return m == 2 ? 2 : m <= 4 ? 4 : 8;
 }
 
-// Whether a launch with the norm prologue stages its norm's weights (stage_norm_weights; the
-// row streams, and the one-column tiles: the quantised types' decode): asked for by the setting, the weights constant, 16-byte aligned and whole 16-byte units, and the column and the
-// weights within the 48 KB of shared memory a launch has without asking.
-inline bool stages_norm_weights(int setting, const float* nw, bool constant, int64_t k) {
-    return (setting & kRowNormEarly) && nw && constant && aligned16(nw) && k % 4 == 0 &&
-           2 * k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
-}
-
 template <DType T, bool kVec, int C, bool kNorm = false, bool kSplit = false>
 void mul_mat_glu_tiles(const MatmulPart& gate, const MatmulPart& up, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* y, int64_t ys, const MatmulNorm& norm, cudaStream_t s) {
     constexpr int64_t max_rows = int64_t{kWarps} * 65535;
     const unsigned gx = grid_for(m, C);
-    const bool staged = kNorm && C == 1 && stages_norm_weights(matmul_row_stream_setting(), norm.w, norm.constant, k);
-    if (staged) count_graph_event(GraphEvent::EarlyNormLaunch);
     for (int64_t r0 = 0; r0 < gate.n_rows; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, gate.n_rows - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + kWarps - 1) / kWarps));
-        launch(k_mul_mat_glu<T, kVec, C, kNorm, kSplit>, grid, kWarps * 32,
-            kNorm ? (C + (staged ? 1 : 0)) * k * sizeof(float) : 0, s,
+        launch(k_mul_mat_glu<T, kVec, C, kNorm, kSplit>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s,
             static_cast<const char*>(gate.w), static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
             static_cast<int64_t>(up.row_bytes), gate.n_rows, r0, k, x, xs, m, y, ys, norm.w, norm.eps,
-            prefetch_weights(static_cast<int64_t>(std::max(gate.row_bytes, up.row_bytes))), staged);
+            prefetch_weights(static_cast<int64_t>(std::max(gate.row_bytes, up.row_bytes))));
     }
+}
+
+// Whether p (nullptr: nothing to load) allows 16-byte loads.
+bool aligned16(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether a row-streaming launch stages its norm's weights (stage_norm_weights): asked for by the
+// setting, the weights constant, 16-byte aligned and whole 16-byte units, and the column and the
+// weights within the 48 KB of shared memory a launch has without asking.
+inline bool stages_norm_weights(int setting, const float* nw, bool constant, int64_t k) {
+    return (setting & kRowNormEarly) && nw && constant && aligned16(nw) && k % 4 == 0 &&
+           2 * k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
 }
 
 template <DType T, bool kVec>
@@ -570,14 +544,11 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
     constexpr int64_t max_rows = rows_per_block * 65535;
     const int64_t n = p.row0[p.n];
     const unsigned gx = grid_for(m, C);
-    Parts ps = p;
-    ps.norm_early = kNorm && C == 1 && stages_norm_weights(matmul_row_stream_setting(), p.norm_w, p.norm_constant, k);
-    if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
     for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
         const int64_t nr = std::min(max_rows, n - r0);
         const dim3 grid(gx, static_cast<unsigned>((nr + rows_per_block - 1) / rows_per_block));
-        launch(k_mul_mat<T, kVec, R, C, kNorm>, grid, kWarps * 32,
-               kNorm ? (C + (ps.norm_early ? 1 : 0)) * k * sizeof(float) : 0, s, ps, r0, k, x, xs, m);
+        launch(k_mul_mat<T, kVec, R, C, kNorm>, grid, kWarps * 32, kNorm ? C * k * sizeof(float) : 0, s, p, r0, k, x,
+               xs, m);
     }
 }
 

@@ -459,7 +459,7 @@ ROPE_ATTENTION_CASES = ["short", "middle", "long", "neox_half", "factors", "q_ke
 @real_gpu
 @pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (6, 3, 40)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
 @pytest.mark.parametrize("case", ROPE_ATTENTION_CASES)
-@pytest.mark.parametrize("early", ["1", "0", "nocopy", "nonorm"], ids=["", "noearly", "nocopy", "nonorm"])
+@pytest.mark.parametrize("early", ["1", "0", "nocopy"], ids=["", "noearly", "nocopy"])
 def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, early):
     """A decode row's q/k ROPE, K/V SET_ROWS and ATTENTION (a decoder layer's order) run as one
     launch of the staged attention kernel (cuda::DecodeRope): the attention's output, the rotated q
@@ -474,14 +474,11 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
     read and the first page's cache cells copied before the PDL wait, masked cells not copied, the
     prologue's inputs read in one round, and the next kernel let in before the wait), with them but
     the copies and the next kernel's start after the wait (PYSPEC_CUDA_ATT_EARLY_COPY=0,
-    PYSPEC_CUDA_ATT_LET_IN_FIRST=0), with them but the q/k norms' weights read after the wait
-    (PYSPEC_CUDA_ATT_NORM_EARLY=0; by default they are copied before it), and without them
-    (PYSPEC_CUDA_ATT_EARLY=0); the counters early_copy_attention_launches and early_norm_launches
-    say whether the copies and the norms' weights went out early."""
+    PYSPEC_CUDA_ATT_LET_IN_FIRST=0), and without them (PYSPEC_CUDA_ATT_EARLY=0); the counter
+    early_copy_attention_launches says whether the copies went out early."""
     monkeypatch.setenv("PYSPEC_CUDA_ATT_EARLY", "0" if early == "0" else "1")
     monkeypatch.setenv("PYSPEC_CUDA_ATT_EARLY_COPY", "0" if early == "nocopy" else "1")
     monkeypatch.setenv("PYSPEC_CUDA_ATT_LET_IN_FIRST", "0" if early == "nocopy" else "1")
-    monkeypatch.setenv("PYSPEC_CUDA_ATT_NORM_EARLY", "0" if early == "nonorm" else "1")
     if any(os.environ.get(v) == "0" for v in ("PYSPEC_CUDA_FUSE", "PYSPEC_CUDA_ATT_STAGED", "PYSPEC_CUDA_ATT_ROPE")):
         pytest.skip("the launch is off (PYSPEC_CUDA_FUSE, PYSPEC_CUDA_ATT_STAGED or PYSPEC_CUDA_ATT_ROPE is 0)")
     n_q, n_kv, hd = heads
@@ -553,17 +550,15 @@ def test_decode_rope_store_attention_as_one_launch(monkeypatch, heads, case, ear
         return build
 
     cells = np.array([new_cell], np.int32)
-    out, launches, copies, norms = {}, {}, {}, {}
+    out, launches, copies = {}, {}, {}
     for fused in ("1", "0"):
         monkeypatch.setenv("PYSPEC_CUDA_ATT_ROPE", fused)
         core.reset_cuda_graph_stats()
         out[fused] = run_on(DEVICE, build_for(cells))
         launches[fused] = core.cuda_graph_stats()["rope_attention_launches"]
         copies[fused] = core.cuda_graph_stats()["early_copy_attention_launches"]
-        norms[fused] = core.cuda_graph_stats()["early_norm_launches"]
     assert launches["1"] > 0 and launches["0"] == 0, launches
-    assert (copies["1"] > 0) == (early in ("1", "nonorm") and case != "cache_written") and copies["0"] == 0, copies
-    assert (norms["1"] > 0) == (early in ("1", "nocopy") and case == "qk_norm") and norms["0"] == 0, norms
+    assert (copies["1"] > 0) == (early == "1" and case != "cache_written") and copies["0"] == 0, copies
     for a, b, what in zip(out["1"], out["0"], ("attention", "q", "k", "k cache", "v cache")):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), what
     # And against the CPU, whose angles may differ from the device's in the last bit (so may the

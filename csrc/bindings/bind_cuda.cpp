@@ -58,8 +58,7 @@ void bind_cuda(py::module_& m) {
         "stored_angles_attention_launches (those that read the step's RoPE angles stored by its first one), "
         "row_tma_launches (one-column MUL_MAT launches of row groups fed by the copy engine), "
         "norm_prologue_launches (MUL_MAT group launches that ran the RMS_NORM before them), "
-        "early_norm_launches (launches that copied a norm's weights before the PDL wait: those MUL_MAT groups, and "
-        "decode attention launches with the q/k norms), timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
+        "early_norm_launches (those that copied the norm's weights before the PDL wait), timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
 }
 
