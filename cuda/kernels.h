@@ -256,10 +256,7 @@ int matmul_row_tma_setting();
 // kRowNormEarly (on unless PYSPEC_CUDA_NORM_EARLY=0; H200 Qwen3-4B tg128 +6.3%): a norm
 // prologue's weights, where constant, are copied into shared memory before the PDL wait
 // (stage_norm_weights). The same values: the same bits.
-// kRowAddPrefetch (PYSPEC_CUDA_ROW_ADD_PREFETCH=1; off until the H200 has measured it): the
-// residual values a launch adds at its stores (o's and down's) asked of L1 right after the PDL
-// wait (prefetch_residual). A hint: the same bits.
-constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowAddPrefetch = 8;
+constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

@@ -153,21 +153,6 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
-// The residual values of this warp's items (rows 2 it and 2 it + 1 of items item, item + kW, ...
-// before end: lane l takes item l / 2's row l % 2), asked of L1 right after the PDL wait: they
-// were written by earlier kernels, and the store reads them at the launch's tail, after the dot,
-// where that read is a round trip to L2 (or DRAM, when the step's weights streamed them out) on
-// the critical path. A hint: no value changes.
-template <int kW>
-__device__ __forceinline__ void prefetch_residual(const Parts& p, int64_t item, int64_t end, int lane) {
-    const int64_t it = item + static_cast<int64_t>(lane >> 1) * kW;
-    const int64_t row = 2 * it + (lane & 1);
-    if (it < end && row < p.row0[p.n]) {
-        const int j = part_of(p, row);
-        if (p.add[j]) prefetch_l1(p.add[j] + (row - p.row0[j]));
-    }
-}
-
 // k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
 // (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
 // first + w + kW, ... (block_items).
@@ -198,7 +183,6 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
         load_early(wr, k / 8, lane, pol, pre);
     }
     pdl_enter();
-    if (p.prefetch_add) prefetch_residual<kW>(p, item, end, lane);
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item);

@@ -171,7 +171,6 @@ struct Parts {
     bool evict_first;     // the weight loads L2 evict-first (k_mul_mat_rows: kRowEvictFirst)
     bool norm_constant;   // MatmulNorm::constant
     bool norm_early;      // norm_w staged before the PDL wait (k_mul_mat_rows: stage_norm_weights)
-    bool prefetch_add;    // the residual values asked of L1 after the wait (k_mul_mat_rows: kRowAddPrefetch)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -196,10 +195,6 @@ __device__ __forceinline__ void store(const Parts& p, int64_t row, int64_t col, 
 // previous kernel. PYSPEC_CUDA_PREFETCH=0 turns it off (A/B runs).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
 // The 128-byte lines of `bytes` bytes from `row`, spread over the warp's lanes.
@@ -580,7 +575,6 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             Parts ps = p;
             ps.evict_first = (setting & kRowEvictFirst) != 0;
             ps.norm_early = stages_norm_weights(setting, p.norm_w, p.norm_constant, k);
-            ps.prefetch_add = (setting & kRowAddPrefetch) != 0;
             if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
             return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, setting, ps.norm_early, s, ps, k, x);
         }
@@ -652,8 +646,7 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
 int matmul_row_stream_setting() {
     return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
            (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") != 0 ? kRowEvictFirst : 0) |
-           (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_ADD_PREFETCH") == 1 ? kRowAddPrefetch : 0);
+           (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0);
 }
 
 int matmul_row_tma_setting() {
