@@ -156,8 +156,14 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
 // k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
 // (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
 // first + w + kW, ... (block_items).
+// The diagnostic build's timeline of both kernels (cuda/phase_stamps.cuh, tag ROWS): 0 the block's
+// start, 1 its early weight loads issued, 2 the PDL wait over, 3 the column staged (normalised),
+// 4 warp 0's first item stored, 5 the block's last warp done.
+[[maybe_unused]] constexpr int kRowPhaseSlots = 6;
+
 template <DType T, bool kNorm, bool kBalanced, int kW>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
+    PHASE_STAMP(0, 0);
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     int64_t item, end;
@@ -182,8 +188,11 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
         rows_of(item);
         load_early(wr, k / 8, lane, pol, pre);
     }
+    PHASE_STAMP(1, 0);
     pdl_enter();
+    PHASE_STAMP(2, 0);
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
+    PHASE_STAMP(3, xs[0]);
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item);
         float acc[2];
@@ -193,7 +202,10 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
         // launch's tail) go out together rather than one after the other.
         const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);
         if (lane < 2 && 2 * item + lane < n_rows) store(p, 2 * item + lane, 0, lane == 0 ? s0 : s1);
+        if (first) PHASE_STAMP(4, s1);
     }
+    PHASE_BLOCK_END(5, 0);
+    PHASE_REPORT("rows", kRowPhaseSlots);
 }
 
 // k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
@@ -203,6 +215,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant,
                                                               bool evict_first, bool norm_early) {
+    PHASE_STAMP(0, 0);  // the slots of k_mul_mat_rows
     const int lane = threadIdx.x & 31;
     int64_t row, end;
     block_items<kBalanced, kW>(n_rows, row, end);
@@ -214,15 +227,21 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
     }
     uint4 pre[2][kEarlyUnits];
     if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pol, pre);
+    PHASE_STAMP(1, 0);
     pdl_enter();
+    PHASE_STAMP(2, 0);
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps, norm_early);  // before any warp leaves
+    PHASE_STAMP(3, xs[0]);
     for (bool first = true; row < end; row += kW, first = false) {
         const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
         float acc[2];
         stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
         const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
         if (lane == 0) y[row] = silu_f(g) * u;
+        if (first) PHASE_STAMP(4, u);
     }
+    PHASE_BLOCK_END(5, 0);
+    PHASE_REPORT("glu_rows", kRowPhaseSlots);
 }
 
 #include "cuda/matmul_rows_tma.cuh"  // the copy-engine variant (the same translation unit)
@@ -235,6 +254,8 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 template <class Pick, class... Args>
 void launch_row_stream(Pick&& pick, int64_t n, int64_t k, int setting, bool norm_staged, cudaStream_t s,
                        Args... args) {
+    static std::once_flag once;
+    std::call_once(once, [] { PHASE_CONFIGURE("ROWS"); });
     const size_t smem = (norm_staged ? 2 : 1) * k * sizeof(float);
     if (setting & kRowBalanced) {
         const int64_t blocks = std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n);

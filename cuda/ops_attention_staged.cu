@@ -583,7 +583,7 @@ void launch_nc(const TDesc& dst, const TDesc& q, const TDesc& k, const TDesc& v,
     // largest head dim of this instantiation.
     static std::once_flag once;
     std::call_once(once, [] {
-        PHASE_CONFIGURE();
+        PHASE_CONFIGURE("ATT");
         check(cudaFuncSetAttribute(k_attention_staged<NC, S, kRegK, kRope>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(staged_smem_bytes(32 * NC, S, kRegK, kRope))),
               "attention (staged): cudaFuncSetAttribute");

@@ -13,6 +13,7 @@
 // rows take a tensor-core GEMM with a fixed k order per output (cuda/matmul_tc.cu), every row of
 // that kind the same computation, so a row's bits still depend on itself alone.
 #include <algorithm>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "cuda/matmul_tc_wide.cuh"
+#include "cuda/phase_stamps.cuh"
 #include "cuda/tma.cuh"
 
 namespace pyspec {

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""When a kernel's phases happen inside its launch, in a replayed decode step (cuda/phase_stamps.cuh).
+"""When a decoder layer's kernels run their phases, in a replayed decode step (cuda/phase_stamps.cuh).
 
-step_trace.py gives each launch's start and end in the pipeline; this looks inside one launch. It
-needs the diagnostic build, whose kernels stamp %globaltimer at their phases (the decode attention:
-0 start, 1 the work before the PDL wait done, 2 the wait over, 3 the prologue done, 4 the first
-chunk's copies landed, 5 its K dot, 6 its softmax, 7 its V rows, 8 the output stored):
+step_trace.py gives each launch's start and end in the pipeline; this looks inside the launches.
+It needs the diagnostic build, whose kernels stamp %globaltimer at their phases. The decode
+attention: 0 start, 1 the work before the PDL wait done, 2 the wait over, 3 the prologue done,
+4 the first chunk's copies landed, 5 its K dot, 6 its softmax, 7 its V rows, 8 the output stored.
+The row-streaming MUL_MATs (q/k/v, o, gate/up, down at one column of 16-bit weights): 0 start,
+1 early weight loads issued, 2 the wait over, 3 the column staged (normalised), 4 warp 0's first
+item stored, 5 the block's last warp done.
 
     cmake -S . -B build/cuda-phases -G Ninja -DPYSPEC_CUDA=ON -DPYSPEC_INPLACE=ON \\
       -DPYSPEC_CUDA_PHASE_STAMPS=ON -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" &&
@@ -12,10 +15,11 @@ chunk's copies landed, 5 its K dot, 6 its softmax, 7 its V rows, 8 the output st
     python3 tools/device/phase_stamps.py MODEL.gguf [--layer 5] [--context 64] [--steps 8]
 
 (The build puts its extension into pyspec/, in place of the normal one: rebuild that afterwards,
-e.g. with cuda_check.sh.) It decodes one sequence, and for layer L's decode attention in steps
-20..20+steps-1 prints each phase's earliest and latest time over the launch's blocks, in ns from
-the first block's start, as the median over the steps. The kernels' row-streaming MUL_MATs are
-not stamped: the attention's slot 2 (its wait over) marks when the launch before it ended.
+e.g. with cuda_check.sh.) It decodes one sequence, and for layer L's launches in steps
+20..20+steps-1 (q/k/v, the attention, o, gate/up, down: a Qwen3 or llama model whose MUL_MATs
+all stream rows, so four row launches a layer and one for the output head) prints each phase's
+earliest and latest time over each launch's blocks, in ns from the q/k/v launch's first block
+start, as the median over the steps.
 """
 from __future__ import annotations
 
@@ -28,8 +32,11 @@ import sys
 
 CHILD = "PYSPEC_PHASE_STAMPS_CHILD"
 FIRST_STEP = 20  # steps before: the graph captured, replays settled
-NAMES = ["start", "pre-wait work done", "wait over", "prologue done", "copies landed", "K dot",
-         "softmax", "V rows", "output stored"]
+ATTENTION = ["start", "pre-wait work done", "wait over", "prologue done", "copies landed", "K dot",
+             "softmax", "V rows", "output stored"]
+ROWS = ["start", "early loads issued", "wait over", "column staged", "first item stored", "block done"]
+LAYER_ROWS = ["q/k/v", "o", "gate/up", "down"]  # the row launches of a layer, in order
+LINE = re.compile(r"PHASES (\S+) launch (\d+) step (\d+) at (\d+) t0 (\d+):(.*)")
 
 
 def decode(path: str, context: int, steps: int) -> None:
@@ -64,26 +71,47 @@ def main() -> int:
     if os.environ.get(CHILD):
         decode(args.model, args.context, FIRST_STEP + args.steps + 1)
         return 0
-    env = dict(os.environ, **{CHILD: "1", "PYSPEC_CUDA_PHASE_EVERY": str(n_layers(args.model)),
-                              "PYSPEC_CUDA_PHASE_AT": str(args.layer), "PYSPEC_CUDA_PHASE_FROM": str(FIRST_STEP),
-                              "PYSPEC_CUDA_PHASE_COUNT": str(args.steps)})
+    n = n_layers(args.model)
+    select = {"ATT": (n, args.layer, 1), "ROWS": (4 * n + 1, 4 * args.layer, 4)}
+    env = dict(os.environ, **{CHILD: "1"})
+    for tag, (every, at, span) in select.items():
+        for key, value in (("EVERY", every), ("AT", at), ("SPAN", span), ("FROM", FIRST_STEP),
+                           ("COUNT", args.steps)):
+            env[f"PYSPEC_CUDA_PHASE_{tag}_{key}"] = str(value)
     out = subprocess.run([sys.executable, *sys.argv], env=env, capture_output=True, text=True)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PHASES ")]
-    if out.returncode != 0 or not lines:
+    # (step, launch name) -> (t0, {slot: (earliest, latest)})
+    launches: dict[tuple[int, str], tuple[int, dict[int, tuple[int, int]]]] = {}
+    for ln in out.stdout.splitlines():
+        m = LINE.match(ln)
+        if not m:
+            continue
+        kernel, step, at, t0 = m.group(1), int(m.group(3)), int(m.group(4)), int(m.group(5))
+        name = "attention" if kernel == "attention_staged" else LAYER_ROWS[at - 4 * args.layer]
+        slots = {int(a): (int(b), int(c)) for a, b, c in re.findall(r" (\d+):(-?\d+)\.\.(-?\d+)", m.group(6))}
+        launches[step, name] = (t0, slots)
+    steps = sorted({step for step, name in launches if (step, "q/k/v") in launches})
+    if out.returncode != 0 or not steps:
         sys.stderr.write(out.stderr[-3000:])
-        print("no PHASES lines: is this the diagnostic build (-DPYSPEC_CUDA_PHASE_STAMPS=ON)?")
+        print("no PHASES lines for the layer: is this the diagnostic build (-DPYSPEC_CUDA_PHASE_STAMPS=ON), "
+              "and does the model stream its rows (16-bit weights)?")
         return 1
-    slots: dict[int, list[tuple[int, int]]] = {}
-    for ln in lines:
-        for slot, lo, hi in re.findall(r" (\d+):(-?\d+)\.\.(-?\d+)", ln):
-            slots.setdefault(int(slot), []).append((int(lo), int(hi)))
-    print(f"{lines[0].split()[1]}, layer {args.layer}, {len(lines)} steps (median ns from the first block's start)")
-    print(f"{'#':>2} {'phase':<22} {'earliest':>9} {'latest':>9}")
-    for slot in sorted(slots):
-        lo = statistics.median(v[0] for v in slots[slot])
-        hi = statistics.median(v[1] for v in slots[slot])
-        name = NAMES[slot] if slot < len(NAMES) else ""
-        print(f"{slot:>2} {name:<22} {lo:>9.0f} {hi:>9.0f}")
+    print(f"layer {args.layer}, {len(steps)} steps: median ns from the q/k/v launch's first block start")
+    print(f"{'launch':<10} {'#':>2} {'phase':<20} {'earliest':>9} {'latest':>9}")
+    for name in ["q/k/v", "attention", "o", "gate/up", "down"]:
+        names = ATTENTION if name == "attention" else ROWS
+        for slot in range(len(names)):
+            lo, hi = [], []
+            for step in steps:
+                if (step, name) not in launches:
+                    continue
+                t0, slots = launches[step, name]
+                if slot in slots:
+                    shift = t0 - launches[step, "q/k/v"][0]
+                    lo.append(slots[slot][0] + shift)
+                    hi.append(slots[slot][1] + shift)
+            if lo:
+                print(f"{name:<10} {slot:>2} {names[slot]:<20} {statistics.median(lo):>9.0f} "
+                      f"{statistics.median(hi):>9.0f}")
     return 0
 
 
