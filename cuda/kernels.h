@@ -256,7 +256,13 @@ int matmul_row_tma_setting();
 // kRowNormEarly (on unless PYSPEC_CUDA_NORM_EARLY=0; H200 Qwen3-4B tg128 +6.3%): a norm
 // prologue's weights, where constant, are copied into shared memory before the PDL wait
 // (stage_norm_weights). The same values: the same bits.
-constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4;
+// kRowOneBlockPerSm (PYSPEC_CUDA_ROW_BAL_BLOCKS=1; off until the H200 has measured it): the
+// balanced grid with one block a SM instead of two. Two blocks of 256 threads at 122-128
+// registers fill a SM's register file, so the next kernel's blocks (PDL) get on only as this
+// launch's leave, and its early loads and prologue wait for that; with one, they can be resident
+// (and load their first weights) while this one streams, at half the warps streaming. The
+// items per warp double; each item's sum is the same: the same bits.
+constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowOneBlockPerSm = 8;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

@@ -258,7 +258,8 @@ void launch_row_stream(Pick&& pick, int64_t n, int64_t k, int setting, bool norm
     std::call_once(once, [] { PHASE_CONFIGURE("ROWS"); });
     const size_t smem = (norm_staged ? 2 : 1) * k * sizeof(float);
     if (setting & kRowBalanced) {
-        const int64_t blocks = std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n);
+        const int per_sm = (setting & kRowOneBlockPerSm) ? 1 : kBalBlocksPerSm;
+        const int64_t blocks = std::min<int64_t>(int64_t{per_sm} * tc::sm_count(), n);
         return launch(pick(std::true_type{}), static_cast<unsigned>(std::max<int64_t>(1, blocks)), kBalWarps * 32, smem,
                       s, args...);
     }

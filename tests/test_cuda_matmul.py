@@ -199,19 +199,21 @@ def test_swiglu_epilogue_gives_the_unfused_bits(dtype, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("balance", ["1", "0", "evict_first"])
+@pytest.mark.parametrize("balance", ["1", "0", "evict_first", "one_block"])
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
 def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, monkeypatch):
     """One column over many long 16-bit rows takes the row-streaming kernels (cuda/matmul_rows.cuh),
     whose balanced grid gives each warp several items (two rows, or a gate and an up row) once the
     rows outnumber 2 blocks x 8 warps a SM: every row of a plain MUL_MAT (an odd row count, so the
     last item's second row is a clamped read) and of the fused gate/up/SWIGLU equals, bit for bit,
-    the same row in a batch of 5 (another kernel), on both grids (PYSPEC_CUDA_ROW_BALANCE), with
-    and without the weight loads' L2 evict-first hint (PYSPEC_CUDA_L2_EVICT_FIRST); and the product is
+    the same row in a batch of 5 (another kernel), on both grids (PYSPEC_CUDA_ROW_BALANCE), the
+    balanced one also with one block a SM (PYSPEC_CUDA_ROW_BAL_BLOCKS=1), with and without the
+    weight loads' L2 evict-first hint (PYSPEC_CUDA_L2_EVICT_FIRST); and the product is
     within rounding of the CPU's."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
     monkeypatch.setenv("PYSPEC_CUDA_ROW_BALANCE", "0" if balance == "0" else "1")
     monkeypatch.setenv("PYSPEC_CUDA_L2_EVICT_FIRST", "1" if balance == "evict_first" else "0")
+    monkeypatch.setenv("PYSPEC_CUDA_ROW_BAL_BLOCKS", "1" if balance == "one_block" else "2")
     n_rows, k = 6151, 640
     stored, x = mm_inputs(dtype, n_rows, k, 5, seed=41)
     (one,) = run_on(DEVICE, matmul_build(stored, dtype, x[:1], n_rows))
