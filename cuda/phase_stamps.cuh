@@ -6,11 +6,11 @@
 // are empty and the kernels are as they were.
 //
 // PHASE_STAMP(slot, dep): thread 0 of each of the first kBlocks blocks records %globaltimer once
-// `dep` has been computed; PHASE_BLOCK_END(slot): the same after every thread of the block got
-// there (a barrier: where the block's last warp is done). dep is an operand of the timer read, so the compiler cannot move the
-// read ahead of the work that produces dep (a stamp without one may be taken before a plain load
-// or fmaf it follows in the source, which made an earlier, hand-made version of these stamps put
-// the decode attention's K dot after its softmax). PHASE_REPORT(name, n_slots), by every thread
+// `dep` has been computed; PHASE_BLOCK_END(slot, dep): the same after every thread of the block
+// got there (a barrier: where the block's last warp is done). dep is an operand of the timer
+// read, so the compiler cannot move the read ahead of the work that produces dep (a stamp
+// without one may be taken before a plain load or fmaf it follows in the source, which made an
+// earlier, hand-made version of these stamps put the decode attention's K dot after its softmax). PHASE_REPORT(name, n_slots), by every thread
 // on every path out of the kernel: the grid's last block to report prints, for the launches
 // selected, the launch's first slot-0 stamp (absolute ns, so that launches of different kernels
 // line up) and each slot's earliest and latest stamp over the blocks in ns from it ("-" for a
