@@ -254,8 +254,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 template <class Pick, class... Args>
 void launch_row_stream(Pick&& pick, int64_t n, int64_t k, int setting, bool norm_staged, cudaStream_t s,
                        Args... args) {
-    static std::once_flag once;
-    std::call_once(once, [] { PHASE_CONFIGURE("ROWS"); });
+    PHASE_CONFIGURE("ROWS");
     const size_t smem = (norm_staged ? 2 : 1) * k * sizeof(float);
     if (setting & kRowBalanced) {
         const int per_sm = (setting & kRowOneBlockPerSm) ? 1 : kBalBlocksPerSm;

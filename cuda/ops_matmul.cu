@@ -13,7 +13,6 @@
 // rows take a tensor-core GEMM with a fixed k order per output (cuda/matmul_tc.cu), every row of
 // that kind the same computation, so a row's bits still depend on itself alone.
 #include <algorithm>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 

@@ -15,7 +15,7 @@
 // selected, the launch's first slot-0 stamp (absolute ns, so that launches of different kernels
 // line up) and each slot's earliest and latest stamp over the blocks in ns from it ("-" for a
 // slot no block reached, e.g. a fold its warp had no cells for), then clears the stamps.
-// PHASE_CONFIGURE(tag), on the host before a kernel's first launch, selects them from
+// PHASE_CONFIGURE(tag), on the host before the kernels' first launch, selects them from
 // PYSPEC_CUDA_PHASE_<tag>_EVERY / _AT / _SPAN / _FROM / _COUNT: the launch index i (counted per
 // translation unit, over its stamped kernels) with AT <= i % EVERY < AT + SPAN and
 // FROM <= i / EVERY < FROM + COUNT, e.g. one layer's launches in steps FROM..FROM+COUNT-1.
@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 namespace pyspec {
@@ -110,16 +111,20 @@ __device__ inline void report(const char* name, int n_slots) {
     for (unsigned j = threadIdx.x; j < blocks * kSlots; j += nt) g_at[j / kSlots][j % kSlots] = 0;
 }
 
-// The launch selection from the environment, into this translation unit's copy (host; once a
-// kernel, before its first launch).
-inline void configure(const char* tag) {
-    int sel[5] = {1, 0, 1, 0, 0};
-    const char* names[5] = {"EVERY", "AT", "SPAN", "FROM", "COUNT"};
-    for (int i = 0; i < 5; ++i) {
-        const std::string name = std::string("PYSPEC_CUDA_PHASE_") + tag + "_" + names[i];
-        if (const char* v = std::getenv(name.c_str())) sel[i] = std::atoi(v);
-    }
-    cudaMemcpyToSymbol(g_select, sel, sizeof(sel));
+// The launch selection from the environment, into this translation unit's copy (host, before the
+// stamped kernels' first launch; later calls return at once). static: one copy, and one flag, a
+// translation unit, as g_select is.
+static inline void configure(const char* tag) {
+    static std::once_flag once;
+    std::call_once(once, [tag] {
+        int sel[5] = {1, 0, 1, 0, 0};
+        const char* names[5] = {"EVERY", "AT", "SPAN", "FROM", "COUNT"};
+        for (int i = 0; i < 5; ++i) {
+            const std::string name = std::string("PYSPEC_CUDA_PHASE_") + tag + "_" + names[i];
+            if (const char* v = std::getenv(name.c_str())) sel[i] = std::atoi(v);
+        }
+        cudaMemcpyToSymbol(g_select, sel, sizeof(sel));
+    });
 }
 
 }  // namespace phase_stamps
