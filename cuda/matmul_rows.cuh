@@ -35,6 +35,9 @@ constexpr int kRowWarps = 16;        // the grid of one item a warp
 constexpr int kBalWarps = 8;         // the balanced grid
 constexpr int kBalBlocksPerSm = 2;
 constexpr int kEarlyUnits = 4;
+// The most shared memory a launch with whole items staged (kRowStageWhole) may take: two blocks
+// of it still fit a SM (227 KB).
+constexpr int64_t kStageWholeMaxSmem = 100 * 1024;
 
 // The L2 policy of a launch's weight loads (Parts::evict_first, kRowEvictFirst): evict_first
 // marks the weights' lines as the first to go, so the step's small, re-read data (the KV cache,
@@ -133,6 +136,38 @@ __device__ __forceinline__ void rows_unit_fma(W&& w, const float* xu, float* acc
     }
 }
 
+// kRowStageWhole: a warp's item (its two rows, 4 k bytes) copied into its slot of shared memory
+// (after the column) by cp.async before the PDL wait, lane l the units l, l + 32, ... of both
+// rows: the units it will itself read, so its own wait for the copies is all it needs.
+__device__ __forceinline__ uint4* whole_slot(int64_t k) {
+    return reinterpret_cast<uint4*>(reinterpret_cast<float*>(normed_rows) + k) + (threadIdx.x >> 5) * (k / 4);
+}
+
+__device__ __forceinline__ void stage_whole_item(const char* const (&wr)[2], int64_t k, int lane) {
+    uint4* slot = whole_slot(k);
+    const int64_t units = k / 8;
+    for (int64_t u = lane; u < units; u += 32) {
+        cp_async<16>(slot + u, wr[0] + u * 16, true);
+        cp_async<16>(slot + units + u, wr[1] + u * 16, true);
+    }
+    cp_async_commit();
+}
+
+// Both rows' fmaf chains over the staged column, from the item staged whole: the units in the
+// order stream_rows takes them, so the same bits.
+template <DType T>
+__device__ __forceinline__ void stream_whole_item(const float* xs, int64_t k, int lane, float (&acc)[2]) {
+    acc[0] = acc[1] = 0.0f;
+    const int64_t units = k / 8;
+    const uint4* slot = whole_slot(k);
+    cp_async_wait<0>();
+#pragma unroll 4
+    for (int64_t u = lane; u < units; u += 32) {
+        const uint4 w[2] = {slot[u], slot[units + u]};
+        rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + u * 8, acc);
+    }
+}
+
 // Both rows' fmaf chains over the staged column (pre: the first units, when early).
 template <DType T>
 __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const float* xs, int64_t k, int lane, bool early,
@@ -178,13 +213,20 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
             wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
         }
     };
-    const bool early = p.early && item < end;
+    // p.stage_whole (no prologue, the balanced grid; the caller checks that a warp has one item at
+    // most and that the slots fit): the warp's item goes into shared memory before the wait, not
+    // registers.
+    const bool whole = !kNorm && kBalanced && p.stage_whole && item < end;
+    const bool early = p.early && item < end && !whole;
     const uint64_t pol = weight_policy(p.evict_first);
     if constexpr (kNorm) {
         if (p.norm_early) stage_norm_weights<kW * 32>(p.norm_w, k);  // ahead of the weights' loads
     }
     uint4 pre[2][kEarlyUnits];
-    if (early) {
+    if (whole) {
+        rows_of(item);
+        stage_whole_item(wr, k, lane);
+    } else if (early) {
         rows_of(item);
         load_early(wr, k / 8, lane, pol, pre);
     }
@@ -194,9 +236,13 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     for (bool first = true; item < end; item += kW, first = false) {
-        if (!(first && early)) rows_of(item);
+        if (!(first && (early || whole))) rows_of(item);
         float acc[2];
-        stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
+        if (first && whole) {
+            stream_whole_item<T>(xs, k, lane, acc);
+        } else {
+            stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
+        }
         // Every lane holds both sums (warp_sum's xor tree gives each lane the same bits); lane r
         // stores row r, so the two residual reads of o and down (each a round trip to L2 on the
         // launch's tail) go out together rather than one after the other.
@@ -246,21 +292,43 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 
 #include "cuda/matmul_rows_tma.cuh"  // the copy-engine variant (the same translation unit)
 
+// The balanced grid's blocks for n items (setting: matmul_row_stream_setting()).
+inline int64_t balanced_blocks(int setting, int64_t n) {
+    const int per_sm = (setting & kRowOneBlockPerSm) ? 1 : kBalBlocksPerSm;
+    return std::max<int64_t>(1, std::min<int64_t>(int64_t{per_sm} * tc::sm_count(), n));
+}
+
+// The shared memory a k_mul_mat_rows launch over n items (no norm prologue) takes with its items
+// staged whole (kRowStageWhole), or 0 where that does not apply: the setting asks for it, the
+// weights are constant (copied before the wait), the balanced grid gives each warp one item at
+// most, and the column and the slots fit kStageWholeMaxSmem.
+inline size_t stage_whole_smem(int setting, int64_t n, int64_t k, bool constant) {
+    if (!(setting & kRowStageWhole) || !(setting & kRowBalanced) || !constant) return 0;
+    const int64_t blocks = balanced_blocks(setting, n);
+    const int64_t per_block = (n + blocks - 1) / blocks;  // the most items a block gets
+    const int64_t bytes = (k + per_block * k) * static_cast<int64_t>(sizeof(float));  // column, 4 k bytes an item
+    return per_block <= kBalWarps && bytes <= kStageWholeMaxSmem ? static_cast<size_t>(bytes) : 0;
+}
+
 // Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
 // grid where setting (matmul_row_stream_setting(), read once a launch by the launch site) has
 // kRowBalanced, else (PYSPEC_CUDA_ROW_BALANCE=0, for A/B) the grid of one item a warp.
-// pick(balanced) gives the kernel instantiation.
-// norm_staged: the launch stages its norm's weights too (k more floats of shared memory).
+// pick(balanced) gives the kernel instantiation; smem its shared memory (the column, and the
+// norm's weights or the items where those are staged), beyond 48 KB only on the balanced grid.
 template <class Pick, class... Args>
-void launch_row_stream(Pick&& pick, int64_t n, int64_t k, int setting, bool norm_staged, cudaStream_t s,
-                       Args... args) {
+void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, Args... args) {
     PHASE_CONFIGURE("ROWS");
-    const size_t smem = (norm_staged ? 2 : 1) * k * sizeof(float);
     if (setting & kRowBalanced) {
-        const int per_sm = (setting & kRowOneBlockPerSm) ? 1 : kBalBlocksPerSm;
-        const int64_t blocks = std::min<int64_t>(int64_t{per_sm} * tc::sm_count(), n);
-        return launch(pick(std::true_type{}), static_cast<unsigned>(std::max<int64_t>(1, blocks)), kBalWarps * 32, smem,
-                      s, args...);
+        const auto kernel = pick(std::true_type{});
+        if (smem > 48 * 1024) {
+            static std::once_flag once;  // (one a call site and weight type)
+            std::call_once(once, [kernel] {
+                check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kStageWholeMaxSmem)),
+                      "row streams: cudaFuncSetAttribute");
+            });
+        }
+        return launch(kernel, static_cast<unsigned>(balanced_blocks(setting, n)), kBalWarps * 32, smem, s, args...);
     }
     launch(pick(std::false_type{}), grid_for(n, kRowWarps), kRowWarps * 32, smem, s, args...);
 }

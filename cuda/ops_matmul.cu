@@ -13,6 +13,7 @@
 // rows take a tensor-core GEMM with a fixed k order per output (cuda/matmul_tc.cu), every row of
 // that kind the same computation, so a row's bits still depend on itself alone.
 #include <algorithm>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -172,6 +173,7 @@ struct Parts {
     bool evict_first;     // the weight loads L2 evict-first (k_mul_mat_rows: kRowEvictFirst)
     bool norm_constant;   // MatmulNorm::constant
     bool norm_early;      // norm_w staged before the PDL wait (k_mul_mat_rows: stage_norm_weights)
+    bool stage_whole;     // each warp's item staged whole before the PDL wait (k_mul_mat_rows: kRowStageWhole)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -515,7 +517,8 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
             const int setting = matmul_row_stream_setting();
             const bool staged = stages_norm_weights(setting, norm.w, norm.constant, k);
             if (staged) count_graph_event(GraphEvent::EarlyNormLaunch);
-            return launch_row_stream(pick, gate.n_rows, k, setting, staged, s, static_cast<const char*>(gate.w),
+            const size_t smem = (staged ? 2 : 1) * k * sizeof(float);  // the column, and the norm's weights
+            return launch_row_stream(pick, gate.n_rows, setting, smem, s, static_cast<const char*>(gate.w),
                                      static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
                                      static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps,
                                      gate.constant && up.constant, (setting & kRowEvictFirst) != 0, staged);
@@ -577,7 +580,12 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             ps.evict_first = (setting & kRowEvictFirst) != 0;
             ps.norm_early = stages_norm_weights(setting, p.norm_w, p.norm_constant, k);
             if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
-            return launch_row_stream(pick, (p.row0[p.n] + 1) / 2, k, setting, ps.norm_early, s, ps, k, x);
+            const int64_t items = (p.row0[p.n] + 1) / 2;
+            const size_t whole = p.norm_w ? 0 : stage_whole_smem(setting, items, k, p.early);
+            ps.stage_whole = whole > 0;
+            if (ps.stage_whole) count_graph_event(GraphEvent::StagedWholeRowLaunch);
+            const size_t smem = whole > 0 ? whole : (ps.norm_early ? 2 : 1) * k * sizeof(float);
+            return launch_row_stream(pick, items, setting, smem, s, ps, k, x);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
@@ -648,7 +656,8 @@ int matmul_row_stream_setting() {
     return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
            (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") != 0 ? kRowEvictFirst : 0) |
            (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_BAL_BLOCKS") == 1 ? kRowOneBlockPerSm : 0);
+           (env_switch("PYSPEC_CUDA_ROW_BAL_BLOCKS") == 1 ? kRowOneBlockPerSm : 0) |
+           (env_switch("PYSPEC_CUDA_ROW_STAGE_WHOLE") == 1 ? kRowStageWhole : 0);
 }
 
 int matmul_row_tma_setting() {

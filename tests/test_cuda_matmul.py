@@ -233,6 +233,38 @@ def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, m
                                atol=2e-2 * np.abs(gref).max())
 
 
+@gpu
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_row_streams_with_items_staged_whole_give_the_same_bits(dtype, monkeypatch):
+    """One column over long 16-bit rows few enough that the balanced grid gives each warp one item
+    at most (Qwen3-4B's o: 2,561 rows of 4,096 here, an odd count so the last item's second row
+    is a clamped read): with PYSPEC_CUDA_ROW_STAGE_WHOLE=1 each warp copies its item whole into
+    shared memory before the PDL wait (counted by staged_whole_row_launches, beyond the 48 KB a
+    launch has without asking). Every row equals, bit for bit, the launch without it and the same
+    row in a batch of 5 (another kernel), and is within rounding of the CPU's."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    n_rows, k = 2561, 4096
+    stored, x = mm_inputs(dtype, n_rows, k, 5, seed=47)
+    out, staged = {}, {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("PYSPEC_CUDA_ROW_STAGE_WHOLE", on)
+        if DEVICE == "cuda":
+            core.reset_cuda_graph_stats()
+        (out[on],) = run_on(DEVICE, matmul_build(stored, dtype, x[:1], n_rows))
+        staged[on] = core.cuda_graph_stats()["staged_whole_row_launches"] if DEVICE == "cuda" else 0
+    # The balanced row grid of two blocks a SM takes it unless the environment sends rows elsewhere.
+    balanced_rows = DEVICE == "cuda" and all(
+        os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"),
+                                                ("PYSPEC_CUDA_ROW_BALANCE", "0"), ("PYSPEC_CUDA_ROW_BAL_BLOCKS", "1")))
+    assert (staged["1"] > 0) == balanced_rows and staged["0"] == 0, staged
+    np.testing.assert_array_equal(out["1"], out["0"])
+    (five,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
+    np.testing.assert_array_equal(out["1"].reshape(n_rows), five.reshape(5, n_rows)[0])
+    (ref,) = run_on("cpu", matmul_build(stored, dtype, x[:1], n_rows))
+    np.testing.assert_allclose(out["1"].reshape(n_rows), ref.reshape(n_rows), rtol=2e-2,
+                               atol=2e-2 * np.abs(ref).max())
+
+
 @real_gpu
 @pytest.mark.parametrize("ring", ["16", "8", "8-start"])
 @pytest.mark.parametrize("tail", ["plain", "group", "glu", "residual"])
