@@ -46,7 +46,7 @@ struct CudaGraphStats {
     // before the PDL wait (stage_norm_weights; PYSPEC_CUDA_NORM_EARLY=0 turns it off).
     uint64_t early_norm_launches = 0;
     // Row-streaming launches whose warps copied their item whole into shared memory before the PDL
-    // wait (kRowStageWhole, PYSPEC_CUDA_ROW_STAGE_WHOLE=1).
+    // wait (kRowStageWhole; PYSPEC_CUDA_ROW_STAGE_WHOLE=0 turns it off).
     uint64_t staged_whole_row_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench

@@ -256,19 +256,13 @@ int matmul_row_tma_setting();
 // kRowNormEarly (on unless PYSPEC_CUDA_NORM_EARLY=0; H200 Qwen3-4B tg128 +6.3%): a norm
 // prologue's weights, where constant, are copied into shared memory before the PDL wait
 // (stage_norm_weights). The same values: the same bits.
-// kRowOneBlockPerSm (PYSPEC_CUDA_ROW_BAL_BLOCKS=1; off until the H200 has measured it): the
-// balanced grid with one block a SM instead of two. Two blocks of 256 threads at 122-128
-// registers fill a SM's register file, so the next kernel's blocks (PDL) get on only as this
-// launch's leave, and its early loads and prologue wait for that; with one, they can be resident
-// (and load their first weights) while this one streams, at half the warps streaming. The
-// items per warp double; each item's sum is the same: the same bits.
-// kRowStageWhole (PYSPEC_CUDA_ROW_STAGE_WHOLE=1; off until the H200 has measured it): a launch
+// kRowStageWhole (on unless PYSPEC_CUDA_ROW_STAGE_WHOLE=0; H200 Qwen3-4B tg128 +0.4%): a launch
 // without the norm prologue whose warps have one item at most (Qwen3-4B's o: 1,280 items over
 // 2,112 warps) copies each item whole (both rows, 16 KB for o) into shared memory by cp.async
 // before the PDL wait, instead of its first 4 units into registers. o follows the decode
 // attention, which leaves DRAM idle for ~7 us, and streamed only ~4 KB a warp in that time; then
 // three dependent rounds of loads after it. Read back in the same order: the same bits.
-constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowOneBlockPerSm = 8, kRowStageWhole = 16;
+constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowStageWhole = 8;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

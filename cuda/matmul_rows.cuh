@@ -292,10 +292,9 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 
 #include "cuda/matmul_rows_tma.cuh"  // the copy-engine variant (the same translation unit)
 
-// The balanced grid's blocks for n items (setting: matmul_row_stream_setting()).
-inline int64_t balanced_blocks(int setting, int64_t n) {
-    const int per_sm = (setting & kRowOneBlockPerSm) ? 1 : kBalBlocksPerSm;
-    return std::max<int64_t>(1, std::min<int64_t>(int64_t{per_sm} * tc::sm_count(), n));
+// The balanced grid's blocks for n items.
+inline int64_t balanced_blocks(int64_t n) {
+    return std::max<int64_t>(1, std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n));
 }
 
 // The shared memory a k_mul_mat_rows launch over n items (no norm prologue) takes with its items
@@ -304,7 +303,7 @@ inline int64_t balanced_blocks(int setting, int64_t n) {
 // most, and the column and the slots fit kStageWholeMaxSmem.
 inline size_t stage_whole_smem(int setting, int64_t n, int64_t k, bool constant) {
     if (!(setting & kRowStageWhole) || !(setting & kRowBalanced) || !constant) return 0;
-    const int64_t blocks = balanced_blocks(setting, n);
+    const int64_t blocks = balanced_blocks(n);
     const int64_t per_block = (n + blocks - 1) / blocks;  // the most items a block gets
     const int64_t bytes = (k + per_block * k) * static_cast<int64_t>(sizeof(float));  // column, 4 k bytes an item
     return per_block <= kBalWarps && bytes <= kStageWholeMaxSmem ? static_cast<size_t>(bytes) : 0;
@@ -328,7 +327,7 @@ void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStr
                       "row streams: cudaFuncSetAttribute");
             });
         }
-        return launch(kernel, static_cast<unsigned>(balanced_blocks(setting, n)), kBalWarps * 32, smem, s, args...);
+        return launch(kernel, static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
     }
     launch(pick(std::false_type{}), grid_for(n, kRowWarps), kRowWarps * 32, smem, s, args...);
 }

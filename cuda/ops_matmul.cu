@@ -656,8 +656,7 @@ int matmul_row_stream_setting() {
     return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
            (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") != 0 ? kRowEvictFirst : 0) |
            (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_BAL_BLOCKS") == 1 ? kRowOneBlockPerSm : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_STAGE_WHOLE") == 1 ? kRowStageWhole : 0);
+           (env_switch("PYSPEC_CUDA_ROW_STAGE_WHOLE") != 0 ? kRowStageWhole : 0);
 }
 
 int matmul_row_tma_setting() {

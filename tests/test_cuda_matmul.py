@@ -199,21 +199,19 @@ def test_swiglu_epilogue_gives_the_unfused_bits(dtype, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("balance", ["1", "0", "evict_first", "one_block"])
+@pytest.mark.parametrize("balance", ["1", "0", "evict_first"])
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
 def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, monkeypatch):
     """One column over many long 16-bit rows takes the row-streaming kernels (cuda/matmul_rows.cuh),
     whose balanced grid gives each warp several items (two rows, or a gate and an up row) once the
     rows outnumber 2 blocks x 8 warps a SM: every row of a plain MUL_MAT (an odd row count, so the
     last item's second row is a clamped read) and of the fused gate/up/SWIGLU equals, bit for bit,
-    the same row in a batch of 5 (another kernel), on both grids (PYSPEC_CUDA_ROW_BALANCE), the
-    balanced one also with one block a SM (PYSPEC_CUDA_ROW_BAL_BLOCKS=1), with and without the
-    weight loads' L2 evict-first hint (PYSPEC_CUDA_L2_EVICT_FIRST); and the product is
-    within rounding of the CPU's."""
+    the same row in a batch of 5 (another kernel), on both grids (PYSPEC_CUDA_ROW_BALANCE), with
+    and without the weight loads' L2 evict-first hint (PYSPEC_CUDA_L2_EVICT_FIRST); and the product
+    is within rounding of the CPU's."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
     monkeypatch.setenv("PYSPEC_CUDA_ROW_BALANCE", "0" if balance == "0" else "1")
     monkeypatch.setenv("PYSPEC_CUDA_L2_EVICT_FIRST", "1" if balance == "evict_first" else "0")
-    monkeypatch.setenv("PYSPEC_CUDA_ROW_BAL_BLOCKS", "1" if balance == "one_block" else "2")
     n_rows, k = 6151, 640
     stored, x = mm_inputs(dtype, n_rows, k, 5, seed=41)
     (one,) = run_on(DEVICE, matmul_build(stored, dtype, x[:1], n_rows))
@@ -238,10 +236,11 @@ def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, m
 def test_row_streams_with_items_staged_whole_give_the_same_bits(dtype, monkeypatch):
     """One column over long 16-bit rows few enough that the balanced grid gives each warp one item
     at most (Qwen3-4B's o: 2,561 rows of 4,096 here, an odd count so the last item's second row
-    is a clamped read): with PYSPEC_CUDA_ROW_STAGE_WHOLE=1 each warp copies its item whole into
-    shared memory before the PDL wait (counted by staged_whole_row_launches, beyond the 48 KB a
-    launch has without asking). Every row equals, bit for bit, the launch without it and the same
-    row in a batch of 5 (another kernel), and is within rounding of the CPU's."""
+    is a clamped read): with PYSPEC_CUDA_ROW_STAGE_WHOLE on (the default) each warp copies its
+    item whole into shared memory before the PDL wait (counted by staged_whole_row_launches,
+    beyond the 48 KB a launch has without asking). Every row equals, bit for bit, the launch
+    without it (=0) and the same row in a batch of 5 (another kernel), and is within rounding of
+    the CPU's."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
     n_rows, k = 2561, 4096
     stored, x = mm_inputs(dtype, n_rows, k, 5, seed=47)
@@ -255,7 +254,7 @@ def test_row_streams_with_items_staged_whole_give_the_same_bits(dtype, monkeypat
     # The balanced row grid of two blocks a SM takes it unless the environment sends rows elsewhere.
     balanced_rows = DEVICE == "cuda" and all(
         os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"),
-                                                ("PYSPEC_CUDA_ROW_BALANCE", "0"), ("PYSPEC_CUDA_ROW_BAL_BLOCKS", "1")))
+                                                ("PYSPEC_CUDA_ROW_BALANCE", "0")))
     assert (staged["1"] > 0) == balanced_rows and staged["0"] == 0, staged
     np.testing.assert_array_equal(out["1"], out["0"])
     (five,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))

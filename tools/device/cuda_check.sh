@@ -15,9 +15,8 @@
 # PYSPEC_CUDA_ROW_TMA=1, and noevict, the row streams' weight loads without the L2 evict-first
 # hint: PYSPEC_CUDA_L2_EVICT_FIRST=0, and latenorm, the row streams' norm prologue reading the
 # norm's weights after the PDL wait, not copied before it: PYSPEC_CUDA_NORM_EARLY=0, and
-# oneblock, the balanced row grid with one block a SM (opt-in): PYSPEC_CUDA_ROW_BAL_BLOCKS=1, and
-# stagewhole, row launches of one item a warp copying it whole before the PDL wait (opt-in):
-# PYSPEC_CUDA_ROW_STAGE_WHOLE=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# nostagewhole, row launches of one item a warp streaming it, not copying it whole before the PDL
+# wait: PYSPEC_CUDA_ROW_STAGE_WHOLE=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -71,8 +70,7 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     rowtma) envs=(PYSPEC_CUDA_ROW_TMA=1) ;;
     noevict) envs=(PYSPEC_CUDA_L2_EVICT_FIRST=0) ;;
     latenorm) envs=(PYSPEC_CUDA_NORM_EARLY=0) ;;
-    oneblock) envs=(PYSPEC_CUDA_ROW_BAL_BLOCKS=1) ;;
-    stagewhole) envs=(PYSPEC_CUDA_ROW_STAGE_WHOLE=1) ;;
+    nostagewhole) envs=(PYSPEC_CUDA_ROW_STAGE_WHOLE=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
