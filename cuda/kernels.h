@@ -262,7 +262,17 @@ int matmul_row_tma_setting();
 // before the PDL wait, instead of its first 4 units into registers. o follows the decode
 // attention, which leaves DRAM idle for ~7 us, and streamed only ~4 KB a warp in that time; then
 // three dependent rounds of loads after it. Read back in the same order: the same bits.
-constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowStageWhole = 8;
+// kRowDeep8, kRowDeep16 (PYSPEC_CUDA_ROW_DEEP=8 or 16; off until the H200 has measured it): a
+// launch without the norm prologue or whole items whose items fit one block of kDeepWarps a SM
+// at one item a warp (Qwen3-4B's down: 1,280 items, which leave 40% of the balanced grid's
+// warps idle) runs on that grid instead, each warp keeping 8 or 16 units a lane of both rows in
+// flight (two rounds, the next round's loads issued before the current one's sums; 8 or 16 KB)
+// where the balanced grid has 4 in flight and then waits for them: the registers that one block
+// a SM frees go to bytes in flight, which at one item a warp is what the launch lacks (the
+// one-block-a-SM grid at the same depth lost 23%: docs/cuda-probes.md). The same units in the
+// same order: the same bits.
+constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowStageWhole = 8, kRowDeep8 = 16,
+              kRowDeep16 = 32;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

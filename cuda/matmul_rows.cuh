@@ -35,6 +35,7 @@ constexpr int kRowWarps = 16;        // the grid of one item a warp
 constexpr int kBalWarps = 8;         // the balanced grid
 constexpr int kBalBlocksPerSm = 2;
 constexpr int kEarlyUnits = 4;
+constexpr int kDeepWarps = 10;       // the deep grid (kRowDeep8, kRowDeep16): one block a SM
 // The most shared memory a launch with whole items staged (kRowStageWhole) may take: two blocks
 // of it still fit a SM (227 KB).
 constexpr int64_t kStageWholeMaxSmem = 100 * 1024;
@@ -188,6 +189,57 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
+// stream_rows on the deep grid (kRowDeep8, kRowDeep16): after the early units, rounds of kU units
+// a lane of both rows, each round's loads issued before the previous round's sums (two rounds,
+// 2 kU units a lane, in flight while a warp sums), then each unit's fmaf chain in the same order
+// as stream_rows: the same bits.
+template <DType T, int kU>
+__device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], const float* xs, int64_t k, int lane,
+                                                 bool early, const uint4 (&pre)[2][kEarlyUnits], uint64_t pol,
+                                                 float (&acc)[2]) {
+    acc[0] = acc[1] = 0.0f;
+    const int64_t units = k / 8;
+    int64_t u = lane;
+    const auto unit = [&](const uint4 (&w)[2], int64_t uu) {
+        rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + uu * 8, acc);
+    };
+    const auto whole_round = [&](int64_t at) { return at + 32 * (kU - 1) < units; };
+    const auto load_round = [&](int64_t at, uint4 (&w)[kU][2]) {
+#pragma unroll
+        for (int i = 0; i < kU; ++i) {
+            w[i][0] = ld_stream(wr[0] + (at + 32 * i) * 16, pol);
+            w[i][1] = ld_stream(wr[1] + (at + 32 * i) * 16, pol);
+        }
+    };
+    uint4 cur[kU][2], next[kU][2];
+    const int64_t first = early ? u + 32 * kEarlyUnits : u;
+    const bool rounds = whole_round(first);
+    if (rounds) load_round(first, cur);  // out while the early units are summed
+    if (early) {
+#pragma unroll
+        for (int i = 0; i < kEarlyUnits; ++i, u += 32) {
+            if (u < units) unit({pre[0][i], pre[1][i]}, u);
+        }
+    }
+    if (rounds) {
+        for (;;) {
+            const int64_t at = u + 32 * kU;
+            const bool more = whole_round(at);
+            if (more) load_round(at, next);
+#pragma unroll
+            for (int i = 0; i < kU; ++i) unit(cur[i], u + 32 * i);
+            u = at;
+            if (!more) break;
+#pragma unroll
+            for (int i = 0; i < kU; ++i) {
+                cur[i][0] = next[i][0];
+                cur[i][1] = next[i][1];
+            }
+        }
+    }
+    for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
+}
+
 // k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
 // (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
 // first + w + kW, ... (block_items).
@@ -196,7 +248,9 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
 // 4 warp 0's first item stored, 5 the block's last warp done.
 [[maybe_unused]] constexpr int kRowPhaseSlots = 6;
 
-template <DType T, bool kNorm, bool kBalanced, int kW>
+// kDeep: 0, or the units a lane has in flight on the deep grid (stream_rows_deep: two rounds of
+// kDeep / 2; balanced, no prologue, no whole items).
+template <DType T, bool kNorm, bool kBalanced, int kW, int kDeep = 0>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     PHASE_STAMP(0, 0);
     const int lane = threadIdx.x & 31;
@@ -238,7 +292,9 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && (early || whole))) rows_of(item);
         float acc[2];
-        if (first && whole) {
+        if constexpr (kDeep > 0) {
+            stream_rows_deep<T, kDeep / 2>(wr, xs, k, lane, first && early, pre, pol, acc);
+        } else if (first && whole) {
             stream_whole_item<T>(xs, k, lane, acc);
         } else {
             stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
@@ -307,6 +363,14 @@ inline size_t stage_whole_smem(int setting, int64_t n, int64_t k, bool constant)
     const int64_t per_block = (n + blocks - 1) / blocks;  // the most items a block gets
     const int64_t bytes = (k + per_block * k) * static_cast<int64_t>(sizeof(float));  // column, 4 k bytes an item
     return per_block <= kBalWarps && bytes <= kStageWholeMaxSmem ? static_cast<size_t>(bytes) : 0;
+}
+
+// Whether a k_mul_mat_rows launch over n items (no norm prologue, no whole items) takes the deep
+// grid: the setting asks for it, the balanced grid is on, one block of kDeepWarps a SM gives each
+// warp one item at most, and the column fits the 48 KB a launch has without asking.
+inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
+    return (setting & (kRowDeep8 | kRowDeep16)) && (setting & kRowBalanced) &&
+           n <= int64_t{kDeepWarps} * tc::sm_count() && k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
 }
 
 // Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced

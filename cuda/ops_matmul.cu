@@ -13,7 +13,9 @@
 // rows take a tensor-core GEMM with a fixed k order per output (cuda/matmul_tc.cu), every row of
 // that kind the same computation, so a row's bits still depend on itself alone.
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -584,6 +586,14 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             const size_t whole = p.norm_w ? 0 : stage_whole_smem(setting, items, k, p.early);
             ps.stage_whole = whole > 0;
             if (ps.stage_whole) count_graph_event(GraphEvent::StagedWholeRowLaunch);
+            if (!p.norm_w && !ps.stage_whole && takes_deep_grid(setting, items, k)) {
+                count_graph_event(GraphEvent::DeepRowLaunch);
+                PHASE_CONFIGURE("ROWS");
+                const auto kernel = (setting & kRowDeep16) ? k_mul_mat_rows<T, false, true, kDeepWarps, 16>
+                                                           : k_mul_mat_rows<T, false, true, kDeepWarps, 8>;
+                const int64_t blocks = std::min<int64_t>(tc::sm_count(), items);
+                return launch(kernel, static_cast<unsigned>(blocks), kDeepWarps * 32, k * sizeof(float), s, ps, k, x);
+            }
             const size_t smem = whole > 0 ? whole : (ps.norm_early ? 2 : 1) * k * sizeof(float);
             return launch_row_stream(pick, items, setting, smem, s, ps, k, x);
         }
@@ -652,11 +662,20 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
            with_weight_type(t, false, [](auto, auto) {});
 }
 
+// PYSPEC_CUDA_ROW_DEEP: 8 or 16 units a lane in flight on the deep grid (kRowDeep8, kRowDeep16),
+// anything else off.
+static int row_deep_setting() {
+    const char* v = std::getenv("PYSPEC_CUDA_ROW_DEEP");
+    const std::string s = v ? v : "";
+    return s == "8" ? kRowDeep8 : s == "16" ? kRowDeep16 : 0;
+}
+
 int matmul_row_stream_setting() {
     return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
            (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") != 0 ? kRowEvictFirst : 0) |
            (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_STAGE_WHOLE") != 0 ? kRowStageWhole : 0);
+           (env_switch("PYSPEC_CUDA_ROW_STAGE_WHOLE") != 0 ? kRowStageWhole : 0) |
+           row_deep_setting();
 }
 
 int matmul_row_tma_setting() {
