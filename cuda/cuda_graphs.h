@@ -45,11 +45,8 @@ struct CudaGraphStats {
     // Of those, the row-streaming launches that copied the norm's weights into shared memory
     // before the PDL wait (stage_norm_weights; PYSPEC_CUDA_NORM_EARLY=0 turns it off).
     uint64_t early_norm_launches = 0;
-    // Row-streaming launches whose warps copied their item whole into shared memory before the PDL
-    // wait (kRowStageWhole; PYSPEC_CUDA_ROW_STAGE_WHOLE=0 turns it off).
-    uint64_t staged_whole_row_launches = 0;
     // Row-streaming launches on the deep grid: one block of kDeepWarps a SM, more units in flight
-    // a warp (kRowDeep8 / kRowDeep16, PYSPEC_CUDA_ROW_DEEP=8 or 16).
+    // a warp (kRowDeep; PYSPEC_CUDA_ROW_DEEP=0 turns it off).
     uint64_t deep_row_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench

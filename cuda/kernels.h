@@ -256,23 +256,14 @@ int matmul_row_tma_setting();
 // kRowNormEarly (on unless PYSPEC_CUDA_NORM_EARLY=0; H200 Qwen3-4B tg128 +6.3%): a norm
 // prologue's weights, where constant, are copied into shared memory before the PDL wait
 // (stage_norm_weights). The same values: the same bits.
-// kRowStageWhole (on unless PYSPEC_CUDA_ROW_STAGE_WHOLE=0; H200 Qwen3-4B tg128 +0.4%): a launch
-// without the norm prologue whose warps have one item at most (Qwen3-4B's o: 1,280 items over
-// 2,112 warps) copies each item whole (both rows, 16 KB for o) into shared memory by cp.async
-// before the PDL wait, instead of its first 4 units into registers. o follows the decode
-// attention, which leaves DRAM idle for ~7 us, and streamed only ~4 KB a warp in that time; then
-// three dependent rounds of loads after it. Read back in the same order: the same bits.
-// kRowDeep8, kRowDeep16 (PYSPEC_CUDA_ROW_DEEP=8 or 16; off until the H200 has measured it): a
-// launch without the norm prologue or whole items whose items fit one block of kDeepWarps a SM
-// at one item a warp (Qwen3-4B's down: 1,280 items, which leave 40% of the balanced grid's
-// warps idle) runs on that grid instead, each warp keeping 8 or 16 units a lane of both rows in
-// flight (two rounds, the next round's loads issued before the current one's sums; 8 or 16 KB)
-// where the balanced grid has 4 in flight and then waits for them: the registers that one block
-// a SM frees go to bytes in flight, which at one item a warp is what the launch lacks (the
-// one-block-a-SM grid at the same depth lost 23%: docs/cuda-probes.md). The same units in the
-// same order: the same bits.
-constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowStageWhole = 8, kRowDeep8 = 16,
-              kRowDeep16 = 32;
+// kRowDeep (on unless PYSPEC_CUDA_ROW_DEEP=0; H200 Qwen3-4B tg128 +3.1%): a launch without the
+// norm prologue whose items fit one block of kDeepWarps a SM at one item a warp (Qwen3-4B's o and
+// down: 1,280 items each, which leave 40% of the balanced grid's warps idle) runs on that grid
+// instead, each warp keeping 8 units a lane of both rows in flight (two rounds of 4, the next
+// round's loads issued before the current one's sums; 8 KB) where the balanced grid asks for 4
+// and then waits for them: the registers that one block a SM frees go to bytes in flight, which
+// at one item a warp is what the launch lacks. The same units in the same order: the same bits.
+constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowDeep = 8;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

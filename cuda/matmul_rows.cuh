@@ -35,10 +35,8 @@ constexpr int kRowWarps = 16;        // the grid of one item a warp
 constexpr int kBalWarps = 8;         // the balanced grid
 constexpr int kBalBlocksPerSm = 2;
 constexpr int kEarlyUnits = 4;
-constexpr int kDeepWarps = 10;       // the deep grid (kRowDeep8, kRowDeep16): one block a SM
-// The most shared memory a launch with whole items staged (kRowStageWhole) may take: two blocks
-// of it still fit a SM (227 KB).
-constexpr int64_t kStageWholeMaxSmem = 100 * 1024;
+constexpr int kDeepWarps = 10;       // the deep grid (kRowDeep): one block a SM
+constexpr int kDeepRound = 4;        // its units a lane in a round (two rounds in flight)
 
 // The L2 policy of a launch's weight loads (Parts::evict_first, kRowEvictFirst): evict_first
 // marks the weights' lines as the first to go, so the step's small, re-read data (the KV cache,
@@ -137,38 +135,6 @@ __device__ __forceinline__ void rows_unit_fma(W&& w, const float* xu, float* acc
     }
 }
 
-// kRowStageWhole: a warp's item (its two rows, 4 k bytes) copied into its slot of shared memory
-// (after the column) by cp.async before the PDL wait, lane l the units l, l + 32, ... of both
-// rows: the units it will itself read, so its own wait for the copies is all it needs.
-__device__ __forceinline__ uint4* whole_slot(int64_t k) {
-    return reinterpret_cast<uint4*>(reinterpret_cast<float*>(normed_rows) + k) + (threadIdx.x >> 5) * (k / 4);
-}
-
-__device__ __forceinline__ void stage_whole_item(const char* const (&wr)[2], int64_t k, int lane) {
-    uint4* slot = whole_slot(k);
-    const int64_t units = k / 8;
-    for (int64_t u = lane; u < units; u += 32) {
-        cp_async<16>(slot + u, wr[0] + u * 16, true);
-        cp_async<16>(slot + units + u, wr[1] + u * 16, true);
-    }
-    cp_async_commit();
-}
-
-// Both rows' fmaf chains over the staged column, from the item staged whole: the units in the
-// order stream_rows takes them, so the same bits.
-template <DType T>
-__device__ __forceinline__ void stream_whole_item(const float* xs, int64_t k, int lane, float (&acc)[2]) {
-    acc[0] = acc[1] = 0.0f;
-    const int64_t units = k / 8;
-    const uint4* slot = whole_slot(k);
-    cp_async_wait<0>();
-#pragma unroll 4
-    for (int64_t u = lane; u < units; u += 32) {
-        const uint4 w[2] = {slot[u], slot[units + u]};
-        rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + u * 8, acc);
-    }
-}
-
 // Both rows' fmaf chains over the staged column (pre: the first units, when early).
 template <DType T>
 __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const float* xs, int64_t k, int lane, bool early,
@@ -189,10 +155,12 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
-// stream_rows on the deep grid (kRowDeep8, kRowDeep16): after the early units, rounds of kU units
-// a lane of both rows, each round's loads issued before the previous round's sums (two rounds,
-// 2 kU units a lane, in flight while a warp sums), then each unit's fmaf chain in the same order
-// as stream_rows: the same bits.
+// stream_rows on the deep grid (kRowDeep): after the early units, rounds of kU units a lane of
+// both rows, each round's loads issued before the previous round's sums (two rounds, 2 kU units a
+// lane, in flight while a warp sums; ptxas keeps that order, where loads and sums of one deeper
+// round came out interleaved, the first sum's wait holding back the loads after it), then each
+// unit's fmaf chain in the same order as stream_rows: the same bits. kU = 8 (16 in flight)
+// spilled at the deep grid's 168 registers and lost 8% (docs/cuda-probes.md).
 template <DType T, int kU>
 __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], const float* xs, int64_t k, int lane,
                                                  bool early, const uint4 (&pre)[2][kEarlyUnits], uint64_t pol,
@@ -248,9 +216,8 @@ __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], con
 // 4 warp 0's first item stored, 5 the block's last warp done.
 [[maybe_unused]] constexpr int kRowPhaseSlots = 6;
 
-// kDeep: 0, or the units a lane has in flight on the deep grid (stream_rows_deep: two rounds of
-// kDeep / 2; balanced, no prologue, no whole items).
-template <DType T, bool kNorm, bool kBalanced, int kW, int kDeep = 0>
+// kDeep: the deep grid's kernel (stream_rows_deep; balanced, no prologue).
+template <DType T, bool kNorm, bool kBalanced, int kW, bool kDeep = false>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     PHASE_STAMP(0, 0);
     const int lane = threadIdx.x & 31;
@@ -267,20 +234,13 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
             wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
         }
     };
-    // p.stage_whole (no prologue, the balanced grid; the caller checks that a warp has one item at
-    // most and that the slots fit): the warp's item goes into shared memory before the wait, not
-    // registers.
-    const bool whole = !kNorm && kBalanced && p.stage_whole && item < end;
-    const bool early = p.early && item < end && !whole;
+    const bool early = p.early && item < end;
     const uint64_t pol = weight_policy(p.evict_first);
     if constexpr (kNorm) {
         if (p.norm_early) stage_norm_weights<kW * 32>(p.norm_w, k);  // ahead of the weights' loads
     }
     uint4 pre[2][kEarlyUnits];
-    if (whole) {
-        rows_of(item);
-        stage_whole_item(wr, k, lane);
-    } else if (early) {
+    if (early) {
         rows_of(item);
         load_early(wr, k / 8, lane, pol, pre);
     }
@@ -290,12 +250,10 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     for (bool first = true; item < end; item += kW, first = false) {
-        if (!(first && (early || whole))) rows_of(item);
+        if (!(first && early)) rows_of(item);
         float acc[2];
-        if constexpr (kDeep > 0) {
-            stream_rows_deep<T, kDeep / 2>(wr, xs, k, lane, first && early, pre, pol, acc);
-        } else if (first && whole) {
-            stream_whole_item<T>(xs, k, lane, acc);
+        if constexpr (kDeep) {
+            stream_rows_deep<T, kDeepRound>(wr, xs, k, lane, first && early, pre, pol, acc);
         } else {
             stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
         }
@@ -353,23 +311,11 @@ inline int64_t balanced_blocks(int64_t n) {
     return std::max<int64_t>(1, std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n));
 }
 
-// The shared memory a k_mul_mat_rows launch over n items (no norm prologue) takes with its items
-// staged whole (kRowStageWhole), or 0 where that does not apply: the setting asks for it, the
-// weights are constant (copied before the wait), the balanced grid gives each warp one item at
-// most, and the column and the slots fit kStageWholeMaxSmem.
-inline size_t stage_whole_smem(int setting, int64_t n, int64_t k, bool constant) {
-    if (!(setting & kRowStageWhole) || !(setting & kRowBalanced) || !constant) return 0;
-    const int64_t blocks = balanced_blocks(n);
-    const int64_t per_block = (n + blocks - 1) / blocks;  // the most items a block gets
-    const int64_t bytes = (k + per_block * k) * static_cast<int64_t>(sizeof(float));  // column, 4 k bytes an item
-    return per_block <= kBalWarps && bytes <= kStageWholeMaxSmem ? static_cast<size_t>(bytes) : 0;
-}
-
-// Whether a k_mul_mat_rows launch over n items (no norm prologue, no whole items) takes the deep
-// grid: the setting asks for it, the balanced grid is on, one block of kDeepWarps a SM gives each
-// warp one item at most, and the column fits the 48 KB a launch has without asking.
+// Whether a k_mul_mat_rows launch over n items (no norm prologue) takes the deep grid: the
+// setting asks for it, the balanced grid is on, one block of kDeepWarps a SM gives each warp one
+// item at most, and the column fits the 48 KB a launch has without asking.
 inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
-    return (setting & (kRowDeep8 | kRowDeep16)) && (setting & kRowBalanced) &&
+    return (setting & kRowDeep) && (setting & kRowBalanced) &&
            n <= int64_t{kDeepWarps} * tc::sm_count() && k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
 }
 
@@ -377,21 +323,13 @@ inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
 // grid where setting (matmul_row_stream_setting(), read once a launch by the launch site) has
 // kRowBalanced, else (PYSPEC_CUDA_ROW_BALANCE=0, for A/B) the grid of one item a warp.
 // pick(balanced) gives the kernel instantiation; smem its shared memory (the column, and the
-// norm's weights or the items where those are staged), beyond 48 KB only on the balanced grid.
+// norm's weights where those are staged).
 template <class Pick, class... Args>
 void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, Args... args) {
     PHASE_CONFIGURE("ROWS");
     if (setting & kRowBalanced) {
-        const auto kernel = pick(std::true_type{});
-        if (smem > 48 * 1024) {
-            static std::once_flag once;  // (one a call site and weight type)
-            std::call_once(once, [kernel] {
-                check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kStageWholeMaxSmem)),
-                      "row streams: cudaFuncSetAttribute");
-            });
-        }
-        return launch(kernel, static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
+        return launch(pick(std::true_type{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s,
+                      args...);
     }
     launch(pick(std::false_type{}), grid_for(n, kRowWarps), kRowWarps * 32, smem, s, args...);
 }

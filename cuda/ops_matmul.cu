@@ -13,9 +13,7 @@
 // rows take a tensor-core GEMM with a fixed k order per output (cuda/matmul_tc.cu), every row of
 // that kind the same computation, so a row's bits still depend on itself alone.
 #include <algorithm>
-#include <cstdlib>
 #include <mutex>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -175,7 +173,6 @@ struct Parts {
     bool evict_first;     // the weight loads L2 evict-first (k_mul_mat_rows: kRowEvictFirst)
     bool norm_constant;   // MatmulNorm::constant
     bool norm_early;      // norm_w staged before the PDL wait (k_mul_mat_rows: stage_norm_weights)
-    bool stage_whole;     // each warp's item staged whole before the PDL wait (k_mul_mat_rows: kRowStageWhole)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -583,18 +580,14 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             ps.norm_early = stages_norm_weights(setting, p.norm_w, p.norm_constant, k);
             if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
             const int64_t items = (p.row0[p.n] + 1) / 2;
-            const size_t whole = p.norm_w ? 0 : stage_whole_smem(setting, items, k, p.early);
-            ps.stage_whole = whole > 0;
-            if (ps.stage_whole) count_graph_event(GraphEvent::StagedWholeRowLaunch);
-            if (!p.norm_w && !ps.stage_whole && takes_deep_grid(setting, items, k)) {
+            if (!p.norm_w && takes_deep_grid(setting, items, k)) {
                 count_graph_event(GraphEvent::DeepRowLaunch);
                 PHASE_CONFIGURE("ROWS");
-                const auto kernel = (setting & kRowDeep16) ? k_mul_mat_rows<T, false, true, kDeepWarps, 16>
-                                                           : k_mul_mat_rows<T, false, true, kDeepWarps, 8>;
                 const int64_t blocks = std::min<int64_t>(tc::sm_count(), items);
-                return launch(kernel, static_cast<unsigned>(blocks), kDeepWarps * 32, k * sizeof(float), s, ps, k, x);
+                return launch(k_mul_mat_rows<T, false, true, kDeepWarps, true>, static_cast<unsigned>(blocks),
+                              kDeepWarps * 32, k * sizeof(float), s, ps, k, x);
             }
-            const size_t smem = whole > 0 ? whole : (ps.norm_early ? 2 : 1) * k * sizeof(float);
+            const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
             return launch_row_stream(pick, items, setting, smem, s, ps, k, x);
         }
     }
@@ -662,20 +655,11 @@ bool matmul_norm_prologue(DType t, int64_t k, int64_t m, int64_t prompt_cols, Tc
            with_weight_type(t, false, [](auto, auto) {});
 }
 
-// PYSPEC_CUDA_ROW_DEEP: 8 or 16 units a lane in flight on the deep grid (kRowDeep8, kRowDeep16),
-// anything else off.
-static int row_deep_setting() {
-    const char* v = std::getenv("PYSPEC_CUDA_ROW_DEEP");
-    const std::string s = v ? v : "";
-    return s == "8" ? kRowDeep8 : s == "16" ? kRowDeep16 : 0;
-}
-
 int matmul_row_stream_setting() {
     return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
            (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") != 0 ? kRowEvictFirst : 0) |
            (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_STAGE_WHOLE") != 0 ? kRowStageWhole : 0) |
-           row_deep_setting();
+           (env_switch("PYSPEC_CUDA_ROW_DEEP") != 0 ? kRowDeep : 0);
 }
 
 int matmul_row_tma_setting() {

@@ -233,51 +233,18 @@ def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, m
 
 @gpu
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
-def test_row_streams_with_items_staged_whole_give_the_same_bits(dtype, monkeypatch):
-    """One column over long 16-bit rows few enough that the balanced grid gives each warp one item
-    at most (Qwen3-4B's o: 2,561 rows of 4,096 here, an odd count so the last item's second row
-    is a clamped read): with PYSPEC_CUDA_ROW_STAGE_WHOLE on (the default) each warp copies its
-    item whole into shared memory before the PDL wait (counted by staged_whole_row_launches,
-    beyond the 48 KB a launch has without asking). Every row equals, bit for bit, the launch
-    without it (=0) and the same row in a batch of 5 (another kernel), and is within rounding of
-    the CPU's."""
-    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
-    n_rows, k = 2561, 4096
-    stored, x = mm_inputs(dtype, n_rows, k, 5, seed=47)
-    out, staged = {}, {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("PYSPEC_CUDA_ROW_STAGE_WHOLE", on)
-        if DEVICE == "cuda":
-            core.reset_cuda_graph_stats()
-        (out[on],) = run_on(DEVICE, matmul_build(stored, dtype, x[:1], n_rows))
-        staged[on] = core.cuda_graph_stats()["staged_whole_row_launches"] if DEVICE == "cuda" else 0
-    # The balanced row grid of two blocks a SM takes it unless the environment sends rows elsewhere.
-    balanced_rows = DEVICE == "cuda" and all(
-        os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"),
-                                                ("PYSPEC_CUDA_ROW_BALANCE", "0")))
-    assert (staged["1"] > 0) == balanced_rows and staged["0"] == 0, staged
-    np.testing.assert_array_equal(out["1"], out["0"])
-    (five,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
-    np.testing.assert_array_equal(out["1"].reshape(n_rows), five.reshape(5, n_rows)[0])
-    (ref,) = run_on("cpu", matmul_build(stored, dtype, x[:1], n_rows))
-    np.testing.assert_allclose(out["1"].reshape(n_rows), ref.reshape(n_rows), rtol=2e-2,
-                               atol=2e-2 * np.abs(ref).max())
-
-
-@gpu
-@pytest.mark.parametrize("dtype", ["F16", "BF16"])
 def test_row_streams_on_the_deep_grid_give_the_same_bits(dtype, monkeypatch):
     """One column over long 16-bit rows few enough for one block of 10 warps a SM at one item a
     warp (Qwen3-4B's down is 2,560 rows of 9,728; here 1,201 rows, an odd count so the last item's
-    second row is a clamped read, and rows too long for whole items): with PYSPEC_CUDA_ROW_DEEP=8
-    or 16 the launch takes that grid (counted by deep_row_launches), each warp keeping 8 or 16
-    units a lane in flight. Every row equals, bit for bit, the launch without it and the same row in
-    a batch of 5 (another kernel), and is within rounding of the CPU's."""
+    second row is a clamped read): with PYSPEC_CUDA_ROW_DEEP on (the default) the launch takes that
+    grid (counted by deep_row_launches), each warp keeping 8 units a lane in flight. Every row
+    equals, bit for bit, the launch without it (=0) and the same row in a batch of 5 (another
+    kernel), and is within rounding of the CPU's."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
     n_rows, k = 1201, 9728
     stored, x = mm_inputs(dtype, n_rows, k, 5, seed=53)
     out, deep = {}, {}
-    for depth in ("0", "8", "16"):
+    for depth in ("0", "1"):
         monkeypatch.setenv("PYSPEC_CUDA_ROW_DEEP", depth)
         if DEVICE == "cuda":
             core.reset_cuda_graph_stats()
@@ -286,13 +253,12 @@ def test_row_streams_on_the_deep_grid_give_the_same_bits(dtype, monkeypatch):
     balanced_rows = DEVICE == "cuda" and all(
         os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"),
                                                 ("PYSPEC_CUDA_ROW_BALANCE", "0")))
-    assert deep["0"] == 0 and (deep["8"] > 0) == (deep["16"] > 0) == balanced_rows, deep
-    np.testing.assert_array_equal(out["8"], out["0"])
-    np.testing.assert_array_equal(out["16"], out["0"])
+    assert deep["0"] == 0 and (deep["1"] > 0) == balanced_rows, deep
+    np.testing.assert_array_equal(out["1"], out["0"])
     (five,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
-    np.testing.assert_array_equal(out["16"].reshape(n_rows), five.reshape(5, n_rows)[0])
+    np.testing.assert_array_equal(out["1"].reshape(n_rows), five.reshape(5, n_rows)[0])
     (ref,) = run_on("cpu", matmul_build(stored, dtype, x[:1], n_rows))
-    np.testing.assert_allclose(out["16"].reshape(n_rows), ref.reshape(n_rows), rtol=2e-2,
+    np.testing.assert_allclose(out["1"].reshape(n_rows), ref.reshape(n_rows), rtol=2e-2,
                                atol=2e-2 * np.abs(ref).max())
 
 

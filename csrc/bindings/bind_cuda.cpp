@@ -46,7 +46,6 @@ void bind_cuda(py::module_& m) {
             d["row_tma_launches"] = s.row_tma_launches;
             d["norm_prologue_launches"] = s.norm_prologue_launches;
             d["early_norm_launches"] = s.early_norm_launches;
-            d["staged_whole_row_launches"] = s.staged_whole_row_launches;
             d["deep_row_launches"] = s.deep_row_launches;
             d["timed_replays"] = s.timed_replays;
             d["replay_gpu_ns"] = s.replay_gpu_ns;
@@ -61,7 +60,6 @@ void bind_cuda(py::module_& m) {
         "row_tma_launches (one-column MUL_MAT launches of row groups fed by the copy engine), "
         "norm_prologue_launches (MUL_MAT group launches that ran the RMS_NORM before them), "
         "early_norm_launches (those that copied the norm's weights before the PDL wait), "
-        "staged_whole_row_launches (row-streaming launches that copied their items whole before the PDL wait), "
         "deep_row_launches (row-streaming launches on the deep grid, PYSPEC_CUDA_ROW_DEEP), "
         "timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
