@@ -48,6 +48,9 @@ struct CudaGraphStats {
     // Row-streaming launches on the deep grid: one block of kDeepWarps a SM, more units in flight
     // a warp (kRowDeep; PYSPEC_CUDA_ROW_DEEP=0 turns it off).
     uint64_t deep_row_launches = 0;
+    // Row-streaming launches on the balanced grid fed piped: each warp's items one stream of
+    // rounds (kRowPiped, PYSPEC_CUDA_ROW_PIPED=1).
+    uint64_t piped_row_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench
     // can split a step's wall time into the GPU's and the host's (plus the gaps between them).

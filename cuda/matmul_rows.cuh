@@ -37,6 +37,12 @@ constexpr int kBalBlocksPerSm = 2;
 constexpr int kEarlyUnits = 4;
 constexpr int kDeepWarps = 10;       // the deep grid (kRowDeep): one block a SM
 constexpr int kDeepRound = 4;        // its units a lane in a round (two rounds in flight)
+static_assert(kDeepRound == kEarlyUnits, "the early units are a warp's first round");
+// How a row kernel's warps get their weights: kFeedPlain, the balanced grid's rounds of 4 units
+// asked for, waited for and summed (stream_rows); kFeedDeep, the deep grid's two rounds in flight
+// within each warp's one item (stream_rows_deep); kFeedPiped, the balanced grid with two rounds
+// in flight across each warp's items (stream_items_piped; kRowPiped).
+constexpr int kFeedPlain = 0, kFeedDeep = 1, kFeedPiped = 2;
 
 // The L2 policy of a launch's weight loads (Parts::evict_first, kRowEvictFirst): evict_first
 // marks the weights' lines as the first to go, so the step's small, re-read data (the KV cache,
@@ -208,6 +214,87 @@ __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], con
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
+// A warp's items item, item + stride, ... (< end) fed piped (kRowPiped): each item is
+// rounds of kDeepRound slots a lane (slot j: unit lane + 32 j of both rows, none past the row's
+// end), and the warp's rounds form one stream, each round's loads issued before the previous
+// round's sums, an item's last round overlapping the next item's first, so two rounds (8 KB a
+// warp) stay in flight from the warp's first item to its last where stream_rows stops at every
+// round (and k_mul_mat_rows's warps at every item). rows_of(it, w) gives item it's two row
+// pointers; stored(it, acc) takes its two sums. Each row's units are summed in the order
+// stream_rows takes them: the same bits. pre: the first item's first round, loaded before the
+// PDL wait (when early).
+template <DType T, class RowsOf, class Stored>
+__device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& stored, int64_t item, int64_t end,
+                                                   int stride, const float* xs, int64_t k, int lane, bool early,
+                                                   const uint4 (&pre)[2][kEarlyUnits], uint64_t pol) {
+    if (item >= end) return;
+    const int64_t units = k / 8;
+    const int rounds = static_cast<int>((units + 32 * kDeepRound - 1) / (32 * kDeepRound));  // an item's
+    const auto load = [&](const char* const (&w)[2], int r, uint4 (&buf)[kDeepRound][2]) {
+#pragma unroll
+        for (int i = 0; i < kDeepRound; ++i) {
+            const int64_t u = lane + 32 * (int64_t{r} * kDeepRound + i);
+            if (u < units) {
+                buf[i][0] = ld_stream(w[0] + u * 16, pol);
+                buf[i][1] = ld_stream(w[1] + u * 16, pol);
+            }
+        }
+    };
+    uint4 cur[kDeepRound][2], next[kDeepRound][2];
+    const char* wc[2];
+    const char* wn[2];
+    rows_of(item, wc);
+    if (early) {
+#pragma unroll
+        for (int i = 0; i < kDeepRound; ++i) {
+            cur[i][0] = pre[0][i];
+            cur[i][1] = pre[1][i];
+        }
+    } else {
+        load(wc, 0, cur);
+    }
+    float acc[2] = {0.0f, 0.0f};
+    int64_t it = item;
+    int r = 0;
+    for (;;) {
+        int64_t it_next = it;
+        int r_next = r + 1;
+        if (r_next == rounds) {
+            it_next = it + stride;
+            r_next = 0;
+        }
+        const bool more = it_next < end;
+        if (more) {
+            if (r_next == 0) {
+                rows_of(it_next, wn);
+            } else {
+                wn[0] = wc[0];
+                wn[1] = wc[1];
+            }
+            load(wn, r_next, next);
+        }
+#pragma unroll
+        for (int i = 0; i < kDeepRound; ++i) {
+            const int64_t u = lane + 32 * (int64_t{r} * kDeepRound + i);
+            if (u < units) rows_unit_fma<T, 2>([&](int q) { return cur[i][q]; }, xs + u * 8, acc);
+        }
+        if (r + 1 == rounds) {
+            stored(it, acc);
+            acc[0] = acc[1] = 0.0f;
+        }
+        if (!more) break;
+#pragma unroll
+        for (int i = 0; i < kDeepRound; ++i) {
+            cur[i][0] = next[i][0];
+            cur[i][1] = next[i][1];
+        }
+        it = it_next;
+        r = r_next;
+        wc[0] = wn[0];
+        wc[1] = wn[1];
+    }
+}
+
 // k_mul_mat's one-column case for long 16-bit rows: item i is the global rows 2 i and 2 i + 1
 // (clamped to the last, as k_mul_mat reads them); warp w of a block takes its items first + w,
 // first + w + kW, ... (block_items).
@@ -216,8 +303,11 @@ __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], con
 // 4 warp 0's first item stored, 5 the block's last warp done.
 [[maybe_unused]] constexpr int kRowPhaseSlots = 6;
 
-// kDeep: the deep grid's kernel (stream_rows_deep; balanced, no prologue).
-template <DType T, bool kNorm, bool kBalanced, int kW, bool kDeep = false>
+// kFeed: kFeedPlain; kFeedDeep on the deep grid (balanced, no prologue); kFeedPiped (balanced; at
+// 98-114 registers two blocks a SM fit, as with the plain feed's 122-128. A second launch-bounds
+// argument would pin that, but ptxas then takes 132 for the plain feed's balanced kernel, where
+// one block a SM would fit: unasked it stays at 126).
+template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     PHASE_STAMP(0, 0);
     const int lane = threadIdx.x & 31;
@@ -249,10 +339,23 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     PHASE_STAMP(2, 0);
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
+    if constexpr (kFeed == kFeedPiped) {
+        const auto ptrs = [&](int64_t it, const char* (&w)[2]) {
+            rows_of(it);
+            w[0] = wr[0];
+            w[1] = wr[1];
+        };
+        const auto stored = [&](int64_t it, const float (&acc)[2]) {
+            const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);  // as below
+            if (lane < 2 && 2 * it + lane < n_rows) store(p, 2 * it + lane, 0, lane == 0 ? s0 : s1);
+        };
+        stream_items_piped<T>(ptrs, stored, item, end, kW, xs, k, lane, early, pre, pol);
+        item = end;  // (the loop below is the other feeds')
+    }
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item);
         float acc[2];
-        if constexpr (kDeep) {
+        if constexpr (kFeed == kFeedDeep) {
             stream_rows_deep<T, kDeepRound>(wr, xs, k, lane, first && early, pre, pol, acc);
         } else {
             stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
@@ -270,7 +373,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
 
 // k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
 // silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
-template <DType T, bool kNorm, bool kBalanced, int kW>
+template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant,
@@ -292,6 +395,18 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
     PHASE_STAMP(2, 0);
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps, norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
+    if constexpr (kFeed == kFeedPiped) {
+        const auto ptrs = [&](int64_t it, const char* (&w)[2]) {
+            w[0] = wg + it * rb_g;
+            w[1] = wu + it * rb_u;
+        };
+        const auto stored = [&](int64_t it, const float (&acc)[2]) {
+            const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+            if (lane == 0) y[it] = silu_f(g) * u;
+        };
+        stream_items_piped<T>(ptrs, stored, row, end, kW, xs, k, lane, early, pre, pol);
+        row = end;  // (the loop below is the other feeds')
+    }
     for (bool first = true; row < end; row += kW, first = false) {
         const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
         float acc[2];
@@ -321,12 +436,26 @@ inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
 
 // Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
 // grid where setting (matmul_row_stream_setting(), read once a launch by the launch site) has
-// kRowBalanced, else (PYSPEC_CUDA_ROW_BALANCE=0, for A/B) the grid of one item a warp.
-// pick(balanced) gives the kernel instantiation; smem its shared memory (the column, and the
-// norm's weights where those are staged).
+// kRowBalanced, its warps fed piped where it also has kRowPiped, else (PYSPEC_CUDA_ROW_BALANCE=0,
+// for A/B) the grid of one item a warp. pick(grid tag) gives the kernel instantiation (the tags
+// below); smem its shared memory (the column, and the norm's weights where those are staged).
+struct PipedFeed {};
+// A pick's grid tag (std::true_type: balanced, std::false_type: one item a warp, PipedFeed: the
+// balanced grid fed piped) as the kernels' template arguments.
+template <class G>
+constexpr bool kGridBalanced = !std::is_same_v<G, std::false_type>;
+template <class G>
+constexpr int kGridWarps = std::is_same_v<G, std::false_type> ? kRowWarps : kBalWarps;
+template <class G>
+constexpr int kGridFeed = std::is_same_v<G, PipedFeed> ? kFeedPiped : kFeedPlain;
+
 template <class Pick, class... Args>
 void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, Args... args) {
     PHASE_CONFIGURE("ROWS");
+    if ((setting & kRowBalanced) && (setting & kRowPiped)) {
+        count_graph_event(GraphEvent::PipedRowLaunch);
+        return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
+    }
     if (setting & kRowBalanced) {
         return launch(pick(std::true_type{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s,
                       args...);

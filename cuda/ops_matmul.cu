@@ -508,10 +508,11 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
             both.n = 2;
             both.row0[2] = 2 * gate.n_rows;
             if (rows_tma_fits<true>(both, k)) return launch_rows_tma<T, true>(p, k, x, s);
-            const auto pick = [&](auto balanced) {
-                constexpr bool kB = decltype(balanced)::value;
-                constexpr int kW = kB ? kBalWarps : kRowWarps;
-                return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW> : k_mul_mat_glu_rows<T, false, kB, kW>;
+            const auto pick = [&](auto grid) {
+                using G = decltype(grid);
+                constexpr bool kB = kGridBalanced<G>;
+                constexpr int kW = kGridWarps<G>, kF = kGridFeed<G>;
+                return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW, kF> : k_mul_mat_glu_rows<T, false, kB, kW, kF>;
             };
             const int setting = matmul_row_stream_setting();
             const bool staged = stages_norm_weights(setting, norm.w, norm.constant, k);
@@ -569,10 +570,11 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
         if (streams_rows<T, kVec>(k, m)) {
             if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
             if (rows_tma_fits<false>(p, k)) return launch_rows_tma<T, false>(p, k, x, s);
-            const auto pick = [&](auto balanced) {
-                constexpr bool kB = decltype(balanced)::value;
-                constexpr int kW = kB ? kBalWarps : kRowWarps;
-                return p.norm_w ? k_mul_mat_rows<T, true, kB, kW> : k_mul_mat_rows<T, false, kB, kW>;
+            const auto pick = [&](auto grid) {
+                using G = decltype(grid);
+                constexpr bool kB = kGridBalanced<G>;
+                constexpr int kW = kGridWarps<G>, kF = kGridFeed<G>;
+                return p.norm_w ? k_mul_mat_rows<T, true, kB, kW, kF> : k_mul_mat_rows<T, false, kB, kW, kF>;
             };
             const int setting = matmul_row_stream_setting();
             Parts ps = p;
@@ -584,7 +586,7 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
                 count_graph_event(GraphEvent::DeepRowLaunch);
                 PHASE_CONFIGURE("ROWS");
                 const int64_t blocks = std::min<int64_t>(tc::sm_count(), items);
-                return launch(k_mul_mat_rows<T, false, true, kDeepWarps, true>, static_cast<unsigned>(blocks),
+                return launch(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep>, static_cast<unsigned>(blocks),
                               kDeepWarps * 32, k * sizeof(float), s, ps, k, x);
             }
             const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
@@ -659,7 +661,8 @@ int matmul_row_stream_setting() {
     return (env_switch("PYSPEC_CUDA_ROW_BALANCE") != 0 ? kRowBalanced : 0) |
            (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") != 0 ? kRowEvictFirst : 0) |
            (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_DEEP") != 0 ? kRowDeep : 0);
+           (env_switch("PYSPEC_CUDA_ROW_DEEP") != 0 ? kRowDeep : 0) |
+           (env_switch("PYSPEC_CUDA_ROW_PIPED") == 1 ? kRowPiped : 0);
 }
 
 int matmul_row_tma_setting() {

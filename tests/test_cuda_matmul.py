@@ -231,6 +231,57 @@ def test_long_row_streams_over_many_rows_give_the_batched_bits(dtype, balance, m
                                atol=2e-2 * np.abs(gref).max())
 
 
+def off_and_on(monkeypatch, var, counter, builds):
+    """Runs each of builds (name -> graph) with var=0 and then var=1: the outputs by (value, name),
+    and the CUDA graph counter `counter` over each value's runs (0 off the GPU)."""
+    out, counted = {}, {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(var, on)
+        if DEVICE == "cuda":
+            core.reset_cuda_graph_stats()
+        for name, build in builds.items():
+            (out[on, name],) = run_on(DEVICE, build)
+        counted[on] = core.cuda_graph_stats()[counter] if DEVICE == "cuda" else 0
+    return out, counted
+
+
+def rows_on_the_balanced_grid():
+    """Whether one-column MUL_MATs of long 16-bit rows take the balanced row grid here (the CUDA
+    backend, unless the environment sends those rows elsewhere)."""
+    return DEVICE == "cuda" and all(
+        os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"),
+                                                ("PYSPEC_CUDA_ROW_BALANCE", "0")))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_row_streams_fed_piped_give_the_same_bits(dtype, monkeypatch):
+    """One column over long 16-bit rows with several items a warp (a plain MUL_MAT of 3,001 rows,
+    an odd count so the last item's second row is a clamped read, and a gate/up/SWIGLU of 2,051),
+    each row 325 units long so that a lane's last round of 4 units is partly past the row's end,
+    and lanes differ in how much: with PYSPEC_CUDA_ROW_PIPED=1 the launches are fed piped (counted
+    by piped_row_launches), each warp's items one stream of rounds, the next item's first round
+    asked for during this item's last. Every row equals, bit for bit, the plain feed's and
+    the same row in a batch of 5 (another kernel), and is within rounding of the CPU's."""
+    monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    k, n_rows, n_ff = 2600, 3001, 2051
+    stored, x = mm_inputs(dtype, n_rows, k, 5, seed=59)
+    stored_g, _ = mm_inputs(dtype, n_ff, k, 1, seed=61)
+    stored_u, _ = mm_inputs(dtype, n_ff, k, 1, seed=67)
+    out, piped = off_and_on(monkeypatch, "PYSPEC_CUDA_ROW_PIPED", "piped_row_launches", {
+        "mm": matmul_build(stored, dtype, x[:1], n_rows),
+        "glu": swiglu_ffn_build(stored_g, stored_u, dtype, x[:1], n_ff)})
+    assert piped["0"] == 0 and piped["1"] == (2 if rows_on_the_balanced_grid() else 0), piped
+    for name, n, build in (("mm", n_rows, lambda xx: matmul_build(stored, dtype, xx, n_rows)),
+                           ("glu", n_ff, lambda xx: swiglu_ffn_build(stored_g, stored_u, dtype, xx, n_ff))):
+        np.testing.assert_array_equal(out["1", name], out["0", name], err_msg=name)
+        (five,) = run_on(DEVICE, build(x))
+        np.testing.assert_array_equal(out["1", name].reshape(n), five.reshape(5, n)[0], err_msg=name)
+        (ref,) = run_on("cpu", build(x[:1]))
+        np.testing.assert_allclose(out["1", name].reshape(n), ref.reshape(n), rtol=2e-2,
+                                   atol=2e-2 * np.abs(ref).max(), err_msg=name)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
 def test_row_streams_on_the_deep_grid_give_the_same_bits(dtype, monkeypatch):
@@ -243,17 +294,10 @@ def test_row_streams_on_the_deep_grid_give_the_same_bits(dtype, monkeypatch):
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
     n_rows, k = 1201, 9728
     stored, x = mm_inputs(dtype, n_rows, k, 5, seed=53)
-    out, deep = {}, {}
-    for depth in ("0", "1"):
-        monkeypatch.setenv("PYSPEC_CUDA_ROW_DEEP", depth)
-        if DEVICE == "cuda":
-            core.reset_cuda_graph_stats()
-        (out[depth],) = run_on(DEVICE, matmul_build(stored, dtype, x[:1], n_rows))
-        deep[depth] = core.cuda_graph_stats()["deep_row_launches"] if DEVICE == "cuda" else 0
-    balanced_rows = DEVICE == "cuda" and all(
-        os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"),
-                                                ("PYSPEC_CUDA_ROW_BALANCE", "0")))
-    assert deep["0"] == 0 and (deep["1"] > 0) == balanced_rows, deep
+    runs, deep = off_and_on(monkeypatch, "PYSPEC_CUDA_ROW_DEEP", "deep_row_launches",
+                            {"mm": matmul_build(stored, dtype, x[:1], n_rows)})
+    out = {on: runs[on, "mm"] for on in ("0", "1")}
+    assert deep["0"] == 0 and (deep["1"] > 0) == rows_on_the_balanced_grid(), deep
     np.testing.assert_array_equal(out["1"], out["0"])
     (five,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
     np.testing.assert_array_equal(out["1"].reshape(n_rows), five.reshape(5, n_rows)[0])

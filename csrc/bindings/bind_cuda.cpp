@@ -47,6 +47,7 @@ void bind_cuda(py::module_& m) {
             d["norm_prologue_launches"] = s.norm_prologue_launches;
             d["early_norm_launches"] = s.early_norm_launches;
             d["deep_row_launches"] = s.deep_row_launches;
+            d["piped_row_launches"] = s.piped_row_launches;
             d["timed_replays"] = s.timed_replays;
             d["replay_gpu_ns"] = s.replay_gpu_ns;
             return d;
@@ -61,6 +62,7 @@ void bind_cuda(py::module_& m) {
         "norm_prologue_launches (MUL_MAT group launches that ran the RMS_NORM before them), "
         "early_norm_launches (those that copied the norm's weights before the PDL wait), "
         "deep_row_launches (row-streaming launches on the deep grid, PYSPEC_CUDA_ROW_DEEP), "
+        "piped_row_launches (those fed piped, PYSPEC_CUDA_ROW_PIPED=1), "
         "timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
 }
