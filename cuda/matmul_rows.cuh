@@ -316,13 +316,21 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     block_items<kBalanced, kW>((n_rows + 1) / 2, item, end);
     item += threadIdx.x >> 5;
     const char* wr[2];
-    const auto rows_of = [&](int64_t it) {
+    const auto rows_of = [&](int64_t it, const char* (&w)[2]) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int64_t row = min(2 * it + r, n_rows - 1);
             const int j = part_of(p, row);
-            wr[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
+            w[r] = p.w[j] + (row - p.row0[j]) * p.rb[j];
         }
+    };
+    // Every lane holds both sums (warp_sum's xor tree gives each lane the same bits); lane r
+    // stores row r, so the two residual reads of o and down (each a round trip to L2 on the
+    // launch's tail) go out together rather than one after the other.
+    const auto stored = [&](int64_t it, const float (&acc)[2]) {
+        const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);
+        if (lane < 2 && 2 * it + lane < n_rows) store(p, 2 * it + lane, 0, lane == 0 ? s0 : s1);
+        return s1;
     };
     const bool early = p.early && item < end;
     const uint64_t pol = weight_policy(p.evict_first);
@@ -331,7 +339,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     }
     uint4 pre[2][kEarlyUnits];
     if (early) {
-        rows_of(item);
+        rows_of(item, wr);
         load_early(wr, k / 8, lane, pol, pre);
     }
     PHASE_STAMP(1, 0);
@@ -340,31 +348,18 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     if constexpr (kFeed == kFeedPiped) {
-        const auto ptrs = [&](int64_t it, const char* (&w)[2]) {
-            rows_of(it);
-            w[0] = wr[0];
-            w[1] = wr[1];
-        };
-        const auto stored = [&](int64_t it, const float (&acc)[2]) {
-            const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);  // as below
-            if (lane < 2 && 2 * it + lane < n_rows) store(p, 2 * it + lane, 0, lane == 0 ? s0 : s1);
-        };
-        stream_items_piped<T>(ptrs, stored, item, end, kW, xs, k, lane, early, pre, pol);
+        stream_items_piped<T>(rows_of, stored, item, end, kW, xs, k, lane, early, pre, pol);
         item = end;  // (the loop below is the other feeds')
     }
     for (bool first = true; item < end; item += kW, first = false) {
-        if (!(first && early)) rows_of(item);
+        if (!(first && early)) rows_of(item, wr);
         float acc[2];
         if constexpr (kFeed == kFeedDeep) {
             stream_rows_deep<T, kDeepRound>(wr, xs, k, lane, first && early, pre, pol, acc);
         } else {
             stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
         }
-        // Every lane holds both sums (warp_sum's xor tree gives each lane the same bits); lane r
-        // stores row r, so the two residual reads of o and down (each a round trip to L2 on the
-        // launch's tail) go out together rather than one after the other.
-        const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);
-        if (lane < 2 && 2 * item + lane < n_rows) store(p, 2 * item + lane, 0, lane == 0 ? s0 : s1);
+        [[maybe_unused]] const float s1 = stored(item, acc);
         if (first) PHASE_STAMP(4, s1);
     }
     PHASE_BLOCK_END(5, 0);
@@ -395,24 +390,24 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
     PHASE_STAMP(2, 0);
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps, norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
+    const auto stored = [&](int64_t it, const float (&acc)[2]) {
+        const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+        if (lane == 0) y[it] = silu_f(g) * u;
+        return u;
+    };
     if constexpr (kFeed == kFeedPiped) {
-        const auto ptrs = [&](int64_t it, const char* (&w)[2]) {
+        const auto rows_of = [&](int64_t it, const char* (&w)[2]) {
             w[0] = wg + it * rb_g;
             w[1] = wu + it * rb_u;
         };
-        const auto stored = [&](int64_t it, const float (&acc)[2]) {
-            const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-            if (lane == 0) y[it] = silu_f(g) * u;
-        };
-        stream_items_piped<T>(ptrs, stored, row, end, kW, xs, k, lane, early, pre, pol);
+        stream_items_piped<T>(rows_of, stored, row, end, kW, xs, k, lane, early, pre, pol);
         row = end;  // (the loop below is the other feeds')
     }
     for (bool first = true; row < end; row += kW, first = false) {
         const char* const wr[2] = {wg + row * rb_g, wu + row * rb_u};
         float acc[2];
         stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
-        const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-        if (lane == 0) y[row] = silu_f(g) * u;
+        [[maybe_unused]] const float u = stored(row, acc);
         if (first) PHASE_STAMP(4, u);
     }
     PHASE_BLOCK_END(5, 0);
