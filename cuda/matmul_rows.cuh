@@ -429,6 +429,16 @@ inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
            n <= int64_t{kDeepWarps} * tc::sm_count() && k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
 }
 
+// Launches k_mul_mat_rows's deep-grid kernel over n items (takes_deep_grid): one block of
+// kDeepWarps a SM, the column its shared memory.
+template <class Kernel>
+void launch_deep_rows(Kernel kernel, int64_t n, int64_t k, cudaStream_t s, const Parts& p, const float* x) {
+    PHASE_CONFIGURE("ROWS");
+    count_graph_event(GraphEvent::DeepRowLaunch);
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n));
+    launch(kernel, static_cast<unsigned>(blocks), kDeepWarps * 32, k * sizeof(float), s, p, k, x);
+}
+
 // Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
 // grid where setting (matmul_row_stream_setting(), read once a launch by the launch site) has
 // kRowBalanced, its warps fed piped where it also has kRowPiped, else (PYSPEC_CUDA_ROW_BALANCE=0,

@@ -583,11 +583,7 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
             const int64_t items = (p.row0[p.n] + 1) / 2;
             if (!p.norm_w && takes_deep_grid(setting, items, k)) {
-                count_graph_event(GraphEvent::DeepRowLaunch);
-                PHASE_CONFIGURE("ROWS");
-                const int64_t blocks = std::min<int64_t>(tc::sm_count(), items);
-                return launch(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep>, static_cast<unsigned>(blocks),
-                              kDeepWarps * 32, k * sizeof(float), s, ps, k, x);
+                return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep>, items, k, s, ps, x);
             }
             const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
             return launch_row_stream(pick, items, setting, smem, s, ps, k, x);
