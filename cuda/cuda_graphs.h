@@ -49,8 +49,11 @@ struct CudaGraphStats {
     // a warp (kRowDeep; PYSPEC_CUDA_ROW_DEEP=0 turns it off).
     uint64_t deep_row_launches = 0;
     // Row-streaming launches on the balanced grid fed piped: each warp's items one stream of
-    // rounds (kRowPiped, PYSPEC_CUDA_ROW_PIPED=1).
+    // rounds (kRowPiped; PYSPEC_CUDA_ROW_PIPED=0 turns it off).
     uint64_t piped_row_launches = 0;
+    // Of those, the launches on one block of 16 warps a SM instead of two of 8 (kRowPipedOneBlock;
+    // PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0 turns it off).
+    uint64_t one_block_row_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench
     // can split a step's wall time into the GPU's and the host's (plus the gaps between them).

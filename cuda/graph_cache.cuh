@@ -20,7 +20,8 @@ namespace cuda {
 // The counters behind cuda_graph_stats().
 enum class GraphEvent { Capture, Replay, Eager, CaptureFailure, Eviction, EarlyWeightLaunch, RopeAttentionLaunch,
                         EarlyCopyAttentionLaunch, StoredAnglesAttentionLaunch, RowTmaLaunch, NormPrologueLaunch,
-                        EarlyNormLaunch, DeepRowLaunch, PipedRowLaunch };
+                        EarlyNormLaunch, DeepRowLaunch, PipedRowLaunch,
+                        OneBlockRowLaunch };
 void count_graph_event(GraphEvent e);
 void count_replay_gpu_time(float ms);  // one timed replay (CudaGraphStats::replay_gpu_ns)
 

@@ -263,12 +263,17 @@ int matmul_row_tma_setting();
 // round's loads issued before the current one's sums; 8 KB) where the balanced grid asks for 4
 // and then waits for them: the registers that one block a SM frees go to bytes in flight, which
 // at one item a warp is what the launch lacks. The same units in the same order: the same bits.
-// kRowPiped (PYSPEC_CUDA_ROW_PIPED=1; off until the H200 has measured it): every other balanced
+// kRowPiped (on unless PYSPEC_CUDA_ROW_PIPED=0; H200 Qwen3-4B tg128 +3.7%): every other balanced
 // launch (q/k/v, gate/up, the head: several items a warp, the norm prologue) feeds each warp's
 // items as one stream of rounds of 4 units, the next round (the next item's first, at an item's
 // end) asked for before this one's sums, where the plain feed stops at every round
 // (stream_items_piped). The same grid, the same units in the same order: the same bits.
-constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowDeep = 8, kRowPiped = 16;
+// kRowPipedOneBlock (on unless PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0; H200 Qwen3-4B tg128 +2.2%):
+// the piped launches on one block of 16 warps a SM instead of two of 8: the same 2,112 warps, but
+// each SM stages (and normalises) the column once, not twice. The piped kernels' 96-114
+// registers let 16 warps fit. The same bits.
+constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowDeep = 8, kRowPiped = 16,
+              kRowPipedOneBlock = 32;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

@@ -303,10 +303,12 @@ __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& st
 // 4 warp 0's first item stored, 5 the block's last warp done.
 [[maybe_unused]] constexpr int kRowPhaseSlots = 6;
 
-// kFeed: kFeedPlain; kFeedDeep on the deep grid (balanced, no prologue); kFeedPiped (balanced; at
-// 98-114 registers two blocks a SM fit, as with the plain feed's 122-128. A second launch-bounds
-// argument would pin that, but ptxas then takes 132 for the plain feed's balanced kernel, where
-// one block a SM would fit: unasked it stays at 126).
+// kFeed: kFeedPlain; kFeedDeep on the deep grid (balanced, no prologue); kFeedPiped (balanced, two
+// blocks of kBalWarps or one of kRowWarps a SM: at 96-114 registers both fit, where the plain
+// feed's balanced kernel takes 122-128. A second launch-bounds argument would pin two blocks, but
+// ptxas then takes 132 for that plain kernel, where one block a SM would fit: unasked it stays at
+// 126). On the deep grid the piped feed (one item a warp) lost to stream_rows_deep: H200
+// Qwen3-4B tg128 389.5 -> 380.1-380.5 t/s (docs/cuda-probes.md).
 template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     PHASE_STAMP(0, 0);
@@ -441,24 +443,35 @@ void launch_deep_rows(Kernel kernel, int64_t n, int64_t k, cudaStream_t s, const
 
 // Launches a row-streaming kernel (k_mul_mat_rows, k_mul_mat_glu_rows) over n items: the balanced
 // grid where setting (matmul_row_stream_setting(), read once a launch by the launch site) has
-// kRowBalanced, its warps fed piped where it also has kRowPiped, else (PYSPEC_CUDA_ROW_BALANCE=0,
-// for A/B) the grid of one item a warp. pick(grid tag) gives the kernel instantiation (the tags
+// kRowBalanced, its warps fed piped where it also has kRowPiped (and then on one block of
+// kRowWarps a SM where it has kRowPipedOneBlock: the same number of warps as two blocks of
+// kBalWarps, the column staged once a SM), else (PYSPEC_CUDA_ROW_BALANCE=0, for A/B) the grid of
+// one item a warp. pick(grid tag) gives the kernel instantiation (the tags
 // below); smem its shared memory (the column, and the norm's weights where those are staged).
 struct PipedFeed {};
+struct PipedOneBlockFeed {};
 // A pick's grid tag (std::true_type: balanced, std::false_type: one item a warp, PipedFeed: the
-// balanced grid fed piped) as the kernels' template arguments.
+// balanced grid fed piped, PipedOneBlockFeed: the same on one block of kRowWarps a SM) as the
+// kernels' template arguments.
 template <class G>
 constexpr bool kGridBalanced = !std::is_same_v<G, std::false_type>;
 template <class G>
-constexpr int kGridWarps = std::is_same_v<G, std::false_type> ? kRowWarps : kBalWarps;
+constexpr int kGridWarps = std::is_same_v<G, std::false_type>    ? kRowWarps
+                           : std::is_same_v<G, PipedOneBlockFeed> ? kRowWarps
+                                                                  : kBalWarps;
 template <class G>
-constexpr int kGridFeed = std::is_same_v<G, PipedFeed> ? kFeedPiped : kFeedPlain;
+constexpr int kGridFeed = std::is_same_v<G, PipedFeed> || std::is_same_v<G, PipedOneBlockFeed> ? kFeedPiped : kFeedPlain;
 
 template <class Pick, class... Args>
 void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, Args... args) {
     PHASE_CONFIGURE("ROWS");
     if ((setting & kRowBalanced) && (setting & kRowPiped)) {
         count_graph_event(GraphEvent::PipedRowLaunch);
+        if (setting & kRowPipedOneBlock) {
+            count_graph_event(GraphEvent::OneBlockRowLaunch);
+            const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n));
+            return launch(pick(PipedOneBlockFeed{}), static_cast<unsigned>(blocks), kRowWarps * 32, smem, s, args...);
+        }
         return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
     }
     if (setting & kRowBalanced) {

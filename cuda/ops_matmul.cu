@@ -658,7 +658,8 @@ int matmul_row_stream_setting() {
            (env_switch("PYSPEC_CUDA_L2_EVICT_FIRST") != 0 ? kRowEvictFirst : 0) |
            (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
            (env_switch("PYSPEC_CUDA_ROW_DEEP") != 0 ? kRowDeep : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_PIPED") == 1 ? kRowPiped : 0);
+           (env_switch("PYSPEC_CUDA_ROW_PIPED") != 0 ? kRowPiped : 0) |
+           (env_switch("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK") != 0 ? kRowPipedOneBlock : 0);
 }
 
 int matmul_row_tma_setting() {

@@ -254,16 +254,20 @@ def rows_on_the_balanced_grid():
 
 
 @gpu
+@pytest.mark.parametrize("grid", ["one_block", "two_blocks"])
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
-def test_row_streams_fed_piped_give_the_same_bits(dtype, monkeypatch):
+def test_row_streams_fed_piped_give_the_same_bits(dtype, grid, monkeypatch):
     """One column over long 16-bit rows with several items a warp (a plain MUL_MAT of 3,001 rows,
     an odd count so the last item's second row is a clamped read, and a gate/up/SWIGLU of 2,051),
     each row 325 units long so that a lane's last round of 4 units is partly past the row's end,
-    and lanes differ in how much: with PYSPEC_CUDA_ROW_PIPED=1 the launches are fed piped (counted
-    by piped_row_launches), each warp's items one stream of rounds, the next item's first round
-    asked for during this item's last. Every row equals, bit for bit, the plain feed's and
-    the same row in a batch of 5 (another kernel), and is within rounding of the CPU's."""
+    and lanes differ in how much: with PYSPEC_CUDA_ROW_PIPED on (the default) the launches are fed
+    piped (counted by piped_row_launches), each warp's items one stream of rounds, the next item's
+    first round asked for during this item's last, on one block of 16 warps a SM (the default,
+    counted by one_block_row_launches) or two of 8 (PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0). Every row
+    equals, bit for bit, the plain feed's (=0) and the same row in a batch of 5 (another
+    kernel), and is within rounding of the CPU's."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
+    monkeypatch.setenv("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK", "1" if grid == "one_block" else "0")
     k, n_rows, n_ff = 2600, 3001, 2051
     stored, x = mm_inputs(dtype, n_rows, k, 5, seed=59)
     stored_g, _ = mm_inputs(dtype, n_ff, k, 1, seed=61)
@@ -272,6 +276,9 @@ def test_row_streams_fed_piped_give_the_same_bits(dtype, monkeypatch):
         "mm": matmul_build(stored, dtype, x[:1], n_rows),
         "glu": swiglu_ffn_build(stored_g, stored_u, dtype, x[:1], n_ff)})
     assert piped["0"] == 0 and piped["1"] == (2 if rows_on_the_balanced_grid() else 0), piped
+    if DEVICE == "cuda":  # the last value's runs (piped on): on the grid asked for
+        one_block = core.cuda_graph_stats()["one_block_row_launches"]
+        assert one_block == (piped["1"] if grid == "one_block" else 0), one_block
     for name, n, build in (("mm", n_rows, lambda xx: matmul_build(stored, dtype, xx, n_rows)),
                            ("glu", n_ff, lambda xx: swiglu_ffn_build(stored_g, stored_u, dtype, xx, n_ff))):
         np.testing.assert_array_equal(out["1", name], out["0", name], err_msg=name)

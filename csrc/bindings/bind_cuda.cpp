@@ -48,6 +48,7 @@ void bind_cuda(py::module_& m) {
             d["early_norm_launches"] = s.early_norm_launches;
             d["deep_row_launches"] = s.deep_row_launches;
             d["piped_row_launches"] = s.piped_row_launches;
+            d["one_block_row_launches"] = s.one_block_row_launches;
             d["timed_replays"] = s.timed_replays;
             d["replay_gpu_ns"] = s.replay_gpu_ns;
             return d;
@@ -62,7 +63,8 @@ void bind_cuda(py::module_& m) {
         "norm_prologue_launches (MUL_MAT group launches that ran the RMS_NORM before them), "
         "early_norm_launches (those that copied the norm's weights before the PDL wait), "
         "deep_row_launches (row-streaming launches on the deep grid, PYSPEC_CUDA_ROW_DEEP), "
-        "piped_row_launches (those fed piped, PYSPEC_CUDA_ROW_PIPED=1), "
+        "piped_row_launches (those fed piped, PYSPEC_CUDA_ROW_PIPED), "
+        "one_block_row_launches (of those, on one block a SM, PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK), "
         "timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
 }

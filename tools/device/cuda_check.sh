@@ -16,8 +16,9 @@
 # hint: PYSPEC_CUDA_L2_EVICT_FIRST=0, and latenorm, the row streams' norm prologue reading the
 # norm's weights after the PDL wait, not copied before it: PYSPEC_CUDA_NORM_EARLY=0, and
 # nodeep, row launches of one item a warp on the balanced grid, not the deep one:
-# PYSPEC_CUDA_ROW_DEEP=0, and piped, the other row launches fed piped (opt-in):
-# PYSPEC_CUDA_ROW_PIPED=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# PYSPEC_CUDA_ROW_DEEP=0, and nopiped, the other row launches not fed piped:
+# PYSPEC_CUDA_ROW_PIPED=0, and twoblocks, the piped launches on two blocks of 8 warps a SM:
+# PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -72,7 +73,8 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     noevict) envs=(PYSPEC_CUDA_L2_EVICT_FIRST=0) ;;
     latenorm) envs=(PYSPEC_CUDA_NORM_EARLY=0) ;;
     nodeep) envs=(PYSPEC_CUDA_ROW_DEEP=0) ;;
-    piped) envs=(PYSPEC_CUDA_ROW_PIPED=1) ;;
+    nopiped) envs=(PYSPEC_CUDA_ROW_PIPED=0) ;;
+    twoblocks) envs=(PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -133,7 +135,7 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[BF16-glu-norm_early]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu-]"
              "tests/test_cuda_matmul.py::test_row_streams_on_the_deep_grid_give_the_same_bits[F16]"
-             "tests/test_cuda_matmul.py::test_row_streams_fed_piped_give_the_same_bits[BF16]"
+             "tests/test_cuda_matmul.py::test_row_streams_fed_piped_give_the_same_bits[BF16-one_block]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-short-h9kv3d64]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-long-h32kv8d128]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-cache_written-h32kv8d128]"
