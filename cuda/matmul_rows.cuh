@@ -161,34 +161,58 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
+// The deep feed's rounds (stream_rows_deep): whether a round of kU units a lane from unit at
+// lies wholly within the row, and loading one.
+template <int kU>
+__device__ __forceinline__ bool deep_whole_round(int64_t at, int64_t units) {
+    return at + 32 * (kU - 1) < units;
+}
+template <int kU>
+__device__ __forceinline__ void deep_load_round(const char* const (&wr)[2], int64_t at, uint64_t pol,
+                                                uint4 (&w)[kU][2]) {
+#pragma unroll
+    for (int i = 0; i < kU; ++i) {
+        w[i][0] = ld_stream(wr[0] + (at + 32 * i) * 16, pol);
+        w[i][1] = ld_stream(wr[1] + (at + 32 * i) * 16, pol);
+    }
+}
+// The deep feed's first whole round (after the early units) asked for into w before the column is
+// staged (kRowAhead); false where the row has none.
+template <int kU>
+__device__ __forceinline__ bool deep_first_round(const char* const (&wr)[2], int64_t k, int lane, bool early,
+                                                 uint64_t pol, uint4 (&w)[kU][2]) {
+    const int64_t first = early ? lane + 32 * kEarlyUnits : lane;
+    if (!deep_whole_round<kU>(first, k / 8)) return false;
+    deep_load_round<kU>(wr, first, pol, w);
+    return true;
+}
+
 // stream_rows on the deep grid (kRowDeep): after the early units, rounds of kU units a lane of
 // both rows, each round's loads issued before the previous round's sums (two rounds, 2 kU units a
 // lane, in flight while a warp sums; ptxas keeps that order, where loads and sums of one deeper
 // round came out interleaved, the first sum's wait holding back the loads after it), then each
 // unit's fmaf chain in the same order as stream_rows: the same bits. kU = 8 (16 in flight)
-// spilled at the deep grid's 168 registers and lost 8% (docs/cuda-probes.md).
-template <DType T, int kU>
+// spilled at the deep grid's 168 registers and lost 8% (docs/cuda-probes.md). kPrimed: the
+// rounds go through *first_round, which holds the first whole round already where primed
+// (deep_first_round, before the column was staged).
+template <DType T, int kU, bool kPrimed = false>
 __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], const float* xs, int64_t k, int lane,
                                                  bool early, const uint4 (&pre)[2][kEarlyUnits], uint64_t pol,
-                                                 float (&acc)[2]) {
+                                                 float (&acc)[2], bool primed = false,
+                                                 uint4 (*first_round)[kU][2] = nullptr) {
     acc[0] = acc[1] = 0.0f;
     const int64_t units = k / 8;
     int64_t u = lane;
     const auto unit = [&](const uint4 (&w)[2], int64_t uu) {
         rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + uu * 8, acc);
     };
-    const auto whole_round = [&](int64_t at) { return at + 32 * (kU - 1) < units; };
-    const auto load_round = [&](int64_t at, uint4 (&w)[kU][2]) {
-#pragma unroll
-        for (int i = 0; i < kU; ++i) {
-            w[i][0] = ld_stream(wr[0] + (at + 32 * i) * 16, pol);
-            w[i][1] = ld_stream(wr[1] + (at + 32 * i) * 16, pol);
-        }
-    };
-    uint4 cur[kU][2], next[kU][2];
+    const auto whole_round = [&](int64_t at) { return deep_whole_round<kU>(at, units); };
+    const auto load_round = [&](int64_t at, uint4 (&w)[kU][2]) { deep_load_round<kU>(wr, at, pol, w); };
+    uint4 own[kU][2], next[kU][2];
+    uint4(&cur)[kU][2] = kPrimed ? *first_round : own;
     const int64_t first = early ? u + 32 * kEarlyUnits : u;
     const bool rounds = whole_round(first);
-    if (rounds) load_round(first, cur);  // out while the early units are summed
+    if (rounds && !(kPrimed && primed)) load_round(first, cur);  // out while the early units are summed
     if (early) {
 #pragma unroll
         for (int i = 0; i < kEarlyUnits; ++i, u += 32) {
@@ -214,6 +238,40 @@ __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], con
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
+// The piped feed's rounds (stream_items_piped): an item's count; loading round r of rows w (slot
+// i: unit lane + 32 (r kDeepRound + i), none past the row's end).
+__device__ __forceinline__ int piped_rounds(int64_t units) {
+    return static_cast<int>((units + 32 * kDeepRound - 1) / (32 * kDeepRound));
+}
+__device__ __forceinline__ void piped_load_round(const char* const (&w)[2], int r, int64_t units, int lane,
+                                                 uint64_t pol, uint4 (&buf)[kDeepRound][2]) {
+#pragma unroll
+    for (int i = 0; i < kDeepRound; ++i) {
+        const int64_t u = lane + 32 * (int64_t{r} * kDeepRound + i);
+        if (u < units) {
+            buf[i][0] = ld_stream(w[0] + u * 16, pol);
+            buf[i][1] = ld_stream(w[1] + u * 16, pol);
+        }
+    }
+}
+// The second round of a warp's stream (round 1 of its first item, or its next item's first where
+// an item is one round), asked for into w before the column is staged (kRowAhead); false where
+// the warp has none.
+template <class RowsOf>
+__device__ __forceinline__ bool piped_second_round(RowsOf&& rows_of, int64_t item, int64_t end, int stride, int64_t k,
+                                                   int lane, uint64_t pol, uint4 (&w)[kDeepRound][2]) {
+    if (item >= end) return false;
+    const int64_t units = k / 8;
+    const bool one_round = piped_rounds(units) == 1;
+    const int64_t it_next = one_round ? item + stride : item;
+    const int r_next = one_round ? 0 : 1;
+    if (it_next >= end) return false;
+    const char* wn[2];
+    rows_of(it_next, wn);
+    piped_load_round(wn, r_next, units, lane, pol, w);
+    return true;
+}
+
 // A warp's items item, item + stride, ... (< end) fed piped (kRowPiped): each item is
 // rounds of kDeepRound slots a lane (slot j: unit lane + 32 j of both rows, none past the row's
 // end), and the warp's rounds form one stream, each round's loads issued before the previous
@@ -222,24 +280,20 @@ __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], con
 // round (and k_mul_mat_rows's warps at every item). rows_of(it, w) gives item it's two row
 // pointers; stored(it, acc) takes its two sums. Each row's units are summed in the order
 // stream_rows takes them: the same bits. pre: the first item's first round, loaded before the
-// PDL wait (when early).
-template <DType T, class RowsOf, class Stored>
+// PDL wait (when early). kPrimed: the stream's second round is in primed already where that is
+// not null (piped_second_round, before the column was staged).
+template <DType T, bool kPrimed = false, class RowsOf, class Stored>
 __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& stored, int64_t item, int64_t end,
                                                    int stride, const float* xs, int64_t k, int lane, bool early,
-                                                   const uint4 (&pre)[2][kEarlyUnits], uint64_t pol) {
+                                                   const uint4 (&pre)[2][kEarlyUnits], uint64_t pol,
+                                                   const uint4 (*primed)[2] = nullptr) {
     if (item >= end) return;
     const int64_t units = k / 8;
-    const int rounds = static_cast<int>((units + 32 * kDeepRound - 1) / (32 * kDeepRound));  // an item's
+    const int rounds = piped_rounds(units);  // an item's
     const auto load = [&](const char* const (&w)[2], int r, uint4 (&buf)[kDeepRound][2]) {
-#pragma unroll
-        for (int i = 0; i < kDeepRound; ++i) {
-            const int64_t u = lane + 32 * (int64_t{r} * kDeepRound + i);
-            if (u < units) {
-                buf[i][0] = ld_stream(w[0] + u * 16, pol);
-                buf[i][1] = ld_stream(w[1] + u * 16, pol);
-            }
-        }
+        piped_load_round(w, r, units, lane, pol, buf);
     };
+    bool take_primed = kPrimed && primed;
     uint4 cur[kDeepRound][2], next[kDeepRound][2];
     const char* wc[2];
     const char* wn[2];
@@ -271,8 +325,17 @@ __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& st
                 wn[0] = wc[0];
                 wn[1] = wc[1];
             }
-            load(wn, r_next, next);
+            if (kPrimed && take_primed) {
+#pragma unroll
+                for (int i = 0; i < kDeepRound; ++i) {
+                    next[i][0] = primed[i][0];
+                    next[i][1] = primed[i][1];
+                }
+            } else {
+                load(wn, r_next, next);
+            }
         }
+        if constexpr (kPrimed) take_primed = false;
 #pragma unroll
         for (int i = 0; i < kDeepRound; ++i) {
             const int64_t u = lane + 32 * (int64_t{r} * kDeepRound + i);
@@ -309,7 +372,7 @@ __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& st
 // ptxas then takes 132 for that plain kernel, where one block a SM would fit: unasked it stays at
 // 126). On the deep grid the piped feed (one item a warp) lost to stream_rows_deep: H200
 // Qwen3-4B tg128 389.5 -> 380.1-380.5 t/s (docs/cuda-probes.md).
-template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain>
+template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain, bool kAhead = false>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     PHASE_STAMP(0, 0);
     const int lane = threadIdx.x & 31;
@@ -347,17 +410,31 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     PHASE_STAMP(1, 0);
     pdl_enter();
     PHASE_STAMP(2, 0);
+    // kAhead (kRowAhead): the feed's second round asked for now, so that its bytes come while the
+    // block stages (and normalises) the column.
+    [[maybe_unused]] uint4 second[kDeepRound][2];
+    [[maybe_unused]] bool has_second = false;
+    if constexpr (kAhead && kFeed == kFeedPiped) {
+        has_second = piped_second_round(rows_of, item, end, kW, k, lane, pol, second);
+    } else if constexpr (kAhead && kFeed == kFeedDeep) {
+        if (item < end) {
+            if (!early) rows_of(item, wr);
+            has_second = deep_first_round<kDeepRound>(wr, k, lane, early, pol, second);
+        }
+    }
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     if constexpr (kFeed == kFeedPiped) {
-        stream_items_piped<T>(rows_of, stored, item, end, kW, xs, k, lane, early, pre, pol);
+        stream_items_piped<T, kAhead>(rows_of, stored, item, end, kW, xs, k, lane, early, pre, pol,
+                                      has_second ? second : nullptr);
         item = end;  // (the loop below is the other feeds')
     }
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item, wr);
         float acc[2];
         if constexpr (kFeed == kFeedDeep) {
-            stream_rows_deep<T, kDeepRound>(wr, xs, k, lane, first && early, pre, pol, acc);
+            stream_rows_deep<T, kDeepRound, kAhead>(wr, xs, k, lane, first && early, pre, pol, acc, first && has_second,
+                                                    &second);
         } else {
             stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
         }
@@ -370,7 +447,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
 
 // k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
 // silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
-template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain>
+template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain, bool kAhead = false>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant,
@@ -390,6 +467,13 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
     PHASE_STAMP(1, 0);
     pdl_enter();
     PHASE_STAMP(2, 0);
+    const auto rows_of = [&](int64_t it, const char* (&w)[2]) {
+        w[0] = wg + it * rb_g;
+        w[1] = wu + it * rb_u;
+    };
+    [[maybe_unused]] uint4 second[kDeepRound][2];  // (kAhead, as in k_mul_mat_rows)
+    [[maybe_unused]] bool has_second = false;
+    if constexpr (kAhead && kFeed == kFeedPiped) has_second = piped_second_round(rows_of, row, end, kW, k, lane, pol, second);
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps, norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     const auto stored = [&](int64_t it, const float (&acc)[2]) {
@@ -398,11 +482,8 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
         return u;
     };
     if constexpr (kFeed == kFeedPiped) {
-        const auto rows_of = [&](int64_t it, const char* (&w)[2]) {
-            w[0] = wg + it * rb_g;
-            w[1] = wu + it * rb_u;
-        };
-        stream_items_piped<T>(rows_of, stored, row, end, kW, xs, k, lane, early, pre, pol);
+        stream_items_piped<T, kAhead>(rows_of, stored, row, end, kW, xs, k, lane, early, pre, pol,
+                                      has_second ? second : nullptr);
         row = end;  // (the loop below is the other feeds')
     }
     for (bool first = true; row < end; row += kW, first = false) {
@@ -431,6 +512,14 @@ inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
            n <= int64_t{kDeepWarps} * tc::sm_count() && k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
 }
 
+// Whether a launch on the deep grid or fed piped on one block a SM asks for its feed's second
+// round before the column is staged (kRowAhead); counted.
+inline bool takes_ahead(int setting) {
+    const bool ahead = (setting & kRowAhead) != 0;
+    if (ahead) count_graph_event(GraphEvent::AheadRowLaunch);
+    return ahead;
+}
+
 // Launches k_mul_mat_rows's deep-grid kernel over n items (takes_deep_grid): one block of
 // kDeepWarps a SM, the column its shared memory.
 template <class Kernel>
@@ -449,18 +538,26 @@ void launch_deep_rows(Kernel kernel, int64_t n, int64_t k, cudaStream_t s, const
 // one item a warp. pick(grid tag) gives the kernel instantiation (the tags
 // below); smem its shared memory (the column, and the norm's weights where those are staged).
 struct PipedFeed {};
+template <bool kAhead>
 struct PipedOneBlockFeed {};
-// A pick's grid tag (std::true_type: balanced, std::false_type: one item a warp, PipedFeed: the
-// balanced grid fed piped, PipedOneBlockFeed: the same on one block of kRowWarps a SM) as the
-// kernels' template arguments.
+// A pick's grid tag as the kernels' template arguments: std::true_type, the balanced grid;
+// std::false_type, one item a warp; PipedFeed, the balanced grid fed piped; PipedOneBlockFeed,
+// the same on one block of kRowWarps a SM, the second round asked for before the column is staged
+// where kAhead (kRowAhead).
 template <class G>
-constexpr bool kGridBalanced = !std::is_same_v<G, std::false_type>;
-template <class G>
-constexpr int kGridWarps = std::is_same_v<G, std::false_type>    ? kRowWarps
-                           : std::is_same_v<G, PipedOneBlockFeed> ? kRowWarps
-                                                                  : kBalWarps;
-template <class G>
-constexpr int kGridFeed = std::is_same_v<G, PipedFeed> || std::is_same_v<G, PipedOneBlockFeed> ? kFeedPiped : kFeedPlain;
+struct RowGrid {
+    static constexpr bool balanced = !std::is_same_v<G, std::false_type>;
+    static constexpr int warps = std::is_same_v<G, std::false_type> ? kRowWarps : kBalWarps;
+    static constexpr int feed = std::is_same_v<G, PipedFeed> ? kFeedPiped : kFeedPlain;
+    static constexpr bool ahead = false;
+};
+template <bool kAhead>
+struct RowGrid<PipedOneBlockFeed<kAhead>> {
+    static constexpr bool balanced = true;
+    static constexpr int warps = kRowWarps;
+    static constexpr int feed = kFeedPiped;
+    static constexpr bool ahead = kAhead;
+};
 
 template <class Pick, class... Args>
 void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, Args... args) {
@@ -469,8 +566,11 @@ void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStr
         count_graph_event(GraphEvent::PipedRowLaunch);
         if (setting & kRowPipedOneBlock) {
             count_graph_event(GraphEvent::OneBlockRowLaunch);
-            const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n));
-            return launch(pick(PipedOneBlockFeed{}), static_cast<unsigned>(blocks), kRowWarps * 32, smem, s, args...);
+            const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n)));
+            if (takes_ahead(setting)) {
+                return launch(pick(PipedOneBlockFeed<true>{}), blocks, kRowWarps * 32, smem, s, args...);
+            }
+            return launch(pick(PipedOneBlockFeed<false>{}), blocks, kRowWarps * 32, smem, s, args...);
         }
         return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
     }
