@@ -276,9 +276,12 @@ int matmul_row_tma_setting();
 // one block a SM and the deep grid's feed ask for their second round right after the PDL wait,
 // before the block stages (and normalises) the column, so those bytes come during the staging's
 // round trip to L2 and the norm's sums instead of after them; only the first round (the early
-// units) was out then. The same units in the same order: the same bits.
+// units) was out then. kRowAheadEarly (PYSPEC_CUDA_ROW_AHEAD_EARLY=1; opt-in, to be measured):
+// that second round asked for before the PDL wait instead, beside the first, where the weights
+// are constant: for o, whose kernel before (the decode attention) leaves DRAM idle, and the tail
+// of the launch before the others. The same units in the same order: the same bits.
 constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowDeep = 8, kRowPiped = 16,
-              kRowPipedOneBlock = 32, kRowAhead = 64;
+              kRowPipedOneBlock = 32, kRowAhead = 64, kRowAheadEarly = 128;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

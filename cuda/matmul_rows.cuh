@@ -43,6 +43,10 @@ static_assert(kDeepRound == kEarlyUnits, "the early units are a warp's first rou
 // within each warp's one item (stream_rows_deep); kFeedPiped, the balanced grid with two rounds
 // in flight across each warp's items (stream_items_piped; kRowPiped).
 constexpr int kFeedPlain = 0, kFeedDeep = 1, kFeedPiped = 2;
+// When the piped and deep feeds ask for their second round (kRowAhead, kRowAheadEarly): with the
+// other rounds (kAheadNone), between the PDL wait and the column's staging (kAheadAfterWait), or
+// before the wait beside the first round, where the weights are constant (kAheadBeforeWait).
+constexpr int kAheadNone = 0, kAheadAfterWait = 1, kAheadBeforeWait = 2;
 
 // The L2 policy of a launch's weight loads (Parts::evict_first, kRowEvictFirst): evict_first
 // marks the weights' lines as the first to go, so the step's small, re-read data (the KV cache,
@@ -187,6 +191,14 @@ __device__ __forceinline__ bool deep_first_round(const char* const (&wr)[2], int
     return true;
 }
 
+// The piped or deep feed's second round (kFeed's), asked for into w before the column is staged
+// (kRowAhead); false where the warp has none. wr: the deep grid's item's rows (set here unless
+// early, when they were set for the early units).
+template <int kFeed, class RowsOf>
+__device__ __forceinline__ bool ask_second_round(RowsOf&& rows_of, int64_t item, int64_t end, int stride, int64_t k,
+                                                 int lane, bool early, uint64_t pol, const char* (&wr)[2],
+                                                 uint4 (&w)[kDeepRound][2]);
+
 // stream_rows on the deep grid (kRowDeep): after the early units, rounds of kU units a lane of
 // both rows, each round's loads issued before the previous round's sums (two rounds, 2 kU units a
 // lane, in flight while a warp sums; ptxas keeps that order, where loads and sums of one deeper
@@ -272,6 +284,20 @@ __device__ __forceinline__ bool piped_second_round(RowsOf&& rows_of, int64_t ite
     return true;
 }
 
+template <int kFeed, class RowsOf>
+__device__ __forceinline__ bool ask_second_round(RowsOf&& rows_of, int64_t item, int64_t end, int stride, int64_t k,
+                                                 int lane, bool early, uint64_t pol, const char* (&wr)[2],
+                                                 uint4 (&w)[kDeepRound][2]) {
+    if constexpr (kFeed == kFeedPiped) {
+        return piped_second_round(rows_of, item, end, stride, k, lane, pol, w);
+    } else {
+        static_assert(kFeed == kFeedDeep, "the plain feed has no second round to ask for early");
+        if (item >= end) return false;
+        if (!early) rows_of(item, wr);
+        return deep_first_round<kDeepRound>(wr, k, lane, early, pol, w);
+    }
+}
+
 // A warp's items item, item + stride, ... (< end) fed piped (kRowPiped): each item is
 // rounds of kDeepRound slots a lane (slot j: unit lane + 32 j of both rows, none past the row's
 // end), and the warp's rounds form one stream, each round's loads issued before the previous
@@ -280,21 +306,24 @@ __device__ __forceinline__ bool piped_second_round(RowsOf&& rows_of, int64_t ite
 // round (and k_mul_mat_rows's warps at every item). rows_of(it, w) gives item it's two row
 // pointers; stored(it, acc) takes its two sums. Each row's units are summed in the order
 // stream_rows takes them: the same bits. pre: the first item's first round, loaded before the
-// PDL wait (when early). kPrimed: the stream's second round is in primed already where that is
-// not null (piped_second_round, before the column was staged).
+// PDL wait (when early). kPrimed: the stream's second round is in second already
+// (piped_second_round, before the column was staged; where it found none, the first round is the
+// stream's last and nothing more is asked for).
 template <DType T, bool kPrimed = false, class RowsOf, class Stored>
 __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& stored, int64_t item, int64_t end,
                                                    int stride, const float* xs, int64_t k, int lane, bool early,
                                                    const uint4 (&pre)[2][kEarlyUnits], uint64_t pol,
-                                                   const uint4 (*primed)[2] = nullptr) {
+                                                   uint4 (&second)[kDeepRound][2]) {
     if (item >= end) return;
     const int64_t units = k / 8;
     const int rounds = piped_rounds(units);  // an item's
     const auto load = [&](const char* const (&w)[2], int r, uint4 (&buf)[kDeepRound][2]) {
         piped_load_round(w, r, units, lane, pol, buf);
     };
-    bool take_primed = kPrimed && primed;
-    uint4 cur[kDeepRound][2], next[kDeepRound][2];
+    bool take_primed = kPrimed;
+    uint4 cur[kDeepRound][2], own_next[kDeepRound][2];
+    // (kPrimed: the second round is there; an array bound at compile time stays in registers)
+    uint4(&next)[kDeepRound][2] = kPrimed ? second : own_next;
     const char* wc[2];
     const char* wn[2];
     rows_of(item, wc);
@@ -325,15 +354,7 @@ __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& st
                 wn[0] = wc[0];
                 wn[1] = wc[1];
             }
-            if (kPrimed && take_primed) {
-#pragma unroll
-                for (int i = 0; i < kDeepRound; ++i) {
-                    next[i][0] = primed[i][0];
-                    next[i][1] = primed[i][1];
-                }
-            } else {
-                load(wn, r_next, next);
-            }
+            if (!(kPrimed && take_primed)) load(wn, r_next, next);
         }
         if constexpr (kPrimed) take_primed = false;
 #pragma unroll
@@ -372,7 +393,7 @@ __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& st
 // ptxas then takes 132 for that plain kernel, where one block a SM would fit: unasked it stays at
 // 126). On the deep grid the piped feed (one item a warp) lost to stream_rows_deep: H200
 // Qwen3-4B tg128 389.5 -> 380.1-380.5 t/s (docs/cuda-probes.md).
-template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain, bool kAhead = false>
+template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain, int kAhead = kAheadNone>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     PHASE_STAMP(0, 0);
     const int lane = threadIdx.x & 31;
@@ -407,34 +428,35 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
         rows_of(item, wr);
         load_early(wr, k / 8, lane, pol, pre);
     }
+    // kAhead: the feed's second round asked for before the column is staged, so that its bytes
+    // come while the block stages (and normalises) it, not after.
+    [[maybe_unused]] uint4 second[kDeepRound][2];
+    [[maybe_unused]] bool has_second = false;
+    if constexpr (kAhead == kAheadBeforeWait) {
+        if (early) has_second = ask_second_round<kFeed>(rows_of, item, end, kW, k, lane, early, pol, wr, second);
+    }
     PHASE_STAMP(1, 0);
     pdl_enter();
     PHASE_STAMP(2, 0);
-    // kAhead (kRowAhead): the feed's second round asked for now, so that its bytes come while the
-    // block stages (and normalises) the column.
-    [[maybe_unused]] uint4 second[kDeepRound][2];
-    [[maybe_unused]] bool has_second = false;
-    if constexpr (kAhead && kFeed == kFeedPiped) {
-        has_second = piped_second_round(rows_of, item, end, kW, k, lane, pol, second);
-    } else if constexpr (kAhead && kFeed == kFeedDeep) {
-        if (item < end) {
-            if (!early) rows_of(item, wr);
-            has_second = deep_first_round<kDeepRound>(wr, k, lane, early, pol, second);
+    if constexpr (kAhead == kAheadAfterWait || kAhead == kAheadBeforeWait) {
+        if (kAhead == kAheadAfterWait || !early) {
+            has_second = ask_second_round<kFeed>(rows_of, item, end, kW, k, lane, early, pol, wr, second);
         }
     }
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     if constexpr (kFeed == kFeedPiped) {
-        stream_items_piped<T, kAhead>(rows_of, stored, item, end, kW, xs, k, lane, early, pre, pol,
-                                      has_second ? second : nullptr);
+        stream_items_piped<T, kAhead != kAheadNone>(rows_of, stored, item, end, kW, xs, k, lane, early, pre, pol,
+                                                    second);
         item = end;  // (the loop below is the other feeds')
     }
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item, wr);
         float acc[2];
         if constexpr (kFeed == kFeedDeep) {
-            stream_rows_deep<T, kDeepRound, kAhead>(wr, xs, k, lane, first && early, pre, pol, acc, first && has_second,
-                                                    &second);
+            constexpr bool kPrimed = kAhead != kAheadNone;
+            stream_rows_deep<T, kDeepRound, kPrimed>(wr, xs, k, lane, first && early, pre, pol, acc,
+                                                     kPrimed && first && has_second, &second);
         } else {
             stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
         }
@@ -447,7 +469,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
 
 // k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
 // silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
-template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain, bool kAhead = false>
+template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain, int kAhead = kAheadNone>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant,
@@ -464,16 +486,20 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
     }
     uint4 pre[2][kEarlyUnits];
     if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pol, pre);
-    PHASE_STAMP(1, 0);
-    pdl_enter();
-    PHASE_STAMP(2, 0);
     const auto rows_of = [&](int64_t it, const char* (&w)[2]) {
         w[0] = wg + it * rb_g;
         w[1] = wu + it * rb_u;
     };
     [[maybe_unused]] uint4 second[kDeepRound][2];  // (kAhead, as in k_mul_mat_rows)
-    [[maybe_unused]] bool has_second = false;
-    if constexpr (kAhead && kFeed == kFeedPiped) has_second = piped_second_round(rows_of, row, end, kW, k, lane, pol, second);
+    if constexpr (kAhead == kAheadBeforeWait && kFeed == kFeedPiped) {
+        if (early) piped_second_round(rows_of, row, end, kW, k, lane, pol, second);
+    }
+    PHASE_STAMP(1, 0);
+    pdl_enter();
+    PHASE_STAMP(2, 0);
+    if constexpr ((kAhead == kAheadAfterWait || kAhead == kAheadBeforeWait) && kFeed == kFeedPiped) {
+        if (kAhead == kAheadAfterWait || !early) piped_second_round(rows_of, row, end, kW, k, lane, pol, second);
+    }
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps, norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     const auto stored = [&](int64_t it, const float (&acc)[2]) {
@@ -482,8 +508,8 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
         return u;
     };
     if constexpr (kFeed == kFeedPiped) {
-        stream_items_piped<T, kAhead>(rows_of, stored, row, end, kW, xs, k, lane, early, pre, pol,
-                                      has_second ? second : nullptr);
+        stream_items_piped<T, kAhead != kAheadNone>(rows_of, stored, row, end, kW, xs, k, lane, early, pre, pol,
+                                                    second);
         row = end;  // (the loop below is the other feeds')
     }
     for (bool first = true; row < end; row += kW, first = false) {
@@ -512,12 +538,23 @@ inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
            n <= int64_t{kDeepWarps} * tc::sm_count() && k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
 }
 
-// Whether a launch on the deep grid or fed piped on one block a SM asks for its feed's second
-// round before the column is staged (kRowAhead); counted.
-inline bool takes_ahead(int setting) {
-    const bool ahead = (setting & kRowAhead) != 0;
-    if (ahead) count_graph_event(GraphEvent::AheadRowLaunch);
+// When a launch on the deep grid or fed piped on one block a SM asks for its feed's second round
+// (kAhead*: kRowAheadEarly before the PDL wait, else kRowAhead after it); counted unless with
+// the other rounds.
+inline int takes_ahead(int setting) {
+    const int ahead = (setting & kRowAheadEarly) ? kAheadBeforeWait : (setting & kRowAhead) ? kAheadAfterWait : kAheadNone;
+    if (ahead != kAheadNone) count_graph_event(GraphEvent::AheadRowLaunch);
     return ahead;
+}
+
+// Calls f(std::integral_constant<int, mode>) with takes_ahead(setting)'s mode as a constant.
+template <class F>
+decltype(auto) with_ahead(int setting, F&& f) {
+    switch (takes_ahead(setting)) {
+        case kAheadAfterWait: return f(std::integral_constant<int, kAheadAfterWait>{});
+        case kAheadBeforeWait: return f(std::integral_constant<int, kAheadBeforeWait>{});
+        default: return f(std::integral_constant<int, kAheadNone>{});
+    }
 }
 
 // Launches k_mul_mat_rows's deep-grid kernel over n items (takes_deep_grid): one block of
@@ -538,25 +575,24 @@ void launch_deep_rows(Kernel kernel, int64_t n, int64_t k, cudaStream_t s, const
 // one item a warp. pick(grid tag) gives the kernel instantiation (the tags
 // below); smem its shared memory (the column, and the norm's weights where those are staged).
 struct PipedFeed {};
-template <bool kAhead>
+template <int kAhead>
 struct PipedOneBlockFeed {};
 // A pick's grid tag as the kernels' template arguments: std::true_type, the balanced grid;
 // std::false_type, one item a warp; PipedFeed, the balanced grid fed piped; PipedOneBlockFeed,
-// the same on one block of kRowWarps a SM, the second round asked for before the column is staged
-// where kAhead (kRowAhead).
+// the same on one block of kRowWarps a SM, its second round asked for as kAhead says.
 template <class G>
 struct RowGrid {
     static constexpr bool balanced = !std::is_same_v<G, std::false_type>;
     static constexpr int warps = std::is_same_v<G, std::false_type> ? kRowWarps : kBalWarps;
     static constexpr int feed = std::is_same_v<G, PipedFeed> ? kFeedPiped : kFeedPlain;
-    static constexpr bool ahead = false;
+    static constexpr int ahead = kAheadNone;
 };
-template <bool kAhead>
+template <int kAhead>
 struct RowGrid<PipedOneBlockFeed<kAhead>> {
     static constexpr bool balanced = true;
     static constexpr int warps = kRowWarps;
     static constexpr int feed = kFeedPiped;
-    static constexpr bool ahead = kAhead;
+    static constexpr int ahead = kAhead;
 };
 
 template <class Pick, class... Args>
@@ -567,10 +603,9 @@ void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStr
         if (setting & kRowPipedOneBlock) {
             count_graph_event(GraphEvent::OneBlockRowLaunch);
             const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n)));
-            if (takes_ahead(setting)) {
-                return launch(pick(PipedOneBlockFeed<true>{}), blocks, kRowWarps * 32, smem, s, args...);
-            }
-            return launch(pick(PipedOneBlockFeed<false>{}), blocks, kRowWarps * 32, smem, s, args...);
+            return with_ahead(setting, [&](auto ahead) {
+                return launch(pick(PipedOneBlockFeed<decltype(ahead)::value>{}), blocks, kRowWarps * 32, smem, s, args...);
+            });
         }
         return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
     }

@@ -581,10 +581,10 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
             const int64_t items = (p.row0[p.n] + 1) / 2;
             if (!p.norm_w && takes_deep_grid(setting, items, k)) {
-                if (takes_ahead(setting)) {
-                    return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep, true>, items, k, s, ps, x);
-                }
-                return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep>, items, k, s, ps, x);
+                return with_ahead(setting, [&](auto ahead) {
+                    constexpr int kA = decltype(ahead)::value;
+                    return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep, kA>, items, k, s, ps, x);
+                });
             }
             const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
             return launch_row_stream(pick, items, setting, smem, s, ps, k, x);
@@ -661,7 +661,8 @@ int matmul_row_stream_setting() {
            (env_switch("PYSPEC_CUDA_ROW_DEEP") != 0 ? kRowDeep : 0) |
            (env_switch("PYSPEC_CUDA_ROW_PIPED") != 0 ? kRowPiped : 0) |
            (env_switch("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK") != 0 ? kRowPipedOneBlock : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_AHEAD") == 1 ? kRowAhead : 0);
+           (env_switch("PYSPEC_CUDA_ROW_AHEAD") == 1 ? kRowAhead : 0) |
+           (env_switch("PYSPEC_CUDA_ROW_AHEAD_EARLY") == 1 ? kRowAheadEarly : 0);
 }
 
 int matmul_row_tma_setting() {
