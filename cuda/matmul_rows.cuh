@@ -542,7 +542,9 @@ inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
 // (kAhead*: kRowAheadEarly before the PDL wait, else kRowAhead after it); counted unless with
 // the other rounds.
 inline int takes_ahead(int setting) {
-    const int ahead = (setting & kRowAheadEarly) ? kAheadBeforeWait : (setting & kRowAhead) ? kAheadAfterWait : kAheadNone;
+    const int ahead = (setting & kRowAheadEarly) ? kAheadBeforeWait
+                      : (setting & kRowAhead)    ? kAheadAfterWait
+                                                 : kAheadNone;
     if (ahead != kAheadNone) count_graph_event(GraphEvent::AheadRowLaunch);
     return ahead;
 }
@@ -604,7 +606,8 @@ void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStr
             count_graph_event(GraphEvent::OneBlockRowLaunch);
             const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n)));
             return with_ahead(setting, [&](auto ahead) {
-                return launch(pick(PipedOneBlockFeed<decltype(ahead)::value>{}), blocks, kRowWarps * 32, smem, s, args...);
+                return launch(pick(PipedOneBlockFeed<decltype(ahead)::value>{}), blocks, kRowWarps * 32, smem, s,
+                              args...);
             });
         }
         return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);

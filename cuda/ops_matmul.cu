@@ -583,7 +583,8 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             if (!p.norm_w && takes_deep_grid(setting, items, k)) {
                 return with_ahead(setting, [&](auto ahead) {
                     constexpr int kA = decltype(ahead)::value;
-                    return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep, kA>, items, k, s, ps, x);
+                    return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep, kA>, items, k, s, ps,
+                                            x);
                 });
             }
             const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
