@@ -272,16 +272,8 @@ int matmul_row_tma_setting();
 // the piped launches on one block of 16 warps a SM instead of two of 8: the same 2,112 warps, but
 // each SM stages (and normalises) the column once, not twice. The piped kernels' 96-114
 // registers let 16 warps fit. The same bits.
-// kRowAhead (PYSPEC_CUDA_ROW_AHEAD=1; opt-in until the H200 has measured it): the piped feed on
-// one block a SM and the deep grid's feed ask for their second round right after the PDL wait,
-// before the block stages (and normalises) the column, so those bytes come during the staging's
-// round trip to L2 and the norm's sums instead of after them; only the first round (the early
-// units) was out then. kRowAheadEarly (PYSPEC_CUDA_ROW_AHEAD_EARLY=1; opt-in, to be measured):
-// that second round asked for before the PDL wait instead, beside the first, where the weights
-// are constant: for o, whose kernel before (the decode attention) leaves DRAM idle, and the tail
-// of the launch before the others. The same units in the same order: the same bits.
 constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowDeep = 8, kRowPiped = 16,
-              kRowPipedOneBlock = 32, kRowAhead = 64, kRowAheadEarly = 128;
+              kRowPipedOneBlock = 32;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

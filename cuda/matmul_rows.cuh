@@ -43,10 +43,6 @@ static_assert(kDeepRound == kEarlyUnits, "the early units are a warp's first rou
 // within each warp's one item (stream_rows_deep); kFeedPiped, the balanced grid with two rounds
 // in flight across each warp's items (stream_items_piped; kRowPiped).
 constexpr int kFeedPlain = 0, kFeedDeep = 1, kFeedPiped = 2;
-// When the piped and deep feeds ask for their second round (kRowAhead, kRowAheadEarly): with the
-// other rounds (kAheadNone), between the PDL wait and the column's staging (kAheadAfterWait), or
-// before the wait beside the first round, where the weights are constant (kAheadBeforeWait).
-constexpr int kAheadNone = 0, kAheadAfterWait = 1, kAheadBeforeWait = 2;
 
 // The L2 policy of a launch's weight loads (Parts::evict_first, kRowEvictFirst): evict_first
 // marks the weights' lines as the first to go, so the step's small, re-read data (the KV cache,
@@ -165,66 +161,34 @@ __device__ __forceinline__ void stream_rows(const char* const (&wr)[2], const fl
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
-// The deep feed's rounds (stream_rows_deep): whether a round of kU units a lane from unit at
-// lies wholly within the row, and loading one.
-template <int kU>
-__device__ __forceinline__ bool deep_whole_round(int64_t at, int64_t units) {
-    return at + 32 * (kU - 1) < units;
-}
-template <int kU>
-__device__ __forceinline__ void deep_load_round(const char* const (&wr)[2], int64_t at, uint64_t pol,
-                                                uint4 (&w)[kU][2]) {
-#pragma unroll
-    for (int i = 0; i < kU; ++i) {
-        w[i][0] = ld_stream(wr[0] + (at + 32 * i) * 16, pol);
-        w[i][1] = ld_stream(wr[1] + (at + 32 * i) * 16, pol);
-    }
-}
-// The deep feed's first whole round (after the early units) asked for into w before the column is
-// staged (kRowAhead); false where the row has none.
-template <int kU>
-__device__ __forceinline__ bool deep_first_round(const char* const (&wr)[2], int64_t k, int lane, bool early,
-                                                 uint64_t pol, uint4 (&w)[kU][2]) {
-    const int64_t first = early ? lane + 32 * kEarlyUnits : lane;
-    if (!deep_whole_round<kU>(first, k / 8)) return false;
-    deep_load_round<kU>(wr, first, pol, w);
-    return true;
-}
-
-// The piped or deep feed's second round (kFeed's), asked for into w before the column is staged
-// (kRowAhead); false where the warp has none. wr: the deep grid's item's rows (set here unless
-// early, when they were set for the early units).
-template <int kFeed, class RowsOf>
-__device__ __forceinline__ bool ask_second_round(RowsOf&& rows_of, int64_t item, int64_t end, int stride, int64_t k,
-                                                 int lane, bool early, uint64_t pol, const char* (&wr)[2],
-                                                 uint4 (&w)[kDeepRound][2]);
-
 // stream_rows on the deep grid (kRowDeep): after the early units, rounds of kU units a lane of
 // both rows, each round's loads issued before the previous round's sums (two rounds, 2 kU units a
 // lane, in flight while a warp sums; ptxas keeps that order, where loads and sums of one deeper
 // round came out interleaved, the first sum's wait holding back the loads after it), then each
 // unit's fmaf chain in the same order as stream_rows: the same bits. kU = 8 (16 in flight)
-// spilled at the deep grid's 168 registers and lost 8% (docs/cuda-probes.md). kPrimed: the
-// rounds go through *first_round, which holds the first whole round already where primed
-// (deep_first_round, before the column was staged).
-template <DType T, int kU, bool kPrimed = false>
+// spilled at the deep grid's 168 registers and lost 8% (docs/cuda-probes.md).
+template <DType T, int kU>
 __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], const float* xs, int64_t k, int lane,
                                                  bool early, const uint4 (&pre)[2][kEarlyUnits], uint64_t pol,
-                                                 float (&acc)[2], bool primed = false,
-                                                 uint4 (*first_round)[kU][2] = nullptr) {
+                                                 float (&acc)[2]) {
     acc[0] = acc[1] = 0.0f;
     const int64_t units = k / 8;
     int64_t u = lane;
     const auto unit = [&](const uint4 (&w)[2], int64_t uu) {
         rows_unit_fma<T, 2>([&](int r) { return w[r]; }, xs + uu * 8, acc);
     };
-    const auto whole_round = [&](int64_t at) { return deep_whole_round<kU>(at, units); };
-    const auto load_round = [&](int64_t at, uint4 (&w)[kU][2]) { deep_load_round<kU>(wr, at, pol, w); };
-    uint4 own[kU][2], next[kU][2];
-    uint4(&cur)[kU][2] = kPrimed ? *first_round : own;
+    const auto whole_round = [&](int64_t at) { return at + 32 * (kU - 1) < units; };
+    const auto load_round = [&](int64_t at, uint4 (&w)[kU][2]) {
+#pragma unroll
+        for (int i = 0; i < kU; ++i) {
+            w[i][0] = ld_stream(wr[0] + (at + 32 * i) * 16, pol);
+            w[i][1] = ld_stream(wr[1] + (at + 32 * i) * 16, pol);
+        }
+    };
+    uint4 cur[kU][2], next[kU][2];
     const int64_t first = early ? u + 32 * kEarlyUnits : u;
     const bool rounds = whole_round(first);
-    if (rounds && !(kPrimed && primed)) load_round(first, cur);  // out while the early units are summed
+    if (rounds) load_round(first, cur);  // out while the early units are summed
     if (early) {
 #pragma unroll
         for (int i = 0; i < kEarlyUnits; ++i, u += 32) {
@@ -250,54 +214,6 @@ __device__ __forceinline__ void stream_rows_deep(const char* const (&wr)[2], con
     for (; u < units; u += 32) unit({ld_stream(wr[0] + u * 16, pol), ld_stream(wr[1] + u * 16, pol)}, u);
 }
 
-// The piped feed's rounds (stream_items_piped): an item's count; loading round r of rows w (slot
-// i: unit lane + 32 (r kDeepRound + i), none past the row's end).
-__device__ __forceinline__ int piped_rounds(int64_t units) {
-    return static_cast<int>((units + 32 * kDeepRound - 1) / (32 * kDeepRound));
-}
-__device__ __forceinline__ void piped_load_round(const char* const (&w)[2], int r, int64_t units, int lane,
-                                                 uint64_t pol, uint4 (&buf)[kDeepRound][2]) {
-#pragma unroll
-    for (int i = 0; i < kDeepRound; ++i) {
-        const int64_t u = lane + 32 * (int64_t{r} * kDeepRound + i);
-        if (u < units) {
-            buf[i][0] = ld_stream(w[0] + u * 16, pol);
-            buf[i][1] = ld_stream(w[1] + u * 16, pol);
-        }
-    }
-}
-// The second round of a warp's stream (round 1 of its first item, or its next item's first where
-// an item is one round), asked for into w before the column is staged (kRowAhead); false where
-// the warp has none.
-template <class RowsOf>
-__device__ __forceinline__ bool piped_second_round(RowsOf&& rows_of, int64_t item, int64_t end, int stride, int64_t k,
-                                                   int lane, uint64_t pol, uint4 (&w)[kDeepRound][2]) {
-    if (item >= end) return false;
-    const int64_t units = k / 8;
-    const bool one_round = piped_rounds(units) == 1;
-    const int64_t it_next = one_round ? item + stride : item;
-    const int r_next = one_round ? 0 : 1;
-    if (it_next >= end) return false;
-    const char* wn[2];
-    rows_of(it_next, wn);
-    piped_load_round(wn, r_next, units, lane, pol, w);
-    return true;
-}
-
-template <int kFeed, class RowsOf>
-__device__ __forceinline__ bool ask_second_round(RowsOf&& rows_of, int64_t item, int64_t end, int stride, int64_t k,
-                                                 int lane, bool early, uint64_t pol, const char* (&wr)[2],
-                                                 uint4 (&w)[kDeepRound][2]) {
-    if constexpr (kFeed == kFeedPiped) {
-        return piped_second_round(rows_of, item, end, stride, k, lane, pol, w);
-    } else {
-        static_assert(kFeed == kFeedDeep, "the plain feed has no second round to ask for early");
-        if (item >= end) return false;
-        if (!early) rows_of(item, wr);
-        return deep_first_round<kDeepRound>(wr, k, lane, early, pol, w);
-    }
-}
-
 // A warp's items item, item + stride, ... (< end) fed piped (kRowPiped): each item is
 // rounds of kDeepRound slots a lane (slot j: unit lane + 32 j of both rows, none past the row's
 // end), and the warp's rounds form one stream, each round's loads issued before the previous
@@ -306,24 +222,25 @@ __device__ __forceinline__ bool ask_second_round(RowsOf&& rows_of, int64_t item,
 // round (and k_mul_mat_rows's warps at every item). rows_of(it, w) gives item it's two row
 // pointers; stored(it, acc) takes its two sums. Each row's units are summed in the order
 // stream_rows takes them: the same bits. pre: the first item's first round, loaded before the
-// PDL wait (when early). kPrimed: the stream's second round is in second already
-// (piped_second_round, before the column was staged; where it found none, the first round is the
-// stream's last and nothing more is asked for).
-template <DType T, bool kPrimed = false, class RowsOf, class Stored>
+// PDL wait (when early).
+template <DType T, class RowsOf, class Stored>
 __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& stored, int64_t item, int64_t end,
                                                    int stride, const float* xs, int64_t k, int lane, bool early,
-                                                   const uint4 (&pre)[2][kEarlyUnits], uint64_t pol,
-                                                   uint4 (&second)[kDeepRound][2]) {
+                                                   const uint4 (&pre)[2][kEarlyUnits], uint64_t pol) {
     if (item >= end) return;
     const int64_t units = k / 8;
-    const int rounds = piped_rounds(units);  // an item's
+    const int rounds = static_cast<int>((units + 32 * kDeepRound - 1) / (32 * kDeepRound));  // an item's
     const auto load = [&](const char* const (&w)[2], int r, uint4 (&buf)[kDeepRound][2]) {
-        piped_load_round(w, r, units, lane, pol, buf);
+#pragma unroll
+        for (int i = 0; i < kDeepRound; ++i) {
+            const int64_t u = lane + 32 * (int64_t{r} * kDeepRound + i);
+            if (u < units) {
+                buf[i][0] = ld_stream(w[0] + u * 16, pol);
+                buf[i][1] = ld_stream(w[1] + u * 16, pol);
+            }
+        }
     };
-    bool take_primed = kPrimed;
-    uint4 cur[kDeepRound][2], own_next[kDeepRound][2];
-    // (kPrimed: the second round is there; an array bound at compile time stays in registers)
-    uint4(&next)[kDeepRound][2] = kPrimed ? second : own_next;
+    uint4 cur[kDeepRound][2], next[kDeepRound][2];
     const char* wc[2];
     const char* wn[2];
     rows_of(item, wc);
@@ -354,9 +271,8 @@ __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& st
                 wn[0] = wc[0];
                 wn[1] = wc[1];
             }
-            if (!(kPrimed && take_primed)) load(wn, r_next, next);
+            load(wn, r_next, next);
         }
-        if constexpr (kPrimed) take_primed = false;
 #pragma unroll
         for (int i = 0; i < kDeepRound; ++i) {
             const int64_t u = lane + 32 * (int64_t{r} * kDeepRound + i);
@@ -393,7 +309,7 @@ __device__ __forceinline__ void stream_items_piped(RowsOf&& rows_of, Stored&& st
 // ptxas then takes 132 for that plain kernel, where one block a SM would fit: unasked it stays at
 // 126). On the deep grid the piped feed (one item a warp) lost to stream_rows_deep: H200
 // Qwen3-4B tg128 389.5 -> 380.1-380.5 t/s (docs/cuda-probes.md).
-template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain, int kAhead = kAheadNone>
+template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, const float* x) {
     PHASE_STAMP(0, 0);
     const int lane = threadIdx.x & 31;
@@ -428,35 +344,20 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
         rows_of(item, wr);
         load_early(wr, k / 8, lane, pol, pre);
     }
-    // kAhead: the feed's second round asked for before the column is staged, so that its bytes
-    // come while the block stages (and normalises) it, not after.
-    [[maybe_unused]] uint4 second[kDeepRound][2];
-    [[maybe_unused]] bool has_second = false;
-    if constexpr (kAhead == kAheadBeforeWait) {
-        if (early) has_second = ask_second_round<kFeed>(rows_of, item, end, kW, k, lane, early, pol, wr, second);
-    }
     PHASE_STAMP(1, 0);
     pdl_enter();
     PHASE_STAMP(2, 0);
-    if constexpr (kAhead == kAheadAfterWait || kAhead == kAheadBeforeWait) {
-        if (kAhead == kAheadAfterWait || !early) {
-            has_second = ask_second_round<kFeed>(rows_of, item, end, kW, k, lane, early, pol, wr, second);
-        }
-    }
     const float* xs = stage_column<kNorm, kW * 32>(x, k, p.norm_w, p.norm_eps, p.norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     if constexpr (kFeed == kFeedPiped) {
-        stream_items_piped<T, kAhead != kAheadNone>(rows_of, stored, item, end, kW, xs, k, lane, early, pre, pol,
-                                                    second);
+        stream_items_piped<T>(rows_of, stored, item, end, kW, xs, k, lane, early, pre, pol);
         item = end;  // (the loop below is the other feeds')
     }
     for (bool first = true; item < end; item += kW, first = false) {
         if (!(first && early)) rows_of(item, wr);
         float acc[2];
         if constexpr (kFeed == kFeedDeep) {
-            constexpr bool kPrimed = kAhead != kAheadNone;
-            stream_rows_deep<T, kDeepRound, kPrimed>(wr, xs, k, lane, first && early, pre, pol, acc,
-                                                     kPrimed && first && has_second, &second);
+            stream_rows_deep<T, kDeepRound>(wr, xs, k, lane, first && early, pre, pol, acc);
         } else {
             stream_rows<T>(wr, xs, k, lane, first && early, pre, pol, acc);
         }
@@ -469,7 +370,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
 
 // k_mul_mat_glu's one-column case for long 16-bit rows: item i is gate and up row i, storing
 // silu(gate) * up; items over blocks and warps as k_mul_mat_rows.
-template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain, int kAhead = kAheadNone>
+template <DType T, bool kNorm, bool kBalanced, int kW, int kFeed = kFeedPlain>
 __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, const char* wu, int64_t rb_g, int64_t rb_u,
                                                               int64_t n_rows, int64_t k, const float* x, float* y,
                                                               const float* norm_w, float norm_eps, bool constant,
@@ -486,20 +387,9 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
     }
     uint4 pre[2][kEarlyUnits];
     if (early) load_early({wg + row * rb_g, wu + row * rb_u}, k / 8, lane, pol, pre);
-    const auto rows_of = [&](int64_t it, const char* (&w)[2]) {
-        w[0] = wg + it * rb_g;
-        w[1] = wu + it * rb_u;
-    };
-    [[maybe_unused]] uint4 second[kDeepRound][2];  // (kAhead, as in k_mul_mat_rows)
-    if constexpr (kAhead == kAheadBeforeWait && kFeed == kFeedPiped) {
-        if (early) piped_second_round(rows_of, row, end, kW, k, lane, pol, second);
-    }
     PHASE_STAMP(1, 0);
     pdl_enter();
     PHASE_STAMP(2, 0);
-    if constexpr ((kAhead == kAheadAfterWait || kAhead == kAheadBeforeWait) && kFeed == kFeedPiped) {
-        if (kAhead == kAheadAfterWait || !early) piped_second_round(rows_of, row, end, kW, k, lane, pol, second);
-    }
     const float* xs = stage_column<kNorm, kW * 32>(x, k, norm_w, norm_eps, norm_early);  // before any warp leaves
     PHASE_STAMP(3, xs[0]);
     const auto stored = [&](int64_t it, const float (&acc)[2]) {
@@ -508,8 +398,11 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
         return u;
     };
     if constexpr (kFeed == kFeedPiped) {
-        stream_items_piped<T, kAhead != kAheadNone>(rows_of, stored, row, end, kW, xs, k, lane, early, pre, pol,
-                                                    second);
+        const auto rows_of = [&](int64_t it, const char* (&w)[2]) {
+            w[0] = wg + it * rb_g;
+            w[1] = wu + it * rb_u;
+        };
+        stream_items_piped<T>(rows_of, stored, row, end, kW, xs, k, lane, early, pre, pol);
         row = end;  // (the loop below is the other feeds')
     }
     for (bool first = true; row < end; row += kW, first = false) {
@@ -538,27 +431,6 @@ inline bool takes_deep_grid(int setting, int64_t n, int64_t k) {
            n <= int64_t{kDeepWarps} * tc::sm_count() && k * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
 }
 
-// When a launch on the deep grid or fed piped on one block a SM asks for its feed's second round
-// (kAhead*: kRowAheadEarly before the PDL wait, else kRowAhead after it); counted unless with
-// the other rounds.
-inline int takes_ahead(int setting) {
-    const int ahead = (setting & kRowAheadEarly) ? kAheadBeforeWait
-                      : (setting & kRowAhead)    ? kAheadAfterWait
-                                                 : kAheadNone;
-    if (ahead != kAheadNone) count_graph_event(GraphEvent::AheadRowLaunch);
-    return ahead;
-}
-
-// Calls f(std::integral_constant<int, mode>) with takes_ahead(setting)'s mode as a constant.
-template <class F>
-decltype(auto) with_ahead(int setting, F&& f) {
-    switch (takes_ahead(setting)) {
-        case kAheadAfterWait: return f(std::integral_constant<int, kAheadAfterWait>{});
-        case kAheadBeforeWait: return f(std::integral_constant<int, kAheadBeforeWait>{});
-        default: return f(std::integral_constant<int, kAheadNone>{});
-    }
-}
-
 // Launches k_mul_mat_rows's deep-grid kernel over n items (takes_deep_grid): one block of
 // kDeepWarps a SM, the column its shared memory.
 template <class Kernel>
@@ -577,25 +449,18 @@ void launch_deep_rows(Kernel kernel, int64_t n, int64_t k, cudaStream_t s, const
 // one item a warp. pick(grid tag) gives the kernel instantiation (the tags
 // below); smem its shared memory (the column, and the norm's weights where those are staged).
 struct PipedFeed {};
-template <int kAhead>
 struct PipedOneBlockFeed {};
-// A pick's grid tag as the kernels' template arguments: std::true_type, the balanced grid;
-// std::false_type, one item a warp; PipedFeed, the balanced grid fed piped; PipedOneBlockFeed,
-// the same on one block of kRowWarps a SM, its second round asked for as kAhead says.
+// A pick's grid tag (std::true_type: balanced, std::false_type: one item a warp, PipedFeed: the
+// balanced grid fed piped, PipedOneBlockFeed: the same on one block of kRowWarps a SM) as the
+// kernels' template arguments.
 template <class G>
-struct RowGrid {
-    static constexpr bool balanced = !std::is_same_v<G, std::false_type>;
-    static constexpr int warps = std::is_same_v<G, std::false_type> ? kRowWarps : kBalWarps;
-    static constexpr int feed = std::is_same_v<G, PipedFeed> ? kFeedPiped : kFeedPlain;
-    static constexpr int ahead = kAheadNone;
-};
-template <int kAhead>
-struct RowGrid<PipedOneBlockFeed<kAhead>> {
-    static constexpr bool balanced = true;
-    static constexpr int warps = kRowWarps;
-    static constexpr int feed = kFeedPiped;
-    static constexpr int ahead = kAhead;
-};
+constexpr bool kGridBalanced = !std::is_same_v<G, std::false_type>;
+template <class G>
+constexpr int kGridWarps = std::is_same_v<G, std::false_type>    ? kRowWarps
+                           : std::is_same_v<G, PipedOneBlockFeed> ? kRowWarps
+                                                                  : kBalWarps;
+template <class G>
+constexpr int kGridFeed = std::is_same_v<G, PipedFeed> || std::is_same_v<G, PipedOneBlockFeed> ? kFeedPiped : kFeedPlain;
 
 template <class Pick, class... Args>
 void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, Args... args) {
@@ -604,11 +469,8 @@ void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStr
         count_graph_event(GraphEvent::PipedRowLaunch);
         if (setting & kRowPipedOneBlock) {
             count_graph_event(GraphEvent::OneBlockRowLaunch);
-            const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n)));
-            return with_ahead(setting, [&](auto ahead) {
-                return launch(pick(PipedOneBlockFeed<decltype(ahead)::value>{}), blocks, kRowWarps * 32, smem, s,
-                              args...);
-            });
+            const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n));
+            return launch(pick(PipedOneBlockFeed{}), static_cast<unsigned>(blocks), kRowWarps * 32, smem, s, args...);
         }
         return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
     }

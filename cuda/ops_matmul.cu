@@ -509,9 +509,10 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
             both.row0[2] = 2 * gate.n_rows;
             if (rows_tma_fits<true>(both, k)) return launch_rows_tma<T, true>(p, k, x, s);
             const auto pick = [&](auto grid) {
-                using G = RowGrid<decltype(grid)>;
-                return norm.w ? k_mul_mat_glu_rows<T, true, G::balanced, G::warps, G::feed, G::ahead>
-                              : k_mul_mat_glu_rows<T, false, G::balanced, G::warps, G::feed, G::ahead>;
+                using G = decltype(grid);
+                constexpr bool kB = kGridBalanced<G>;
+                constexpr int kW = kGridWarps<G>, kF = kGridFeed<G>;
+                return norm.w ? k_mul_mat_glu_rows<T, true, kB, kW, kF> : k_mul_mat_glu_rows<T, false, kB, kW, kF>;
             };
             const int setting = matmul_row_stream_setting();
             const bool staged = stages_norm_weights(setting, norm.w, norm.constant, k);
@@ -570,9 +571,10 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
             if (rows_tma_fits<false>(p, k)) return launch_rows_tma<T, false>(p, k, x, s);
             const auto pick = [&](auto grid) {
-                using G = RowGrid<decltype(grid)>;
-                return p.norm_w ? k_mul_mat_rows<T, true, G::balanced, G::warps, G::feed, G::ahead>
-                                : k_mul_mat_rows<T, false, G::balanced, G::warps, G::feed, G::ahead>;
+                using G = decltype(grid);
+                constexpr bool kB = kGridBalanced<G>;
+                constexpr int kW = kGridWarps<G>, kF = kGridFeed<G>;
+                return p.norm_w ? k_mul_mat_rows<T, true, kB, kW, kF> : k_mul_mat_rows<T, false, kB, kW, kF>;
             };
             const int setting = matmul_row_stream_setting();
             Parts ps = p;
@@ -581,11 +583,7 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
             const int64_t items = (p.row0[p.n] + 1) / 2;
             if (!p.norm_w && takes_deep_grid(setting, items, k)) {
-                return with_ahead(setting, [&](auto ahead) {
-                    constexpr int kA = decltype(ahead)::value;
-                    return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep, kA>, items, k, s, ps,
-                                            x);
-                });
+                return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep>, items, k, s, ps, x);
             }
             const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
             return launch_row_stream(pick, items, setting, smem, s, ps, k, x);
@@ -661,9 +659,7 @@ int matmul_row_stream_setting() {
            (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
            (env_switch("PYSPEC_CUDA_ROW_DEEP") != 0 ? kRowDeep : 0) |
            (env_switch("PYSPEC_CUDA_ROW_PIPED") != 0 ? kRowPiped : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK") != 0 ? kRowPipedOneBlock : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_AHEAD") == 1 ? kRowAhead : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_AHEAD_EARLY") == 1 ? kRowAheadEarly : 0);
+           (env_switch("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK") != 0 ? kRowPipedOneBlock : 0);
 }
 
 int matmul_row_tma_setting() {

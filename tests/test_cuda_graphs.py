@@ -87,8 +87,7 @@ def test_switch_and_counters():
     keys = {"captures", "replays", "eager", "capture_failures", "evictions", "live", "early_weight_launches",
             "rope_attention_launches", "early_copy_attention_launches", "stored_angles_attention_launches",
             "row_tma_launches", "norm_prologue_launches", "early_norm_launches", "deep_row_launches",
-            "piped_row_launches", "one_block_row_launches", "ahead_row_launches", "timed_replays",
-            "replay_gpu_ns"}
+            "piped_row_launches", "one_block_row_launches", "timed_replays", "replay_gpu_ns"}
     assert set(stats()) == keys
     with graphs(False):
         assert _core.cuda_graphs_enabled() is False

@@ -254,7 +254,7 @@ def rows_on_the_balanced_grid():
 
 
 @gpu
-@pytest.mark.parametrize("grid", ["one_block", "two_blocks", "ahead", "ahead_early"])
+@pytest.mark.parametrize("grid", ["one_block", "two_blocks"])
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
 def test_row_streams_fed_piped_give_the_same_bits(dtype, grid, monkeypatch):
     """One column over long 16-bit rows with several items a warp (a plain MUL_MAT of 3,001 rows,
@@ -263,16 +263,11 @@ def test_row_streams_fed_piped_give_the_same_bits(dtype, grid, monkeypatch):
     and lanes differ in how much: with PYSPEC_CUDA_ROW_PIPED on (the default) the launches are fed
     piped (counted by piped_row_launches), each warp's items one stream of rounds, the next item's
     first round asked for during this item's last, on one block of 16 warps a SM (the default,
-    counted by one_block_row_launches) or two of 8 (PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0), and on
-    one block with the second round asked for before the column is staged
-    (PYSPEC_CUDA_ROW_AHEAD=1, counted by ahead_row_launches) or before the PDL wait
-    (PYSPEC_CUDA_ROW_AHEAD_EARLY=1, counted likewise). Every row equals, bit for bit, the plain
-    feed's (=0) and the same row in a batch of 5 (another kernel), and is within rounding of the
-    CPU's."""
+    counted by one_block_row_launches) or two of 8 (PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0). Every row
+    equals, bit for bit, the plain feed's (=0) and the same row in a batch of 5 (another
+    kernel), and is within rounding of the CPU's."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
-    monkeypatch.setenv("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK", "0" if grid == "two_blocks" else "1")
-    monkeypatch.setenv("PYSPEC_CUDA_ROW_AHEAD", "1" if grid == "ahead" else "0")
-    monkeypatch.setenv("PYSPEC_CUDA_ROW_AHEAD_EARLY", "1" if grid == "ahead_early" else "0")
+    monkeypatch.setenv("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK", "1" if grid == "one_block" else "0")
     k, n_rows, n_ff = 2600, 3001, 2051
     stored, x = mm_inputs(dtype, n_rows, k, 5, seed=59)
     stored_g, _ = mm_inputs(dtype, n_ff, k, 1, seed=61)
@@ -281,11 +276,9 @@ def test_row_streams_fed_piped_give_the_same_bits(dtype, grid, monkeypatch):
         "mm": matmul_build(stored, dtype, x[:1], n_rows),
         "glu": swiglu_ffn_build(stored_g, stored_u, dtype, x[:1], n_ff)})
     assert piped["0"] == 0 and piped["1"] == (2 if rows_on_the_balanced_grid() else 0), piped
-    if DEVICE == "cuda":  # the last value's runs (piped on): on the grid asked for, ahead where asked
-        stats = core.cuda_graph_stats()
-        one_block, ahead = stats["one_block_row_launches"], stats["ahead_row_launches"]
-        assert one_block == (0 if grid == "two_blocks" else piped["1"]), one_block
-        assert ahead == (piped["1"] if grid.startswith("ahead") else 0), ahead
+    if DEVICE == "cuda":  # the last value's runs (piped on): on the grid asked for
+        one_block = core.cuda_graph_stats()["one_block_row_launches"]
+        assert one_block == (piped["1"] if grid == "one_block" else 0), one_block
     for name, n, build in (("mm", n_rows, lambda xx: matmul_build(stored, dtype, xx, n_rows)),
                            ("glu", n_ff, lambda xx: swiglu_ffn_build(stored_g, stored_u, dtype, xx, n_ff))):
         np.testing.assert_array_equal(out["1", name], out["0", name], err_msg=name)
@@ -297,28 +290,21 @@ def test_row_streams_fed_piped_give_the_same_bits(dtype, grid, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("ahead", ["", "ahead", "ahead_early"])
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
-def test_row_streams_on_the_deep_grid_give_the_same_bits(dtype, ahead, monkeypatch):
+def test_row_streams_on_the_deep_grid_give_the_same_bits(dtype, monkeypatch):
     """One column over long 16-bit rows few enough for one block of 10 warps a SM at one item a
     warp (Qwen3-4B's down is 2,560 rows of 9,728; here 1,201 rows, an odd count so the last item's
     second row is a clamped read): with PYSPEC_CUDA_ROW_DEEP on (the default) the launch takes that
-    grid (counted by deep_row_launches), each warp keeping 8 units a lane in flight, its second
-    round asked for before the column is staged with PYSPEC_CUDA_ROW_AHEAD=1 or before the PDL
-    wait with PYSPEC_CUDA_ROW_AHEAD_EARLY=1 (both counted by ahead_row_launches). Every row
+    grid (counted by deep_row_launches), each warp keeping 8 units a lane in flight. Every row
     equals, bit for bit, the launch without it (=0) and the same row in a batch of 5 (another
     kernel), and is within rounding of the CPU's."""
     monkeypatch.setenv("PYSPEC_CUDA_TC", "0")
-    monkeypatch.setenv("PYSPEC_CUDA_ROW_AHEAD", "1" if ahead == "ahead" else "0")
-    monkeypatch.setenv("PYSPEC_CUDA_ROW_AHEAD_EARLY", "1" if ahead == "ahead_early" else "0")
     n_rows, k = 1201, 9728
     stored, x = mm_inputs(dtype, n_rows, k, 5, seed=53)
     runs, deep = off_and_on(monkeypatch, "PYSPEC_CUDA_ROW_DEEP", "deep_row_launches",
                             {"mm": matmul_build(stored, dtype, x[:1], n_rows)})
     out = {on: runs[on, "mm"] for on in ("0", "1")}
     assert deep["0"] == 0 and (deep["1"] > 0) == rows_on_the_balanced_grid(), deep
-    if DEVICE == "cuda":  # the last value's runs (deep on)
-        assert core.cuda_graph_stats()["ahead_row_launches"] == (deep["1"] if ahead else 0)
     np.testing.assert_array_equal(out["1"], out["0"])
     (five,) = run_on(DEVICE, matmul_build(stored, dtype, x, n_rows))
     np.testing.assert_array_equal(out["1"].reshape(n_rows), five.reshape(5, n_rows)[0])

@@ -18,9 +18,7 @@
 # nodeep, row launches of one item a warp on the balanced grid, not the deep one:
 # PYSPEC_CUDA_ROW_DEEP=0, and nopiped, the other row launches not fed piped:
 # PYSPEC_CUDA_ROW_PIPED=0, and twoblocks, the piped launches on two blocks of 8 warps a SM:
-# PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0, and ahead, the piped and deep feeds' second round asked for
-# before the column is staged (opt-in): PYSPEC_CUDA_ROW_AHEAD=1, and aheadearly, before the PDL
-# wait (opt-in): PYSPEC_CUDA_ROW_AHEAD_EARLY=1; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -77,8 +75,6 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     nodeep) envs=(PYSPEC_CUDA_ROW_DEEP=0) ;;
     nopiped) envs=(PYSPEC_CUDA_ROW_PIPED=0) ;;
     twoblocks) envs=(PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0) ;;
-    ahead) envs=(PYSPEC_CUDA_ROW_AHEAD=1) ;;
-    aheadearly) envs=(PYSPEC_CUDA_ROW_AHEAD_EARLY=1) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
@@ -138,11 +134,7 @@ if [ -n "${SANITIZE:-}" ]; then
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[F16-group-norm_early]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[BF16-glu-norm_early]"
              "tests/test_cuda_matmul.py::test_norm_prologue_gives_the_unfused_bits[Q4_1-glu-]"
-             "tests/test_cuda_matmul.py::test_row_streams_on_the_deep_grid_give_the_same_bits[F16-]"
-             "tests/test_cuda_matmul.py::test_row_streams_on_the_deep_grid_give_the_same_bits[F16-ahead]"
-             "tests/test_cuda_matmul.py::test_row_streams_fed_piped_give_the_same_bits[F16-ahead]"
-             "tests/test_cuda_matmul.py::test_row_streams_fed_piped_give_the_same_bits[BF16-ahead_early]"
-             "tests/test_cuda_matmul.py::test_row_streams_on_the_deep_grid_give_the_same_bits[BF16-ahead_early]"
+             "tests/test_cuda_matmul.py::test_row_streams_on_the_deep_grid_give_the_same_bits[F16]"
              "tests/test_cuda_matmul.py::test_row_streams_fed_piped_give_the_same_bits[BF16-one_block]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-short-h9kv3d64]"
              "tests/test_cuda_attention.py::test_decode_rope_store_attention_as_one_launch[-long-h32kv8d128]"
