@@ -80,24 +80,38 @@ __device__ __forceinline__ void load_halves(const uint16_t* p, float (&v)[NC]) {
 // k_unit(d0): the 16 bytes of this lane's K row at head dim d0 (from shared memory or registers).
 // acc[c] is head dim NC * lane + c (the lane's NC consecutive dims: one 4- or 8-byte load a V row);
 // s_p: the warp's kChunk floats of shared memory, where the cells' weights are passed.
-template <int NC, typename KUnit>
+// kKStaged: K comes from shared memory (k_unit loads it), so the full head's dot may issue its
+// loads ahead; with K in registers (kRegK) that lookahead pushed the 128-register variant to spill.
+template <int NC, bool kKStaged, typename KUnit>
 __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* sv, const float* s_q, float* s_p,
                                                   int hd, int lane, bool in_span, float mj, float scale, float& m,
                                                   float& l, float (&acc)[NC]) {
     float s = -INFINITY;
     if (in_span && mj != -INFINITY) {
         float dot = 0.0f;
-        // Bounded by the instantiation's widest head so the loop unrolls (smem loads hoisted ahead
-        // of the fmaf chain); the chain itself runs d = 0 .. hd-1 as everywhere. (The counts here and
-        // for the V rows are written out: with a bare `#pragma unroll` ptxas spilled 8 bytes in the
-        // split rope variant, <4, 1, true, true>, at its 128-register bound.)
-#pragma unroll(4 * NC)
-        for (int d0 = 0; d0 < 32 * NC; d0 += 8) {
-            if (d0 >= hd) break;
+        // The chain runs d = 0 .. hd-1 as everywhere, 8 dims (one 16-byte K unit) at a time.
+        const auto dot_unit = [&](int d0) {
             const uint4 raw = k_unit(d0);
             const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
 #pragma unroll
             for (int e = 0; e < 8; ++e) dot = fmaf(s_q[d0 + e], h2f(hv[e]), dot);
+        };
+        if (kKStaged && hd == 32 * NC) {
+            // The instantiation's widest head (Qwen3's 128, SmolLM2's 64): no bound to test, so
+            // ptxas issues the units' shared-memory loads ahead of the chain. With the test below
+            // each unit's loads sat behind its branch (sm_90a SASS: LDS, then the unit's 8 FFMA
+            // waiting for it, 16 times in a row). The same chain: the same bits.
+#pragma unroll
+            for (int d0 = 0; d0 < 32 * NC; d0 += 8) dot_unit(d0);
+        } else {
+            // Bounded by the widest head so the loop unrolls. (The counts here and for the V rows
+            // are written out: with a bare `#pragma unroll` ptxas spilled 8 bytes in the split rope
+            // variant, <4, 1, true, true>, at its 128-register bound.)
+#pragma unroll(4 * NC)
+            for (int d0 = 0; d0 < 32 * NC; d0 += 8) {
+                if (d0 >= hd) break;
+                dot_unit(d0);
+            }
         }
         s = fmaf(dot, scale, mj);
     }
@@ -473,10 +487,16 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             // The new cell's rows into its slot (its copy was left out), by the warp that reads them.
             const int64_t i = new_cell - ch * kChunk;
             if (active && new_cell >= 0 && i >= 0 && i < kChunk) {
+                // 16 bytes a lane (one round for heads up to 256): rows, s_new and the stage are
+                // 16-byte aligned (staged_smem_bytes' layout, hd a multiple of 8). Element by
+                // element it was a chain of dependent loads and stores behind a branch each, on
+                // the warp every other waits for at the page's merge.
                 uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
-                for (int d = lane; d < hd; d += 32) {
-                    if (!kRegK) sk[i * ks + d] = s_new[d];
-                    sk[kChunk * ks + i * hd + d] = s_new[hd + d];
+                for (int d = 8 * lane; d < hd; d += 8 * 32) {
+                    const uint4 kn = *reinterpret_cast<const uint4*>(s_new + d);
+                    const uint4 vn = *reinterpret_cast<const uint4*>(s_new + hd + d);
+                    if (!kRegK) *reinterpret_cast<uint4*>(sk + i * ks + d) = kn;
+                    *reinterpret_cast<uint4*>(sk + kChunk * ks + i * hd + d) = vn;
                 }
                 __syncwarp();
             }
@@ -490,10 +510,10 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             const uint16_t* kr = sk + lane * ks;
             float* sp = s_p + warp * kChunk;
             if constexpr (kRegK) {
-                fold_staged_chunk<NC>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, sp, hd, lane,
+                fold_staged_chunk<NC, false>([&](int d0) { return kreg[d0 / 8]; }, sk + kChunk * ks, s_q, sp, hd, lane,
                                       in_span, mj, scale, m, l, acc);
             } else {
-                fold_staged_chunk<NC>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
+                fold_staged_chunk<NC, true>([&](int d0) { return *reinterpret_cast<const uint4*>(kr + d0); },
                                       sk + kChunk * ks, s_q, sp, hd, lane, in_span, mj, scale, m, l, acc);
             }
         }
