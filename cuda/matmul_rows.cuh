@@ -104,7 +104,7 @@ __device__ __forceinline__ const float* stage_column(const float* x, int64_t k, 
         return xc[0];
     } else {
         float* hs = reinterpret_cast<float*>(normed_rows);
-        for (int64_t i = threadIdx.x; i < k; i += kThreads) hs[i] = x[i];
+        copy_column<kThreads>(hs, x, k);  // (all of a thread's loads before its stores)
         __syncthreads();
         return hs;
     }

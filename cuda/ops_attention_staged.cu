@@ -161,21 +161,41 @@ __device__ __forceinline__ void fold_staged_chunk(KUnit k_unit, const uint16_t* 
 // one L2 round trip on the launch's critical path instead of three (the norms' reads, the
 // rotation's, V's). The norms then read their inputs from shared memory in the same order, so the
 // bits are the same.
-__device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const TDesc& q, const TDesc& kc,
-                                                 const TDesc& vc, int n_kv_head, int64_t cell, float* s_cs,
-                                                 float* s_x, float* s_q, uint16_t* s_new, unsigned* err) {
+// Where rope_prologue reads and writes: plain arithmetic on the launch's parameters (two integer
+// divisions among it), so the kernel works it out before its PDL wait, off the critical path.
+struct RopeRows {
+    const float *xq, *xk, *xv;  // q's head, k's head and the V row as the RoPE reads them
+    float *yq, *yk;             // the ROPEs' outputs (written by the writer blocks)
+    uint16_t *ck, *cv;          // the new cell's cache rows (null unless this block writes them)
+    bool cell_ok, q_writer, kv_writer;
+};
+__device__ __forceinline__ RopeRows rope_rows(const DecodeRope& rope, const TDesc& q, const TDesc& kc,
+                                              const TDesc& vc, int n_kv_head, int64_t cell) {
     const int hd = static_cast<int>(q.ne[0]), h = blockIdx.x;
     const int group = static_cast<int>(q.ne[1]) / n_kv_head, kvh = h / group;
+    RopeRows w;
+    w.cell_ok = cell >= 0 && cell < kc.ne[1];
+    w.q_writer = blockIdx.z == 0;
+    w.kv_writer = w.q_writer && h % group == 0;
+    w.xq = reinterpret_cast<const float*>(rope.q_src.data + h * rope.q_src.nb[1]);
+    w.yq = reinterpret_cast<float*>(rope.q_dst.data + h * rope.q_dst.nb[1]);
+    w.xk = reinterpret_cast<const float*>(rope.k_src.data + kvh * rope.k_src.nb[1]);
+    w.yk = reinterpret_cast<float*>(rope.k_dst.data + kvh * rope.k_dst.nb[1]);
+    w.xv = reinterpret_cast<const float*>(rope.v_src.data) + static_cast<int64_t>(kvh) * hd;
+    const bool writes = w.kv_writer && w.cell_ok;
+    w.ck = writes ? reinterpret_cast<uint16_t*>(kc.data + cell * kc.nb[1]) + kvh * hd : nullptr;
+    w.cv = writes ? reinterpret_cast<uint16_t*>(vc.data + cell * vc.nb[1]) + kvh * hd : nullptr;
+    return w;
+}
+
+__device__ __forceinline__ int64_t rope_prologue(const DecodeRope& rope, const RopeRows& rows, int hd, int64_t cell,
+                                                 float* s_cs, float* s_x, float* s_q, uint16_t* s_new,
+                                                 unsigned* err) {
     const int half = rope.n_rot / 2;
-    const bool cell_ok = cell >= 0 && cell < kc.ne[1];
-    const bool q_writer = blockIdx.z == 0, kv_writer = q_writer && h % group == 0;
-    const float* xq = reinterpret_cast<const float*>(rope.q_src.data + h * rope.q_src.nb[1]);
-    float* yq = reinterpret_cast<float*>(rope.q_dst.data + h * rope.q_dst.nb[1]);
-    const float* xk = reinterpret_cast<const float*>(rope.k_src.data + kvh * rope.k_src.nb[1]);
-    float* yk = reinterpret_cast<float*>(rope.k_dst.data + kvh * rope.k_dst.nb[1]);
-    const float* xv = reinterpret_cast<const float*>(rope.v_src.data) + static_cast<int64_t>(kvh) * hd;
-    uint16_t* ck = kv_writer && cell_ok ? reinterpret_cast<uint16_t*>(kc.data + cell * kc.nb[1]) + kvh * hd : nullptr;
-    uint16_t* cv = kv_writer && cell_ok ? reinterpret_cast<uint16_t*>(vc.data + cell * vc.nb[1]) + kvh * hd : nullptr;
+    const bool cell_ok = rows.cell_ok, q_writer = rows.q_writer, kv_writer = rows.kv_writer;
+    const float *xq = rows.xq, *xk = rows.xk, *xv = rows.xv;
+    float *yq = rows.yq, *yk = rows.yk;
+    uint16_t *ck = rows.ck, *cv = rows.cv;
     const auto store_v = [&](int d) {
         const uint16_t v = f2h(xv[d]);
         s_new[hd + d] = v;
@@ -333,6 +353,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     // span) and the warp's cells there that are not masked, read before the wait.
     float mj_first = -INFINITY;
     uint32_t live_first = ~0u;  // the rows of the first page's chunk worth staging (all: unknown)
+    [[maybe_unused]] RopeRows rows{};  // kRope: where the prologue reads and writes
     if constexpr (kRope) {
         // Graph leaves (launch_attention_rope's caller checks), so read before the PDL wait: the
         // double-precision angles overlap the kernel before (where no earlier launch of the step
@@ -361,6 +382,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             if (in_span) mj_first = s_mwin[j - w0];
             live_first = __ballot_sync(0xffffffffu, mj_first != -INFINITY);
         }
+        rows = rope_rows(rope, q, kc, vc, n_kv_head, new_cell);
     }
     // kRope with rope.early_copies: the first page's copies go out before the wait too (below).
     const bool copy_early = kRope && rope.early_copies;
@@ -378,7 +400,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     if (!copy_early) enter();
     // kRope: every block runs the prologue (it stores the new rows), here or after its first copies.
     const auto prologue = [&] {
-        if constexpr (kRope) new_cell = rope_prologue(rope, q, kc, vc, n_kv_head, new_cell, s_cs, s_x, s_q, s_new, err);
+        if constexpr (kRope) new_cell = rope_prologue(rope, rows, hd, new_cell, s_cs, s_x, s_q, s_new, err);
     };
     const int h = blockIdx.x;
     const int64_t r = blockIdx.y;

@@ -251,6 +251,41 @@ __device__ __forceinline__ void accumulate(const char* const (&wr)[R], const flo
     }
 }
 
+// Copies k floats of an activation column from global memory (written by the kernel before,
+// after the PDL wait) into shared memory with each thread's loads for up to kCopyBatch slots asked
+// for before any is stored: one L2 round trip for a column of up to kCopyBatch * kThreads slots.
+// A plain strided loop came out of ptxas as a remainder loop of one load and its store an
+// iteration, then unrolled blocks, each waiting for its loads: 2 round trips for Qwen3-4B's 2,560
+// over 512 threads, 3 for o's 4,096 and 6 for down's 9,728 over 320, all on the launch's critical
+// path between its PDL wait and its first sums. 16-byte slots where x and k allow. A copy: the
+// values, and so the bits, are the same. kBatch: the slots a thread holds at once (registers: 4
+// each); the quantised tiles, capped at 56 registers, take fewer.
+constexpr int kCopyBatch = 8;
+template <int kThreads, int kBatch, typename V>
+__device__ __forceinline__ void copy_slots(V* dst, const V* src, int64_t n) {
+    for (int64_t i0 = threadIdx.x; i0 < n; i0 += int64_t{kBatch} * kThreads) {
+        V v[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+            const int64_t i = i0 + int64_t{j} * kThreads;
+            if (i < n) v[j] = src[i];
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+            const int64_t i = i0 + int64_t{j} * kThreads;
+            if (i < n) dst[i] = v[j];
+        }
+    }
+}
+template <int kThreads, int kBatch = kCopyBatch>
+__device__ __forceinline__ void copy_column(float* hs, const float* x, int64_t k) {
+    if ((reinterpret_cast<uintptr_t>(x) & 15) == 0 && (reinterpret_cast<uintptr_t>(hs) & 15) == 0 && k % 4 == 0) {
+        copy_slots<kThreads, kBatch>(reinterpret_cast<float4*>(hs), reinterpret_cast<const float4*>(x), k / 4);
+    } else {
+        copy_slots<kThreads, kBatch>(hs, x, k);
+    }
+}
+
 // The norm prologue (kNorm kernels): the block normalises its C activation columns, an RMS_NORM's
 // inputs, into shared memory exactly as the RMS_NORM kernels would (common.cuh: the summation
 // order by row length, then x * scale * w), and points xc at those rows; every thread of the block
@@ -279,7 +314,9 @@ __device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, 
         if constexpr (kCopyFirst) {
 #pragma unroll
             for (int c = 0; c < C; ++c) {
-                for (int64_t i = tid; i < k; i += kThreads) hs[c * k + i] = xc[c][i];
+                // 4 slots a thread (8,192 floats a round) for the row kernels' 512 threads, 2 for
+                // the tiles' 256 (2,048: SmolLM2's 576 in one round)
+                copy_column<kThreads, (kThreads >= 512 ? 4 : 2)>(hs + c * k, xc[c], k);
             }
             __syncthreads();
         }
@@ -287,11 +324,35 @@ __device__ __forceinline__ void norm_prologue(const float* (&xc)[C], int64_t k, 
 #pragma unroll
             for (int c = 0; c < C; ++c) {
                 float acc = 0.0f;
+                if constexpr (kThreads >= 512) {
+                    // The row kernels: batches of values read before their fmafs (the chain's order
+                    // is i = tid, tid + 128, ... as ever); with `#pragma unroll 8` the count's
+                    // remainder came first, one load and its fmaf at a time. (The tiles keep that
+                    // loop: at their 56 registers a batch spilled more.)
+                    constexpr int kSumBatch = 8;
+                    for (int64_t i0 = tid; i0 < k; i0 += int64_t{kSumBatch} * kNormBlockThreads) {
+                        float v[kSumBatch];
+#pragma unroll
+                        for (int j = 0; j < kSumBatch; ++j) {
+                            const int64_t i = i0 + int64_t{j} * kNormBlockThreads;
+                            v[j] = i < k ? (kCopyFirst ? hs[c * k + i] : xc[c][i]) : 0.0f;
+                        }
+#pragma unroll
+                        for (int j = 0; j < kSumBatch; ++j) {
+                            const int64_t i = i0 + int64_t{j} * kNormBlockThreads;
+                            if (i < k) {
+                                if (!kCopyFirst) hs[c * k + i] = v[j];
+                                acc = fmaf(v[j], v[j], acc);
+                            }
+                        }
+                    }
+                } else {
 #pragma unroll 8
-                for (int64_t i = tid; i < k; i += kNormBlockThreads) {
-                    const float v = kCopyFirst ? hs[c * k + i] : xc[c][i];
-                    if (!kCopyFirst) hs[c * k + i] = v;
-                    acc = fmaf(v, v, acc);
+                    for (int64_t i = tid; i < k; i += kNormBlockThreads) {
+                        const float v = kCopyFirst ? hs[c * k + i] : xc[c][i];
+                        if (!kCopyFirst) hs[c * k + i] = v;
+                        acc = fmaf(v, v, acc);
+                    }
                 }
                 acc = warp_sum(acc);
                 if (lane == 0) sums[c][tid >> 5] = acc;
