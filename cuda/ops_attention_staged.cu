@@ -371,10 +371,19 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             // the base instead of after it: one round trip before the copies go out, not two.
             const int64_t w0 = static_cast<int64_t>(blockIdx.z) * kPageCells - kPageCells;
             const float* mrow = reinterpret_cast<const float*>(mask.data + blockIdx.y * mask.nb[1]);
-            for (int t = threadIdx.x; t < 2 * kPageCells; t += blockDim.x) {
-                const int64_t jj = w0 + t;
-                s_mwin[t] = jj >= 0 && jj < mask.ne[0] ? mrow[jj] : -INFINITY;
+            // Each thread's values asked for together (the block is kWarps * 32 threads, so the
+            // count is known): a loop strided by blockDim.x loaded one value an iteration, two
+            // round trips in a row on the path that decides the early copies.
+            constexpr int kBlock = kWarps * 32, kPerThread = 2 * kPageCells / kBlock;
+            static_assert(2 * kPageCells % kBlock == 0, "the window splits evenly over the block");
+            float mv[kPerThread];
+#pragma unroll
+            for (int u = 0; u < kPerThread; ++u) {
+                const int64_t jj = w0 + threadIdx.x + u * kBlock;
+                mv[u] = jj >= 0 && jj < mask.ne[0] ? mrow[jj] : -INFINITY;
             }
+#pragma unroll
+            for (int u = 0; u < kPerThread; ++u) s_mwin[threadIdx.x + u * kBlock] = mv[u];
             const FirstChunk f = first_chunk(base, mask, warp);
             const int64_t j = f.ch * kChunk + lane - f.b0;
             const bool in_span = f.in_span && j >= 0 && j < f.span;
