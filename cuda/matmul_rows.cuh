@@ -1,7 +1,7 @@
 // The one-column kernels for long 16-bit rows (k_mul_mat_rows, k_mul_mat_glu_rows, and the
 // copy-engine variant in cuda/matmul_rows_tma.cuh). Part of ops_matmul.cu's translation unit
-// (included inside its anonymous namespace): they use that file's Parts, store, halves_unit, load_x
-// and norm_prologue.
+// (included inside its anonymous namespace): they use that file's Parts, store, halves_unit and
+// load_x, and cuda/matmul_column.cuh's copy_column and norm_prologue.
 #pragma once
 
 // Long 16-bit float rows at M = 1 (decode of a model like Qwen3-4B F16: rows of 5-19 KiB, the
