@@ -61,6 +61,7 @@ CudaBackend::CudaBackend(int device, bool wide_batches)
     : device_(device),
       wide_batches_(wide_batches),
       step_times_(cuda::env_switch("PYSPEC_CUDA_STEP_TIMES") == 1),
+      batch_copies_(cuda::env_switch("PYSPEC_CUDA_BATCH_COPIES") != 0),
       graphs_(cuda::graph_cache_capacity_from_env()) {
     check(cudaSetDevice(device_), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -68,6 +69,11 @@ CudaBackend::CudaBackend(int device, bool wide_batches)
     if (e == cudaSuccess) e = cudaMemsetAsync(err_, 0, sizeof(unsigned), stream_);
     if (e == cudaSuccess) e = cudaMallocHost(&err_host_, sizeof(unsigned));
     if (e == cudaSuccess) e = cudaMallocHost(&staging_, kStagingBytes);
+    void* dev = nullptr;
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&dev, staging_, 0);
+    staging_dev_ = static_cast<char*>(dev);
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&dev, err_host_, 0);
+    err_host_dev_ = static_cast<unsigned*>(dev);
     if (e != cudaSuccess) {
         if (staging_) cudaFreeHost(staging_);
         if (err_host_) cudaFreeHost(err_host_);
@@ -126,6 +132,7 @@ void CudaBackend::apply_plan(Graph& graph, const AllocationPlan& plan) {
         throw std::logic_error("apply_plan: the plan was made for a different graph");
     }
     check(cudaSetDevice(device_), "cudaSetDevice");
+    flush_pieces();  // queued writes land in the arena they were made for
     if (plan.arena_bytes > arena_size_) {  // grow-only; cudaFree waits for work in flight
         graphs_.clear();  // their addresses point into the old arena
         if (arena_) check(cudaFree(arena_), "apply_plan: cudaFree");
@@ -142,6 +149,7 @@ void CudaBackend::apply_plan(Graph& graph, const AllocationPlan& plan) {
 
 void CudaBackend::compute(Graph& graph) {
     check(cudaSetDevice(device_), "cudaSetDevice");
+    flush_pieces();  // the inputs' writes (outside any capture)
     tc_setting_ = cuda::matmul_tc_setting();
     reserve_split_scratch(graph);
     resolved_.assign(static_cast<size_t>(graph.size()), nullptr);
@@ -226,13 +234,17 @@ void CudaBackend::write(const Tensor& t, const void* src, size_t bytes, size_t o
     char* p = static_cast<char*>(t.data) + offset;
     char* d = device_address(p, bytes);
     if (!d) throw std::logic_error("cuda backend: write to tensor " + t.name + " whose memory is not on the device");
-    // Through the pinned staging the copy is queued at once; from pageable memory the call
-    // first stages the bytes itself. Either way the caller may reuse src when it returns, and
-    // the copy is ordered before the next compute on the stream.
+    // Through the pinned staging the copy is queued at once (a small one as a piece, run with the
+    // others before the next stream operation); from pageable memory the call first stages the
+    // bytes itself. Either way the caller may reuse src when it returns, and the copy is ordered
+    // before the next compute on the stream.
     if (char* staged = stage(bytes)) {
         std::memcpy(staged, src, bytes);
+        if (queues(bytes)) return queue_piece(staging_dev_ + (staged - staging_), d, bytes);
+        flush_pieces();
         check(cudaMemcpyAsync(d, staged, bytes, cudaMemcpyHostToDevice, stream_), "write: cudaMemcpyAsync");
     } else {
+        flush_pieces();
         check(cudaMemcpyAsync(d, src, bytes, cudaMemcpyHostToDevice, stream_), "write: cudaMemcpyAsync");
     }
 }
@@ -242,6 +254,7 @@ void CudaBackend::read(const Tensor& t, void* dst, size_t bytes, size_t offset) 
     check(cudaSetDevice(device_), "cudaSetDevice");
     char* p = static_cast<char*>(t.data) + offset;
     char* d = bytes ? device_address(p, bytes) : nullptr;
+    flush_pieces();
     if (d) check(cudaMemcpyAsync(dst, d, bytes, cudaMemcpyDeviceToHost, stream_), "read: cudaMemcpyAsync");
     // The error word comes back with the data: one synchronisation per read.
     check(cudaMemcpyAsync(err_host_, err_, sizeof(unsigned), cudaMemcpyDeviceToHost, stream_),
@@ -256,17 +269,19 @@ void CudaBackend::read_many(const std::vector<ReadRequest>& reads) {
     const size_t total = staging_bytes_for(reads);
     check(cudaSetDevice(device_), "cudaSetDevice");
     if (total > read_staging_bytes_) {
+        flush_pieces();
         check(cudaStreamSynchronize(stream_), "read: waiting before the staging grows");
         if (read_staging_) cudaFreeHost(read_staging_);
         read_staging_ = nullptr;
+        read_staging_dev_ = nullptr;
         read_staging_bytes_ = 0;
         check(cudaMallocHost(&read_staging_, total), "read: allocating pinned staging");
         read_staging_bytes_ = total;
+        read_staging_dev_ = mapped(read_staging_);
     }
     std::vector<const char*> host;
-    queue_reads(reads, read_staging_, host);
-    check(cudaMemcpyAsync(err_host_, err_, sizeof(unsigned), cudaMemcpyDeviceToHost, stream_),
-          "reading the error word");
+    queue_reads(reads, read_staging_, read_staging_dev_, host);
+    queue_error_word_read(err_host_dev_);
     check(cudaStreamSynchronize(stream_), "read: synchronising with the computation");
     staged_ = 0;  // every staged write has run
     raise_error_word(*err_host_);
@@ -278,8 +293,8 @@ CudaBackend::ReadTicket CudaBackend::read_many_async(const std::vector<ReadReque
     check(cudaSetDevice(device_), "cudaSetDevice");
     AsyncRead slot = take_read_slot(total);
     slot.reads = reads;
-    queue_reads(reads, slot.staging, slot.host);
-    check(cudaMemcpyAsync(slot.err, err_, sizeof(unsigned), cudaMemcpyDeviceToHost, stream_), "reading the error word");
+    queue_reads(reads, slot.staging, slot.staging_dev, slot.host);
+    queue_error_word_read(slot.err_dev);
     check(cudaEventRecord(slot.done, stream_), "read: cudaEventRecord");
     slot.ticket = ++read_tickets_;
     in_flight_reads_.push_back(std::move(slot));
@@ -295,14 +310,18 @@ size_t CudaBackend::staging_bytes_for(const std::vector<ReadRequest>& reads) {
     return total;
 }
 
-void CudaBackend::queue_reads(const std::vector<ReadRequest>& reads, char* staging, std::vector<const char*>& host) {
+void CudaBackend::queue_reads(const std::vector<ReadRequest>& reads, char* staging, char* staging_dev,
+                              std::vector<const char*>& host) {
     host.assign(reads.size(), nullptr);
     size_t at = 0;
     for (size_t i = 0; i < reads.size(); ++i) {
         const ReadRequest& r = reads[i];
         char* p = static_cast<char*>(r.t->data) + r.offset;
         char* d = r.bytes ? device_address(p, r.bytes) : nullptr;
-        if (d) {
+        if (d && queues(r.bytes)) {
+            queue_piece(d, staging_dev + at, r.bytes);
+        } else if (d) {
+            flush_pieces();
             check(cudaMemcpyAsync(staging + at, d, r.bytes, cudaMemcpyDeviceToHost, stream_), "read: cudaMemcpyAsync");
         } else {
             host[i] = p;
@@ -348,6 +367,8 @@ void CudaBackend::copy(const Tensor& dst, const Tensor& src, size_t bytes) {
     if (!d || !s) throw std::logic_error("cuda backend: copy between tensors not on the device");
     if (d == s) return;
     if (d < s + bytes && s < d + bytes) throw std::logic_error("cuda backend: copy between overlapping tensors");
+    if (queues(bytes)) return queue_piece(s, d, bytes);
+    flush_pieces();
     check(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice, stream_), "copy: cudaMemcpyAsync");
 }
 
@@ -654,6 +675,7 @@ char* CudaBackend::stage(size_t bytes) {
     constexpr size_t kAlign = 256;
     if (bytes > kStagingBytes) return nullptr;
     if (staged_ + bytes > kStagingBytes) {
+        flush_pieces();  // (queued pieces read the staging)
         check(cudaStreamSynchronize(stream_), "write: waiting for staged copies");
         staged_ = 0;
     }
@@ -675,15 +697,18 @@ CudaBackend::AsyncRead CudaBackend::take_read_slot(size_t bytes) {
             check(cudaMallocHost(&e, sizeof(unsigned)), "read: allocating the pinned error word");
             slot.err = static_cast<unsigned*>(e);
             *slot.err = 0;
+            slot.err_dev = reinterpret_cast<unsigned*>(mapped(slot.err));
         }
         if (slot.staging_bytes < bytes) {
             if (slot.staging) cudaFreeHost(slot.staging);
             slot.staging = nullptr;
+            slot.staging_dev = nullptr;
             slot.staging_bytes = 0;
             void* p = nullptr;
             check(cudaMallocHost(&p, bytes), "read: allocating pinned staging");
             slot.staging = static_cast<char*>(p);
             slot.staging_bytes = bytes;
+            slot.staging_dev = mapped(slot.staging);
         }
     } catch (...) {
         free_read_slots_.push_back(slot);

@@ -1,11 +1,12 @@
 // The CUDA backend's class (cuda/cuda_backend.h makes it): its state, and its members, defined in
-// two files along the backend's seam:
+// three files along the backend's seam:
 // - cuda/cuda_backend.cu: the backend itself: device memory, host <-> device copies, CUDA graphs
 //   (capture, replay, their cache) and the loop that runs a graph's nodes in order (run_ops);
+// - cuda/backend_copies.cu: the small copies queued and run as one launch (queue_piece);
 // - cuda/backend_dispatch.cu: what each node launches (run_node), and the fusions that launch
 //   several nodes at once (MUL_MAT groups with their norm prologue and residual / SwiGLU
 //   epilogues, pairs of row-wise ops, the decode row's RoPE + K/V store + attention).
-// Only those two files include this header.
+// Only those files include this header.
 #pragma once
 
 #include <cstdint>
@@ -66,9 +67,10 @@ public:
     static size_t staged_size(size_t bytes) { return (bytes + kReadAlign - 1) / kReadAlign * kReadAlign; }
     static size_t staging_bytes_for(const std::vector<ReadRequest>& reads);
 
-    // Queues each read's copy into staging; a host external never uploaded stays where it is
-    // (host[i], read in place at delivery).
-    void queue_reads(const std::vector<ReadRequest>& reads, char* staging, std::vector<const char*>& host);
+    // Queues each read's copy into staging (staging_dev: its mapped address, for queue_piece); a
+    // host external never uploaded stays where it is (host[i], read in place at delivery).
+    void queue_reads(const std::vector<ReadRequest>& reads, char* staging, char* staging_dev,
+                     std::vector<const char*>& host);
 
     // Out of staging (or the host external) to each read's destination, once its copies are done.
     static void deliver_reads(const std::vector<ReadRequest>& reads, const char* staging,
@@ -268,8 +270,29 @@ private:
 
     // Room for `bytes` of input in the pinned staging buffer, or nullptr (too large for it: the
     // caller copies from pageable memory). The room is free again after the next
-    // synchronisation: when full, this one waits for the queued copies and starts over.
+    // synchronisation: when full, this one runs the queued pieces, waits for the queued copies and
+    // starts over.
     char* stage(size_t bytes);
+
+    // --- small copies as one launch (cuda/backend_copies.cu) ----------------------------------
+    // Between two decode steps' graphs the stream ran each input write, the fed tokens' copy and
+    // each output read as its own cudaMemcpyAsync, one after the other. Copies of up to
+    // kPieceMaxBytes are queued instead and run together by one launch (cuda::launch_copy_pieces)
+    // before the next stream operation: every member that queues work on the stream runs
+    // flush_pieces() first, so the stream's order is the order of the calls.
+    static constexpr size_t kPieceMaxBytes = size_t{64} << 10;
+    // Whether a copy of `bytes` is queued (PYSPEC_CUDA_BATCH_COPIES=0 queues none, for A/B).
+    bool queues(size_t bytes) const { return batch_copies_ && bytes <= kPieceMaxBytes; }
+    // Queues a copy from src to dst (addresses the device can use; pinned host memory's mapped
+    // address); runs the queue first where it is full or a queued piece's bytes overlap this one's.
+    void queue_piece(const char* src, char* dst, size_t bytes);
+    // Runs the queued pieces: one cudaMemcpyAsync for one, one launch for more.
+    void flush_pieces();
+    // Queues the error word's copy into dst (a pinned word's mapped address) behind a read's
+    // pieces, and runs them all.
+    void queue_error_word_read(unsigned* dst);
+    // The address the device uses for pinned host memory from cudaMallocHost.
+    static char* mapped(void* host);
 
     // --- ops ---------------------------------------------------------------------------------
 
@@ -290,16 +313,23 @@ private:
     unsigned* err_host_ = nullptr;                                 // pinned: where reads bring the word back
     static constexpr size_t kStagingBytes = size_t{4} << 20;      // pinned input staging (stage())
     char* staging_ = nullptr;
+    char* staging_dev_ = nullptr;                                  // mapped(staging_)
     size_t staged_ = 0;                                            // bytes of staging_ in use
     char* read_staging_ = nullptr;                                 // pinned: where read_many lands
+    char* read_staging_dev_ = nullptr;                             // mapped(read_staging_)
+    unsigned* err_host_dev_ = nullptr;                             // mapped(err_host_)
+    bool batch_copies_ = true;                                     // PYSPEC_CUDA_BATCH_COPIES, read when made
+    cuda::CopyPieces pending_;                                     // the queued pieces (queue_piece)
     // read_many_async's slots: pinned staging, the error word and an event each (a decode step
     // launched ahead of the one being waited for holds a second one).
     struct AsyncRead {
         uint64_t ticket = 0;
         cudaEvent_t done = nullptr;
         char* staging = nullptr;
+        char* staging_dev = nullptr;  // mapped(staging)
         size_t staging_bytes = 0;
         unsigned* err = nullptr;
+        unsigned* err_dev = nullptr;  // mapped(err)
         std::vector<ReadRequest> reads;
         std::vector<const char*> host;
     };

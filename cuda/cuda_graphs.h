@@ -54,6 +54,9 @@ struct CudaGraphStats {
     // Of those, the launches on one block of 16 warps a SM instead of two of 8 (kRowPipedOneBlock;
     // PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0 turns it off).
     uint64_t one_block_row_launches = 0;
+    // Launches that ran several of the backend's small copies at once (a step's input writes, its
+    // fed tokens, its outputs' reads; cuda/backend_copies.cu; PYSPEC_CUDA_BATCH_COPIES=0 turns it off).
+    uint64_t batched_copy_launches = 0;
     // With PYSPEC_CUDA_STEP_TIMES=1 in the environment when a CUDA backend is made: replays timed
     // by events around their graph launch, and their GPU time in all (nanoseconds), so a bench
     // can split a step's wall time into the GPU's and the host's (plus the gaps between them).

@@ -11,6 +11,19 @@ namespace pyspec {
 namespace cuda {
 
 void launch_cpy(const TDesc& dst, const TDesc& src, cudaStream_t s);
+
+// Up to kMaxCopyPieces small copies as one launch (block i copies piece i): each address is one
+// the device can use (device memory, or pinned host memory's mapped address), and no piece's
+// destination overlaps another piece's source or destination. Launched without PDL: the launch
+// waits for everything queued before it on the stream, and what is queued after waits for it.
+constexpr int kMaxCopyPieces = 16;
+struct CopyPieces {
+    const char* src[kMaxCopyPieces];
+    char* dst[kMaxCopyPieces];
+    uint32_t bytes[kMaxCopyPieces];
+    int n = 0;
+};
+void launch_copy_pieces(const CopyPieces& pieces, cudaStream_t s);
 void launch_get_rows(const TDesc& dst, const TDesc& table, const int32_t* ids, unsigned* err, cudaStream_t s);
 
 // Row-wise ops that take a list of jobs: one node, or a pair of independent nodes of the same op

@@ -87,7 +87,8 @@ def test_switch_and_counters():
     keys = {"captures", "replays", "eager", "capture_failures", "evictions", "live", "early_weight_launches",
             "rope_attention_launches", "early_copy_attention_launches", "stored_angles_attention_launches",
             "row_tma_launches", "norm_prologue_launches", "early_norm_launches", "deep_row_launches",
-            "piped_row_launches", "one_block_row_launches", "timed_replays", "replay_gpu_ns"}
+            "piped_row_launches", "one_block_row_launches", "batched_copy_launches", "timed_replays",
+            "replay_gpu_ns"}
     assert set(stats()) == keys
     with graphs(False):
         assert _core.cuda_graphs_enabled() is False
@@ -428,6 +429,8 @@ def test_decoding_ahead_feeds_the_same_tokens_on_the_device(pairs):
     assert n0 == 0 and n_ahead >= 8
     if ON_GPU:
         assert d["capture_failures"] == 0 and d["replays"] >= 10, d
+        # each step's inputs and fed tokens went as one launch, its outputs' reads as another
+        assert d["batched_copy_launches"] >= 2 * n_ahead, d
 
 
 def _sampled_engine_run(pairs, ahead):

@@ -72,6 +72,58 @@ def test_run_graph_backend_argument():
 
 
 # --------------------------------------------------------------------------------------------
+# Host <-> device copies
+# --------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("batched", ["1", "0"], ids=["batched", "apart"])
+def test_many_small_inputs_and_outputs_arrive_whole(batched, monkeypatch):
+    """21 inputs (more than the 16 pieces one launch of queued copies takes) of 1 to 24,577 values
+    (one past the 64 KiB a queued piece may hold; 2-byte values in odd counts, so 16-, 4- and 1-byte
+    copies), each into an output of its own, all fetched: every output is its input's values, with
+    the small writes and reads queued and run as launches (PYSPEC_CUDA_BATCH_COPIES, on by default;
+    counted) or each its own cudaMemcpyAsync."""
+    monkeypatch.setenv("PYSPEC_CUDA_BATCH_COPIES", batched)
+    sizes = [1, 2, 3, 5, 7, 8, 16, 31, 64, 100, 257, 1000, 4096, 16384, 24577, 3, 3, 5, 3, 9, 2]
+
+    def build():
+        g = core.Graph()
+        feeds, outs, want = {}, [], []
+        for i, n in enumerate(sizes):
+            x = ((np.arange(n) * 7 + i) % 251 - 125).astype(np.float32)  # exact as F16 too
+            if i % 3 == 0:  # F32 in, doubled
+                t = g.input("F32", [n], f"x{i}")
+                feeds[t] = x
+                outs.append(cpu.node(g, "SCALE", "F32", [n], [t], fparams=[2.0]))
+                want.append(2 * x)
+            elif i % 3 == 1:  # F16 in (2 n bytes), F32 out
+                t = g.input("F16", [n], f"x{i}")
+                feeds[t] = x.astype(np.float16)
+                outs.append(cpu.node(g, "CPY", "F32", [n], [t]))
+                want.append(x)
+            else:  # F32 in, F16 out (2 n bytes read back)
+                t = g.input("F32", [n], f"x{i}")
+                feeds[t] = x
+                outs.append(cpu.node(g, "CPY", "F16", [n], [t]))
+                want.append(x)
+        build.want = want
+        return g, feeds, outs
+
+    if DEVICE == "cuda":
+        core.reset_cuda_graph_stats()
+    got = run_on(DEVICE, build)
+    for i, (a, w) in enumerate(zip(got, build.want)):
+        a = np.asarray(a).reshape(-1)
+        if i % 3 == 2:  # F16 comes back as its bytes
+            a = a.view(np.uint8).view(np.float16)
+        np.testing.assert_array_equal(a.astype(np.float32), w, err_msg=f"output {i}")
+    if DEVICE == "cuda":
+        launches = core.cuda_graph_stats()["batched_copy_launches"]
+        assert (launches >= 2) if batched == "1" else launches == 0, launches
+
+
+# --------------------------------------------------------------------------------------------
 # GET_ROWS, CPY, SET_ROWS
 # --------------------------------------------------------------------------------------------
 
