@@ -37,20 +37,25 @@ void CudaBackend::queue_piece(const char* src, char* dst, size_t bytes) {
 }
 
 void CudaBackend::flush_pieces() {
-    if (pending_.n == 0) return;
-    cuda::CopyPieces p = pending_;
-    pending_.n = 0;  // (whatever happens below, the queue is spent)
-    if (p.n == 1) {
-        check(cudaMemcpyAsync(p.dst[0], p.src[0], p.bytes[0], cudaMemcpyDefault, stream_), "copy: cudaMemcpyAsync");
-        return;
+    if (pending_.n > 0) {
+        cuda::CopyPieces p = pending_;
+        pending_.n = 0;  // (whatever happens below, the queue is spent)
+        if (p.n == 1) {
+            check(cudaMemcpyAsync(p.dst[0], p.src[0], p.bytes[0], cudaMemcpyDefault, stream_), "copy: cudaMemcpyAsync");
+        } else {
+            cuda::launch_copy_pieces(p, stream_);
+            cuda::count_graph_event(cuda::GraphEvent::BatchedCopyLaunch);
+        }
     }
-    cuda::launch_copy_pieces(p, stream_);
-    cuda::count_graph_event(cuda::GraphEvent::BatchedCopyLaunch);
+    for (AsyncRead& a : in_flight_reads_) {  // (a read's pieces are all queued before it is listed)
+        if (a.recorded) continue;
+        check(cudaEventRecord(a.done, stream_), "read: cudaEventRecord");
+        a.recorded = true;
+    }
 }
 
 void CudaBackend::queue_error_word_read(unsigned* dst) {
     queue_piece(reinterpret_cast<const char*>(err_), reinterpret_cast<char*>(dst), sizeof(unsigned));
-    flush_pieces();
 }
 
 }  // namespace cuda_backend

@@ -282,6 +282,7 @@ void CudaBackend::read_many(const std::vector<ReadRequest>& reads) {
     std::vector<const char*> host;
     queue_reads(reads, read_staging_, read_staging_dev_, host);
     queue_error_word_read(err_host_dev_);
+    flush_pieces();
     check(cudaStreamSynchronize(stream_), "read: synchronising with the computation");
     staged_ = 0;  // every staged write has run
     raise_error_word(*err_host_);
@@ -295,9 +296,12 @@ CudaBackend::ReadTicket CudaBackend::read_many_async(const std::vector<ReadReque
     slot.reads = reads;
     queue_reads(reads, slot.staging, slot.staging_dev, slot.host);
     queue_error_word_read(slot.err_dev);
-    check(cudaEventRecord(slot.done, stream_), "read: cudaEventRecord");
+    // Its event is recorded by the flush that runs these pieces: where the next step is queued
+    // now (decoding ahead), that is the launch of its inputs, so one launch between two graphs.
+    slot.recorded = false;
     slot.ticket = ++read_tickets_;
     in_flight_reads_.push_back(std::move(slot));
+    if (!batch_copies_) flush_pieces();  // (A/B: each copy and the event as before)
     return in_flight_reads_.back().ticket;
 }
 
@@ -344,6 +348,7 @@ void CudaBackend::finish_reads(ReadTicket ticket) {
     auto it = std::find_if(in_flight_reads_.begin(), in_flight_reads_.end(),
                            [ticket](const AsyncRead& a) { return a.ticket == ticket; });
     if (it == in_flight_reads_.end()) throw std::logic_error("cuda backend: finish_reads of an unknown ticket");
+    if (!it->recorded) flush_pieces();  // its pieces and event (nothing queued after them yet)
     AsyncRead slot = std::move(*it);
     in_flight_reads_.erase(it);
     const cudaError_t e = cudaEventSynchronize(slot.done);
@@ -663,6 +668,7 @@ TDesc CudaBackend::desc(const Graph& g, int id) {
 void CudaBackend::raise_error_word(unsigned bits) {
     if (!bits) return;
     *err_host_ = 0;
+    flush_pieces();  // a queued read of the word (a later step's) sees the bits before they are cleared
     check(cudaMemsetAsync(err_, 0, sizeof(unsigned), stream_), "clearing the error word");
     std::string why;
     if (bits & cuda::kErrGetRowsId) why += " get_rows: row id out of range;";

@@ -286,10 +286,10 @@ private:
     // Queues a copy from src to dst (addresses the device can use; pinned host memory's mapped
     // address); runs the queue first where it is full or a queued piece's bytes overlap this one's.
     void queue_piece(const char* src, char* dst, size_t bytes);
-    // Runs the queued pieces: one cudaMemcpyAsync for one, one launch for more.
+    // Runs the queued pieces (one cudaMemcpyAsync for one, one launch for more), then records the
+    // events of the asynchronous reads queued before (AsyncRead::recorded).
     void flush_pieces();
-    // Queues the error word's copy into dst (a pinned word's mapped address) behind a read's
-    // pieces, and runs them all.
+    // Queues the error word's copy into dst (a pinned word's mapped address) behind a read's pieces.
     void queue_error_word_read(unsigned* dst);
     // The address the device uses for pinned host memory from cudaMallocHost.
     static char* mapped(void* host);
@@ -330,6 +330,7 @@ private:
         size_t staging_bytes = 0;
         unsigned* err = nullptr;
         unsigned* err_dev = nullptr;  // mapped(err)
+        bool recorded = false;        // done is recorded (after its pieces ran: flush_pieces)
         std::vector<ReadRequest> reads;
         std::vector<const char*> host;
     };

@@ -429,8 +429,8 @@ def test_decoding_ahead_feeds_the_same_tokens_on_the_device(pairs):
     assert n0 == 0 and n_ahead >= 8
     if ON_GPU:
         assert d["capture_failures"] == 0 and d["replays"] >= 10, d
-        # each step's inputs and fed tokens went as one launch, its outputs' reads as another
-        assert d["batched_copy_launches"] >= 2 * n_ahead, d
+        # each step's inputs and fed tokens went as one launch, with the step before's reads
+        assert d["batched_copy_launches"] >= n_ahead, d
 
 
 def _sampled_engine_run(pairs, ahead):
