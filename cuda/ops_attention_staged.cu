@@ -327,7 +327,9 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     // prefetch is a hint that changes no value. base holds host-written positions.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     PHASE_STAMP(0, 0);  // the diagnostic build's timeline (cuda/phase_stamps.cuh): 0 the block's start
-    if (prefetch) {
+    // Not where the first page's copies go out before the wait themselves (kRope's early_copies):
+    // there the prefetch's round trip for base, ahead of every other read, only delayed them.
+    if (prefetch && !(kRope && rope.early_copies)) {
         const FirstChunk f = first_chunk(base, mask, warp);
         const int64_t cell = f.ch * kChunk + lane;
         if (f.in_span && cell < kc.ne[1]) {
@@ -446,24 +448,55 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     uint16_t* s_stage = s_new + (kRope ? 2 * hd : 0) + static_cast<size_t>(warp) * S * kChunk * (ks + hd);
     const int64_t col_bytes = static_cast<int64_t>(kvh) * hd * 2;  // the kv head's columns of a cache row
     const int units = hd / 8;                                       // 16-byte units per row
+    // A chunk's copies: unit u = lane + 32 k of its kChunk x units, row-major, is row u / units,
+    // column u % units. Where units divides 32 (head dims 32, 64, 128, 256) a lane keeps one column
+    // and steps over rows, so its loop only adds; the division by the runtime units in every
+    // iteration (~90 instructions of sm_90a SASS each, 16 iterations a warp for Qwen3's heads) took
+    // most of the ~3.7 us between a block's start and its PDL wait (H200 globaltimer stamps). Other
+    // head dims keep that loop. Each lane copies the same units either way.
+    const bool lane_column_fixed = 32 % units == 0;
+    const int row0 = lane_column_fixed ? lane / units : 0, col0 = lane_column_fixed ? lane % units : 0;
+    const int row_step = lane_column_fixed ? 32 / units : 0;
 
-    // This warp's chunk of page gg, staged into stage st when the row has it: every lane copies
-    // units of its rows (rows past the cache's end are zero-filled and never used; rows whose bit
-    // in live is 0, masked, are not copied); one group is committed either way, so the wait counts
-    // stay uniform.
+    // This warp's chunk of page gg, staged into stage st when the row has it. Only the rows whose
+    // bit in live is set (the others are masked), that lie inside the cache and are not the new
+    // cell (staged from s_new after the wait) are copied; the others' slots keep whatever they
+    // held, as nothing reads them: a lane scores only an unmasked cell of the row's span, and a
+    // V row of weight 0 is dropped by a select. One group is committed either way, so the wait
+    // counts stay uniform.
     auto stage_page = [&](int64_t gg, int st, uint32_t live) {
         const int64_t ch = gg * kWarps + warp;
         if (gg <= g_end && ch >= c_first && ch <= c_last) {
             uint16_t* sk = s_stage + static_cast<size_t>(st) * kChunk * (ks + hd);
             uint16_t* sv = sk + kChunk * ks;
-            for (int u = lane; u < kChunk * units; u += 32) {
-                const int i = u / units, col = u % units;
-                const int64_t cell = ch * kChunk + i;
-                if (!((live >> i) & 1u)) continue;
-                const bool ok = cell < n_cells && cell != new_cell;  // the new cell: from s_new
-                const int64_t c = ok ? cell : 0;
-                if (!kRegK) cp_async<16>(sk + i * ks + col * 8, kc.data + c * kc.nb[1] + col_bytes + col * 16, ok);
-                cp_async<16>(sv + i * hd + col * 8, vc.data + c * vc.nb[1] + col_bytes + col * 16, ok);
+            const int64_t cell0 = ch * kChunk;
+            uint32_t rows = live;
+            if (n_cells - cell0 < kChunk) rows &= n_cells <= cell0 ? 0u : (1u << (n_cells - cell0)) - 1u;
+            if (new_cell >= cell0 && new_cell < cell0 + kChunk) rows &= ~(1u << (new_cell - cell0));
+            if (lane_column_fixed) {
+                const char* kp = kc.data + (cell0 + row0) * kc.nb[1] + col_bytes + col0 * 16;
+                const char* vp = vc.data + (cell0 + row0) * vc.nb[1] + col_bytes + col0 * 16;
+                const int64_t k_step = row_step * kc.nb[1], v_step = row_step * vc.nb[1];
+                uint16_t* skp = sk + row0 * ks + col0 * 8;
+                uint16_t* svp = sv + row0 * hd + col0 * 8;
+                for (int i = row0; i < kChunk; i += row_step) {
+                    if ((rows >> i) & 1u) {
+                        if (!kRegK) cp_async<16>(skp, kp, true);
+                        cp_async<16>(svp, vp, true);
+                    }
+                    kp += k_step;
+                    vp += v_step;
+                    skp += row_step * ks;
+                    svp += row_step * hd;
+                }
+            } else {
+                for (int u = lane; u < kChunk * units; u += 32) {
+                    const int i = u / units, col = u % units;
+                    if (!((rows >> i) & 1u)) continue;
+                    const int64_t cell = cell0 + i;
+                    if (!kRegK) cp_async<16>(sk + i * ks + col * 8, kc.data + cell * kc.nb[1] + col_bytes + col * 16, true);
+                    cp_async<16>(sv + i * hd + col * 8, vc.data + cell * vc.nb[1] + col_bytes + col * 16, true);
+                }
             }
         }
         cp_async_commit();

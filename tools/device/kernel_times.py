@@ -117,6 +117,10 @@ def main(argv=None) -> int:
                          "reasons, occupancy, launch) of the first --detail-count launches whose kernel "
                          "name matches REGEX, e.g. 'k_mul_mat_tc_narrow_f'")
     ap.add_argument("--detail-count", type=int, default=2)
+    ap.add_argument("--source", metavar="REPORT", default=None,
+                    help="with --detail: also sample the warps' program counters (the smallest interval) into "
+                         "REPORT.ncu-rep and print each SASS instruction of the kernel with its samples by stall "
+                         "reason (ncu's source page), for where inside a launch the time goes")
     ap.add_argument("--launches", type=int, default=0, metavar="N",
                     help="also list the step's first N launches in order, each with its grid size and time "
                          "(which call of a kernel is slow: the q/k/v, o, gate/up or down of a layer)")
@@ -136,10 +140,18 @@ def main(argv=None) -> int:
         for section in ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "Occupancy",
                         "LaunchStats", "SchedulerStats"):
             cmd += ["--section", section]
+        if args.source:
+            cmd += ["--section", "SourceCounters", "--warp-sampling-interval", "0", "--import-source", "no",
+                    "-f", "-o", args.source]
         res = subprocess.run(cmd + step, env=dict(os.environ, **{INNER: "1"}), capture_output=True, text=True)
         print(res.stdout[-60000:])
         if res.returncode != 0:
             print(res.stderr[-3000:], file=sys.stderr)
+            return res.returncode
+        if args.source:   # the report's sections, then its per-instruction page
+            for page in (["--page", "details"], ["--page", "source", "--csv", "--print-source", "sass"]):
+                out = subprocess.run(["ncu", "-i", args.source + ".ncu-rep"] + page, capture_output=True, text=True)
+                print(out.stdout[-400000:], out.stderr[-2000:], sep="\n")
         return res.returncode
     cmd = ["ncu", "--clock-control", "none", "--cache-control", "all" if args.flush_caches else "none",
            "--profile-from-start", "off", "--metrics",
