@@ -169,14 +169,14 @@ struct RopeRows {
     uint16_t *ck, *cv;          // the new cell's cache rows (null unless this block writes them)
     bool cell_ok, q_writer, kv_writer;
 };
-// group: query heads a kv head; kvh: this block's kv head (blockIdx.x / group).
 __device__ __forceinline__ RopeRows rope_rows(const DecodeRope& rope, const TDesc& q, const TDesc& kc,
-                                              const TDesc& vc, int group, int kvh, int64_t cell) {
+                                              const TDesc& vc, int n_kv_head, int64_t cell) {
     const int hd = static_cast<int>(q.ne[0]), h = blockIdx.x;
+    const int group = static_cast<int>(q.ne[1]) / n_kv_head, kvh = h / group;
     RopeRows w;
     w.cell_ok = cell >= 0 && cell < kc.ne[1];
     w.q_writer = blockIdx.z == 0;
-    w.kv_writer = w.q_writer && h == kvh * group;  // (h % group == 0, without a division)
+    w.kv_writer = w.q_writer && h % group == 0;
     w.xq = reinterpret_cast<const float*>(rope.q_src.data + h * rope.q_src.nb[1]);
     w.yq = reinterpret_cast<float*>(rope.q_dst.data + h * rope.q_dst.nb[1]);
     w.xk = reinterpret_cast<const float*>(rope.k_src.data + kvh * rope.k_src.nb[1]);
@@ -327,15 +327,13 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     // prefetch is a hint that changes no value. base holds host-written positions.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     PHASE_STAMP(0, 0);  // the diagnostic build's timeline (cuda/phase_stamps.cuh): 0 the block's start
-    // The block's kv head, worked out once (integer divisions by runtime values are ~25
-    // instructions each, on the path to the wait).
-    const int group = static_cast<int>(q.ne[1]) / n_kv_head, kvh = static_cast<int>(blockIdx.x) / group;
     // Not where the first page's copies go out before the wait themselves (kRope's early_copies):
     // there the prefetch's round trip for base, ahead of every other read, only delayed them.
     if (prefetch && !(kRope && rope.early_copies)) {
         const FirstChunk f = first_chunk(base, mask, warp);
         const int64_t cell = f.ch * kChunk + lane;
         if (f.in_span && cell < kc.ne[1]) {
+            const int kvh = static_cast<int>(blockIdx.x) / (static_cast<int>(q.ne[1]) / n_kv_head);
             const int64_t col_bytes = static_cast<int64_t>(kvh) * q.ne[0] * 2;
             asm volatile("prefetch.global.L2 [%0];" ::"l"(kc.data + cell * kc.nb[1] + col_bytes));
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vc.data + cell * vc.nb[1] + col_bytes));
@@ -395,7 +393,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
             if (in_span) mj_first = s_mwin[j - w0];
             live_first = __ballot_sync(0xffffffffu, mj_first != -INFINITY);
         }
-        rows = rope_rows(rope, q, kc, vc, group, kvh, new_cell);
+        rows = rope_rows(rope, q, kc, vc, n_kv_head, new_cell);
     }
     // kRope with rope.early_copies: the first page's copies go out before the wait too (below).
     const bool copy_early = kRope && rope.early_copies;
@@ -418,6 +416,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const int h = blockIdx.x;
     const int64_t r = blockIdx.y;
     const bool split = gridDim.z > 1;
+    const int kvh = h / (static_cast<int>(q.ne[1]) / n_kv_head);
     const int64_t span = mask.ne[0];
     const int64_t n_cells = kc.ne[1];
     const int64_t b0 = base[r];
@@ -455,11 +454,9 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     // iteration (~90 instructions of sm_90a SASS each, 16 iterations a warp for Qwen3's heads) took
     // most of the ~3.7 us between a block's start and its PDL wait (H200 globaltimer stamps). Other
     // head dims keep that loop. Each lane copies the same units either way.
-    // (units is then a power of two: shifts, not divisions.)
     const bool lane_column_fixed = 32 % units == 0;
-    const int units_log2 = __ffs(units) - 1;
-    const int row0 = lane_column_fixed ? lane >> units_log2 : 0, col0 = lane_column_fixed ? lane & (units - 1) : 0;
-    const int row_step = lane_column_fixed ? 32 >> units_log2 : 0;
+    const int row0 = lane_column_fixed ? lane / units : 0, col0 = lane_column_fixed ? lane % units : 0;
+    const int row_step = lane_column_fixed ? 32 / units : 0;
 
     // This warp's chunk of page gg, staged into stage st when the row has it. Only the rows whose
     // bit in live is set (the others are masked), that lie inside the cache and are not the new
