@@ -327,9 +327,11 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     // prefetch is a hint that changes no value. base holds host-written positions.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     PHASE_STAMP(0, 0);  // the diagnostic build's timeline (cuda/phase_stamps.cuh): 0 the block's start
-    // Not where the first page's copies go out before the wait themselves (kRope's early_copies):
-    // there the prefetch's round trip for base, ahead of every other read, only delayed them.
-    if (prefetch && !(kRope && rope.early_copies)) {
+    // Not where the first page's copies of K and V go out before the wait themselves (kRope's
+    // early_copies, K staged): there the prefetch's round trip for base, ahead of every other
+    // read, only delayed them (H200 tg128, Qwen3-4B: part of 409 -> 415 t/s). With K in
+    // registers (kRegK, read after the wait) the prefetch still brings its first rows.
+    if (prefetch && !(kRope && rope.early_copies && !kRegK)) {
         const FirstChunk f = first_chunk(base, mask, warp);
         const int64_t cell = f.ch * kChunk + lane;
         if (f.in_span && cell < kc.ne[1]) {
