@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kWarps * 32, kRegK ? 2 : 1)
     const int64_t col_bytes = static_cast<int64_t>(kvh) * hd * 2;  // the kv head's columns of a cache row
     const int units = hd / 8;                                       // 16-byte units per row
     // A chunk's copies: unit u = lane + 32 k of its kChunk x units, row-major, is row u / units,
-    // column u % units. Where units divides 32 (head dims 32, 64, 128, 256) a lane keeps one column
+    // column u % units. Where units divides 32 (head dims 8 to 256, powers of two) a lane keeps one column
     // and steps over rows, so its loop only adds; the division by the runtime units in every
     // iteration (~90 instructions of sm_90a SASS each, 16 iterations a warp for Qwen3's heads) took
     // most of the ~3.7 us between a block's start and its PDL wait (H200 globaltimer stamps). Other

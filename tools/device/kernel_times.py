@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         if args.source:   # the report's sections, then its per-instruction page
             for page in (["--page", "details"], ["--page", "source", "--csv", "--print-source", "sass"]):
                 out = subprocess.run(["ncu", "-i", args.source + ".ncu-rep"] + page, capture_output=True, text=True)
-                print(out.stdout[-400000:], out.stderr[-2000:], sep="\n")
+                print(out.stdout, out.stderr[-2000:], sep="\n")  # whole: the CSV page starts with its header
         return res.returncode
     cmd = ["ncu", "--clock-control", "none", "--cache-control", "all" if args.flush_caches else "none",
            "--profile-from-start", "off", "--metrics",
