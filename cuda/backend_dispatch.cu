@@ -62,6 +62,18 @@ int CudaBackend::norm_prologue_target(const Graph& g, int id) {
     return mm;
 }
 
+int CudaBackend::attention_room(const Graph& g, int last) {
+    for (int j = next_computed(g, last); j < g.size(); j = next_computed(g, j)) {
+        const Tensor& t = g[j];
+        if (t.op == Op::ATTENTION) {
+            const Tensor& q = g[t.src[0]];  // [hd, n_head, rows]
+            return q.ne[2] == 1 ? static_cast<int>(q.ne[1]) : 0;
+        }
+        if (t.op != Op::RMS_NORM && t.op != Op::ROPE && t.op != Op::SET_ROWS) return 0;
+    }
+    return 0;
+}
+
 int CudaBackend::run_mul_mat_group(const Graph& g, int id, int norm) {
     const Tensor& t0 = g[id];
     const Tensor& w0 = g[t0.src[0]];
@@ -101,7 +113,7 @@ int CudaBackend::run_mul_mat_group(const Graph& g, int id, int norm) {
         }
     }
     cuda::launch_matmul_group(w0.dtype, parts.data(), static_cast<int>(parts.size()), w0.ne[0], xp, xs, x.ne[1],
-                              t0.iparams[0], tc_rows(w0), scratch_, stream_, pn);
+                              t0.iparams[0], tc_rows(w0), scratch_, stream_, pn, attention_room(g, last));
     return last;
 }
 

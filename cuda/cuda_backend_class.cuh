@@ -151,6 +151,12 @@ private:
     // are fused) overlaps the input, and the kernel path has a norm prologue for this batch.
     int norm_prologue_target(const Graph& g, int id);
 
+    // The blocks of the decode attention that the MUL_MAT group ending at `last` feeds (its q
+    // heads: the walking launch's grid, and the first wave of a split one), when the nodes after
+    // the group up to a one-row ATTENTION are only its row-wise ops (q/k norms, RoPE, K/V store);
+    // else 0. The group's launch leaves that many SMs free for them (cuda::kRowRoom).
+    static int attention_room(const Graph& g, int last);
+
     // The MUL_MAT group at id (group_parts) in one launch, with the residual ADD or the SwiGLU
     // after it as the epilogue where they fit, and with the RMS_NORM `norm` (norm_prologue_target
     // said yes) as its prologue when norm >= 0. Returns the last node run.

@@ -54,6 +54,9 @@ struct CudaGraphStats {
     // Of those, the launches on one block of 16 warps a SM instead of two of 8 (kRowPipedOneBlock;
     // PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0 turns it off).
     uint64_t one_block_row_launches = 0;
+    // Row-streaming launches that left SMs free for the decode attention after them (kRowRoom;
+    // PYSPEC_CUDA_ROW_ROOM=0 turns it off).
+    uint64_t room_row_launches = 0;
     // Launches that ran several of the backend's small copies at once (a step's input writes, its
     // fed tokens, its outputs' reads; cuda/backend_copies.cu; PYSPEC_CUDA_BATCH_COPIES=0 turns it off).
     uint64_t batched_copy_launches = 0;

@@ -19,7 +19,7 @@ namespace {
 std::atomic<int> g_mode{-1};  // -1: not decided yet (read the environment), 0 off, 1 on
 std::atomic<uint64_t> g_captures{0}, g_replays{0}, g_eager{0}, g_failures{0}, g_evictions{0}, g_live{0}, g_early{0},
     g_rope_attention{0}, g_early_copy_attention{0}, g_stored_angles_attention{0}, g_row_tma{0}, g_norm_prologue{0},
-    g_early_norm{0}, g_deep_rows{0}, g_piped_rows{0}, g_one_block_rows{0}, g_batched_copies{0}, g_timed_replays{0}, g_replay_gpu_ns{0};
+    g_early_norm{0}, g_deep_rows{0}, g_piped_rows{0}, g_one_block_rows{0}, g_room_rows{0}, g_batched_copies{0}, g_timed_replays{0}, g_replay_gpu_ns{0};
 
 }  // namespace
 
@@ -53,6 +53,7 @@ CudaGraphStats cuda_graph_stats() {
     s.deep_row_launches = g_deep_rows.load();
     s.piped_row_launches = g_piped_rows.load();
     s.one_block_row_launches = g_one_block_rows.load();
+    s.room_row_launches = g_room_rows.load();
     s.batched_copy_launches = g_batched_copies.load();
     s.timed_replays = g_timed_replays.load();
     s.replay_gpu_ns = g_replay_gpu_ns.load();
@@ -75,6 +76,7 @@ void reset_cuda_graph_stats() {
     g_deep_rows = 0;
     g_piped_rows = 0;
     g_one_block_rows = 0;
+    g_room_rows = 0;
     g_batched_copies = 0;
     g_timed_replays = 0;
     g_replay_gpu_ns = 0;
@@ -99,6 +101,7 @@ void count_graph_event(GraphEvent e) {
         case GraphEvent::DeepRowLaunch: ++g_deep_rows; break;
         case GraphEvent::PipedRowLaunch: ++g_piped_rows; break;
         case GraphEvent::OneBlockRowLaunch: ++g_one_block_rows; break;
+        case GraphEvent::RoomRowLaunch: ++g_room_rows; break;
         case GraphEvent::BatchedCopyLaunch: ++g_batched_copies; break;
     }
 }

@@ -21,7 +21,7 @@ namespace cuda {
 enum class GraphEvent { Capture, Replay, Eager, CaptureFailure, Eviction, EarlyWeightLaunch, RopeAttentionLaunch,
                         EarlyCopyAttentionLaunch, StoredAnglesAttentionLaunch, RowTmaLaunch, NormPrologueLaunch,
                         EarlyNormLaunch, DeepRowLaunch, PipedRowLaunch,
-                        OneBlockRowLaunch, BatchedCopyLaunch };
+                        OneBlockRowLaunch, RoomRowLaunch, BatchedCopyLaunch };
 void count_graph_event(GraphEvent e);
 void count_replay_gpu_time(float ms);  // one timed replay (CudaGraphStats::replay_gpu_ns)
 

@@ -218,9 +218,12 @@ constexpr int64_t kMatmulNormMaxM = 4;
 constexpr int64_t kMatmulNormMaxValues = 12288;
 constexpr int64_t kMatmulNormMaxTileValues = 4096;
 bool matmul_norm_prologue(DType wtype, int64_t k, int64_t m, int64_t prompt_cols, TcRows rows);
+// room: the blocks of the launch that comes next (a decode attention) that should find SMs free
+// while this one runs (kRowRoom: where the launch streams rows on the balanced grid, it leaves
+// min(room, a third of the SMs) SMs unused; elsewhere it is ignored).
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
                          int64_t x_stride, int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch,
-                         cudaStream_t s, const MatmulNorm* norm = nullptr);
+                         cudaStream_t s, const MatmulNorm* norm = nullptr, int room = 0);
 // gate and up (MatmulParts of equal rows, no add) over the same activations with the SWIGLU that
 // follows them as the epilogue: y[i, c] = silu(gate_i . x_c) * (up_i . x_c), the bits of the three
 // nodes run apart (each product reduced exactly as launch_matmul_group reduces it). For the
@@ -285,8 +288,17 @@ int matmul_row_tma_setting();
 // the piped launches on one block of 16 warps a SM instead of two of 8: the same 2,112 warps, but
 // each SM stages (and normalises) the column once, not twice. The piped kernels' 96-114
 // registers let 16 warps fit. The same bits.
+// kRowRoom (on unless PYSPEC_CUDA_ROW_ROOM=0; H200 Qwen3-4B tg128 +2.0%, tg32 at depth 4,096
+// +3%): a balanced launch asked to leave room (launch_matmul_group's room: the q/k/v launch of a
+// decode step, whose outputs the attention reads next) runs on that many SMs fewer. The decode
+// attention's blocks (~140 KB of shared memory) cannot sit beside a row launch's block (its
+// registers fill the SM), so they used to become resident only as q/k/v's blocks left, and their
+// work before the PDL wait (the mask read, the first page's copies) ran after q/k/v, on the
+// step's critical path; on SMs left free they start as soon as q/k/v lets them in, and that work
+// overlaps q/k/v's streaming. Items are shared over fewer blocks: the same items in the same
+// order, so the same bits.
 constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowDeep = 8, kRowPiped = 16,
-              kRowPipedOneBlock = 32;
+              kRowPipedOneBlock = 32, kRowRoom = 64;
 int matmul_row_stream_setting();
 // What a narrow tensor-core launch over `rows` weight rows in all (the parts of a group together)
 // at batch m needs; zeros where it needs none.

@@ -418,9 +418,18 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 
 #include "cuda/matmul_rows_tma.cuh"  // the copy-engine variant (the same translation unit)
 
-// The balanced grid's blocks for n items.
-inline int64_t balanced_blocks(int64_t n) {
-    return std::max<int64_t>(1, std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n));
+// The SMs a balanced launch may use: all of them, or where it leaves room for the next launch's
+// blocks (kRowRoom), room fewer, at most a third of them (so the launch keeps the warps, and the
+// bytes in flight, that its bandwidth needs).
+inline int64_t row_sms(int setting, int room) {
+    const int64_t sms = tc::sm_count();
+    if (!(setting & kRowRoom) || room <= 0) return sms;
+    return sms - std::min<int64_t>(room, sms / 3);
+}
+
+// The balanced grid's blocks for n items over sms SMs.
+inline int64_t balanced_blocks(int64_t n, int64_t sms) {
+    return std::max<int64_t>(1, std::min<int64_t>(int64_t{kBalBlocksPerSm} * sms, n));
 }
 
 // Whether a k_mul_mat_rows launch over n items (no norm prologue) takes the deep grid: the
@@ -447,7 +456,8 @@ void launch_deep_rows(Kernel kernel, int64_t n, int64_t k, cudaStream_t s, const
 // kRowWarps a SM where it has kRowPipedOneBlock: the same number of warps as two blocks of
 // kBalWarps, the column staged once a SM), else (PYSPEC_CUDA_ROW_BALANCE=0, for A/B) the grid of
 // one item a warp. pick(grid tag) gives the kernel instantiation (the tags
-// below); smem its shared memory (the column, and the norm's weights where those are staged).
+// below); smem its shared memory (the column, and the norm's weights where those are staged);
+// room the next launch's blocks to leave SMs free for (row_sms; the balanced grids only).
 struct PipedFeed {};
 struct PipedOneBlockFeed {};
 // A pick's grid tag (std::true_type: balanced, std::false_type: one item a warp, PipedFeed: the
@@ -463,19 +473,22 @@ template <class G>
 constexpr int kGridFeed = std::is_same_v<G, PipedFeed> || std::is_same_v<G, PipedOneBlockFeed> ? kFeedPiped : kFeedPlain;
 
 template <class Pick, class... Args>
-void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, Args... args) {
+void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, int room, Args... args) {
     PHASE_CONFIGURE("ROWS");
+    const int64_t sms = row_sms(setting, room);
+    if ((setting & kRowBalanced) && sms < tc::sm_count()) count_graph_event(GraphEvent::RoomRowLaunch);
     if ((setting & kRowBalanced) && (setting & kRowPiped)) {
         count_graph_event(GraphEvent::PipedRowLaunch);
         if (setting & kRowPipedOneBlock) {
             count_graph_event(GraphEvent::OneBlockRowLaunch);
-            const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n));
+            const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(sms, n));
             return launch(pick(PipedOneBlockFeed{}), static_cast<unsigned>(blocks), kRowWarps * 32, smem, s, args...);
         }
-        return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
+        return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n, sms)), kBalWarps * 32, smem, s,
+                      args...);
     }
     if (setting & kRowBalanced) {
-        return launch(pick(std::true_type{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s,
+        return launch(pick(std::true_type{}), static_cast<unsigned>(balanced_blocks(n, sms)), kBalWarps * 32, smem, s,
                       args...);
     }
     launch(pick(std::false_type{}), grid_for(n, kRowWarps), kRowWarps * 32, smem, s, args...);

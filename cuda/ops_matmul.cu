@@ -455,7 +455,7 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
             const bool staged = stages_norm_weights(setting, norm.w, norm.constant, k);
             if (staged) count_graph_event(GraphEvent::EarlyNormLaunch);
             const size_t smem = (staged ? 2 : 1) * k * sizeof(float);  // the column, and the norm's weights
-            return launch_row_stream(pick, gate.n_rows, setting, smem, s, static_cast<const char*>(gate.w),
+            return launch_row_stream(pick, gate.n_rows, setting, smem, s, 0, static_cast<const char*>(gate.w),
                                      static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
                                      static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps,
                                      gate.constant && up.constant, (setting & kRowEvictFirst) != 0, staged);
@@ -502,7 +502,7 @@ void mul_mat_tiles(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
 static_assert(kMatmulNormMaxM == 4, "k_mul_mat's and k_mul_mat_glu's norm prologue serve tiles of 1, 2 and 4 columns");
 
 template <DType T, bool kVec>
-void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, cudaStream_t s) {
+void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_t m, int room, cudaStream_t s) {
     if constexpr (kRowStreamType<T, kVec>) {
         if (streams_rows<T, kVec>(k, m)) {
             if (p.early) count_graph_event(GraphEvent::EarlyWeightLaunch);
@@ -523,7 +523,7 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
                 return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep>, items, k, s, ps, x);
             }
             const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
-            return launch_row_stream(pick, items, setting, smem, s, ps, k, x);
+            return launch_row_stream(pick, items, setting, smem, s, room, ps, k, x);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;
@@ -596,7 +596,8 @@ int matmul_row_stream_setting() {
            (env_switch("PYSPEC_CUDA_NORM_EARLY") != 0 ? kRowNormEarly : 0) |
            (env_switch("PYSPEC_CUDA_ROW_DEEP") != 0 ? kRowDeep : 0) |
            (env_switch("PYSPEC_CUDA_ROW_PIPED") != 0 ? kRowPiped : 0) |
-           (env_switch("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK") != 0 ? kRowPipedOneBlock : 0);
+           (env_switch("PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK") != 0 ? kRowPipedOneBlock : 0) |
+           (env_switch("PYSPEC_CUDA_ROW_ROOM") != 0 ? kRowRoom : 0);
 }
 
 int matmul_row_tma_setting() {
@@ -651,7 +652,7 @@ void matmul_tc(DType t, const MatmulPart* parts, int n_parts, int64_t k, const f
 
 // The CUDA-core computation (this file's kernels).
 void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs, int64_t m,
-                  const MatmulNorm* norm, cudaStream_t s) {
+                  const MatmulNorm* norm, int room, cudaStream_t s) {
     if (norm && !matmul_norm_prologue(t, k, m, 0, TcRows::None)) {
         throw std::logic_error("cuda backend: mul_mat: a norm prologue on a path without one");
     }
@@ -692,7 +693,7 @@ void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, cons
     for (int j = 0; j < n_parts; ++j) p.early = p.early && parts[j].constant;
     const bool vec = sixteen_byte_loads(t, x, xs, parts, n_parts) && aligned16(p.norm_w);
     const bool launched = with_weight_type(t, vec, [&](auto type, auto vec) {
-        mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, s);
+        mul_mat_typed<decltype(type)::value, decltype(vec)::value>(p, k, x, xs, m, room, s);
     });
     if (!launched) throw std::runtime_error(std::string("cuda backend: mul_mat: unsupported weight type ") + dtype_name(t));
 }
@@ -703,14 +704,14 @@ void matmul_cores(DType t, const MatmulPart* parts, int n_parts, int64_t k, cons
 // tensor cores, unless the backend serves wide batches (matmul_tc_rows; the measurements there).
 void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t k, const float* x, int64_t xs,
                          int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch, cudaStream_t s,
-                         const MatmulNorm* norm) {
+                         const MatmulNorm* norm, int room) {
     if (n_parts < 1 || n_parts > kMaxMatmulParts) throw std::runtime_error("cuda backend: mul_mat: bad part count");
     if (m <= 0) return;
     if (norm) {
         if (!matmul_norm_prologue(t, k, m, prompt_cols, rows)) {
             throw std::logic_error("cuda backend: mul_mat: a norm prologue on a path without one");
         }
-        return matmul_cores(t, parts, n_parts, k, x, xs, m, norm, s);
+        return matmul_cores(t, parts, n_parts, k, x, xs, m, norm, room, s);
     }
     if (k % dtype_block_size(t) != 0) throw std::runtime_error("cuda backend: mul_mat: k is not a multiple of the block size");
     if (prompt_cols < 0 || prompt_cols > m) throw std::logic_error("cuda backend: mul_mat: bad prompt columns");
@@ -721,9 +722,9 @@ void launch_matmul_group(DType t, const MatmulPart* parts, int n_parts, int64_t 
         matmul_tc(t, parts, n_parts, k, x, xs, prompt_cols, scratch, s);
         if (prompt_cols == m) return;
         const std::vector<MatmulPart> rest = parts_from_column(parts, n_parts, prompt_cols);
-        return matmul_cores(t, rest.data(), n_parts, k, x + prompt_cols * xs, xs, m - prompt_cols, nullptr, s);
+        return matmul_cores(t, rest.data(), n_parts, k, x + prompt_cols * xs, xs, m - prompt_cols, nullptr, room, s);
     }
-    matmul_cores(t, parts, n_parts, k, x, xs, m, nullptr, s);
+    matmul_cores(t, parts, n_parts, k, x, xs, m, nullptr, room, s);
 }
 
 }  // namespace cuda

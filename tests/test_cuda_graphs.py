@@ -87,7 +87,7 @@ def test_switch_and_counters():
     keys = {"captures", "replays", "eager", "capture_failures", "evictions", "live", "early_weight_launches",
             "rope_attention_launches", "early_copy_attention_launches", "stored_angles_attention_launches",
             "row_tma_launches", "norm_prologue_launches", "early_norm_launches", "deep_row_launches",
-            "piped_row_launches", "one_block_row_launches", "batched_copy_launches", "timed_replays",
+            "piped_row_launches", "one_block_row_launches", "room_row_launches", "batched_copy_launches", "timed_replays",
             "replay_gpu_ns"}
     assert set(stats()) == keys
     with graphs(False):

@@ -276,6 +276,46 @@ def test_logits_match_the_cpu(model_dir, arch, wt):
 
 @gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_qkv_leaves_room_for_the_attention(model_dir, monkeypatch, arch):
+    """A one-row decode step's q/k/v launch streams its 16-bit rows (rows over 1 KiB: n_embd 640
+    here) and, with PYSPEC_CUDA_ROW_ROOM on (the default), leaves as many SMs free as the decode
+    attention after it has q heads (counted by room_row_launches), so that the attention's blocks
+    become resident while q/k/v runs. Only the grid changes: the logits of every step equal, bit
+    for bit, those with it off (=0), and are within rounding of the CPU's."""
+    path = model_dir / f"{arch}-wide-F16.gguf"
+    write_tiny_model(path, arch, "F16", seed=29, n_embd=640, n_head=10, n_head_kv=2, head_dim=64, n_ff=768,
+                     n_layer=2)
+    model = pyspec.Model(str(path), n_threads=2)
+    kw = dict(n_ctx=N_CTX_SEQ, n_seq_max=1, n_batch=32)
+    prompt, steps = [5, 17, 29, 41, 53, 65, 77], [3, 99, 42, 7, 120]
+
+    def run(backend):
+        ctx = pyspec.Context(model, backend=backend, **kw)   # a fresh backend: its graphs captured anew
+        out = [ctx.decode(prompt, output=np.ones(len(prompt), bool)).logits]
+        out += [ctx.decode([t], output=np.ones(1, bool)).logits for t in steps]
+        return out
+
+    logits, room = {}, {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("PYSPEC_CUDA_ROW_ROOM", on)
+        if DEVICE == "cuda":
+            _core.reset_cuda_graph_stats()
+        logits[on] = run(DEVICE)
+        if DEVICE == "cuda":
+            room[on] = _core.cuda_graph_stats()["room_row_launches"]
+    for a, b in zip(logits["0"], logits["1"]):
+        np.testing.assert_array_equal(a, b)
+    if DEVICE == "cuda":
+        streams = all(os.environ.get(v) != off for v, off in (
+            ("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"), ("PYSPEC_CUDA_ROW_BALANCE", "0"),
+            ("PYSPEC_CUDA_FUSE", "0"), ("PYSPEC_CUDA_TC", "1")))
+        assert room["0"] == 0 and (room["1"] >= model.n_layer) == streams, room
+    for i, (got, want) in enumerate(zip(logits["1"], run("cpu"))):
+        _assert_close(got, want, LOGIT_TOL["F16"], f"{arch} step {i}")
+
+
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("wt", list(LOGIT_TOL))
 def test_matmul_groups_give_the_same_bits(model_dir, monkeypatch, arch, wt):
     """The backend's fusions (PYSPEC_CUDA_FUSE=0 turns them off) change launches, not bits: MUL_MAT

@@ -49,6 +49,7 @@ void bind_cuda(py::module_& m) {
             d["deep_row_launches"] = s.deep_row_launches;
             d["piped_row_launches"] = s.piped_row_launches;
             d["one_block_row_launches"] = s.one_block_row_launches;
+            d["room_row_launches"] = s.room_row_launches;
             d["batched_copy_launches"] = s.batched_copy_launches;
             d["timed_replays"] = s.timed_replays;
             d["replay_gpu_ns"] = s.replay_gpu_ns;
@@ -66,6 +67,8 @@ void bind_cuda(py::module_& m) {
         "deep_row_launches (row-streaming launches on the deep grid, PYSPEC_CUDA_ROW_DEEP), "
         "piped_row_launches (those fed piped, PYSPEC_CUDA_ROW_PIPED), "
         "one_block_row_launches (of those, on one block a SM, PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK), "
+        "room_row_launches (row-streaming launches that left SMs free for the decode attention after them, "
+        "PYSPEC_CUDA_ROW_ROOM), "
         "batched_copy_launches (small copies run as one launch, PYSPEC_CUDA_BATCH_COPIES), "
         "timed_replays and replay_gpu_ns (replays timed by events, PYSPEC_CUDA_STEP_TIMES=1).");
     m.def("reset_cuda_graph_stats", &reset_cuda_graph_stats, "Zeroes the counters (all but live).");
