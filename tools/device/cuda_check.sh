@@ -18,7 +18,8 @@
 # nodeep, row launches of one item a warp on the balanced grid, not the deep one:
 # PYSPEC_CUDA_ROW_DEEP=0, and nopiped, the other row launches not fed piped:
 # PYSPEC_CUDA_ROW_PIPED=0, and twoblocks, the piped launches on two blocks of 8 warps a SM:
-# PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
+# PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0, and noroom, a decode step's q/k/v launch on every SM, none
+# left free for the attention after it: PYSPEC_CUDA_ROW_ROOM=0; BENCH_MODES may add noatttc, nowgmma, notma and noprefetch too),
 # then bench/bench_cuda.py with its profile. Prints a
 # summary line per step; full logs and bench JSON go to $OUT (default ./device-out).
 #
@@ -75,6 +76,7 @@ for mode in ${MODES-plain nofuse tc notiled}; do
     nodeep) envs=(PYSPEC_CUDA_ROW_DEEP=0) ;;
     nopiped) envs=(PYSPEC_CUDA_ROW_PIPED=0) ;;
     twoblocks) envs=(PYSPEC_CUDA_ROW_PIPED_ONE_BLOCK=0) ;;
+    noroom) envs=(PYSPEC_CUDA_ROW_ROOM=0) ;;
   esac
   # shellcheck disable=SC2086
   timeout 300 env ${envs[@]+"${envs[@]}"} python3 -m pytest -q -p no:cacheprovider $tests > "$out/tests-$mode.log" 2>&1
