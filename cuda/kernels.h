@@ -219,8 +219,8 @@ constexpr int64_t kMatmulNormMaxValues = 12288;
 constexpr int64_t kMatmulNormMaxTileValues = 4096;
 bool matmul_norm_prologue(DType wtype, int64_t k, int64_t m, int64_t prompt_cols, TcRows rows);
 // room: the blocks of the launch that comes next (a decode attention) that should find SMs free
-// while this one runs (kRowRoom: where the launch streams rows on the balanced grid, it leaves
-// min(room, a third of the SMs) SMs unused; elsewhere it is ignored).
+// while this one runs (kRowRoom: where the launch streams rows on the balanced grid, that many
+// SMs' worth of its blocks, at most a third of them, take half a share; elsewhere it is ignored).
 void launch_matmul_group(DType wtype, const MatmulPart* parts, int n_parts, int64_t k, const float* x,
                          int64_t x_stride, int64_t m, int64_t prompt_cols, TcRows rows, const SplitScratch& scratch,
                          cudaStream_t s, const MatmulNorm* norm = nullptr, int room = 0);
@@ -288,15 +288,15 @@ int matmul_row_tma_setting();
 // the piped launches on one block of 16 warps a SM instead of two of 8: the same 2,112 warps, but
 // each SM stages (and normalises) the column once, not twice. The piped kernels' 96-114
 // registers let 16 warps fit. The same bits.
-// kRowRoom (on unless PYSPEC_CUDA_ROW_ROOM=0; H200 Qwen3-4B tg128 +2.0%, tg32 at depth 4,096
-// +3%): a balanced launch asked to leave room (launch_matmul_group's room: the q/k/v launch of a
-// decode step, whose outputs the attention reads next) runs on that many SMs fewer. The decode
+// kRowRoom (on unless PYSPEC_CUDA_ROW_ROOM=0; H200 Qwen3-4B tg128 +2.2%): a balanced launch
+// asked to leave room (launch_matmul_group's room: the q/k/v launch of a decode step, whose
+// outputs the attention reads next) gives that many SMs' worth of its blocks half a share of the
+// items (Parts::light, block_items), so those SMs come free halfway through it. The decode
 // attention's blocks (~140 KB of shared memory) cannot sit beside a row launch's block (its
 // registers fill the SM), so they used to become resident only as q/k/v's blocks left, and their
 // work before the PDL wait (the mask read, the first page's copies) ran after q/k/v, on the
-// step's critical path; on SMs left free they start as soon as q/k/v lets them in, and that work
-// overlaps q/k/v's streaming. Items are shared over fewer blocks: the same items in the same
-// order, so the same bits.
+// step's critical path; on the SMs freed early they start while q/k/v streams. The same items in
+// the same order, only over blocks differently: the same bits.
 constexpr int kRowBalanced = 1, kRowEvictFirst = 2, kRowNormEarly = 4, kRowDeep = 8, kRowPiped = 16,
               kRowPipedOneBlock = 32, kRowRoom = 64;
 int matmul_row_stream_setting();

@@ -111,13 +111,19 @@ __device__ __forceinline__ const float* stage_column(const float* x, int64_t k, 
 }
 
 // The items [first, end) of block blockIdx.x: an equal contiguous share of n items over the
-// grid (kBalanced), or kW items a block.
+// grid (kBalanced), or kW items a block. light (kBalanced, Parts::light): the grid's last `light`
+// blocks (at most a third of it) take half a share each, so they leave their SMs halfway through
+// the launch, for the next launch's blocks (kRowRoom). With none, block b's share starts at
+// n 2b / 2G = n b / G items, as ever.
 template <bool kBalanced, int kW>
-__device__ __forceinline__ void block_items(int64_t n, int64_t& first, int64_t& end) {
+__device__ __forceinline__ void block_items(int64_t n, int64_t& first, int64_t& end, int light = 0) {
     const int64_t b = blockIdx.x;
     if constexpr (kBalanced) {
-        first = n * b / gridDim.x;
-        end = n * (b + 1) / gridDim.x;
+        const int64_t grid = gridDim.x, full = grid - min(static_cast<int64_t>(light), grid / 3);
+        const auto halves_before = [&](int64_t bb) { return bb <= full ? 2 * bb : full + bb; };
+        const int64_t halves = halves_before(grid);
+        first = n * halves_before(b) / halves;
+        end = n * halves_before(b + 1) / halves;
     } else {
         first = b * kW;
         end = min(first + kW, n);
@@ -315,7 +321,7 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_rows(Parts p, int64_t k, co
     const int lane = threadIdx.x & 31;
     const int64_t n_rows = p.row0[p.n];
     int64_t item, end;
-    block_items<kBalanced, kW>((n_rows + 1) / 2, item, end);
+    block_items<kBalanced, kW>((n_rows + 1) / 2, item, end, p.light);
     item += threadIdx.x >> 5;
     const char* wr[2];
     const auto rows_of = [&](int64_t it, const char* (&w)[2]) {
@@ -418,18 +424,9 @@ __global__ void __launch_bounds__(kW * 32) k_mul_mat_glu_rows(const char* wg, co
 
 #include "cuda/matmul_rows_tma.cuh"  // the copy-engine variant (the same translation unit)
 
-// The SMs a balanced launch may use: all of them, or where it leaves room for the next launch's
-// blocks (kRowRoom), room fewer, at most a third of them (so the launch keeps the warps, and the
-// bytes in flight, that its bandwidth needs).
-inline int64_t row_sms(int setting, int room) {
-    const int64_t sms = tc::sm_count();
-    if (!(setting & kRowRoom) || room <= 0) return sms;
-    return sms - std::min<int64_t>(room, sms / 3);
-}
-
-// The balanced grid's blocks for n items over sms SMs.
-inline int64_t balanced_blocks(int64_t n, int64_t sms) {
-    return std::max<int64_t>(1, std::min<int64_t>(int64_t{kBalBlocksPerSm} * sms, n));
+// The balanced grid's blocks for n items.
+inline int64_t balanced_blocks(int64_t n) {
+    return std::max<int64_t>(1, std::min<int64_t>(int64_t{kBalBlocksPerSm} * tc::sm_count(), n));
 }
 
 // Whether a k_mul_mat_rows launch over n items (no norm prologue) takes the deep grid: the
@@ -456,8 +453,7 @@ void launch_deep_rows(Kernel kernel, int64_t n, int64_t k, cudaStream_t s, const
 // kRowWarps a SM where it has kRowPipedOneBlock: the same number of warps as two blocks of
 // kBalWarps, the column staged once a SM), else (PYSPEC_CUDA_ROW_BALANCE=0, for A/B) the grid of
 // one item a warp. pick(grid tag) gives the kernel instantiation (the tags
-// below); smem its shared memory (the column, and the norm's weights where those are staged);
-// room the next launch's blocks to leave SMs free for (row_sms; the balanced grids only).
+// below); smem its shared memory (the column, and the norm's weights where those are staged).
 struct PipedFeed {};
 struct PipedOneBlockFeed {};
 // A pick's grid tag (std::true_type: balanced, std::false_type: one item a warp, PipedFeed: the
@@ -473,22 +469,19 @@ template <class G>
 constexpr int kGridFeed = std::is_same_v<G, PipedFeed> || std::is_same_v<G, PipedOneBlockFeed> ? kFeedPiped : kFeedPlain;
 
 template <class Pick, class... Args>
-void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, int room, Args... args) {
+void launch_row_stream(Pick&& pick, int64_t n, int setting, size_t smem, cudaStream_t s, Args... args) {
     PHASE_CONFIGURE("ROWS");
-    const int64_t sms = row_sms(setting, room);
-    if ((setting & kRowBalanced) && sms < tc::sm_count()) count_graph_event(GraphEvent::RoomRowLaunch);
     if ((setting & kRowBalanced) && (setting & kRowPiped)) {
         count_graph_event(GraphEvent::PipedRowLaunch);
         if (setting & kRowPipedOneBlock) {
             count_graph_event(GraphEvent::OneBlockRowLaunch);
-            const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(sms, n));
+            const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tc::sm_count(), n));
             return launch(pick(PipedOneBlockFeed{}), static_cast<unsigned>(blocks), kRowWarps * 32, smem, s, args...);
         }
-        return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n, sms)), kBalWarps * 32, smem, s,
-                      args...);
+        return launch(pick(PipedFeed{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s, args...);
     }
     if (setting & kRowBalanced) {
-        return launch(pick(std::true_type{}), static_cast<unsigned>(balanced_blocks(n, sms)), kBalWarps * 32, smem, s,
+        return launch(pick(std::true_type{}), static_cast<unsigned>(balanced_blocks(n)), kBalWarps * 32, smem, s,
                       args...);
     }
     launch(pick(std::false_type{}), grid_for(n, kRowWarps), kRowWarps * 32, smem, s, args...);

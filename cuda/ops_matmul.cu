@@ -173,6 +173,7 @@ struct Parts {
     bool evict_first;     // the weight loads L2 evict-first (k_mul_mat_rows: kRowEvictFirst)
     bool norm_constant;   // MatmulNorm::constant
     bool norm_early;      // norm_w staged before the PDL wait (k_mul_mat_rows: stage_norm_weights)
+    int light;            // the balanced grid's blocks that take half a share (block_items, kRowRoom)
 };
 
 __device__ __forceinline__ int part_of(const Parts& p, int64_t row) {
@@ -455,7 +456,7 @@ void mul_mat_glu_typed(const MatmulPart& gate, const MatmulPart& up, int64_t k, 
             const bool staged = stages_norm_weights(setting, norm.w, norm.constant, k);
             if (staged) count_graph_event(GraphEvent::EarlyNormLaunch);
             const size_t smem = (staged ? 2 : 1) * k * sizeof(float);  // the column, and the norm's weights
-            return launch_row_stream(pick, gate.n_rows, setting, smem, s, 0, static_cast<const char*>(gate.w),
+            return launch_row_stream(pick, gate.n_rows, setting, smem, s, static_cast<const char*>(gate.w),
                                      static_cast<const char*>(up.w), static_cast<int64_t>(gate.row_bytes),
                                      static_cast<int64_t>(up.row_bytes), gate.n_rows, k, x, y, norm.w, norm.eps,
                                      gate.constant && up.constant, (setting & kRowEvictFirst) != 0, staged);
@@ -519,11 +520,19 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             ps.norm_early = stages_norm_weights(setting, p.norm_w, p.norm_constant, k);
             if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
             const int64_t items = (p.row0[p.n] + 1) / 2;
+            if ((setting & kRowRoom) && (setting & kRowBalanced) && room > 0) {
+                // room SMs' worth of half-share blocks: one block a SM on the deep grid and the
+                // piped one-block grid, kBalBlocksPerSm on the others
+                const bool one_a_sm = (!p.norm_w && takes_deep_grid(setting, items, k)) ||
+                                      ((setting & kRowPiped) && (setting & kRowPipedOneBlock));
+                ps.light = room * (one_a_sm ? 1 : kBalBlocksPerSm);
+                count_graph_event(GraphEvent::RoomRowLaunch);
+            }
             if (!p.norm_w && takes_deep_grid(setting, items, k)) {
                 return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep>, items, k, s, ps, x);
             }
             const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
-            return launch_row_stream(pick, items, setting, smem, s, room, ps, k, x);
+            return launch_row_stream(pick, items, setting, smem, s, ps, k, x);
         }
     }
     const int64_t tile = m <= 8 ? small_tile(T, k, m) : 8;

@@ -278,10 +278,11 @@ def test_logits_match_the_cpu(model_dir, arch, wt):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_qkv_leaves_room_for_the_attention(model_dir, monkeypatch, arch):
     """A one-row decode step's q/k/v launch streams its 16-bit rows (rows over 1 KiB: n_embd 640
-    here) and, with PYSPEC_CUDA_ROW_ROOM on (the default), leaves as many SMs free as the decode
-    attention after it has q heads (counted by room_row_launches), so that the attention's blocks
-    become resident while q/k/v runs. Only the grid changes: the logits of every step equal, bit
-    for bit, those with it off (=0), and are within rounding of the CPU's."""
+    here) and, with PYSPEC_CUDA_ROW_ROOM on (the default), gives as many of its blocks half a
+    share of the rows as the decode attention after it has q heads (counted by room_row_launches),
+    so that their SMs come free for the attention's blocks while q/k/v runs. Only the items' split
+    over blocks changes: the logits of every step equal, bit for bit, those with it off (=0), and
+    are within rounding of the CPU's."""
     path = model_dir / f"{arch}-wide-F16.gguf"
     write_tiny_model(path, arch, "F16", seed=29, n_embd=640, n_head=10, n_head_kv=2, head_dim=64, n_ff=768,
                      n_layer=2)
