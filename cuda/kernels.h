@@ -288,7 +288,7 @@ int matmul_row_tma_setting();
 // the piped launches on one block of 16 warps a SM instead of two of 8: the same 2,112 warps, but
 // each SM stages (and normalises) the column once, not twice. The piped kernels' 96-114
 // registers let 16 warps fit. The same bits.
-// kRowRoom (on unless PYSPEC_CUDA_ROW_ROOM=0; H200 Qwen3-4B tg128 +2.2%): a balanced launch
+// kRowRoom (on unless PYSPEC_CUDA_ROW_ROOM=0; H200 Qwen3-4B tg128 +1.8%): a balanced launch
 // asked to leave room (launch_matmul_group's room: the q/k/v launch of a decode step, whose
 // outputs the attention reads next) gives that many SMs' worth of its blocks half a share of the
 // items (Parts::light, block_items), so those SMs come free halfway through it. The decode

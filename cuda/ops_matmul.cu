@@ -520,15 +520,15 @@ void mul_mat_typed(const Parts& p, int64_t k, const float* x, int64_t xs, int64_
             ps.norm_early = stages_norm_weights(setting, p.norm_w, p.norm_constant, k);
             if (ps.norm_early) count_graph_event(GraphEvent::EarlyNormLaunch);
             const int64_t items = (p.row0[p.n] + 1) / 2;
+            const bool deep = !p.norm_w && takes_deep_grid(setting, items, k);
             if ((setting & kRowRoom) && (setting & kRowBalanced) && room > 0) {
                 // room SMs' worth of half-share blocks: one block a SM on the deep grid and the
                 // piped one-block grid, kBalBlocksPerSm on the others
-                const bool one_a_sm = (!p.norm_w && takes_deep_grid(setting, items, k)) ||
-                                      ((setting & kRowPiped) && (setting & kRowPipedOneBlock));
+                const bool one_a_sm = deep || ((setting & kRowPiped) && (setting & kRowPipedOneBlock));
                 ps.light = room * (one_a_sm ? 1 : kBalBlocksPerSm);
                 count_graph_event(GraphEvent::RoomRowLaunch);
             }
-            if (!p.norm_w && takes_deep_grid(setting, items, k)) {
+            if (deep) {
                 return launch_deep_rows(k_mul_mat_rows<T, false, true, kDeepWarps, kFeedDeep>, items, k, s, ps, x);
             }
             const size_t smem = (ps.norm_early ? 2 : 1) * k * sizeof(float);
