@@ -26,3 +26,11 @@ gpu = pytest.mark.skipif(not (CUDA_OK or DEVICE == "cpu"),
                          reason=f"CUDA backend not available: {CUDA_REASON}")
 real_gpu = pytest.mark.skipif(not CUDA_OK, reason=f"CUDA backend not available: {CUDA_REASON}")
 no_cuda = pytest.mark.skipif(CUDA_OK, reason="CUDA is available here")
+
+
+def rows_on_the_balanced_grid():
+    """Whether one-column MUL_MATs of long 16-bit rows take the balanced row grid here (the CUDA
+    backend, unless the environment sends those rows elsewhere)."""
+    return DEVICE == "cuda" and all(
+        os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"),
+                                                ("PYSPEC_CUDA_ROW_BALANCE", "0")))

@@ -18,7 +18,7 @@ import pytest
 
 import test_cpu_ops as cpu  # the CPU tests' helpers, references and op cases
 from cuda_op_helpers import ALL_W, BATCHES, FLOAT_W, assert_close_bound, dev_and_cpu, run_on
-from cuda_status import DEVICE, gpu, real_gpu
+from cuda_status import DEVICE, gpu, real_gpu, rows_on_the_balanced_grid
 from pyspec import _core as core
 
 
@@ -243,14 +243,6 @@ def off_and_on(monkeypatch, var, counter, builds):
             (out[on, name],) = run_on(DEVICE, build)
         counted[on] = core.cuda_graph_stats()[counter] if DEVICE == "cuda" else 0
     return out, counted
-
-
-def rows_on_the_balanced_grid():
-    """Whether one-column MUL_MATs of long 16-bit rows take the balanced row grid here (the CUDA
-    backend, unless the environment sends those rows elsewhere)."""
-    return DEVICE == "cuda" and all(
-        os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"),
-                                                ("PYSPEC_CUDA_ROW_BALANCE", "0")))
 
 
 @gpu

@@ -48,7 +48,7 @@ from test_speculative import Pairs  # noqa: E402  (tests/ is on sys.path under p
 from conftest import run_requests  # noqa: E402
 
 
-from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu, no_cuda, real_gpu  # noqa: E402
+from cuda_status import CUDA_OK, CUDA_REASON, DEVICE, gpu, no_cuda, real_gpu, rows_on_the_balanced_grid  # noqa: E402
 from default_model import require_default_model  # noqa: E402
 
 # Max |GPU - CPU| logit difference allowed, as a fraction of the largest |logit| of the batch.
@@ -307,9 +307,9 @@ def test_decode_qkv_leaves_room_for_the_attention(model_dir, monkeypatch, arch):
     for a, b in zip(logits["0"], logits["1"]):
         np.testing.assert_array_equal(a, b)
     if DEVICE == "cuda":
-        streams = all(os.environ.get(v) != off for v, off in (
-            ("PYSPEC_CUDA_ROW_STREAM", "0"), ("PYSPEC_CUDA_ROW_TMA", "1"), ("PYSPEC_CUDA_ROW_BALANCE", "0"),
-            ("PYSPEC_CUDA_FUSE", "0"), ("PYSPEC_CUDA_TC", "1")))
+        # the group's launch (fusions on) on the CUDA cores' row grid
+        streams = rows_on_the_balanced_grid() and all(
+            os.environ.get(v) != off for v, off in (("PYSPEC_CUDA_FUSE", "0"), ("PYSPEC_CUDA_TC", "1")))
         assert room["0"] == 0 and (room["1"] >= model.n_layer) == streams, room
     for i, (got, want) in enumerate(zip(logits["1"], run("cpu"))):
         _assert_close(got, want, LOGIT_TOL["F16"], f"{arch} step {i}")
